@@ -1,0 +1,5 @@
+import sys
+
+from accel_npu.cli import main
+
+sys.exit(main())

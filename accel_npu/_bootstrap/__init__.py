@@ -1,0 +1,1 @@
+"""Directory put on PYTHONPATH of launched workers; holds a chaining sitecustomize.py."""

@@ -1,0 +1,62 @@
+"""The device backend a process trains on, chosen by the ``accel_npu_select_backend`` hook."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a device plugin tells the rest of accel-npu about the machine.
+
+    name:            "npu", "cuda" or "cpu".
+    device_type:     torch device type for tensors ("npu", "cuda", "cpu").
+    dist_backend:    torch.distributed backend ("hccl", "nccl", "gloo").
+    device_count:    visible devices (0 for cpu: no per-process device limit).
+    ds_accelerator:  DeepSpeed accelerator name (DS_ACCELERATOR), None to leave DeepSpeed alone.
+    plugin:          name of the plugin that selected it.
+    """
+
+    name: str
+    device_type: str
+    dist_backend: str
+    device_count: int = 0
+    ds_accelerator: str | None = None
+    plugin: str = ""
+    details: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.name != "cpu"
+
+    def device_for(self, local_rank: int) -> str:
+        if not self.is_accelerator:
+            return "cpu"
+        return f"{self.device_type}:{local_rank}"
+
+
+_cached: Backend | None = None
+
+
+def current_backend() -> Backend:
+    """The backend of this process (selected once, on first use, then cached)."""
+    global _cached
+    if _cached is None:
+        from accel_npu.manager import get_plugin_manager
+
+        chosen = get_plugin_manager().hook.accel_npu_select_backend(env=dict(os.environ))
+        _cached = chosen or Backend(name="cpu", device_type="cpu", dist_backend="gloo", plugin="fallback")
+    return _cached
+
+
+def reset_backend_cache() -> None:
+    global _cached
+    _cached = None
+
+
+def is_distributed_launch(env=os.environ) -> bool:
+    """A launcher (torchrun / accelerate launch) started this process as one of several ranks."""
+    try:
+        return int(env.get("LOCAL_RANK", "-1")) != -1 and int(env.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False

@@ -1,0 +1,46 @@
+"""The ``accel-npu`` command. Built-in subcommands are modules listed in BUILTIN_COMMANDS;
+plugins add more through the ``accel_npu_add_commands`` hook."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: Modules with ``add_parser(subparsers)``; each parser sets ``func(args) -> int``.
+BUILTIN_COMMANDS = (
+    "accel_npu.cli.env",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from accel_npu import __version__
+    from accel_npu.manager import get_plugin_manager
+
+    parser = argparse.ArgumentParser(prog="accel-npu", description="Unchanged CUDA training on Ascend NPU and CPU.")
+    parser.add_argument("--version", action="version", version=f"accel-npu {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in BUILTIN_COMMANDS:
+        importlib.import_module(name).add_parser(subparsers)
+    get_plugin_manager().hook.accel_npu_add_commands(subparsers=subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from accel_npu.errors import AccelNpuError
+
+    try:
+        return int(args.func(args) or 0)
+    except AccelNpuError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``accel-npu env``: everything a bug report needs, as text or --json."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect(import_targets: bool = True) -> dict:
+    from accel_npu import __version__, activation, environment
+    from accel_npu.backend import current_backend
+    from accel_npu.manager import get_plugin_manager
+    from accel_npu.patching import get_ledger
+
+    import torch  # noqa: F401  (activates through the entry point unless disabled)
+
+    disabled = environment.disabled()
+    if not disabled:
+        activation.activate(strict=False)
+    pm = get_plugin_manager()
+    ledger = get_ledger()
+    if import_targets and not disabled:
+        for patch in ledger.patches:
+            try:
+                importlib.import_module(patch.module)
+            except Exception as exc:  # noqa: BLE001 - the report records it instead
+                patch.status = f"skipped: cannot import {patch.module}: {type(exc).__name__}: {exc}"
+    backend = current_backend()
+    report: dict = {
+        "versions": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "accel-npu": __version__,
+            **{d: _version(d) for d in ("torch", "torch_npu", "accelerate", "deepspeed", "diffusers",
+                                         "transformers", "pluggy", "wrapt", "safetensors")},
+        },
+        "activation": {
+            "disabled (ACCEL_NPU_DISABLE)": disabled,
+            "active in this process": activation.is_active(),
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset> (on)"),
+        },
+        "backend": {"name": backend.name, "selected by": backend.plugin, "device type": backend.device_type,
+                    "dist backend": backend.dist_backend, "devices": backend.device_count},
+        "plugins": [
+            {"name": r.name, "source": r.source, "module": r.module, "version": r.version,
+             "status": r.status if r.name not in activation.registration_errors
+             else f"failed: {activation.registration_errors[r.name]}"}
+            for r in pm.records
+        ],
+        "patches": ledger.report(),
+        "environment": {v.name: os.environ.get(v.name, f"<unset> ({v.default or 'empty'})")
+                        for v in environment.VARIABLES},
+        "sections": {},
+    }
+    for section in pm.hook.accel_npu_env_report(backend=backend):
+        if section:
+            title, values = section
+            report["sections"][title] = values
+    return report
+
+
+def render(report: dict) -> str:
+    lines = ["accel-npu environment (paste this into bug reports)", ""]
+
+    def block(title, mapping):
+        lines.append(f"## {title}")
+        width = max((len(str(k)) for k in mapping), default=0)
+        for key, value in mapping.items():
+            lines.append(f"  {str(key).ljust(width)}  {value}")
+        lines.append("")
+
+    block("Versions", report["versions"])
+    block("Activation", report["activation"])
+    block("Backend", report["backend"])
+    lines.append("## Plugins")
+    for p in report["plugins"]:
+        lines.append(f"  {p['name']:<14} {p['status']:<10} {p['source']} {p['module']} {p['version']}")
+    lines.append("")
+    lines.append("## Patches")
+    for p in report["patches"]:
+        lines.append(f"  [{p['status']}] {p['target']}  (plugin {p['plugin']}; supports {p['supports']})")
+        lines.append(f"      why: {p['reason']}")
+        lines.append(f"      remove when: {p['remove_when']}")
+    lines.append("")
+    for title, values in report["sections"].items():
+        block(title, values)
+    block("Environment variables read by accel-npu", report["environment"])
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    report = collect(import_targets=not args.no_import)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("env", help="print versions, backend, plugins, patches (for bug reports)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-import", action="store_true",
+                   help="do not import patch targets (patches of unimported modules show 'not imported')")
+    p.set_defaults(func=run)

@@ -1,0 +1,50 @@
+"""Every environment variable accel-npu reads, in one place, with its meaning.
+
+``accel-npu env`` prints this table; docs/environment.md is checked against it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    meaning: str
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar("ACCEL_NPU_DISABLE", "0", "1: accel-npu does nothing at all (as if not installed)."),
+    EnvVar("ACCEL_NPU_DISABLED_PLUGINS", "", "Comma-separated plugin names to block, or '*' for all."),
+    EnvVar("ACCEL_NPU_TRACE", "0", "1: log every hook call and every patch application to stderr."),
+    EnvVar("ACCEL_NPU_BACKEND", "", "Force a device backend (npu, cuda, cpu) instead of detecting one."),
+    EnvVar("ACCEL_NPU_TRUNCATE", "", "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks."),
+    EnvVar("ACCEL_NPU_LOAD_SLOTS", "", "How many ranks of one node may materialize weights at once (default: from free memory)."),
+    EnvVar("ACCEL_NPU_LOAD_TIMEOUT", "1800", "Seconds a rank waits for a load slot before failing with the holder's name."),
+    EnvVar("ACCEL_NPU_FROZEN_MODULES", "", "Comma-separated child names kept out of DeepSpeed (default: auto-detect frozen children)."),
+    EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),
+    EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def get(name: str) -> str:
+    """The value of a declared variable (its default when unset)."""
+    var = _BY_NAME[name]
+    return os.environ.get(name, var.default)
+
+
+def flag(name: str) -> bool:
+    return get(name).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def disabled() -> bool:
+    return flag("ACCEL_NPU_DISABLE")
+
+
+def disabled_plugins() -> set[str]:
+    raw = get("ACCEL_NPU_DISABLED_PLUGINS")
+    return {p.strip() for p in raw.split(",") if p.strip()}

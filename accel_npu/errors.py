@@ -1,0 +1,13 @@
+"""Errors accel-npu raises on purpose: each says what went wrong and what to do."""
+
+
+class AccelNpuError(RuntimeError):
+    """Base class of every error accel-npu raises deliberately."""
+
+
+class LaunchError(AccelNpuError):
+    """A launch that cannot work (e.g. more processes than devices), refused before workers start."""
+
+
+class ConfigError(AccelNpuError):
+    """A configuration that contradicts itself or names something that does not exist."""

@@ -1,0 +1,86 @@
+"""Every hook accel-npu calls. Plugins implement them with ``@accel_npu.hookimpl``.
+
+All hooks are prefixed ``accel_npu_``. docs/plugin_hooks.md lists each one with its exact
+signature (tests/test_hookspecs_documented.py keeps the two in step).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+
+import pluggy
+
+from accel_npu import PROJECT_NAME
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accel_npu.backend import Backend
+    from accel_npu.patching import Patch
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+
+@hookspec(firstresult=True)
+def accel_npu_select_backend(env: Mapping[str, str]) -> "Backend | None":
+    """Return the device backend for this machine, or None to let the next plugin decide.
+
+    Called once per process, lazily, the first time a patch or command needs to know.
+    The first non-None result wins: built-in ``npu`` runs first (tryfirst), ``cpu`` last
+    (trylast). ``env`` is a snapshot of ``os.environ``. Must be cheap and must not raise.
+    """
+
+
+@hookspec
+def accel_npu_register_patches() -> "list[Patch]":
+    """Return the :class:`accel_npu.patching.Patch` objects this plugin declares.
+
+    Called once at activation. Declaring a patch changes nothing: the ledger applies it when
+    its target module is imported, if the installed version is supported.
+    """
+
+
+@hookspec
+def accel_npu_launch_env(backend: "Backend", env: Mapping[str, str]) -> "Mapping[str, str] | None":
+    """Return environment defaults for processes a launcher is about to start.
+
+    Called in the launcher (``accelerate launch`` / ``torchrun``) before workers start. Values
+    are applied only where ``env`` (the launcher's environment) does not already set them: the
+    user's values always win.
+    """
+
+
+@hookspec
+def accel_npu_check_launch(backend: "Backend", num_processes: int, env: Mapping[str, str]) -> None:
+    """Validate a launch before any worker starts; raise ``accel_npu.errors.LaunchError`` to refuse.
+
+    ``num_processes`` is the number of processes this machine will start.
+    """
+
+
+@hookspec
+def accel_npu_activate(backend_name: "str | None") -> None:
+    """Called once per process right after the ledger is armed (inside ``import torch``).
+
+    Keep it cheap; never import heavy libraries here. ``backend_name`` is the forced backend
+    from ``ACCEL_NPU_BACKEND`` or None (the backend itself is selected lazily).
+    """
+
+
+@hookspec
+def accel_npu_env_report(backend: "Backend") -> "tuple[str, dict[str, Any]] | None":
+    """Return one section for ``accel-npu env``: ``(title, {key: value})``, or None."""
+
+
+@hookspec
+def accel_npu_add_commands(subparsers: "argparse._SubParsersAction") -> None:
+    """Add subcommands to the ``accel-npu`` CLI.
+
+    Each added parser must ``set_defaults(func=callable)``; ``func(args)`` returns an exit code.
+    """
+
+
+@hookspec
+def accel_npu_configure_deepspeed(ds_config: "MutableMapping[str, Any]", source: str) -> None:
+    """Adjust a DeepSpeed config dict in place before DeepSpeed sees it.
+
+    ``source`` names where it came from (a file path, or "<script>" for a dict built in code).
+    """

@@ -1,0 +1,121 @@
+"""The plugin manager: built-in plugins by name, third-party ones by entry point.
+
+Built-in plugins are plain modules listed in :data:`DEFAULT_PLUGINS`; third-party plugins
+come from the entry-point group ``accel_npu``. ``ACCEL_NPU_DISABLED_PLUGINS=a,b`` (or ``*``)
+blocks plugins by name, like pytest's ``-p no:name``. A plugin that raises while loading is
+recorded with its error and skipped: training goes on.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+
+import pluggy
+
+from accel_npu import PROJECT_NAME, environment, hookspecs
+
+log = logging.getLogger("accel_npu")
+
+ENTRY_POINT_GROUP = "accel_npu"
+
+#: Built-in plugins: (name, module). Order does not decide backend priority (tryfirst/trylast do).
+DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
+    ("npu", "accel_npu.plugins.npu"),
+    ("cuda", "accel_npu.plugins.cuda"),
+    ("cpu", "accel_npu.plugins.cpu"),
+    ("launcher", "accel_npu.plugins.launcher"),
+)
+
+
+@dataclass
+class PluginRecord:
+    name: str
+    source: str  # "builtin" or "entry point <dist>"
+    module: str
+    version: str
+    status: str  # "loaded", "blocked", "failed: <error>"
+
+
+class AccelNpuPluginManager(pluggy.PluginManager):
+    def __init__(self) -> None:
+        super().__init__(PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.records: list[PluginRecord] = []
+        self._loaded = False
+
+    # -- loading -----------------------------------------------------------------------------
+    def _blocked(self, name: str) -> bool:
+        blocked = environment.disabled_plugins()
+        return "*" in blocked or name in blocked
+
+    def _register_module(self, name: str, module_name: str, source: str, version: str, loader) -> None:
+        if self._blocked(name):
+            self.set_blocked(name)
+            self.records.append(PluginRecord(name, source, module_name, version, "blocked"))
+            return
+        try:
+            plugin = loader()
+            self.register(plugin, name=name)
+        except Exception as exc:  # a broken plugin must never break training
+            log.warning("accel-npu: plugin %r (%s) failed to load and is skipped: %s: %s",
+                        name, module_name, type(exc).__name__, exc)
+            self.records.append(PluginRecord(name, source, module_name, version,
+                                             f"failed: {type(exc).__name__}: {exc}"))
+            return
+        self.records.append(PluginRecord(name, source, module_name, version, "loaded"))
+
+    def load_plugins(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        from accel_npu import __version__
+
+        for name, module_name in DEFAULT_PLUGINS:
+            self._register_module(name, module_name, "builtin", __version__,
+                                  lambda m=module_name: importlib.import_module(m))
+        self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        from importlib.metadata import entry_points
+
+        try:
+            eps = entry_points(group=ENTRY_POINT_GROUP)
+        except Exception as exc:  # broken metadata of some unrelated dist
+            log.warning("accel-npu: could not read entry points: %s", exc)
+            return
+        for ep in eps:
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else "?"
+            version = dist.version if dist is not None else "?"
+            self._register_module(ep.name, ep.value, f"entry point ({dist_name})", version, ep.load)
+
+    def enable_trace(self) -> None:
+        self.trace.root.setwriter(lambda msg: sys.stderr.write(f"[accel-npu trace] {msg}"))
+        self.enable_tracing()
+
+
+_pm: AccelNpuPluginManager | None = None
+_pm_lock = threading.Lock()
+
+
+def get_plugin_manager() -> AccelNpuPluginManager:
+    """The process-wide plugin manager, with plugins loaded (created on first use)."""
+    global _pm
+    with _pm_lock:
+        if _pm is None:
+            pm = AccelNpuPluginManager()
+            if environment.flag("ACCEL_NPU_TRACE"):
+                pm.enable_trace()
+            pm.load_plugins()
+            _pm = pm
+        return _pm
+
+
+def reset_plugin_manager() -> None:
+    """Forget the plugin manager (tests use this after changing the environment)."""
+    global _pm
+    with _pm_lock:
+        _pm = None

@@ -1,0 +1,91 @@
+"""The cpu device backend: no accelerator, so distributed launches train over gloo.
+
+Stock accelerate 1.15 on a machine without an accelerator:
+- with a DeepSpeed config, every rank believes it is rank 0 of 1 (``_prepare_backend`` finds no
+  backend) while DeepSpeed's own gloo group has N: ranks train on the same data and write the
+  same files;
+- ``accelerate launch --num_processes 2 train.py`` without a config starts *one* process (its
+  only multi-CPU path goes through mpirun).
+This plugin makes both behave like they do on GPUs, which is what lets a user debug the very
+same DeepSpeed config on a laptop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from accel_npu import hookimpl
+from accel_npu.backend import Backend, current_backend, is_distributed_launch
+from accel_npu.patching import Patch
+
+log = logging.getLogger("accel_npu")
+
+
+@hookimpl(trylast=True)
+def accel_npu_select_backend(env):
+    forced = env.get("ACCEL_NPU_BACKEND", "").strip().lower()
+    if forced and forced != "cpu":
+        return None
+    return Backend(name="cpu", device_type="cpu", dist_backend="gloo", device_count=0,
+                   ds_accelerator="cpu", plugin="cpu")
+
+
+@hookimpl
+def accel_npu_launch_env(backend, env):
+    if backend.name != "cpu":
+        return None
+    # DeepSpeed would otherwise probe for CUDA/NPU; say what we know.
+    return {"DS_ACCELERATOR": "cpu"}
+
+
+def _prepare_backend_on_cpu(wrapped, instance, args, kwargs):
+    backend, distributed_type = wrapped(*args, **kwargs)
+    if backend is None and current_backend().name == "cpu" and is_distributed_launch():
+        from accelerate.utils import DistributedType
+
+        log.info("accel-npu: no accelerator; rank %s of %s uses gloo (MULTI_CPU)",
+                 os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))
+        return "gloo", DistributedType.MULTI_CPU
+    return backend, distributed_type
+
+
+def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
+    launch_args, defaults, mp_from_config_flag = wrapped(*args, **kwargs)
+    if current_backend().name != "cpu":
+        return launch_args, defaults, mp_from_config_flag
+    n = launch_args.num_processes or 1
+    machines = launch_args.num_machines or 1
+    single_process_path = not (launch_args.multi_gpu or launch_args.use_deepspeed or launch_args.use_fsdp
+                               or launch_args.use_megatron_lm or launch_args.tpu)
+    if n > 1 and getattr(launch_args, "mpirun_hostfile", None) is None:
+        if launch_args.use_deepspeed or launch_args.use_fsdp or launch_args.cpu:
+            # `use_cpu: true` sends these to the single-process launcher; torchrun works instead.
+            launch_args.cpu = False
+        if single_process_path:
+            launch_args.multi_gpu = True  # accelerate's torchrun path; the workers pick gloo
+            log.info("accel-npu: no accelerator; starting %d CPU processes with torchrun (gloo)", n * machines)
+    return launch_args, defaults, mp_from_config_flag
+
+
+PREPARE_BACKEND = Patch(
+    target="accelerate.state:PartialState._prepare_backend",
+    supports="accelerate>=1.10,<1.16",
+    reason="No accelerator + distributed launch: stock returns no backend, so every rank is "
+           "rank 0 of 1 while DeepSpeed's gloo group has N (duplicate data and checkpoints).",
+    remove_when="accelerate selects gloo/MULTI_CPU for LOCAL_RANK launches without an accelerator",
+    wrapper=_prepare_backend_on_cpu,
+)
+
+VALIDATE_LAUNCH = Patch(
+    target="accelerate.commands.launch:_validate_launch_command",
+    supports="accelerate>=1.10,<1.16",
+    reason="`accelerate launch --num_processes N` without an accelerator starts 1 process "
+           "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
+    remove_when="accelerate launches N gloo workers with torchrun on CPU-only machines",
+    wrapper=_validate_launch_on_cpu,
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [PREPARE_BACKEND, VALIDATE_LAUNCH]
