@@ -27,6 +27,12 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cuda", "accel_npu.plugins.cuda"),
     ("cpu", "accel_npu.plugins.cpu"),
     ("launcher", "accel_npu.plugins.launcher"),
+    ("precision", "accel_npu.plugins.precision"),
+    ("deepspeed_setup", "accel_npu.plugins.deepspeed_setup"),
+    ("video", "accel_npu.plugins.video"),
+    ("loading", "accel_npu.plugins.loading"),
+    ("frozen_towers", "accel_npu.plugins.frozen_towers"),
+    ("checkpoints", "accel_npu.plugins.checkpoints"),
 )
 
 

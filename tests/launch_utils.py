@@ -1,0 +1,87 @@
+"""Helpers to run real `accelerate launch` / torchrun processes from tests (no mocks)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """A clean environment for launched processes: one thread per rank, no accel-npu switches
+    inherited from the test runner, unless given in ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_NPU_", "ACCELERATE_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def write_deepspeed_config(directory: Path, ds_config: dict, name: str = "ds_config.json", *,
+                           num_processes: int = 2, accelerate_extra: dict | None = None) -> Path:
+    """Write a DeepSpeed JSON and an accelerate YAML pointing at it; return the YAML path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ds_path = directory / name
+    ds_path.write_text(json.dumps(ds_config, indent=2))
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": str(ds_path), "zero3_init_flag": False},
+        "num_machines": 1,
+        "num_processes": num_processes,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "use_cpu": False,
+    }
+    cfg.update(accelerate_extra or {})
+    yaml_path = directory / (Path(name).stem + ".yaml")
+    yaml_path.write_text(yaml.safe_dump(cfg))
+    return yaml_path
+
+
+def zero_config(stage: int, bf16: bool = False, **zero_extra) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update({"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True})
+    zero.update(zero_extra)
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+    }
+
+
+def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
+                      cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `accelerate launch ARGS` as a user would; returns the finished process (text output)."""
+    cmd = [str(BIN / "accelerate"), "launch", *args]
+    return subprocess.run(cmd, env=env or base_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The `RESULT {json}` lines printed by test scripts, sorted by rank."""
+    out = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "RESULT " in line:
+            out.append(json.loads(line.split("RESULT ", 1)[1]))
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
