@@ -79,7 +79,8 @@ def results(proc: subprocess.CompletedProcess) -> list[dict]:
     out = []
     for line in (proc.stdout + proc.stderr).splitlines():
         if "RESULT " in line:
-            out.append(json.loads(line.split("RESULT ", 1)[1]))
+            obj, _ = json.JSONDecoder().raw_decode(line.split("RESULT ", 1)[1])
+            out.append(obj)
     return sorted(out, key=lambda r: r.get("rank", 0))
 
 

@@ -1,11 +1,14 @@
 """A tiny training script written the way CUDA repos write them. No accel_npu import anywhere.
 
-Prints one JSON line per rank at the end: world, rank, losses, parameter checksum.
-Usage: train_tiny.py --steps N [--save DIR] [--resume DIR]
+Prints one `RESULT {json}` line per rank at the end: world, rank, losses, a parameter checksum.
+  --steps N          train N steps
+  --save_at K DIR    save_state(DIR) after step K (0-based)
+  --resume DIR --start K   load_state(DIR) and continue at step K (same batches as an unbroken run)
 """
 import argparse
 import json
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -15,6 +18,7 @@ from accelerate.utils import set_seed
 class TinyNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
+        # DeepSpeed's "auto" bucket sizes read model.config.hidden_size, as for HF models.
         self.config = type("Cfg", (), {"hidden_size": 16})()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
 
@@ -25,49 +29,47 @@ class TinyNet(torch.nn.Module):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--save", default=None)
+    p.add_argument("--save_at", type=int, default=None)
+    p.add_argument("--save_dir", default=None)
     p.add_argument("--resume", default=None)
-    p.add_argument("--out", default=None)
+    p.add_argument("--start", type=int, default=0)
     a = p.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=1)
+    accelerator = Accelerator()
     set_seed(0)
     model = TinyNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    data = torch.randn(64, 8, generator=g)
-    target = data.sum(dim=1, keepdim=True)
-    ds = torch.utils.data.TensorDataset(data, target)
+    data = torch.randn(256, 8, generator=g)
+    ds = torch.utils.data.TensorDataset(data, data.sum(dim=1, keepdim=True))
     loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if a.resume:
         accelerator.load_state(a.resume)
-    losses = []
-    batches = iter(loader)
-    for step in range(a.steps):
-        x, y = next(batches)
-        with accelerator.accumulate(model):
-            # DeepSpeed bf16 engines hold bf16 weights: feed them their dtype, as DS scripts do
-            out = model(x.to(next(model.parameters()).dtype))
-            loss = torch.nn.functional.mse_loss(out.float(), y.float())
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(round(loss.item(), 6))
-        if a.save and step == 0:
-            accelerator.save_state(a.save)
-    first_x = x[0].tolist()
-    params = [p for p in model.parameters()]
-    checksum = float(sum(p.detach().float().sum() for p in params)) if accelerator.distributed_type.value != "DEEPSPEED" else None
+    batches = list(loader)
+    losses, first_inputs = {}, None
+    for step in range(a.start, a.start + a.steps):
+        x, y = batches[step]
+        if first_inputs is None:
+            first_inputs = x[0].tolist()
+        # DeepSpeed bf16 engines hold bf16 weights: feed them their dtype, as DS scripts do.
+        out = model(x.to(next(model.parameters()).dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y.float())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = round(loss.item(), 6)
+        if a.save_at == step:
+            accelerator.save_state(a.save_dir)
+    checksum = None
+    if accelerator.distributed_type.value != "DEEPSPEED":  # ZeRO-3 params are partitioned
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     rec = {"num_processes": accelerator.num_processes, "rank": accelerator.process_index,
-           "distributed_type": str(accelerator.distributed_type), "device": str(accelerator.device),
-           "losses": losses, "first_x": first_x, "checksum": checksum,
-           "env_rank": os.environ.get("RANK"), "world_size": os.environ.get("WORLD_SIZE")}
-    line = json.dumps(rec)
-    print("RESULT " + line, flush=True)
-    if a.out:
-        with open(f"{a.out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
-            f.write(line)
+           "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
+           "losses": losses, "first_inputs": first_inputs, "checksum": checksum}
+    # One write call per line keeps the two ranks' lines from interleaving on the shared pipe.
+    sys.stdout.write("RESULT " + json.dumps(rec) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""An unchanged script under `accelerate launch` on 2 CPU ranks: stock is wrong, accel-npu is right.
+
+Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
+"""
+import pytest
+
+from tests.launch_utils import (SCRIPTS, accelerate_launch, base_env, explain, results,
+                                write_deepspeed_config, zero_config)
+
+pytestmark = pytest.mark.slow
+
+TRAIN = str(SCRIPTS / "train_tiny.py")
+
+
+def _assert_two_distinct_ranks(res, proc, distributed_type):
+    assert [r["rank"] for r in res] == [0, 1], explain(proc)
+    assert all(r["num_processes"] == 2 for r in res)
+    assert all(r["distributed_type"] == distributed_type for r in res)
+    # Each rank trained on its own shard of the data, not the same batches.
+    assert res[0]["first_inputs"] != res[1]["first_inputs"]
+
+
+@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)], ids=["zero2", "zero3-bf16"])
+def test_deepspeed_two_cpu_ranks_train_save_and_resume(tmp_path, stage, bf16):
+    cfg = write_deepspeed_config(tmp_path, zero_config(stage, bf16=bf16))
+    ckpt = tmp_path / "ckpt"
+    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "3",
+                              "--save_at", "0", "--save_dir", str(ckpt)])
+    res = results(proc)
+    assert proc.returncode == 0 and len(res) == 2, explain(proc)
+    _assert_two_distinct_ranks(res, proc, "DEEPSPEED")
+    assert (ckpt / "pytorch_model" / "latest").exists() or (ckpt / "latest").exists() or \
+        any(ckpt.rglob("latest")), explain(proc)
+
+    resumed = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1",
+                                 "--resume", str(ckpt), "--start", "1"])
+    res2 = results(resumed)
+    assert resumed.returncode == 0 and len(res2) == 2, explain(resumed)
+    for before, after in zip(res, res2):
+        # The first step after load_state reproduces the unbroken run's step 1 exactly.
+        assert after["losses"]["1"] == before["losses"]["1"]
+
+
+def test_deepspeed_without_accel_npu_every_rank_thinks_it_is_alone(tmp_path):
+    cfg = write_deepspeed_config(tmp_path, zero_config(2))
+    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1"],
+                             env=base_env(ACCEL_NPU_DISABLE="1"))
+    # Stock accelerate 1.15: num_processes == 1 on each rank while DeepSpeed's gloo group has 2,
+    # so DeepSpeed's batch check fails: train_batch_size 4 != 4 * 1 * 2.
+    assert proc.returncode != 0, explain(proc)
+    assert "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size" \
+        in proc.stderr + proc.stdout, explain(proc)
+
+
+def test_plain_launch_without_config_starts_two_gloo_ranks(tmp_path):
+    proc = accelerate_launch(["--num_processes", "2", TRAIN, "--steps", "2"], cwd=tmp_path)
+    res = results(proc)
+    assert proc.returncode == 0 and len(res) == 2, explain(proc)
+    _assert_two_distinct_ranks(res, proc, "MULTI_CPU")
+    # DDP averaged the gradients: both replicas hold identical parameters after the steps.
+    assert res[0]["checksum"] == res[1]["checksum"]
+
+
+def test_plain_launch_without_accel_npu_starts_one_process(tmp_path):
+    proc = accelerate_launch(["--num_processes", "2", TRAIN, "--steps", "1"], cwd=tmp_path,
+                             env=base_env(ACCEL_NPU_DISABLE="1"))
+    res = results(proc)
+    assert proc.returncode == 0, explain(proc)
+    assert len(res) == 1 and res[0]["num_processes"] == 1 and res[0]["distributed_type"] == "NO"
+
+
+def test_workers_activate_when_script_imports_autoload_disabler_before_torch(tmp_path):
+    # torch_npu sets TORCH_DEVICE_BACKEND_AUTOLOAD=0 before importing torch; the workers must
+    # still be patched (through the bootstrap the launcher puts on PYTHONPATH).
+    script = str(SCRIPTS / "train_tiny_npu_import_first.py")
+    proc = accelerate_launch(["--num_processes", "2", script, "--steps", "1"], cwd=tmp_path)
+    res = results(proc)
+    assert proc.returncode == 0 and len(res) == 2, explain(proc)
+    _assert_two_distinct_ranks(res, proc, "MULTI_CPU")
