@@ -10,6 +10,7 @@ import sys
 #: Modules with ``add_parser(subparsers)``; each parser sets ``func(args) -> int``.
 BUILTIN_COMMANDS = (
     "accel_npu.cli.env",
+    "accel_npu.cli.config",
 )
 
 
