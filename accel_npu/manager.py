@@ -33,6 +33,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("loading", "accel_npu.plugins.loading"),
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),
+    ("launch_settings", "accel_npu.plugins.launch_settings"),
 )
 
 
