@@ -1,0 +1,853 @@
+"""Bounded-memory model loading (issue 4): the machinery behind plugins/loading.py.
+
+What happens to a ``from_pretrained`` of a local safetensors checkpoint:
+
+1. **Truncation before reading.** A depth override (``num_layers=2`` / ``num_hidden_layers=2``,
+   or ``ACCEL_NPU_TRUNCATE=Class:2``) builds the shallow model on meta, then opens only the
+   shards that hold its tensors and reads only those tensors (``safe_open``). The dropped
+   layers' keys become one summary line. Asking for more layers than the checkpoint has is a
+   :class:`LoadError` naming the missing keys.
+2. **Validation before materialization.** Every needed shard is opened (header only) and
+   every key the index places in it is checked before the first byte of a weight is read:
+   a missing shard, a corrupt/truncated file or a key no shard has is one :class:`LoadError`
+   naming the file and the key. Nothing half-loaded is ever returned.
+3. **Meta-init that is correct.** Construction is exactly stock diffusers' (parameters on
+   meta, buffers and plain tensor attributes real); tensors are assigned with diffusers' own
+   ``load_model_dict_into_meta`` (same casting, ``keep_in_fp32`` rules), one tensor at a time.
+   Afterwards nothing may be on meta (parameters, buffers, plain tensor attributes).
+4. **Staggered materialization.** On a multi-rank node, at most K ranks read at once, K from
+   free host memory / bytes to load (or ``ACCEL_NPU_LOAD_SLOTS``). Slots are ``flock`` files:
+   a rank that dies releases its slot. ``malloc_trim(0)`` after each load.
+5. **Frozen towers.** Inside ``DeepSpeedPlugin.zero3_init_context_manager(enable=False)`` and
+   ``DiffusionPipeline.from_pretrained`` transformers' ``HfDeepSpeedConfig`` weakref is cleared,
+   so those loads stay outside ``zero.Init`` and keep the checkpoint dtype.
+
+Calls outside the supported subset (hub ids, ``device_map``, quantization, variants, ...)
+go to the stock implementation unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from accel_npu import environment
+from accel_npu.errors import AccelNpuError, ConfigError
+
+log = logging.getLogger("accel_npu")
+
+#: config keys that set the number of repeated blocks, in lookup order
+DEPTH_KEYS = ("num_layers", "num_hidden_layers", "n_layer", "num_blocks", "depth")
+
+SAFE_WEIGHTS = "diffusion_pytorch_model.safetensors"
+SAFE_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class LoadError(AccelNpuError):
+    """A checkpoint that cannot be loaded as asked; names the file and key and says what to do."""
+
+
+class LoadSlotTimeout(LoadError):
+    """Waited longer than ACCEL_NPU_LOAD_TIMEOUT for a load slot."""
+
+
+# ------------------------------------------------------------------------------------------------
+# configuration
+# ------------------------------------------------------------------------------------------------
+def truncation_map(raw: str | None = None) -> dict[str, int]:
+    """``ACCEL_NPU_TRUNCATE`` parsed: ``{"QwenImageTransformer2DModel": 2, ...}``."""
+    raw = environment.get("ACCEL_NPU_TRUNCATE") if raw is None else raw
+    out: dict[str, int] = {}
+    for item in raw.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, layers = item.partition(":")
+        try:
+            n = int(layers)
+        except ValueError:
+            n = -1
+        if not sep or not name.strip() or n < 1:
+            raise ConfigError(
+                f"accel-npu: ACCEL_NPU_TRUNCATE={raw!r}: {item!r} is not 'ClassName:layers' with layers >= 1 "
+                "(example: ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2)")
+        out[name.strip()] = n
+    return out
+
+
+def truncation_for(cls) -> int | None:
+    """Layers ACCEL_NPU_TRUNCATE asks for this class (matched on the class or one of its bases)."""
+    wanted = truncation_map()
+    if not wanted:
+        return None
+    for klass in getattr(cls, "__mro__", (cls,)):
+        if klass.__name__ in wanted:
+            return wanted[klass.__name__]
+    return None
+
+
+def depth_key(config: dict) -> str | None:
+    return next((k for k in DEPTH_KEYS if isinstance(config.get(k), int)), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# host memory
+# ------------------------------------------------------------------------------------------------
+_libc = None
+
+
+def malloc_trim() -> bool:
+    """Give freed heap memory back to the OS (glibc keeps freed blocks otherwise)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(_libc.malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return False
+
+
+def available_memory() -> int | None:
+    """MemAvailable of this node (bytes), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# load slots
+# ------------------------------------------------------------------------------------------------
+def _local_world_size() -> int:
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def is_local_main() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0")
+
+
+def slot_count(nbytes: int) -> int | None:
+    """How many ranks of this node may materialize at once; None = no staggering."""
+    raw = environment.get("ACCEL_NPU_LOAD_SLOTS").strip()
+    local = _local_world_size()
+    if raw:
+        try:
+            k = int(raw)
+        except ValueError:
+            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_SLOTS={raw!r} is not a whole number >= 1") from None
+        if k < 1:
+            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_SLOTS={raw!r} must be >= 1")
+        return k
+    if local <= 1:
+        return None
+    avail = available_memory()
+    if avail is None or nbytes <= 0:
+        return local
+    # Each loading rank needs its bytes once more transiently (read + cast); keep 20 % headroom.
+    k = int(0.8 * avail // (2 * nbytes))
+    return max(1, min(local, k))
+
+
+def _slot_dir() -> str:
+    job = (os.environ.get("TORCHELASTIC_RUN_ID") or
+           f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job)
+    base = os.environ.get("TMPDIR") or "/tmp"
+    path = os.path.join(base, f"accel-npu-load-slots-{os.getuid()}", job)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _who() -> dict:
+    return {"pid": os.getpid(), "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
+            "host": socket.gethostname(), "since": time.time()}
+
+
+def _describe_holders(directory: str, slots: int) -> str:
+    parts = []
+    for i in range(slots):
+        try:
+            with open(os.path.join(directory, f"slot-{i}.holder")) as f:
+                h = json.load(f)
+            alive = _pid_alive(int(h["pid"]))
+            parts.append(f"slot {i}: rank {h.get('rank')} (pid {h['pid']} on {h.get('host')}, "
+                         f"holding for {time.time() - float(h['since']):.0f} s{'' if alive else ', process gone'})")
+        except (OSError, ValueError, KeyError):
+            parts.append(f"slot {i}: holder unknown")
+    return "; ".join(parts)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@contextlib.contextmanager
+def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
+              timeout: float | None = None) -> Iterator[int | None]:
+    """Hold one of this node's load slots while materializing ``nbytes``.
+
+    Yields the slot number (None when no staggering applies). A process that dies releases its
+    slot (the lock is an OS file lock). Waiting longer than ``ACCEL_NPU_LOAD_TIMEOUT`` raises
+    :class:`LoadSlotTimeout` naming the ranks that hold the slots.
+    """
+    slots = slot_count(nbytes) if slots is None else slots
+    if not slots:
+        yield None
+        return
+    from filelock import FileLock, Timeout
+
+    if timeout is None:
+        try:
+            timeout = float(environment.get("ACCEL_NPU_LOAD_TIMEOUT"))
+        except ValueError:
+            raise ConfigError("accel-npu: ACCEL_NPU_LOAD_TIMEOUT must be a number of seconds") from None
+    directory = _slot_dir()
+    locks = [FileLock(os.path.join(directory, f"slot-{i}.lock")) for i in range(slots)]
+    start = time.monotonic()
+    first = int(os.environ.get("LOCAL_RANK", "0") or 0) % slots
+    order = [(first + i) % slots for i in range(slots)]
+    held = None
+    reported = False
+    while held is None:
+        for i in order:
+            try:
+                locks[i].acquire(timeout=0)
+            except Timeout:
+                continue
+            held = i
+            break
+        if held is not None:
+            break
+        waited = time.monotonic() - start
+        if waited > timeout:
+            raise LoadSlotTimeout(
+                f"accel-npu: rank {os.environ.get('RANK', '?')} waited {waited:.0f} s for one of {slots} load "
+                f"slot(s) to load {what} and gave up; held by: {_describe_holders(directory, slots)}. "
+                "A rank that hangs while loading blocks the others: check that rank's log; raise "
+                "ACCEL_NPU_LOAD_TIMEOUT for very slow storage, or ACCEL_NPU_LOAD_SLOTS if memory allows.")
+        if not reported and waited > 5:
+            log.info("accel-npu: rank %s waiting for a load slot (%s)", os.environ.get("RANK"),
+                     _describe_holders(directory, slots))
+            reported = True
+        time.sleep(0.05)
+    holder = os.path.join(directory, f"slot-{held}.holder")
+    try:
+        with open(holder, "w") as f:
+            json.dump(_who(), f)
+    except OSError:
+        pass
+    try:
+        yield held
+    finally:
+        locks[held].release()
+        malloc_trim()
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint files
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    """A local safetensors checkpoint: which file holds which key (header-level, nothing read)."""
+
+    folder: str
+    index_file: str | None
+    weight_map: dict[str, str]                      # key -> file name (relative to folder)
+    headers: dict[str, dict[str, tuple]] = field(default_factory=dict)  # file -> key -> (dtype, shape)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+
+def _read_header(path: str) -> dict[str, tuple]:
+    """Keys, dtypes and shapes of one safetensors file, checked against the file size."""
+    import struct
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"file is {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 1024 * 1024):
+                raise ValueError(f"header length {n} does not fit the file size {size}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise LoadError(f"accel-npu: {path} is not a readable safetensors file ({exc}). "
+                        "Re-download or re-save this shard.") from exc
+    out = {}
+    data_len = size - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LoadError(f"accel-npu: {path}: header entry for key {key!r} is malformed") from exc
+        if end > data_len or begin > end:
+            raise LoadError(
+                f"accel-npu: {path} is truncated or corrupt: key {key!r} needs bytes {begin}..{end} of the "
+                f"data section but the file holds only {data_len}. Re-download or re-save this shard.")
+        out[key] = (info.get("dtype"), tuple(info.get("shape", ())))
+    return out
+
+
+def open_checkpoint(folder: str) -> Checkpoint | None:
+    """The local safetensors checkpoint in ``folder``, or None when it is not one we handle."""
+    index_path = os.path.join(folder, SAFE_INDEX)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                index = json.load(f)
+            weight_map = dict(index["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LoadError(f"accel-npu: {index_path} is not a valid checkpoint index ({exc}).") from exc
+        return Checkpoint(folder, index_path, weight_map)
+    single = os.path.join(folder, SAFE_WEIGHTS)
+    if os.path.isfile(single):
+        header = _read_header(single)
+        return Checkpoint(folder, None, {k: SAFE_WEIGHTS for k in header}, {SAFE_WEIGHTS: header})
+    return None
+
+
+def validate(ckpt: Checkpoint, keys: list[str]) -> list[str]:
+    """Check that every key is where the index says, in a readable file; returns the files needed."""
+    needed = sorted({ckpt.weight_map[k] for k in keys})
+    for name in needed:
+        path = ckpt.path(name)
+        if not os.path.isfile(path):
+            example = next(k for k in keys if ckpt.weight_map[k] == name)
+            raise LoadError(
+                f"accel-npu: shard {path} named in {ckpt.index_file} is missing (it should hold {example!r} "
+                f"and {sum(1 for k in keys if ckpt.weight_map[k] == name) - 1} other needed tensor(s)). "
+                "Download the complete checkpoint.")
+        if name not in ckpt.headers:
+            ckpt.headers[name] = _read_header(path)
+    for k in keys:
+        name = ckpt.weight_map[k]
+        if k not in ckpt.headers[name]:
+            raise LoadError(
+                f"accel-npu: {ckpt.index_file or ckpt.folder} says key {k!r} is in {ckpt.path(name)}, but that "
+                "shard has no such tensor. The index and the shards do not belong together: re-download "
+                "or re-save the checkpoint.")
+    return needed
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+
+
+def nbytes_of(ckpt: Checkpoint, keys) -> int:
+    total = 0
+    for k in keys:
+        dtype, shape = ckpt.headers[ckpt.weight_map[k]][k]
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+class LazyTensors:
+    """A read-once mapping: ``items()`` reads each kept tensor from its shard as it is consumed.
+
+    Shards are visited in order, one open at a time; only the listed keys are read.
+    """
+
+    def __init__(self, ckpt: Checkpoint, keys: list[str], rename: dict[str, str] | None = None,
+                 progress=None):
+        self.ckpt, self.keys, self.rename, self.progress = ckpt, keys, rename or {}, progress
+        self.read = 0
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __contains__(self, key):
+        return key in self.keys
+
+    def keys_(self):
+        return list(self.keys)
+
+    def items(self):
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for k in self.keys:
+            by_file.setdefault(self.ckpt.weight_map[self.rename.get(k, k)], []).append(k)
+        for name in sorted(by_file):
+            path = self.ckpt.path(name)
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+            except Exception as exc:
+                raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
+            with handle as f:
+                for k in by_file[name]:
+                    source = self.rename.get(k, k)
+                    try:
+                        tensor = f.get_tensor(source)
+                    except Exception as exc:
+                        raise LoadError(f"accel-npu: reading {source!r} from {path} failed: {exc}") from exc
+                    self.read += tensor.numel() * tensor.element_size()
+                    if self.progress is not None:
+                        self.progress.update(tensor.numel() * tensor.element_size())
+                    yield k, tensor
+                    del tensor
+
+
+# ------------------------------------------------------------------------------------------------
+# checks on the loaded model
+# ------------------------------------------------------------------------------------------------
+def tensors_on_meta(model) -> list[str]:
+    """Names of parameters, buffers and plain tensor attributes still on the meta device."""
+    import torch
+
+    left = []
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                left.append(prefix + name)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                left.append(prefix + name)
+        for name, v in vars(module).items():
+            if isinstance(v, torch.Tensor) and not name.startswith("_") and v.is_meta:
+                left.append(prefix + name)
+    return sorted(set(left))
+
+
+def _short(keys, n=8) -> str:
+    keys = sorted(keys)
+    more = f" ... and {len(keys) - n} more" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
+def _layer_indices(keys) -> list[int]:
+    found = set()
+    for k in keys:
+        for m in re.finditer(r"\.(\d+)\.", f".{k}"):
+            found.add(int(m.group(1)))
+            break
+    return sorted(found)
+
+
+# ------------------------------------------------------------------------------------------------
+# frozen towers: loads outside zero.Init
+# ------------------------------------------------------------------------------------------------
+_frozen = contextvars.ContextVar("accel_npu_frozen_load", default=False)
+
+
+@contextlib.contextmanager
+def outside_zero_init() -> Iterator[None]:
+    """Clear transformers' HfDeepSpeedConfig weakref for the duration (accelerate #3170)."""
+    token = _frozen.set(True)
+    ds = None
+    saved = None
+    try:
+        import sys
+
+        ds = sys.modules.get("transformers.integrations.deepspeed")
+        if ds is not None and hasattr(ds, "_hf_deepspeed_config_weak_ref"):
+            saved = ds._hf_deepspeed_config_weak_ref
+            ds._hf_deepspeed_config_weak_ref = None
+        yield
+    finally:
+        if ds is not None and saved is not None:
+            ds._hf_deepspeed_config_weak_ref = saved
+        _frozen.reset(token)
+
+
+def in_frozen_load() -> bool:
+    return _frozen.get()
+
+
+# ------------------------------------------------------------------------------------------------
+# progress
+# ------------------------------------------------------------------------------------------------
+def progress_bar(total: int, desc: str, shards: int):
+    if not is_local_main() or (shards <= 1 and total < (256 << 20)):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# diffusers ModelMixin.from_pretrained
+# ------------------------------------------------------------------------------------------------
+#: kwargs stock diffusers pops, with the value under which we can take the call over
+_DIFFUSERS_NEUTRAL = {
+    "ignore_mismatched_sizes": (False,),
+    "device_map": (None,),
+    "max_memory": (None,),
+    "offload_folder": (None,),
+    "offload_state_dict": (None, False),
+    "variant": (None,),
+    "use_safetensors": (None, True),
+    "quantization_config": (None,),
+    "parallel_config": (None,),
+    "use_flashpack": (False,),
+    "flashpack_kwargs": (None, {}),
+    "low_cpu_mem_usage": (None, True),
+    "from_flax": (False,),
+}
+_DIFFUSERS_PASSED = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")
+
+
+@dataclass
+class _Plan:
+    path: str
+    folder: str
+    ckpt: Checkpoint
+    kwargs: dict
+    torch_dtype: Any
+    output_loading_info: bool
+    subfolder: str | None
+
+
+def _diffusers_plan(cls, args, kwargs) -> _Plan | None:
+    import torch
+
+    kwargs = dict(kwargs)
+    if args:
+        if len(args) > 1:
+            return None
+        path = args[0]
+    else:
+        path = kwargs.pop("pretrained_model_name_or_path", None)
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    path = os.fspath(path)
+    for name, neutral in _DIFFUSERS_NEUTRAL.items():
+        if name in kwargs and not any(kwargs[name] is v or kwargs[name] == v for v in neutral):
+            return None
+    if os.environ.get("HF_ENABLE_PARALLEL_LOADING", "").upper() in ("1", "YES", "TRUE", "ON") \
+            and kwargs.get("low_cpu_mem_usage") is False:
+        return None
+    dtype = kwargs.get("dtype", None)
+    torch_dtype = dtype if dtype is not None else kwargs.get("torch_dtype", None)
+    if torch_dtype is not None and (not isinstance(torch_dtype, torch.dtype)
+                                    or torch_dtype == getattr(torch, "float8_e4m3fn", None)):
+        return None
+    subfolder = kwargs.get("subfolder")
+    folder = os.path.join(path, subfolder or "")
+    if not os.path.isdir(folder):
+        return None
+    try:
+        import accelerate  # noqa: F401  (stock needs it for low_cpu_mem_usage too)
+    except ImportError:
+        return None
+    ckpt = open_checkpoint(folder)
+    if ckpt is None:
+        return None
+    return _Plan(path, folder, ckpt, kwargs, torch_dtype, bool(kwargs.get("output_loading_info", False)), subfolder)
+
+
+def _diffusers_load(cls, plan: _Plan):
+    import torch
+    from diffusers.models import modeling_utils as mu
+    from diffusers.models.model_loading_utils import load_model_dict_into_meta
+    import accelerate
+
+    kwargs = dict(plan.kwargs)
+    for name in (*_DIFFUSERS_NEUTRAL, "output_loading_info", "torch_dtype", "dtype", "subfolder",
+                 "disable_mmap"):
+        kwargs.pop(name, None)
+    passed = {k: kwargs.pop(k) for k in _DIFFUSERS_PASSED if k in kwargs}
+
+    truncate_to = truncation_for(cls)
+    user_agent = {"diffusers": getattr(mu, "__version__", ""), "file_type": "model", "framework": "pytorch",
+                  "model_class": cls.__name__}
+    config, unused_kwargs, _commit = cls.load_config(
+        plan.path, return_unused_kwargs=True, return_commit_hash=True, subfolder=plan.subfolder,
+        user_agent=user_agent, **passed, **kwargs)
+    import copy
+
+    config = copy.deepcopy(config)
+    if config.get("quantization_config") is not None:
+        raise _Fallback()
+    dkey = depth_key(config)
+    ckpt_depth = config.get(dkey) if dkey else None
+    if truncate_to is not None and dkey and dkey not in unused_kwargs and dkey not in kwargs:
+        unused_kwargs[dkey] = truncate_to
+    requested_depth = unused_kwargs.get(dkey) if dkey else None
+
+    keep_in_fp32 = cls._keep_in_fp32_modules
+    if keep_in_fp32 is not None and not isinstance(keep_in_fp32, list):
+        keep_in_fp32 = [keep_in_fp32]
+    keep_in_fp32 = keep_in_fp32 or []
+
+    torch_dtype = plan.torch_dtype
+    dtype_orig = cls._set_default_torch_dtype(torch_dtype) if torch_dtype is not None else None
+    try:
+        with mu.ContextManagers([mu.no_init_weights(), accelerate.init_empty_weights()]):
+            model = cls.from_config(config, **unused_kwargs)
+    finally:
+        if dtype_orig is not None:
+            torch.set_default_dtype(dtype_orig)
+
+    ckpt = plan.ckpt
+    rename: dict[str, str] = {}
+    if ckpt.index_file is None and _has_deprecated_attention_keys(model, ckpt):
+        raise _Fallback()
+    model_sd = model.state_dict()
+    expected = list(model_sd.keys())
+    loaded = set(ckpt.weight_map)
+    kept = [k for k in expected if k in loaded]
+    missing = [k for k in expected if k not in loaded]
+    unexpected = sorted(loaded - set(expected))
+    if cls._keys_to_ignore_on_load_unexpected is not None:
+        for pat in cls._keys_to_ignore_on_load_unexpected:
+            unexpected = [k for k in unexpected if re.search(pat, k) is None]
+
+    on_meta = set(tensors_on_meta(model))
+    missing_meta = [k for k in missing if k in on_meta]
+    if missing_meta:
+        hint = ""
+        if requested_depth is not None and ckpt_depth is not None and requested_depth > ckpt_depth:
+            hint = (f" {cls.__name__} was asked for {dkey}={requested_depth}, but the checkpoint has "
+                    f"{ckpt_depth}: ask for at most {ckpt_depth}.")
+        raise LoadError(
+            f"accel-npu: {plan.folder} has no tensor for {len(missing_meta)} parameter(s) of {cls.__name__}: "
+            f"{_short(missing_meta)}.{hint} (Stock diffusers would leave them on the meta device.)")
+
+    needed_files = validate(ckpt, kept)
+    nbytes = nbytes_of(ckpt, kept)
+    out_bytes = 0
+    for k in kept:
+        t = model_sd[k]
+        dt = t.dtype if torch_dtype is None or not t.is_floating_point() else torch_dtype
+        out_bytes += t.numel() * (torch.empty((), dtype=dt).element_size())
+    del model_sd
+
+    desc = f"Loading {cls.__name__}"
+    with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
+        bar = progress_bar(nbytes, desc, len(needed_files))
+        try:
+            lazy = LazyTensors(ckpt, kept, rename, progress=bar)
+            load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
+                                      keep_in_fp32_modules=keep_in_fp32, unexpected_keys=unexpected)
+        finally:
+            if bar is not None:
+                bar.close()
+    malloc_trim()
+
+    left = tensors_on_meta(model)
+    if left:
+        raise LoadError(f"accel-npu: after loading {plan.folder}, {cls.__name__} still has tensors on the meta "
+                        f"device: {_short(left)}. They are neither in the checkpoint nor created by the "
+                        "model's __init__; this model class cannot be loaded with low_cpu_mem_usage.")
+
+    if unexpected:
+        dropped_layers = _layer_indices(unexpected)
+        truncated = requested_depth is not None and ckpt_depth is not None and requested_depth < ckpt_depth
+        if truncated:
+            log.warning(
+                "accel-npu: %s truncated to %s=%d of %d: read %d tensors (%.1f MB) from %d of %d shard(s); "
+                "skipped %d checkpoint tensors of layers %s (not read).", cls.__name__, dkey, requested_depth,
+                ckpt_depth, len(kept), nbytes / 2**20, len(needed_files), len(ckpt.files), len(unexpected),
+                _ranges(dropped_layers) if dropped_layers else "-")
+        else:
+            log.warning("accel-npu: %d tensor(s) of the checkpoint at %s are not used by %s (not read): %s",
+                        len(unexpected), plan.folder, cls.__name__, _short(unexpected, 5))
+    model.register_to_config(_name_or_path=plan.path)
+    model.eval()
+    if plan.output_loading_info:
+        return model, {"missing_keys": [k for k in missing if k not in on_meta], "unexpected_keys": unexpected,
+                       "mismatched_keys": [], "error_msgs": []}
+    return model
+
+
+def _ranges(nums: list[int]) -> str:
+    if not nums:
+        return ""
+    out, start, prev = [], nums[0], nums[0]
+    for n in nums[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}-{prev}" if start != prev else f"{start}")
+        if n is not None:
+            start = prev = n
+    return ",".join(out)
+
+
+class _Fallback(Exception):
+    """Raised before anything is read when the call should go to the stock implementation."""
+
+
+def _has_deprecated_attention_keys(model, ckpt: Checkpoint) -> bool:
+    paths = [name for name, m in model.named_modules() if getattr(m, "_from_deprecated_attn_block", False)]
+    if not paths:
+        return False
+    old = ("query.", "key.", "value.", "proj_attn.")
+    return any(k.startswith(f"{p}.{o}") for p in paths for o in old for k in ckpt.weight_map)
+
+
+def diffusers_from_pretrained(wrapped, cls, args, kwargs):
+    """The wrapper body (plugins/loading.py): falls back to stock before anything is read."""
+    if cls is None or not isinstance(cls, type):
+        return wrapped(*args, **kwargs)
+    plan = _diffusers_plan(cls, args, kwargs)
+    if plan is None:
+        return _stock_with_slot(wrapped, args, kwargs)
+    try:
+        return _diffusers_load(cls, plan)
+    except _Fallback:
+        return _stock_with_slot(wrapped, args, kwargs)
+
+
+def _stock_with_slot(wrapped, args, kwargs):
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        malloc_trim()
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers PreTrainedModel.from_pretrained
+# ------------------------------------------------------------------------------------------------
+def transformers_from_pretrained(wrapped, cls, args, kwargs):
+    """Stock transformers 5 loading (already lazy per key) plus: ACCEL_NPU_TRUNCATE, a clear error
+    for a depth the checkpoint lacks, load slots, malloc_trim."""
+    if cls is None or not isinstance(cls, type):
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    truncate_to = truncation_for(cls)
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    depth_asked = None
+    if truncate_to is not None and kwargs.get("config") is None:
+        key = "num_hidden_layers"
+        raw = _local_config(path, kwargs.get("subfolder"))
+        if raw is not None:
+            key = depth_key(raw) or key
+        kwargs.setdefault(key, truncate_to)
+    for key in DEPTH_KEYS:
+        if isinstance(kwargs.get(key), int):
+            depth_asked = (key, kwargs[key])
+    user_info = bool(kwargs.get("output_loading_info", False))
+    if depth_asked is not None:
+        kwargs["output_loading_info"] = True
+    nbytes = _local_checkpoint_bytes(path, kwargs.get("subfolder"))
+    quiet = _quiet("transformers.modeling_utils") if depth_asked is not None else contextlib.nullcontext()
+    with load_slot(nbytes or 0, what=f"{cls.__name__} from {path}") if nbytes else contextlib.nullcontext():
+        with quiet:  # its per-key load report; our one line below says what was skipped
+            result = wrapped(*args, **kwargs)
+    malloc_trim()
+    if depth_asked is None:
+        return result
+    model, info = result
+    missing = list(info.get("missing_keys") or [])
+    if missing:
+        raise LoadError(
+            f"accel-npu: {path} has no tensor for {len(missing)} weight(s) of {cls.__name__} built with "
+            f"{depth_asked[0]}={depth_asked[1]}: {_short(missing)}. The checkpoint has fewer layers: ask "
+            "for at most as many as its config.json says (transformers would initialize them randomly).")
+    unexpected = list(info.get("unexpected_keys") or [])
+    if unexpected:
+        layers = _layer_indices(unexpected)
+        log.warning("accel-npu: %s truncated to %s=%d: skipped %d checkpoint tensors of layers %s (not read).",
+                    cls.__name__, depth_asked[0], depth_asked[1], len(unexpected), _ranges(layers) or "-")
+    return (model, info) if user_info else model
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    logger = logging.getLogger(logger_name)
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
+def _local_config(path, subfolder) -> dict | None:
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    cfg = os.path.join(os.fspath(path), subfolder or "", "config.json")
+    try:
+        with open(cfg) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _local_checkpoint_bytes(path, subfolder) -> int | None:
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    folder = os.path.join(os.fspath(path), subfolder or "")
+    if not os.path.isdir(folder):
+        return None
+    total = 0
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                pass
+    return total or None
+
+
+# ------------------------------------------------------------------------------------------------
+# DiffusionPipeline.from_pretrained and accelerate's zero3_init_context_manager
+# ------------------------------------------------------------------------------------------------
+def pipeline_from_pretrained(wrapped, cls, args, kwargs):
+    """Pipeline components are inference towers: load them outside zero.Init, keeping their dtype."""
+    if not _zero3_weakref_set():
+        return wrapped(*args, **kwargs)
+    with outside_zero_init():
+        return wrapped(*args, **kwargs)
+
+
+def _zero3_weakref_set() -> bool:
+    import sys
+
+    ds = sys.modules.get("transformers.integrations.deepspeed")
+    ref = getattr(ds, "_hf_deepspeed_config_weak_ref", None) if ds is not None else None
+    return ref is not None and ref() is not None
+
+
+def zero3_init_context_manager(wrapped, instance, args, kwargs):
+    """``zero3_init_context_manager(enable=False)`` really disables zero.Init (accelerate #3170)."""
+    enable = kwargs.get("enable", args[0] if args else False)
+    inner = wrapped(*args, **kwargs)
+    if enable:
+        return inner
+
+    @contextlib.contextmanager
+    def _disabled():
+        with inner:
+            with outside_zero_init():
+                yield
+
+    return _disabled()

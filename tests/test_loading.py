@@ -1,0 +1,291 @@
+"""Issue 4: truncation before reading, bad input, correct meta-init (parity with stock).
+
+Tiny models from the real diffusers / transformers classes, random weights, saved locally.
+"Stock" is the unwrapped original from the patch ledger, called in this same process.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import tiny_models as tm  # noqa: E402
+
+from accel_npu.activation import activate  # noqa: E402
+from accel_npu.loading import LoadError, tensors_on_meta  # noqa: E402
+from accel_npu.patching import original_of  # noqa: E402
+
+activate()
+QWEN_CLS = pytest.importorskip("diffusers").QwenImageTransformer2DModel
+DIFFUSERS_TARGET = "diffusers.models.modeling_utils:ModelMixin.from_pretrained"
+TRANSFORMERS_TARGET = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
+
+
+def stock(target, cls):
+    original = original_of(target)
+    assert original is not None, f"{target} is not patched"
+    return original.__get__(None, cls)
+
+
+def _save(model, path: Path, dtype=None, shard="60KB"):
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(path), max_shard_size=shard)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        # the field report's situation: a bf16 checkpoint of a deeper DiT, sharded with an index
+        "qwen": _save(tm.randomize(tm.qwen()), root / "qwen", torch.bfloat16),
+        "wan": _save(tm.randomize(tm.wan()), root / "wan"),
+        "cosmos": _save(tm.randomize(tm.cosmos()), root / "cosmos", shard="10GB"),  # single file
+        "llama": _save(tm.randomize(tm.llama()), root / "llama", shard="40KB"),
+    }
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _plain_tensors(model):
+    out = {}
+    for mod_name, module in model.named_modules():
+        for name, v in vars(module).items():
+            if isinstance(v, torch.Tensor) and not name.startswith("_"):
+                out[f"{mod_name}.{name}"] = v
+    return out
+
+
+def assert_identical(ours, ref):
+    sd_o, sd_r = ours.state_dict(), ref.state_dict()
+    assert list(sd_o) == list(sd_r)
+    for k in sd_r:
+        assert sd_o[k].dtype == sd_r[k].dtype, k
+        assert torch.equal(sd_o[k], sd_r[k]), k
+    bo, br = dict(ours.named_buffers()), dict(ref.named_buffers())  # incl. non-persistent
+    assert list(bo) == list(br)
+    for k in br:
+        assert bo[k].dtype == br[k].dtype and torch.equal(bo[k], br[k]), k
+    po, pr = _plain_tensors(ours), _plain_tensors(ref)
+    assert list(po) == list(pr)
+    for k in pr:
+        assert po[k].dtype == pr[k].dtype and torch.equal(po[k], pr[k]), k
+    for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        assert p.requires_grad == q.requires_grad, n
+    assert ours.training == ref.training
+    assert tensors_on_meta(ours) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. meta-init parity
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"torch_dtype": torch.bfloat16}, {"num_layers": 2}], ids=["fp32", "bf16", "trunc"])
+def test_qwen_parity_with_stock(ckpts, kw):
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], **kw)
+    ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), **kw)
+    assert_identical(ours, ref)
+    # QwenEmbedRope.pos_freqs / neg_freqs: plain tensor attributes, real and equal
+    assert not ours.pos_embed.pos_freqs.is_meta and torch.equal(ours.pos_embed.neg_freqs, ref.pos_embed.neg_freqs)
+    inputs = tm.qwen_inputs()
+    dtype = kw.get("torch_dtype", torch.float32)
+    for k in ("hidden_states", "encoder_hidden_states"):
+        inputs[k] = inputs[k].to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(**inputs)[0], ref(**inputs)[0])
+
+
+def test_wan_parity_nonpersistent_rope_buffers(ckpts):
+    from diffusers import WanTransformer3DModel
+
+    for kw in ({}, {"torch_dtype": torch.bfloat16}):
+        ours = WanTransformer3DModel.from_pretrained(ckpts["wan"], **kw)
+        ref = stock(DIFFUSERS_TARGET, WanTransformer3DModel)(str(ckpts["wan"]), **kw)
+        assert "rope.freqs_cos" in dict(ours.named_buffers()) and "rope.freqs_cos" not in ours.state_dict()
+        assert_identical(ours, ref)
+        dt = kw.get("torch_dtype", torch.float32)
+        x = dict(hidden_states=torch.randn(1, 4, 1, 4, 4).to(dt), timestep=torch.tensor([3]),
+                 encoder_hidden_states=torch.randn(1, 5, 32).to(dt), return_dict=False)
+        with torch.no_grad():
+            assert torch.equal(ours(**x)[0], ref(**x)[0])
+
+
+def test_cosmos_parity_keep_in_fp32(ckpts):
+    from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
+
+    ours = CosmosTransformer3DModel.from_pretrained(ckpts["cosmos"], torch_dtype=torch.bfloat16)
+    ref = stock(DIFFUSERS_TARGET, CosmosTransformer3DModel)(str(ckpts["cosmos"]), torch_dtype=torch.bfloat16)
+    assert_identical(ours, ref)
+    assert ours.learnable_pos_embed.pos_emb_t.dtype == torch.float32  # _keep_in_fp32_modules
+    assert ours.transformer_blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    x = dict(hidden_states=torch.randn(1, 4, 1, 8, 8, dtype=torch.bfloat16), timestep=torch.tensor([3.0]),
+             encoder_hidden_states=torch.randn(1, 5, 32, dtype=torch.bfloat16), return_dict=False)
+    with torch.no_grad():
+        assert torch.equal(ours(**x)[0], ref(**x)[0])
+
+
+def test_transformers_tied_embeddings_parity_and_truncation(ckpts, monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([[1, 5, 9, 3]])
+    ours = LlamaForCausalLM.from_pretrained(ckpts["llama"])
+    ref = stock(TRANSFORMERS_TARGET, LlamaForCausalLM)(str(ckpts["llama"]))
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # ties re-tied
+    assert_identical(ours, ref)
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+    # ACCEL_NPU_TRUNCATE for a transformers class == stock with num_hidden_layers=2
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "LlamaForCausalLM:2")
+    short = LlamaForCausalLM.from_pretrained(ckpts["llama"])
+    ref2 = stock(TRANSFORMERS_TARGET, LlamaForCausalLM)(str(ckpts["llama"]), num_hidden_layers=2)
+    assert len(short.model.layers) == 2 and short.config.num_hidden_layers == 2
+    assert short.lm_head.weight is short.model.embed_tokens.weight
+    assert_identical(short, ref2)
+    monkeypatch.delenv("ACCEL_NPU_TRUNCATE")
+
+    # more layers than the checkpoint: stock silently initializes them randomly; we refuse
+    deep = stock(TRANSFORMERS_TARGET, LlamaForCausalLM)(str(ckpts["llama"]), num_hidden_layers=5)
+    assert len(deep.model.layers) == 5  # stock "works", layers 3-4 are random
+    with pytest.raises(LoadError, match=r"num_hidden_layers=5: model\.layers\.3\."):
+        LlamaForCausalLM.from_pretrained(ckpts["llama"], num_hidden_layers=5)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. truncation before reading
+# ------------------------------------------------------------------------------------------------
+def _shards_of(path: Path):
+    index = json.loads((path / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    return index["weight_map"]
+
+
+def test_truncation_opens_only_needed_shards(ckpts, tmp_path, caplog):
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    wm = _shards_of(path)
+    kept_files = {f for k, f in wm.items() if not k.startswith(("transformer_blocks.2.", "transformer_blocks.3."))}
+    dropped_only = sorted(set(wm.values()) - kept_files)
+    assert dropped_only, "fixture should have shards that hold only blocks 2-3"
+    for name in dropped_only:  # make them unreadable garbage: reading them would fail
+        (path / name).write_bytes(b"\0garbage")
+
+    # stock opens every shard, so it fails on the garbage
+    with pytest.raises(Exception):
+        stock(DIFFUSERS_TARGET, QWEN_CLS)(str(path), num_layers=2)
+
+    caplog.set_level(logging.INFO)
+    model = QWEN_CLS.from_pretrained(path, num_layers=2)
+    assert len(model.transformer_blocks) == 2 and model.config.num_layers == 2
+    assert tensors_on_meta(model) == []
+    ours_lines = [r.getMessage() for r in caplog.records if r.name == "accel_npu"]
+    summary = [m for m in ours_lines if "truncated to num_layers=2 of 4" in m]
+    assert len(summary) == 1, ours_lines
+    assert f"of {len(set(wm.values()))} shard(s)" in summary[0] and "layers 2-3 (not read)" in summary[0]
+    # no per-key flood from diffusers
+    flood = [r for r in caplog.records if "were not used when initializing" in r.getMessage()]
+    assert flood == []
+    # identical to the untruncated checkpoint's first two blocks
+    full = QWEN_CLS.from_pretrained(ckpts["qwen"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full.state_dict()[k]), k
+
+
+def test_accel_npu_truncate_env_makes_script_slicing_a_noop(ckpts, monkeypatch):
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2, SomeOtherModel:1")
+    model = QWEN_CLS.from_pretrained(ckpts["qwen"])  # the script asks for the whole model
+    assert len(model.transformer_blocks) == 2
+    blocks = list(model.transformer_blocks)
+    model.transformer_blocks = model.transformer_blocks[:2]  # the field report's own slicing
+    assert list(model.transformer_blocks) == blocks  # same modules: a no-op
+    ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2)
+    assert_identical(model, ref)
+    # the script's explicit depth wins over the environment
+    assert len(QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=3).transformer_blocks) == 3
+
+
+def test_accel_npu_truncate_rejects_nonsense(ckpts, monkeypatch):
+    from accel_npu.errors import ConfigError
+
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel=2")
+    with pytest.raises(ConfigError, match="ClassName:layers"):
+        QWEN_CLS.from_pretrained(ckpts["qwen"])
+
+
+def test_more_layers_than_checkpoint_is_an_error(ckpts):
+    # stock: the extra block stays on meta while the warning says "newly initialized"
+    ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=5)
+    assert "transformer_blocks.4.img_mod.1.weight" in tensors_on_meta(ref)
+    with pytest.raises(LoadError, match=r"transformer_blocks\.4\..*num_layers=5.*has 4"):
+        QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=5)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. bad input: one error naming file and key, nothing returned
+# ------------------------------------------------------------------------------------------------
+def _needed_shard(path: Path, key="transformer_blocks.0.img_mod.1.weight") -> str:
+    return _shards_of(path)[key]
+
+
+def test_truncated_shard_names_file_and_key(ckpts, tmp_path):
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    shard = path / _needed_shard(path)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])  # an interrupted download
+    with pytest.raises(LoadError) as exc:
+        QWEN_CLS.from_pretrained(path)
+    msg = str(exc.value)
+    assert str(shard) in msg and "truncated" in msg and "key '" in msg
+
+
+def test_corrupt_header_names_file(ckpts, tmp_path):
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    shard = path / _needed_shard(path)
+    data = bytearray(shard.read_bytes())
+    data[8:20] = b"not json at "
+    shard.write_bytes(bytes(data))
+    with pytest.raises(LoadError, match=f"{shard}.*not a readable safetensors file"):
+        QWEN_CLS.from_pretrained(path)
+
+
+def test_missing_shard_names_file_and_key(ckpts, tmp_path):
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    shard = path / _needed_shard(path)
+    shard.unlink()
+    with pytest.raises(LoadError, match=f"shard {shard} named in .* is missing .*should hold '"):
+        QWEN_CLS.from_pretrained(path)
+
+
+def test_index_naming_a_key_no_shard_has(ckpts, tmp_path):
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    index_file = path / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key = "transformer_blocks.1.attn.to_q.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][key])
+    index["weight_map"][key] = wrong
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(LoadError, match=f"key '{key}' is in {path / wrong}.*no such tensor"):
+        QWEN_CLS.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# pass-through: calls we do not improve reach stock unchanged
+# ------------------------------------------------------------------------------------------------
+def test_unsupported_calls_go_to_stock(ckpts, tmp_path):
+    # device_map is stock's business
+    m = QWEN_CLS.from_pretrained(ckpts["qwen"], device_map="cpu")
+    assert len(m.transformer_blocks) == 4
+    # a non-existent local path: stock's own error, not ours
+    with pytest.raises(Exception) as exc:
+        QWEN_CLS.from_pretrained(str(tmp_path / "nope"), local_files_only=True)
+    assert not isinstance(exc.value, LoadError)
