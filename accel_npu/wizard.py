@@ -454,6 +454,8 @@ def render_accelerate_yaml(s: Settings, deepspeed_file: str | None, header: str 
             continue
         entry = f"{key}: {_scalar(value)}"
         comment = _DIST_COMMENTS.get(value) if key == "distributed_type" else _YAML_COMMENTS.get(key)
+        if key == "use_cpu" and s.backend == "cpu" and s.uses_deepspeed:
+            comment = "false with DeepSpeed: accel-npu's cpu backend starts the gloo ranks"
         lines.append(f"{entry.ljust(width)}  # {comment}" if comment else entry)
     return "\n".join(lines) + "\n"
 
@@ -637,3 +639,79 @@ __all__ = [
     "Settings", "Machine", "detect_machine", "default_settings", "problems", "validate", "render",
     "settings_from_files", "resolve_template", "default_config_file", "write_files", "replace",
 ]
+
+
+# -- launch_configs/ ---------------------------------------------------------------------------------
+_DS_NOTES_2 = """\
+{json} (JSON has no comments, so they are here):
+  overlap_comm, contiguous_gradients: overlap gradient reduction with compute (~10 % per step on 910B)
+  reduce_bucket_size, allgather_bucket_size {bucket}: {bucket_why}
+  train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps "auto":
+    taken from your script (DataLoader batch size, Accelerator(gradient_accumulation_steps=...))
+  bf16 enabled: precision is declared there only (no mixed_precision in this YAML: pitfall 7.10)"""
+_DS_NOTES_3 = _DS_NOTES_2 + """
+  stage3_prefetch_bucket_size {bucket}: parameters fetched ahead per step
+  stage3_param_persistence_threshold 1e6: tensors under 1M elements (norms, biases) stay whole on
+    every rank: far fewer all-gathers
+  stage3_max_live_parameters, stage3_max_reuse_distance 1e9: a wide prefetch window, fewer re-gathers
+  stage3_gather_16bit_weights_on_model_save true: accelerator.save_model / get_state_dict can
+    export a bf16 copy (a collective: call it on every rank)"""
+
+_NPU_BUCKET = ("5e8", "large buckets suit 910B's HCCS links (~56 GB/s); lower to 1e8 if HCCL "
+                      "times out (pitfall 7.12)")
+_CPU_BUCKET_WHY = ("5e7", "smaller than the NPU files' 5e8 so the buckets fit a laptop's memory")
+
+TEMPLATES: dict[str, tuple[Settings, str]] = {
+    "npu_zero2": (
+        Settings(backend="npu", processes_per_machine=8, strategy="zero2", mixed_precision="bf16"),
+        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-2, bf16 (field report 001, section 4.1).\n"
+        "ZeRO-2 shards optimizer states and gradients; parameters stay whole: the least intrusive ZeRO,\n"
+        "fastest per step, for debugging and quick runs.\n" + _DS_NOTES_2),
+    "npu_zero3": (
+        Settings(backend="npu", processes_per_machine=8, strategy="zero3", mixed_precision="bf16"),
+        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-3, bf16 (field report 001, section 4.2).\n"
+        "ZeRO-3 shards parameters too: larger models and batches per NPU (the report's production run).\n"
+        + _DS_NOTES_3),
+    "npu_multinode_zero3": (
+        Settings(backend="npu", num_machines=2, processes_per_machine=8, main_process_ip="10.0.0.1",
+                 main_process_port=29500, strategy="zero3", mixed_precision="bf16"),
+        "Ascend NPU: TEMPLATE for 2 machines x 8 NPUs, DeepSpeed ZeRO-3, bf16.\n"
+        "EDIT main_process_ip (machine rank 0's address) and num_machines / num_processes (total).\n"
+        "Run on every machine: accelerate launch --config_file THIS --machine_rank N train.py\n"
+        "(N = 0 on the main machine). Same files, same paths on all machines.\n" + _DS_NOTES_3),
+    "cpu_zero2": (
+        Settings(backend="cpu", processes_per_machine=2, strategy="zero2", mixed_precision="bf16"),
+        "CPU debugging twin of npu_zero2: 2 CPU ranks over gloo, DeepSpeed ZeRO-2, bf16. Runs on any\n"
+        "laptop: debug the distributed path of a training script before it reaches the NPUs.\n"
+        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_2),
+    "cpu_zero3": (
+        Settings(backend="cpu", processes_per_machine=2, strategy="zero3", mixed_precision="bf16"),
+        "CPU debugging twin of npu_zero3: 2 CPU ranks over gloo, DeepSpeed ZeRO-3, bf16. Runs on any\n"
+        "laptop: debug the distributed path of a training script before it reaches the NPUs.\n"
+        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_3),
+    "cpu_multinode_zero3": (
+        Settings(backend="cpu", num_machines=2, processes_per_machine=1, main_process_ip="127.0.0.1",
+                 main_process_port=29500, strategy="zero3", mixed_precision="bf16"),
+        "CPU debugging twin of npu_multinode_zero3: two 'machines' on this one, 1 CPU rank each,\n"
+        "DeepSpeed ZeRO-3, bf16. Start both (two terminals):\n"
+        "  accelerate launch --config_file THIS --machine_rank 0 train.py\n"
+        "  accelerate launch --config_file THIS --machine_rank 1 train.py\n" + _DS_NOTES_3),
+}
+
+
+def template_files(directory: Path) -> dict[Path, str]:
+    """Every file of launch_configs/ as generated from :data:`TEMPLATES`."""
+    out: dict[Path, str] = {}
+    for name, (settings, header) in TEMPLATES.items():
+        s = replace(settings, npu_env=npu_tuning_defaults() if settings.backend == "npu" else {})
+        bucket, why = _CPU_BUCKET_WHY if s.backend == "cpu" else _NPU_BUCKET
+        text = header.format(json=name + DEEPSPEED_SUFFIX, bucket=bucket, bucket_why=why)
+        out.update(render(s, Path(directory) / f"{name}.yaml", relative_paths=True, header=text))
+    return out
+
+
+def write_templates(directory: str | Path) -> None:
+    """Regenerate launch_configs/ (``python -c "from accel_npu.wizard import write_templates;
+    write_templates('launch_configs')"``)."""
+    for path, text in template_files(Path(directory)).items():
+        path.write_text(text)
