@@ -6,14 +6,22 @@ through :func:`patch`.
 """
 from __future__ import annotations
 
-import pluggy
+# Only the standard library at import time: torch imports this package inside `import torch`
+# (the torch.backends entry point), before our own error handling can run.
 
 __version__ = "0.1.0"
 
 PROJECT_NAME = "accel_npu"
 
-#: Decorator for hook implementations: ``@accel_npu.hookimpl``.
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+def __getattr__(name: str):
+    if name == "hookimpl":
+        import pluggy
+
+        marker = pluggy.HookimplMarker(PROJECT_NAME)
+        globals()["hookimpl"] = marker
+        return marker
+    raise AttributeError(f"module 'accel_npu' has no attribute {name!r}")
 
 
 def patch() -> None:

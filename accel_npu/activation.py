@@ -32,10 +32,12 @@ def activate(strict: bool = False) -> bool:
         try:
             _activate()
             _activated = True
-        except Exception:
+        except Exception as exc:
             if strict:
                 raise
-            log.warning("accel-npu: activation failed; continuing without it", exc_info=True)
+            log.warning("accel-npu: disabled in this process, activation failed: %s: %s "
+                        "(ACCEL_NPU_TRACE=1 shows the traceback)", type(exc).__name__, exc,
+                        exc_info=environment.flag("ACCEL_NPU_TRACE"))
             return False
     return True
 

@@ -1,6 +1,7 @@
 """``accel-npu env``: everything a bug report needs, as text or --json."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import json
@@ -100,7 +101,10 @@ def render(report: dict) -> str:
 
 
 def run(args) -> int:
-    report = collect(import_targets=not args.no_import)
+    # Libraries print to stdout while importing (DeepSpeed's accelerator banner); keep
+    # stdout for the report alone so --json output parses.
+    with contextlib.redirect_stdout(sys.stderr):
+        report = collect(import_targets=not args.no_import)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:

@@ -1,0 +1,116 @@
+"""Activation inside `import torch`, the opt-outs, broken and third-party plugins — in fresh processes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.launch_utils import REPO, base_env
+
+PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
+
+PROBE = r'''
+import json, sys, inspect
+import torch
+import accel_npu, wrapt
+import accelerate.state as st
+from accel_npu.patching import get_ledger
+wrapped = isinstance(inspect.getattr_static(st.PartialState, "_prepare_backend"), wrapt.FunctionWrapper)
+print("RESULT " + json.dumps({"active": accel_npu.is_active(), "prepare_backend_wrapped": wrapped,
+      "applied": sorted(p.target for p in get_ledger().patches if p.applied)}))
+'''
+
+
+def probe(**env):
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=base_env(**env), capture_output=True,
+                          text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[7:]), proc
+
+
+def test_import_torch_alone_activates():
+    result, _ = probe()
+    assert result["active"] and result["prepare_backend_wrapped"]
+    assert "accelerate.state:PartialState._prepare_backend" in result["applied"]
+
+
+def test_disable_activates_nothing():
+    result, _ = probe(ACCEL_NPU_DISABLE="1")
+    assert result == {"active": False, "prepare_backend_wrapped": False, "applied": []}
+
+
+def test_disabled_plugins_block_by_name_and_star():
+    result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="cpu")
+    assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
+    result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="*")
+    assert result["applied"] == []
+
+
+def test_trace_logs_patch_applications():
+    _, proc = probe(ACCEL_NPU_TRACE="1")
+    assert "[accel-npu trace] patch accelerate.state:PartialState._prepare_backend (cpu): applied" in proc.stderr
+
+
+def test_activation_never_breaks_import_torch(tmp_path):
+    # A broken accel-npu core (here: pluggy made unimportable) must leave `import torch` working.
+    (tmp_path / "pluggy.py").write_text("raise ImportError('pluggy is broken')\n")
+    env = base_env(PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", "import torch; print('torch ok', torch.ones(1).item())"],
+                          env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0 and "torch ok 1.0" in proc.stdout, proc.stderr
+    assert "accel-npu: disabled in this process" in proc.stderr
+
+
+def test_top_level_plugins_import_fails_loudly():
+    proc = subprocess.run([sys.executable, "-c", "import plugins"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=base_env())
+    assert proc.returncode != 0
+    assert "import them as 'accel_npu.plugins'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def installed_test_plugin(tmp_path_factory):
+    """accel-npu-testplugin, really pip-installed (into a target dir put on PYTHONPATH)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(PLUGIN_DIST)], check=True, timeout=300,
+                   capture_output=True)
+    return target
+
+
+def env_json(target, **env):
+    proc = subprocess.run([sys.executable, "-m", "accel_npu", "env", "--json"],
+                          env=base_env(PYTHONPATH=str(target), **env), capture_output=True, text=True,
+                          timeout=180, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), proc
+
+
+def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
+    report, proc = env_json(installed_test_plugin)
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert plugins["testplugin"]["status"] == "loaded"
+    assert plugins["testplugin"]["source"] == "entry point (accel-npu-testplugin)"
+    assert plugins["testplugin"]["version"] == "0.3.1"
+    patch = next(p for p in report["patches"] if p["target"] == "accel_npu_testplugin.greeting:horizon")
+    assert patch["status"] == "applied" and patch["plugin"] == "testplugin"
+    assert report["sections"]["Test plugin"] == {"hello": "from accel-npu-testplugin"}
+    # The broken plugin is reported by name and skipped; everything else still works.
+    assert plugins["brokenplugin"]["status"].startswith("failed: RuntimeError: this plugin is broken")
+    assert "plugin 'brokenplugin'" in proc.stderr
+
+    run = [sys.executable, "-c", "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))"]
+    fixed = subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin)), capture_output=True,
+                           text=True, timeout=120, cwd="/")
+    assert fixed.stdout.strip() == "8", fixed.stderr
+
+    blocked, _ = env_json(installed_test_plugin, ACCEL_NPU_DISABLED_PLUGINS="testplugin")
+    plugins = {p["name"]: p for p in blocked["plugins"]}
+    assert plugins["testplugin"]["status"] == "blocked"
+    assert not any(p["target"].startswith("accel_npu_testplugin") for p in blocked["patches"])
+    unfixed = subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin),
+                                               ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
+                             capture_output=True, text=True, timeout=120, cwd="/")
+    assert unfixed.stdout.strip() == "16", unfixed.stderr
