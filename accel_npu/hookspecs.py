@@ -20,7 +20,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 
 @hookspec(firstresult=True)
-def accel_npu_select_backend(env: Mapping[str, str]) -> "Backend | None":
+def accel_npu_select_backend(env: Mapping[str, str]) -> Backend | None:
     """Return the device backend for this machine, or None to let the next plugin decide.
 
     Called once per process, lazily, the first time a patch or command needs to know.
@@ -30,7 +30,7 @@ def accel_npu_select_backend(env: Mapping[str, str]) -> "Backend | None":
 
 
 @hookspec
-def accel_npu_register_patches() -> "list[Patch]":
+def accel_npu_register_patches() -> list[Patch]:
     """Return the :class:`accel_npu.patching.Patch` objects this plugin declares.
 
     Called once at activation. Declaring a patch changes nothing: the ledger applies it when
@@ -39,7 +39,7 @@ def accel_npu_register_patches() -> "list[Patch]":
 
 
 @hookspec
-def accel_npu_launch_env(backend: "Backend", env: Mapping[str, str]) -> "Mapping[str, str] | None":
+def accel_npu_launch_env(backend: Backend, env: Mapping[str, str]) -> Mapping[str, str] | None:
     """Return environment defaults for processes a launcher is about to start.
 
     Called in the launcher (``accelerate launch`` / ``torchrun``) before workers start. Values
@@ -49,7 +49,7 @@ def accel_npu_launch_env(backend: "Backend", env: Mapping[str, str]) -> "Mapping
 
 
 @hookspec
-def accel_npu_check_launch(backend: "Backend", num_processes: int, env: Mapping[str, str]) -> None:
+def accel_npu_check_launch(backend: Backend, num_processes: int, env: Mapping[str, str]) -> None:
     """Validate a launch before any worker starts; raise ``accel_npu.errors.LaunchError`` to refuse.
 
     ``num_processes`` is the number of processes this machine will start.
@@ -57,7 +57,7 @@ def accel_npu_check_launch(backend: "Backend", num_processes: int, env: Mapping[
 
 
 @hookspec
-def accel_npu_activate(backend_name: "str | None") -> None:
+def accel_npu_activate(backend_name: str | None) -> None:
     """Called once per process right after the ledger is armed (inside ``import torch``).
 
     Keep it cheap; never import heavy libraries here. ``backend_name`` is the forced backend
@@ -66,12 +66,12 @@ def accel_npu_activate(backend_name: "str | None") -> None:
 
 
 @hookspec
-def accel_npu_env_report(backend: "Backend") -> "tuple[str, dict[str, Any]] | None":
+def accel_npu_env_report(backend: Backend) -> tuple[str, dict[str, Any]] | None:
     """Return one section for ``accel-npu env``: ``(title, {key: value})``, or None."""
 
 
 @hookspec
-def accel_npu_add_commands(subparsers: "argparse._SubParsersAction") -> None:
+def accel_npu_add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add subcommands to the ``accel-npu`` CLI.
 
     Each added parser must ``set_defaults(func=callable)``; ``func(args)`` returns an exit code.
@@ -79,7 +79,7 @@ def accel_npu_add_commands(subparsers: "argparse._SubParsersAction") -> None:
 
 
 @hookspec
-def accel_npu_configure_deepspeed(ds_config: "MutableMapping[str, Any]", source: str) -> None:
+def accel_npu_configure_deepspeed(ds_config: MutableMapping[str, Any], source: str) -> None:
     """Adjust a DeepSpeed config dict in place before DeepSpeed sees it.
 
     ``source`` names where it came from (a file path, or "<script>" for a dict built in code).
