@@ -1,0 +1,51 @@
+"""`accel-npu env` prints exactly the plugins and patches the code declares, and which applied."""
+import json
+import subprocess
+import sys
+
+from tests.launch_utils import BIN, base_env
+
+
+def _declared():
+    from accel_npu.manager import DEFAULT_PLUGINS, get_plugin_manager
+
+    pm = get_plugin_manager()
+    targets = {p.target for impl in pm.hook.accel_npu_register_patches.get_hookimpls()
+               for p in (impl.function() or ())}
+    return {name for name, _ in DEFAULT_PLUGINS}, targets
+
+
+def _run(*args, **env):
+    proc = subprocess.run([str(BIN / "accel-npu"), "env", *args], env=base_env(**env),
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_env_json_lists_exactly_declared_plugins_and_patches():
+    plugins, targets = _declared()
+    report = json.loads(_run("--json"))
+    builtin = {p["name"] for p in report["plugins"] if p["source"] == "builtin"}
+    assert builtin == plugins
+    assert {p["target"] for p in report["patches"]} == targets
+    for p in report["patches"]:
+        assert p["status"] == "applied" or p["status"].startswith("skipped: "), p
+    assert report["backend"]["name"] == "cpu"
+    assert report["activation"]["active in this process"] is True
+    assert set(report["environment"]) >= {"ACCEL_NPU_DISABLE", "ACCEL_NPU_DISABLED_PLUGINS", "ACCEL_NPU_TRACE"}
+    assert report["versions"]["torch"].startswith("2.")
+
+
+def test_env_text_is_pasteable_and_shows_why():
+    _, targets = _declared()
+    text = _run()
+    for target in targets:
+        assert target in text
+    assert "why: " in text and "remove when: " in text and "## Plugins" in text
+
+
+def test_env_when_disabled_says_so():
+    report = json.loads(_run("--json", ACCEL_NPU_DISABLE="1"))
+    assert report["activation"]["disabled (ACCEL_NPU_DISABLE)"] is True
+    assert report["activation"]["active in this process"] is False
+    assert all(p["status"] != "applied" for p in report["patches"])

@@ -1,0 +1,109 @@
+"""The patch ledger's own rules, on a private ledger and a real module."""
+import importlib
+import inspect
+import sys
+
+import pytest
+import wrapt
+
+from accel_npu.patching import NOT_IMPORTED, Patch, PatchLedger
+
+MOD = "tests.fixtures.patch_target"
+
+
+def _times_ten(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) * 10
+
+
+def _shout(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs).upper()
+
+
+def make(target, supports="pytest>=7", wrapper=_times_ten):
+    return Patch(target=f"{MOD}:{target}", supports=supports, reason="test", remove_when="test",
+                 wrapper=wrapper)
+
+
+@pytest.fixture
+def target_module():
+    sys.modules.pop(MOD, None)
+    yield
+    sys.modules.pop(MOD, None)
+
+
+def test_declaring_changes_nothing_until_armed_and_imported(target_module):
+    ledger = PatchLedger()
+    patch = ledger.register(make("add"))
+    assert patch.status == NOT_IMPORTED
+    mod = importlib.import_module(MOD)
+    assert mod.add(1, 2) == 3 and patch.status == NOT_IMPORTED  # not armed: nothing happens
+    ledger.arm()
+    assert mod.add(1, 2) == 30 and patch.status == "applied"
+    ledger.unpatch_all()
+    assert mod.add(1, 2) == 3
+
+
+def test_inherited_method_is_removed_again_on_unpatch(target_module):
+    ledger = PatchLedger()
+    ledger.register(make("Child.who", wrapper=_shout))
+    ledger.arm()
+    mod = importlib.import_module(MOD)
+    assert mod.Child().who() == "BASE" and mod.Base().who() == "base"
+    assert "who" in vars(mod.Child)
+    ledger.unpatch_all()
+    assert "who" not in vars(mod.Child) and mod.Child().who() == "base"
+
+
+def test_classmethod_keeps_its_binding(target_module):
+    mod = importlib.import_module(MOD)
+    original = inspect.getattr_static(mod.Child, "make")
+    ledger = PatchLedger()
+    calls = []
+
+    def spy(wrapped, instance, args, kwargs):
+        calls.append(instance)
+        return wrapped(*args, **kwargs)
+
+    ledger.register(make("Child.make", wrapper=spy))
+    ledger.arm()
+    assert isinstance(mod.Child.make(), mod.Child) and calls == [mod.Child]
+    ledger.unpatch_all()
+    assert inspect.getattr_static(mod.Child, "make") is original
+
+
+@pytest.mark.parametrize("supports,reason", [
+    ("pytest>=99", "outside the supported range"),
+    ("no-such-distribution>=1", "no-such-distribution is not installed"),
+    ("pytest >=>= 1", "unreadable version range"),
+])
+def test_unknown_version_is_skipped_with_reason_never_raised(target_module, supports, reason):
+    ledger = PatchLedger()
+    patch = ledger.register(make("add", supports=supports))
+    ledger.arm()
+    mod = importlib.import_module(MOD)
+    assert patch.status.startswith("skipped: ") and reason in patch.status
+    assert mod.add(1, 2) == 3
+
+
+def test_missing_attribute_is_skipped(target_module):
+    ledger = PatchLedger()
+    patch = ledger.register(make("Child.no_such_method"))
+    ledger.arm()
+    importlib.import_module(MOD)
+    assert patch.status.startswith("skipped: Child.no_such_method not found")
+
+
+def test_target_must_name_module_and_attribute():
+    with pytest.raises(ValueError, match="module:qualified.name"):
+        Patch(target="tests.fixtures.patch_target.add", supports="x", reason="", remove_when="", wrapper=_times_ten)
+
+
+def test_apply_twice_wraps_once(target_module):
+    ledger = PatchLedger()
+    patch = ledger.register(make("add"))
+    ledger.arm()
+    mod = importlib.import_module(MOD)
+    ledger.apply(patch)
+    ledger.arm()
+    assert mod.add(1, 2) == 30
+    assert not isinstance(mod.add.__wrapped__, wrapt.FunctionWrapper)
