@@ -11,6 +11,7 @@ import sys
 BUILTIN_COMMANDS = (
     "accel_npu.cli.env",
     "accel_npu.cli.config",
+    "accel_npu.cli.consolidate",
 )
 
 
