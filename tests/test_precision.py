@@ -1,0 +1,177 @@
+"""Issue 3 items 1, 2, 6 in-process: autocast("cuda") remap, fused AdamW fallback, bf16 .numpy().
+
+Each test shows stock behaviour beside ours: `stock()` unpatches the ledger (every original object
+is back, identical) for the duration of the block, then re-arms it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import accel_npu
+from accel_npu.plugins import precision
+
+
+@pytest.fixture(autouse=True)
+def active():
+    accel_npu.patch()
+    precision._logged.clear()
+    yield
+    accel_npu.patch()
+
+
+@contextlib.contextmanager
+def stock():
+    accel_npu.unpatch()
+    try:
+        yield
+    finally:
+        accel_npu.patch()
+
+
+def _linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3), torch.randn(2, 4)
+
+
+SPELLINGS = {
+    "torch.autocast('cuda')": lambda dt: torch.autocast("cuda", dtype=dt),
+    "torch.amp.autocast(device_type='cuda')": lambda dt: torch.amp.autocast(device_type="cuda", dtype=dt),
+    "torch.cuda.amp.autocast()": lambda dt: torch.cuda.amp.autocast(dtype=dt),
+}
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_autocast_cuda_runs_on_active_device_with_requested_dtype(spelling):
+    assert not torch.cuda.is_available()
+    lin, x = _linear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp.autocast is deprecated
+        with SPELLINGS[spelling](torch.bfloat16):
+            ours = lin(x)
+        with stock(), pytest.warns(UserWarning, match="Disabling autocast"):
+            with SPELLINGS[spelling](torch.bfloat16):
+                theirs = lin(x)
+    assert ours.dtype == torch.bfloat16  # autocast really ran, on cpu
+    assert theirs.dtype == torch.float32  # stock: silently fp32
+
+
+def test_autocast_as_decorator_and_default_dtype():
+    lin, x = _linear()
+
+    @torch.autocast("cuda", dtype=torch.bfloat16)
+    def forward(t):
+        return lin(t)
+
+    assert forward(x).dtype == torch.bfloat16
+    with torch.autocast("cuda"):  # no dtype: CUDA's default autocast dtype, as on a GPU
+        assert lin(x).dtype == torch.get_autocast_dtype("cuda") == torch.float16
+
+
+def test_autocast_remap_is_logged_once(caplog):
+    lin, x = _linear()
+    with caplog.at_level(logging.WARNING, logger="accel_npu"):
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                lin(x)
+    lines = [r.getMessage() for r in caplog.records if "torch.autocast('cuda'" in r.getMessage()]
+    assert lines == ["accel-npu: torch.autocast('cuda', dtype=bfloat16) runs as torch.autocast('cpu', "
+                     "dtype=bfloat16) (no CUDA here; stock torch would disable autocast and run fp32)"]
+
+
+def test_autocast_passes_through_where_cuda_is_available(monkeypatch):
+    # On a CUDA machine the wrapper must hand "cuda" to torch untouched.
+    seen = {}
+    monkeypatch.setattr(precision, "_cuda_available", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+    seen["device"] = ctx.device
+    assert seen == {"device": "cuda"}
+
+
+def test_other_autocast_devices_untouched():
+    lin, x = _linear()
+    with torch.autocast("cpu", dtype=torch.bfloat16) as ctx:
+        assert lin(x).dtype == torch.bfloat16
+    assert ctx.device == "cpu"
+
+
+# -- bf16 .numpy() (pitfall 7.7) --------------------------------------------------------------------
+def test_bf16_numpy_returns_float32_with_one_warning():
+    t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="bfloat16") as record:
+        a = t.numpy()
+        b = t.cpu().numpy()
+        c = np.asarray(t)
+    assert len([w for w in record if "bfloat16" in str(w.message)]) == 1
+    for arr in (a, b, c):
+        assert arr.dtype == np.float32
+        assert arr.tolist() == [1.5, -2.25, 3.0]
+    with stock(), pytest.raises(TypeError, match="Got unsupported ScalarType BFloat16"):
+        t.numpy()
+
+
+def test_numpy_other_dtypes_untouched_and_zero_copy():
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        t = torch.zeros(3, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            arr = t.numpy()
+        arr[0] = 7  # shares memory, as before
+        assert t[0].item() == 7
+        assert arr.dtype == torch.empty(0, dtype=dtype).numpy().dtype
+    with pytest.raises(RuntimeError, match="requires grad"):  # semantics kept
+        torch.zeros(2, dtype=torch.bfloat16, requires_grad=True).numpy()
+
+
+# -- fused AdamW (field report 001, 3.1③) -------------------------------------------------------------
+def _complex_param():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))
+    p.grad = torch.randn(5, dtype=torch.complex64)
+    return p
+
+
+def test_fused_adamw_falls_back_to_foreach_where_torch_rejects_it():
+    ref = _complex_param()
+    torch.optim.AdamW([ref], lr=0.1, foreach=True).step()
+
+    p = _complex_param()
+    with pytest.warns(UserWarning, match=r"AdamW\(fused=True\) is not supported here.*foreach") as record:
+        opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+        opt.step()
+        opt.step()
+    assert len(record) == 1
+    assert opt.param_groups[0]["fused"] is False and opt.param_groups[0]["foreach"] is True
+    assert opt._step_supports_amp_scaling is False  # a GradScaler unscales itself
+    q = _complex_param()
+    opt_ref = torch.optim.AdamW([q], lr=0.1, foreach=True)
+    opt_ref.step()
+    opt_ref.step()
+    assert torch.equal(p.detach(), q.detach())
+
+    s = _complex_param()
+    with stock():
+        opt = torch.optim.AdamW([s], lr=0.1, fused=True)
+        with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point"):
+            opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_on_cpu_left_alone(dtype):
+    p = torch.nn.Parameter(torch.randn(4, dtype=dtype))
+    p.grad = torch.randn(4, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = torch.optim.AdamW([p], fused=True)
+        opt.step()
+    assert opt.param_groups[0]["fused"] is True
+    assert opt._step_supports_amp_scaling is True
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))])
+    assert plain.param_groups[0]["fused"] is None  # no default change off npu
