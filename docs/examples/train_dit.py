@@ -297,6 +297,10 @@ def main(argv=None):
                                   lr=args.learning_rate, weight_decay=1e-2, fused=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     eval_batch = {k: v[: args.train_batch_size] for k, v in next(iter(loader)).items()}
+    towers = accelerator.unwrap_model(model)
+    accelerator.print("frozen towers: " + ", ".join(
+        f"{name} {str(next(getattr(towers, name).parameters()).dtype).replace('torch.', '')}"
+        for name in ("vae", "text_encoder")))
 
     ckpt_root = os.path.join(args.output_dir, "checkpoints")
     history_path = os.path.join(args.output_dir, "loss_history.json")
