@@ -1,3 +1,92 @@
-"""decord on machines without CUDA (issue 3).
+"""decord without CUDA (pitfall 7.11, issue 3).
 
-Work in progress: declares no hooks yet."""
+``decord.VideoReader(path, ctx=decord.gpu(i))`` (also ``VideoLoader`` and ``AVReader``) needs a
+CUDA build of decord and a GPU; on an NPU or CPU machine it fails in the first dataloader step
+with "CUDA not enabled. Requested context GPU(i)". When CUDA is absent the reader decodes on
+``decord.cpu(0)`` instead (logged once). Where CUDA is available nothing changes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from accel_npu import hookimpl
+from accel_npu.patching import Patch
+
+log = logging.getLogger("accel_npu")
+
+_KDLGPU = 2  # DLPack device type of decord.gpu(i)
+_lock = threading.Lock()
+_logged: set = set()
+_cuda: bool | None = None
+
+
+def _cuda_available() -> bool:
+    global _cuda
+    if _cuda is None:
+        import torch
+
+        _cuda = bool(torch.cuda.is_available())
+    return _cuda
+
+
+def _cpu_ctx_for(ctx, what: str):
+    if isinstance(ctx, (list, tuple)):  # VideoLoader takes a list of contexts
+        return type(ctx)(_cpu_ctx_for(c, what) for c in ctx)
+    if getattr(ctx, "device_type", None) != _KDLGPU or _cuda_available():
+        return ctx
+    import decord
+
+    with _lock:
+        first = what not in _logged
+        _logged.add(what)
+    if first:
+        log.warning("accel-npu: decord.%s(ctx=%r) decodes on decord.cpu(0): no CUDA here (decord has no "
+                    "NPU decoder)", what, ctx)
+    return decord.cpu(0)
+
+
+def _with_ctx(position: int, what: str):
+    """A wrapper that swaps a GPU ``ctx`` (positional index ``position`` after self, or keyword)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if "ctx" in kwargs:
+            kwargs["ctx"] = _cpu_ctx_for(kwargs["ctx"], what)
+        elif len(args) > position:
+            args = (*args[:position], _cpu_ctx_for(args[position], what), *args[position + 1:])
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+_REASON = ("Pitfall 7.11: decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. "
+           "Requested context GPU(i)', or 'no CUDA-capable device'); decodes on decord.cpu(0) instead.")
+
+VIDEO_READER = Patch(
+    target="decord.video_reader:VideoReader.__init__",
+    supports="decord>=0.6,<0.7",
+    reason=_REASON.format("VideoReader"),
+    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
+    wrapper=_with_ctx(1, "VideoReader"),
+)
+
+VIDEO_LOADER = Patch(
+    target="decord.video_loader:VideoLoader.__init__",
+    supports="decord>=0.6,<0.7",
+    reason=_REASON.format("VideoLoader"),
+    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
+    wrapper=_with_ctx(1, "VideoLoader"),
+)
+
+AV_READER = Patch(
+    target="decord.av_reader:AVReader.__init__",
+    supports="decord>=0.6,<0.7",
+    reason=_REASON.format("AVReader"),
+    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
+    wrapper=_with_ctx(1, "AVReader"),
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [VIDEO_READER, VIDEO_LOADER, AV_READER]
