@@ -1,0 +1,143 @@
+"""Checkpoint helpers in-process: the bounded rendezvous over a real 2-process gloo group, load-dir
+resolution after interrupted saves, consolidate's refusal of incomplete checkpoints, the CLI.
+
+The end-to-end DeepSpeed runs are in tests/test_checkpoints_dit4dit.py."""
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from accel_npu import checkpointing, environment
+from accel_npu.checkpointing import CheckpointError, CollectiveMisuseError
+
+
+def _worker(rank, port, queue):
+    os.environ["ACCEL_NPU_COLLECTIVE_TIMEOUT"] = "2"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # round 1: every rank calls (twice: the rounds pair up by count)
+        t0 = time.monotonic()
+        checkpointing.rendezvous("get_state_dict")
+        checkpointing.rendezvous("get_state_dict")
+        queue.put((rank, 1, "ok", time.monotonic() - t0))
+        # round 2: only rank 0 calls; rank 1 is busy elsewhere (training on) and never enters
+        if rank == 0:
+            t0 = time.monotonic()
+            try:
+                checkpointing.rendezvous("get_state_dict")
+                queue.put((rank, 2, "ok", time.monotonic() - t0))
+            except CollectiveMisuseError as exc:
+                queue.put((rank, 2, str(exc), time.monotonic() - t0))
+        else:
+            time.sleep(4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rendezvous_pairs_up_all_ranks_and_fails_bounded_on_one_rank_saying_what_to_do():
+    from tests.launch_utils import free_port
+
+    ctx = mp.get_context("fork")  # no re-import of torch per worker
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    out = sorted((queue.get(timeout=5) for _ in range(3)), key=lambda x: (x[1], x[0]))
+    assert [(r, n, s) for r, n, s, _ in out[:2]] == [(0, 1, "ok"), (1, 1, "ok")]
+    assert all(t < 2 for *_, t in out[:2])
+    rank, n, message, seconds = out[2]
+    assert (rank, n) == (0, 2)
+    assert 2 <= seconds < 4
+    assert "only rank(s) [0] entered it; rank(s) [1] did not within 2 s" in message
+    assert "ACCEL_NPU_COLLECTIVE_TIMEOUT" in message and "accelerator.save_state(output_dir)" in message
+
+
+def test_default_timeout_is_30s(monkeypatch):
+    monkeypatch.delenv("ACCEL_NPU_COLLECTIVE_TIMEOUT", raising=False)
+    assert checkpointing.collective_timeout() == 30.0
+    assert environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") == "30"
+
+
+class _Cfg:
+    automatic_checkpoint_naming = False
+
+
+class _Acc:
+    project_configuration = _Cfg()
+    project_dir = "."
+
+
+def _complete(d, files=("pytorch_model/mp_rank_00_model_states.pt", "latest")):
+    d.mkdir(parents=True)
+    sizes = {}
+    for rel in files:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text("x" * 5)
+        sizes[rel] = 5
+    (d / checkpointing.MANIFEST).write_text(json.dumps({"files": sizes, "world_size": 2}))
+
+
+def test_load_dir_recovers_checkpoint_set_aside_by_an_interrupted_swap(tmp_path):
+    final = tmp_path / "ckpt"
+    _complete(tmp_path / ".ckpt.accel-npu-old")
+    assert checkpointing.resolve_load_dir(str(final), _Acc()) == str(tmp_path / ".ckpt.accel-npu-old")
+
+
+def test_load_dir_refuses_incomplete_checkpoint(tmp_path):
+    final = tmp_path / "ckpt"
+    _complete(final)
+    (final / "pytorch_model" / "mp_rank_00_model_states.pt").write_text("xx")
+    (final / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete; missing: pytorch_model/mp_rank_00_model_states.pt "
+                                              r"\(truncated: 2 of 5 bytes\), latest"):
+        checkpointing.resolve_load_dir(str(final), _Acc())
+
+
+def test_automatic_naming_skips_interrupted_saves(tmp_path):
+    class Cfg:
+        automatic_checkpoint_naming = True
+
+    class Acc:
+        project_configuration = Cfg()
+        project_dir = str(tmp_path)
+
+    base = tmp_path / "checkpoints"
+    _complete(base / "checkpoint_1")
+    (base / ".checkpoint_2.accel-npu-partial").mkdir()
+    assert checkpointing.resolve_load_dir(None, Acc()) == str(base / "checkpoint_1")
+
+
+def test_consolidate_refuses_a_save_that_never_finished(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "pytorch_model").mkdir(parents=True)
+    (tmp_path / ".ckpt.accel-npu-partial").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        checkpointing.consolidate(str(ckpt), str(tmp_path / "out"))
+    msg = str(info.value)
+    assert "latest (the save did not finish" in msg and ".ckpt.accel-npu-partial" in msg
+    assert "Nothing was written" in msg and not (tmp_path / "out").exists()
+
+
+def test_consolidate_refuses_non_empty_output(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not empty"):
+        checkpointing.consolidate(str(tmp_path), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "x").read_text() == "keep me"
+
+
+def test_consolidate_command_is_registered(capsys):
+    from accel_npu.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["consolidate", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "CKPT_DIR" in out and "--max-shard-size" in out and "--dtype" in out
