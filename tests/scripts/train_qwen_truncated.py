@@ -1,0 +1,72 @@
+"""The field report's training pattern, scaled down. No accel_npu import (unchanged user script).
+
+Loads the whole QwenImageTransformer2DModel without torch_dtype, keeps the first 2 blocks by
+slicing, trains with Accelerate on a fixed global batch (split across ranks) and prints the
+gathered loss of every step.
+Usage: train_qwen_truncated.py CKPT --steps N [--batch 4] [--keep 2]
+"""
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, set_seed
+from diffusers import QwenImageTransformer2DModel
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("path")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    a = p.parse_args()
+
+    # the same global batch whatever the rank count; the last block's text stream is unused
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True),
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    set_seed(0)
+    model = QwenImageTransformer2DModel.from_pretrained(a.path)
+    before = len(model.transformer_blocks)
+    model.transformer_blocks = model.transformer_blocks[: a.keep]
+    accelerator.print(f"Truncated transformer blocks: {before} -> {len(model.transformer_blocks)}")
+    accelerator.print(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M")
+    model.train()
+    cfg = model.config
+    h = w = 4
+    g = torch.Generator().manual_seed(1234)
+    n = a.batch * a.steps
+    latents = torch.randn(n, h * w, cfg.in_channels, generator=g)
+    text = torch.randn(n, 5, cfg.joint_attention_dim, generator=g)
+    noise = torch.randn(n, h * w, cfg.in_channels, generator=g)
+    t = torch.rand(n, generator=g)
+    data = torch.utils.data.TensorDataset(latents, text, noise, t)
+    loader = torch.utils.data.DataLoader(data, batch_size=a.batch, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for x0, txt, eps, tt in loader:
+        b = x0.shape[0]
+        xt = (1 - tt[:, None, None]) * x0 + tt[:, None, None] * eps
+        pred = model(hidden_states=xt, encoder_hidden_states=txt,
+                     encoder_hidden_states_mask=torch.ones(b, txt.shape[1], dtype=torch.long),
+                     timestep=tt, img_shapes=[[(1, h, w)]] * b, return_dict=False)[0]
+        target = pred.new_tensor(0) + (eps - x0)[..., : pred.shape[-1]]
+        loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    if accelerator.is_main_process:
+        for i in range(9, len(losses), 10):
+            print(f"Step {i + 1}: loss={losses[i]:.4f}")
+    rec = {"rank": accelerator.process_index, "world": accelerator.num_processes, "losses": losses,
+           "blocks": len(accelerator.unwrap_model(model).transformer_blocks), "before": before,
+           "pid": os.getpid()}
+    print("RESULT " + json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
