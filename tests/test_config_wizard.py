@@ -1,0 +1,152 @@
+"""The `accel-npu config` wizard in a real pseudo-terminal: answers typed, files written, and the
+unchanged `accelerate launch` trains tests/scripts/train_tiny.py with them on 2 CPU ranks."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+import yaml
+
+from tests.launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, results
+
+PROMPT_END = r"\]: "
+
+
+def spawn(args: list[str], env: dict[str, str], cwd: Path) -> pexpect.spawn:
+    child = pexpect.spawn(str(BIN / "accel-npu"), ["config", *args], env=env, cwd=str(cwd),
+                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.logfile_read = sys.stdout  # shown by pytest on failure
+    return child
+
+
+def answer(child: pexpect.spawn, question: str, text: str) -> None:
+    """Wait for ``question`` (a regex) and the prompt after it, then type ``text`` and Enter."""
+    child.expect(question + r".*?" + PROMPT_END)
+    child.sendline(text)
+
+
+def printed(proc) -> list[str]:
+    """What printenv printed (DeepSpeed logs to stdout too)."""
+    return [line.strip() for line in proc.stdout.splitlines() if line.strip().isdigit() or line.startswith("Tiny")]
+
+
+def finish(child: pexpect.spawn) -> str:
+    child.expect(pexpect.EOF)
+    child.close()
+    return child.before
+
+
+@pytest.mark.slow
+def test_wizard_zero2_then_accelerate_launch_trains_on_two_cpu_ranks(tmp_path):
+    target = tmp_path / "cfg" / "accelerate.yaml"
+    env = base_env()
+    child = spawn(["--config_file", str(target)], env, tmp_path)
+    child.expect(r"This machine: backend cpu \(no accelerator found\)")
+    answer(child, r"Which device backend will you train on\?.*3\) cpu .*<- detected.*Your choice \[3", "")
+    answer(child, r"How many machines \(nodes\) will train together\? \[1", "")
+    answer(child, r"How many training processes on each machine\?.*\[2", "2")
+    answer(child, r"How should the processes share the training state\?.*2\) zero2.*Your choice \[2", "2")
+    answer(child, r"Mixed precision\? \(declared once, in the DeepSpeed JSON\).*1\) bf16.*2\) no.*Your choice \[1", "")
+    answer(child, r"Micro batch size per device.*\[auto", "")
+    answer(child, r"Gradient accumulation steps.*\[auto", "")
+    answer(child, r"Frozen sub-models.*\[auto", "")
+    answer(child, r"How many ranks per machine may load model weights.*\[auto", "zero")  # invalid: asked again
+    child.expect(r"! load slots must be 'auto' or a whole number >= 1 \(got 'zero'\)")
+    answer(child, r"How many ranks per machine may load model weights.*\[auto", "1")
+    answer(child, r"Truncate models while loading.*\[none", "TinyNet:1")
+    out = finish(child)
+    assert child.exitstatus == 0, out
+    assert "Configuration: DeepSpeed ZeRO-2, bf16, 2 cpu process(es)." in out
+    assert f"Wrote {target}" in out and f"Launch with: accelerate launch --config_file {target} train.py" in out
+
+    ds = json.loads((target.parent / "accelerate.deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    assert "mixed_precision" not in yaml.safe_load(target.read_text())
+
+    # The files are proven by running them: unchanged accelerate launch, unchanged script.
+    run_dir = tmp_path / "elsewhere"
+    run_dir.mkdir()
+    proc = accelerate_launch(["--config_file", str(target), str(SCRIPTS / "train_tiny.py"), "--steps", "3"],
+                             env=base_env(), cwd=run_dir)
+    assert proc.returncode == 0, explain(proc)
+    res = results(proc)
+    assert [r["rank"] for r in res] == [0, 1], explain(proc)
+    assert all(r["num_processes"] == 2 and "DEEPSPEED" in r["distributed_type"] for r in res), res
+    assert res[0]["first_inputs"] != res[1]["first_inputs"]  # each rank got its own data shard
+    assert "launch settings from" in proc.stderr and "ACCEL_NPU_LOAD_SLOTS=1" in proc.stderr
+
+    # The sidecar reaches every training process; a value set in the shell wins over it.
+    proc = accelerate_launch(["--config_file", str(target), "--no_python", "printenv",
+                              "ACCEL_NPU_LOAD_SLOTS", "ACCEL_NPU_TRUNCATE"],
+                             env=base_env(ACCEL_NPU_LOAD_SLOTS="3"), cwd=run_dir)
+    assert proc.returncode == 0, explain(proc)
+    assert sorted(printed(proc)) == ["3", "3", "TinyNet:1", "TinyNet:1"], explain(proc)
+    assert "ACCEL_NPU_TRUNCATE=TinyNet:1; kept from your environment: ACCEL_NPU_LOAD_SLOTS=3" in proc.stderr
+
+
+@pytest.mark.slow
+def test_wizard_zero3_into_accelerates_default_file_then_plain_accelerate_launch_trains(tmp_path):
+    hf_home = tmp_path / "hf"
+    env = base_env(HF_HOME=str(hf_home))
+    child = spawn([], env, tmp_path)
+    answer(child, r"Which device backend.*Your choice \[3", "cpu")
+    answer(child, r"How many machines.*\[1", "1")
+    answer(child, r"How many training processes on each machine\?.*\[2", "")
+    answer(child, r"share the training state\?.*Your choice \[2", "zero3")
+    answer(child, r"ZeRO-3: build models under deepspeed.zero.Init.*\[yes", "no")
+    answer(child, r"Mixed precision\?.*Your choice \[1", "1")
+    answer(child, r"Micro batch size per device.*\[auto", "4")
+    answer(child, r"Gradient accumulation steps.*\[auto", "2")
+    answer(child, r"Frozen sub-models.*\[auto", "")
+    answer(child, r"load model weights.*\[auto", "")
+    answer(child, r"Truncate models while loading.*\[none", "")
+    out = finish(child)
+    assert child.exitstatus == 0, out
+    default_file = hf_home / "accelerate" / "default_config.yaml"
+    assert f"Wrote {default_file}" in out
+    assert "This is accelerate's default config file: a plain `accelerate launch` uses it." in out
+    cfg = yaml.safe_load(default_file.read_text())
+    assert cfg["deepspeed_config"]["zero3_init_flag"] is False and "mixed_precision" not in cfg
+    ds = json.loads((hf_home / "accelerate" / "default_config.deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 2)
+
+    proc = accelerate_launch([str(SCRIPTS / "train_tiny.py"), "--steps", "4"], env=env, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    res = results(proc)
+    assert [r["rank"] for r in res] == [0, 1] and all(r["num_processes"] == 2 for r in res), explain(proc)
+    assert "DEEPSPEED" in res[0]["distributed_type"]
+
+
+def test_wizard_asks_before_replacing_a_file_and_keeps_a_backup(tmp_path):
+    target = tmp_path / "accelerate.yaml"
+    mine = "# hand-written\ndistributed_type: NO\n"
+    target.write_text(mine)
+    flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "2", "--strategy", "zero2", "--mixed-precision", "bf16",
+             "--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto",
+             "--load-slots", "auto", "--truncate", "none", "--config_file", str(target)]
+    child = spawn(flags, base_env(), tmp_path)  # every question answered by a flag: only the overwrite one
+    child.expect(r"These files exist:\r\n  " + str(target).replace(".", r"\."))
+    answer(child, r"Replace them \(each is first copied to <file>\.bak\)\? \[no", "")
+    out = finish(child)
+    assert child.exitstatus == 1 and "Nothing was written." in out
+    assert target.read_text() == mine and sorted(p.name for p in tmp_path.iterdir()) == ["accelerate.yaml"]
+
+    child = spawn(flags, base_env(), tmp_path)
+    answer(child, r"Replace them .*\[no", "y")
+    out = finish(child)
+    assert child.exitstatus == 0, out
+    assert (tmp_path / "accelerate.yaml.bak").read_text() == mine
+    assert yaml.safe_load(target.read_text())["distributed_type"] == "DEEPSPEED"
+
+
+def test_wizard_ctrl_c_writes_nothing(tmp_path):
+    child = spawn(["--config_file", str(tmp_path / "a.yaml")], base_env(), tmp_path)
+    child.expect(r"Which device backend.*Your choice \[3" + PROMPT_END)
+    child.sendintr()
+    out = finish(child)
+    assert child.exitstatus == 130 and "nothing was written" in out
+    assert list(tmp_path.iterdir()) == []
