@@ -1,0 +1,294 @@
+"""Host memory of loading a deep DiT and keeping 2 blocks (issue 4). Prints a table.
+
+Checkpoint: the real ``QwenImageTransformer2DModel`` class, all 60 blocks, width reduced to 1024
+(8 heads x 128) so the bf16 checkpoint is ~4.5 GB, 9 shards + index like the real one. Built once,
+shard by shard (never all in RAM), into ``~/.cache/accel-npu-bench/qwen-image-60x1024`` (outside git).
+
+Cases (each launched with ``torchrun --nproc_per_node N``, N = 1, 2, 3):
+  (a) stock, the field report's pattern: ``from_pretrained(path)`` without torch_dtype, keep 2 blocks
+  (b) stock ``from_pretrained(path, num_layers=2)``
+  (c) (a) unchanged, with accel-npu and ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2``
+  (d) (b) with accel-npu
+Node peak = max over time of the *sum* of RssAnon of all rank processes (sampled from
+/proc/<pid>/status every 20 ms). Page cache (file-backed) is not counted. A case whose predicted
+peak does not fit in this node's MemAvailable is not run (it would be OOM-killed, which is the
+point of (a)); the table says so and gives the estimate from N=1.
+
+Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d] [--cache DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+GB = 1024 ** 3
+MB = 1024 ** 2
+
+CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+              num_attention_heads=8, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+SHARDS = 9
+
+WORKER = r'''
+import json, os, sys, time
+import torch
+torch.set_num_threads(1)
+from diffusers import QwenImageTransformer2DModel
+mode, path = sys.argv[1], sys.argv[2]
+t = time.time()
+if mode == "baseline":
+    model = None
+elif mode == "full_then_slice":            # the field report's pattern
+    model = QwenImageTransformer2DModel.from_pretrained(path)
+    model.transformer_blocks = model.transformer_blocks[:2]
+else:                                      # "num_layers"
+    model = QwenImageTransformer2DModel.from_pretrained(path, num_layers=2)
+secs = time.time() - t
+import gc; gc.collect()
+n = 0 if model is None else sum(p.numel() for p in model.parameters())
+nbytes = 0 if model is None else sum(p.numel() * p.element_size() for p in model.parameters())
+print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "seconds": secs, "params": n,
+                              "param_bytes": nbytes}), flush=True)
+time.sleep(1.0)  # let the sampler see the steady state
+'''
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("ACCEL_NPU_BENCH_CACHE", Path.home() / ".cache" / "accel-npu-bench"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the checkpoint
+# ------------------------------------------------------------------------------------------------
+def build_checkpoint(root: Path) -> Path:
+    path = root / "qwen-image-60x1024"
+    if (path / "diffusion_pytorch_model.safetensors.index.json").exists():
+        return path
+    import accelerate
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    with accelerate.init_empty_weights():
+        meta = QwenImageTransformer2DModel(**CONFIG)
+    meta.save_config(str(tmp))
+    shapes = [(k, tuple(v.shape)) for k, v in meta.state_dict().items()]
+    total = sum(2 * _numel(s) for _, s in shapes)
+    per_shard = total / SHARDS
+    groups, cur, size = [], [], 0
+    for k, s in shapes:
+        cur.append((k, s))
+        size += 2 * _numel(s)
+        if size >= per_shard and len(groups) < SHARDS - 1:
+            groups.append(cur)
+            cur, size = [], 0
+    groups.append(cur)
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for k, s in group:
+            t = torch.randn(s, generator=g) * 0.02
+            tensors[k] = t.to(torch.bfloat16)
+            del t
+            weight_map[k] = name
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        del tensors
+        print(f"  wrote {name}", flush=True)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    tmp.rename(path)
+    return path
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring
+# ------------------------------------------------------------------------------------------------
+def rss_anon(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env: dict) -> dict:
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               ACCEL_NPU_DISABLE="0" if accel else "1", **extra_env)
+    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={n}", "--master_port", str(_free_port()),
+           str(worker), mode, str(ckpt)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = psutil.Process(proc.pid)
+    peak = 0
+    t0 = time.time()
+    while proc.poll() is None:
+        try:
+            ranks = [c.pid for c in parent.children(recursive=True) if str(worker) in " ".join(c.cmdline())]
+        except psutil.Error:
+            ranks = []
+        peak = max(peak, sum(rss_anon(p) for p in ranks))
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    res = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    return {"rc": proc.returncode, "peak": peak, "wall": time.time() - t0, "results": res,
+            "stderr": err[-2000:], "killed": proc.returncode != 0}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_read_seconds(ckpt: Path, keys: list[str]) -> tuple[float, int]:
+    """A raw safe_open read of the given keys (the throughput yardstick for case c)."""
+    from safetensors import safe_open
+
+    index = json.loads((ckpt / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    by_file: dict[str, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(index["weight_map"][k], []).append(k)
+    t = time.time()
+    nbytes = 0
+    for name, ks in sorted(by_file.items()):
+        with safe_open(str(ckpt / name), framework="pt") as f:
+            for k in ks:
+                x = f.get_tensor(k).clone()  # really read it
+                nbytes += x.numel() * x.element_size()
+                del x
+    return time.time() - t, nbytes
+
+
+def kept_keys(ckpt: Path, layers: int = 2) -> list[str]:
+    import accelerate
+    from diffusers import QwenImageTransformer2DModel
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg["num_layers"] = layers
+    with accelerate.init_empty_weights():
+        m = QwenImageTransformer2DModel(**cfg)
+    return list(m.state_dict())
+
+
+CASES = {
+    "a": ("stock: full from_pretrained (no torch_dtype), slice 2", "full_then_slice", False, {}),
+    "b": ("stock: from_pretrained(num_layers=2)", "num_layers", False, {}),
+    "c": ("accel-npu: (a) + ACCEL_NPU_TRUNCATE=...:2", "full_then_slice", True,
+          {"ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"}),
+    "d": ("accel-npu: (b)", "num_layers", True, {}),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ns", default="1,2,3")
+    ap.add_argument("--cases", default="a,b,c,d")
+    ap.add_argument("--cache", default=str(default_cache()))
+    ap.add_argument("--json", default=None, help="also write the measurements here")
+    a = ap.parse_args(argv)
+    ns = [int(x) for x in a.ns.split(",")]
+    cache = Path(a.cache)
+    print(f"checkpoint cache: {cache}", flush=True)
+    ckpt = build_checkpoint(cache)
+    ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    worker = cache / "host_memory_worker.py"
+    worker.write_text(WORKER)
+    keys = kept_keys(ckpt)
+    print(f"checkpoint: {ckpt} ({ckpt_bytes / GB:.2f} GB bf16, 60 blocks)", flush=True)
+
+    base = run_case(worker, "baseline", ckpt, 1, True, {})
+    baseline = base["peak"]
+    rows, per_rank_a = [], None
+    measured: dict = {"baseline": baseline, "checkpoint_bytes": ckpt_bytes, "cases": {}}
+    for case in a.cases.split(","):
+        label, mode, accel, env = CASES[case]
+        for n in ns:
+            if case == "a" and per_rank_a is not None:
+                need = n * per_rank_a
+                if need > 0.85 * mem_available():
+                    rows.append((case, n, label, None, f"not run: needs ~{need / GB:.1f} GiB "
+                                 f"(est. {n} x N=1), {mem_available() / GB:.1f} GiB available", None))
+                    measured["cases"][f"{case}{n}"] = {"estimate": need}
+                    continue
+            r = run_case(worker, mode, ckpt, n, accel, env)
+            secs = max((x["seconds"] for x in r["results"]), default=float("nan"))
+            params = r["results"][0]["param_bytes"] if r["results"] else 0
+            note = "OK" if r["rc"] == 0 else f"FAILED rc={r['rc']}: {r['stderr'][-300:]!r}"
+            rows.append((case, n, label, r["peak"], note, secs))
+            measured["cases"][f"{case}{n}"] = {"peak": r["peak"], "rc": r["rc"], "seconds": secs,
+                                                "param_bytes": params}
+            if case == "a" and n == 1 and r["rc"] == 0:
+                per_rank_a = r["peak"]
+            if case == "c" and n == 1:
+                measured["truncated_bytes"] = params
+            print(f"  ({case}) N={n}: {r['peak'] / MB:,.0f} MB  {secs:.1f} s  {note[:80]}", flush=True)
+
+    raw_s, raw_b = raw_read_seconds(ckpt, keys)
+    measured["raw_read"] = {"seconds": raw_s, "bytes": raw_b}
+    print()
+    print(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
+          f"{ckpt_bytes / GB:.2f} GB bf16")
+    print(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  description / note")
+    for case, n, label, peak, note, secs in rows:
+        p = f"{peak / MB:>10,.0f}" if peak is not None else f"{'-':>10}"
+        s = f"{secs:>7.1f}" if secs is not None else f"{'-':>7}"
+        print(f"({case}) {n:>3}  {p}  {s}  {label}" + ("" if note == "OK" else f"  [{note}]"))
+    trunc = measured.get("truncated_bytes")
+    print()
+    for n in ns:
+        c, a_, b_, d_ = (measured["cases"].get(f"{x}{n}", {}) for x in "cabd")
+        a_peak = a_.get("peak") or a_.get("estimate")
+        if c.get("peak") and a_peak:
+            print(f"N={n}: (a)/(c) = {a_peak / c['peak']:.1f}x (goal >= 10x at N=3)"
+                  + (" [a estimated]" if "estimate" in a_ else ""))
+        if d_.get("peak") and b_.get("peak"):
+            print(f"N={n}: (d)/(b) = {d_['peak'] / b_['peak']:.2f} (goal <= 1.0)")
+        if d_.get("peak") and trunc:
+            bound = 1.2 * (n * (trunc + baseline))
+            print(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
+                  f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}")
+    c1 = measured["cases"].get("c1", {})
+    if c1.get("seconds"):
+        print(f"load throughput: (c) N=1 {raw_b / MB / c1['seconds']:,.0f} MB/s (incl. bf16->fp32 cast) vs raw "
+              f"safe_open read of the same {raw_b / MB:,.0f} MB: {raw_b / MB / raw_s:,.0f} MB/s "
+              f"-> ratio {raw_s / c1['seconds']:.2f} (goal >= 0.8)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(measured, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
