@@ -18,7 +18,13 @@ def check(yaml_path: str) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     cluster = load_config_from_file(yaml_path)
-    args = launch_command_parser().parse_args(["--config_file", yaml_path, "train.py"])
+    # a free port: accelerate refuses a busy one on machine rank 0 (the YAML's port is a template value)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    args = launch_command_parser().parse_args(["--config_file", yaml_path, "--main_process_port", port, "train.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
     out = {"file": yaml_path, "distributed_type": str(cluster.distributed_type.value),
            "num_processes": cluster.num_processes, "num_machines": cluster.num_machines}
