@@ -1,0 +1,18 @@
+"""A launched worker that reports what it was started with (no accelerate, no accel_npu import).
+
+Prints ``RESULT {json}``: rank, the Ascend environment variables, and, when torch_npu imports,
+torch.npu.config.allow_internal_format.
+"""
+import json
+import os
+
+KEYS = ("TASK_QUEUE_ENABLE", "PYTORCH_NPU_ALLOC_CONF", "CPU_AFFINITY_CONF", "HCCL_CONNECT_TIMEOUT",
+        "HCCL_EXEC_TIMEOUT", "DS_ACCELERATOR", "ASCEND_RT_VISIBLE_DEVICES")
+
+rec = {"rank": int(os.environ.get("RANK", "0")), "local_rank": os.environ.get("LOCAL_RANK"),
+       "world_size": os.environ.get("WORLD_SIZE"), "env": {k: os.environ.get(k) for k in KEYS}}
+import torch  # noqa: E402
+import torch_npu  # noqa: E402,F401
+
+rec["allow_internal_format"] = torch.npu.config.allow_internal_format
+print("RESULT " + json.dumps(rec), flush=True)
