@@ -34,8 +34,9 @@ def _arg(args, kwargs, index, name, default=None):
 def _save_state(wrapped, instance, args, kwargs):
     from accel_npu import checkpointing
 
-    if not checkpointing.is_deepspeed(instance):
-        return wrapped(*args, **kwargs)
+    if not checkpointing.is_deepspeed(instance) or any(
+            getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models):
+        return wrapped(*args, **kwargs)  # node-local storage: each node's rank 0 publishes its own
     kwargs = dict(kwargs)
     output_dir = kwargs.pop("output_dir", args[0] if args else None)
     safe = kwargs.pop("safe_serialization", args[1] if len(args) > 1 else True)
