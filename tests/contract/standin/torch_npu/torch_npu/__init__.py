@@ -48,5 +48,11 @@ npu.is_available = lambda: _device_count() > 0
 npu.device_count = _device_count
 npu.config = types.SimpleNamespace(allow_internal_format=True)
 npu.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+# what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend)
+npu.memory_allocated = lambda device=None: 0
+npu.current_device = lambda: 0
+npu.set_device = lambda device: None
+npu.synchronize = lambda device=None: None
+npu.empty_cache = lambda: None
 torch.utils.rename_privateuse1_backend("npu")
 torch._register_device_module("npu", npu)
