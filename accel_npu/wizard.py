@@ -231,6 +231,25 @@ def check_frozen(value: str) -> str | None:
     return None
 
 
+_NPU_ENV_RULES = {
+    "TASK_QUEUE_ENABLE": ({"0", "1", "2"}, "0, 1 or 2"),
+    "CPU_AFFINITY_CONF": ({"0", "1", "2"}, "0, 1 or 2"),
+}
+
+
+def check_npu_env(name: str, value: str) -> str | None:
+    value = str(value).strip()
+    if name in _NPU_ENV_RULES:
+        allowed, text = _NPU_ENV_RULES[name]
+        if value not in allowed:
+            return f"{name} must be {text} (got {value!r})"
+    elif name.startswith("HCCL_") and not (value.isdigit() and int(value) > 0):
+        return f"{name} must be a number of seconds > 0 (got {value!r})"
+    elif name == "PYTORCH_NPU_ALLOC_CONF" and value and ":" not in value:
+        return f"PYTORCH_NPU_ALLOC_CONF must look like key:value[,key:value] (got {value!r})"
+    return None
+
+
 def problems(s: Settings, machine: Machine) -> list[str]:
     """Everything wrong with ``s`` on ``machine`` (empty when it can be written)."""
     out: list[str] = []
@@ -288,6 +307,8 @@ def problems(s: Settings, machine: Machine) -> list[str]:
     for msg in (check_truncate(s.truncate), check_frozen(s.frozen_modules)):
         if msg:
             out.append(msg)
+    if s.backend == "npu":
+        out.extend(m for m in (check_npu_env(k, v) for k, v in s.npu_env.items()) if m)
     if s.frozen_modules and not s.uses_deepspeed:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     return out

@@ -104,9 +104,9 @@ def _int_between(low: int, high: int | None, what: str) -> Callable[[str], int]:
     return convert
 
 
-def _checked(check: Callable[[str], str | None]) -> Callable[[str], str]:
+def _checked(check: Callable[[str], str | None], keep_words: bool = False) -> Callable[[str], str]:
     def convert(answer: str) -> str:
-        value = "" if answer.lower() in ("none", "auto", "-") else answer
+        value = answer if keep_words or answer.lower() not in ("none", "auto", "-") else ""
         problem = check(value)
         if problem:
             raise ValueError(problem)
@@ -236,7 +236,8 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
         current = ", ".join(f"{k}={v}" for k, v in s.npu_env.items())
         if not p.confirm(f"Use these Ascend runtime settings? {current}", True):
             for name, meaning in wizard.NPU_TUNING:
-                s.npu_env[name] = p.ask(f"{name} ({meaning})?", s.npu_env.get(name, ""), _optional)
+                s.npu_env[name] = p.ask(f"{name} ({meaning})?", s.npu_env.get(name, ""),
+                                        _checked(lambda v, n=name: wizard.check_npu_env(n, v), keep_words=True))
 
     if s.uses_deepspeed and "frozen_modules" not in given:
         s.frozen_modules = p.ask(

@@ -162,6 +162,8 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
     (["--backend", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be 'auto' or a whole number"),
     (["--backend", "cpu", "--truncate", "QwenImage:two"], "not a comma-separated list of Class:layers pairs"),
     (["--backend", "cpu", "--strategy", "ddp", "--frozen-modules", "vae"], "only applies to ZeRO"),
+    (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
+    (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
 ])
 def test_invalid_combination_is_one_clear_error_and_nothing_written(tmp_path, args, message):
     target = tmp_path / "out" / "accelerate.yaml"
