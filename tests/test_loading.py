@@ -289,3 +289,35 @@ def test_unsupported_calls_go_to_stock(ckpts, tmp_path):
     with pytest.raises(Exception) as exc:
         QWEN_CLS.from_pretrained(str(tmp_path / "nope"), local_files_only=True)
     assert not isinstance(exc.value, LoadError)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. frozen towers: pipeline components load outside zero.Init (in-process half; the accelerate
+#    zero3_init_context_manager half, with stock's failure, is in test_loading_acceptance.py)
+# ------------------------------------------------------------------------------------------------
+def test_pipeline_components_load_outside_zero_init(tmp_path, monkeypatch):
+    from diffusers import DiffusionPipeline
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    class TinyPipeline(DiffusionPipeline):
+        def __init__(self, transformer, text_encoder):
+            super().__init__()
+            self.register_modules(transformer=transformer, text_encoder=text_encoder)
+
+    TinyPipeline(transformer=tm.randomize(tm.qwen()), text_encoder=tm.randomize(tm.llama())).save_pretrained(
+        str(tmp_path / "pipe"))
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2")
+    ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1,
+                            "bf16": {"enabled": True}})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        pipe = TinyPipeline.from_pretrained(tmp_path / "pipe")
+        assert is_deepspeed_zero3_enabled()  # restored afterwards
+    finally:
+        unset_hf_deepspeed_config()
+        del ds
+    p = next(pipe.text_encoder.parameters())
+    assert not hasattr(p, "ds_id") and p.dtype == torch.float32 and p.numel() > 0  # whole, checkpoint dtype
+    assert len(pipe.transformer.transformer_blocks) == 2  # ACCEL_NPU_TRUNCATE reaches pipeline components
+    assert tensors_on_meta(pipe.transformer) == [] and tensors_on_meta(pipe.text_encoder) == []
