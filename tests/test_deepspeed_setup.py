@@ -167,3 +167,32 @@ def test_zero3_inference_mode_eval_between_steps(tmp_path):
     recs = results(ours)
     assert len(recs) == 2 and len(recs[0]["losses"]) == 4
     assert recs[0]["losses"][-1] < recs[0]["losses"][0]
+
+
+def test_configure_deepspeed_hook_sees_every_config_with_its_source(tmp_path, monkeypatch):
+    from accelerate.utils import DeepSpeedPlugin
+
+    from accel_npu import hookimpl
+    from accel_npu.manager import get_plugin_manager
+
+    seen = []
+
+    class TunesBuckets:
+        @hookimpl
+        def accel_npu_configure_deepspeed(self, ds_config, source):
+            seen.append(source)
+            ds_config["zero_optimization"]["reduce_bucket_size"] = 12345
+
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", raising=False)
+    pm = get_plugin_manager()
+    plugin = TunesBuckets()
+    pm.register(plugin, name="tunes-buckets")
+    try:
+        ds = _ds_file(tmp_path, "ds.json", stage=2)
+        from_file = DeepSpeedPlugin(hf_ds_config=ds)
+        from_dict = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}})
+    finally:
+        pm.unregister(plugin)
+    assert seen == [ds, "<script>"]
+    assert from_file.deepspeed_config["zero_optimization"]["reduce_bucket_size"] == 12345
+    assert from_dict.deepspeed_config["zero_optimization"]["reduce_bucket_size"] == 12345
