@@ -203,6 +203,9 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+_held_depth = 0
+
+
 @contextlib.contextmanager
 def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
               timeout: float | None = None) -> Iterator[int | None]:
@@ -212,6 +215,10 @@ def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
     slot (the lock is an OS file lock). Waiting longer than ``ACCEL_NPU_LOAD_TIMEOUT`` raises
     :class:`LoadSlotTimeout` naming the ranks that hold the slots.
     """
+    global _held_depth
+    if _held_depth:  # nested load (a model whose from_pretrained loads sub-models): already holding
+        yield None
+        return
     slots = slot_count(nbytes) if slots is None else slots
     if not slots:
         yield None
@@ -258,9 +265,11 @@ def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
             json.dump(_who(), f)
     except OSError:
         pass
+    _held_depth += 1
     try:
         yield held
     finally:
+        _held_depth -= 1
         locks[held].release()
         malloc_trim()
 

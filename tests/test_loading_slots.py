@@ -45,9 +45,18 @@ def test_slots_serialize_within_a_process(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)
     with load_slot(1, slots=1) as held:
         assert held == 0
-        with pytest.raises(LoadSlotTimeout, match=rf"pid {os.getpid()}"):
+        with load_slot(1, slots=1, timeout=0.3) as nested:  # a nested load does not deadlock
+            assert nested is None
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env={**os.environ, "RANK": "0"},
+                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert holder.stdout.readline().strip() == "HOLDING"
+        with pytest.raises(LoadSlotTimeout, match=rf"rank 0 \(pid {holder.pid} .*holding for"):
             with load_slot(1, slots=1, timeout=0.3):
                 pass
+    finally:
+        holder.kill()
+        holder.wait()
     with load_slot(1, slots=1, timeout=0.3) as again:  # released on exit
         assert again == 0
 
