@@ -32,7 +32,7 @@ class Prompter:
         try:
             return self._read(prompt).strip()
         except EOFError:
-            raise Aborted("input ended") from None
+            raise Aborted("input ended; in scripts use --non-interactive with flags") from None
         except KeyboardInterrupt:
             raise Aborted("interrupted") from None
 

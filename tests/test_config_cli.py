@@ -216,3 +216,9 @@ def test_from_template_starts_from_its_tuned_values(tmp_path):
     proc = config("--non-interactive", "--from", "zero9", "--config_file", str(tmp_path / "x.yaml"))
     assert proc.returncode == 1 and "--from 'zero9': no such template" in proc.stderr
     assert "cpu_zero3" in proc.stderr
+
+
+def test_a_json_config_name_is_refused_before_any_question(tmp_path):
+    proc = config("--config_file", str(tmp_path / "accelerate.json"))  # interactive: refused before asking
+    assert proc.returncode == 1 and "use a name ending in .yaml" in proc.stderr
+    assert "Which device backend" not in proc.stdout and list(tmp_path.iterdir()) == []

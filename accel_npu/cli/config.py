@@ -78,6 +78,12 @@ def run(args) -> int:
     from accel_npu.wizard_ui import Aborted, Prompter, interview
 
     out = sys.stdout
+    target = Path(args.config_file).expanduser() if args.config_file else wizard.default_config_file()
+    is_default = not args.config_file
+    if target.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"--config_file {target}: accel-npu writes an accelerate YAML; use a name ending in "
+                          f".yaml (the DeepSpeed JSON and the launch settings are written beside it). "
+                          f"Nothing was written.")
     machine = wizard.detect_machine()
     base, template = _base_settings(args, machine)
     given = _apply_flags(args, base)
@@ -98,8 +104,6 @@ def run(args) -> int:
         settings = base
     wizard.validate(settings, machine)
 
-    target = Path(args.config_file).expanduser() if args.config_file else wizard.default_config_file()
-    is_default = not args.config_file
     files = wizard.render(settings, target, relative_paths=args.relative_paths)
     changed = [p for p, text in files.items() if p.exists() and p.read_text() != text]
 
