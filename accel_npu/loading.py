@@ -390,9 +390,8 @@ class LazyTensors:
     Shards are visited in order, one open at a time; only the listed keys are read.
     """
 
-    def __init__(self, ckpt: Checkpoint, keys: list[str], rename: dict[str, str] | None = None,
-                 progress=None):
-        self.ckpt, self.keys, self.rename, self.progress = ckpt, keys, rename or {}, progress
+    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None):
+        self.ckpt, self.keys, self.progress = ckpt, keys, progress
         self.read = 0
 
     def __len__(self):
@@ -401,15 +400,12 @@ class LazyTensors:
     def __contains__(self, key):
         return key in self.keys
 
-    def keys_(self):
-        return list(self.keys)
-
     def items(self):
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
         for k in self.keys:
-            by_file.setdefault(self.ckpt.weight_map[self.rename.get(k, k)], []).append(k)
+            by_file.setdefault(self.ckpt.weight_map[k], []).append(k)
         for name in sorted(by_file):
             path = self.ckpt.path(name)
             try:
@@ -418,11 +414,10 @@ class LazyTensors:
                 raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
             with handle as f:
                 for k in by_file[name]:
-                    source = self.rename.get(k, k)
                     try:
-                        tensor = f.get_tensor(source)
+                        tensor = f.get_tensor(k)
                     except Exception as exc:
-                        raise LoadError(f"accel-npu: reading {source!r} from {path} failed: {exc}") from exc
+                        raise LoadError(f"accel-npu: reading {k!r} from {path} failed: {exc}") from exc
                     self.read += tensor.numel() * tensor.element_size()
                     if self.progress is not None:
                         self.progress.update(tensor.numel() * tensor.element_size())
@@ -625,7 +620,6 @@ def _diffusers_load(cls, plan: _Plan):
             torch.set_default_dtype(dtype_orig)
 
     ckpt = plan.ckpt
-    rename: dict[str, str] = {}
     if ckpt.index_file is None and _has_deprecated_attention_keys(model, ckpt):
         raise _Fallback()
     model_sd = model.state_dict()
@@ -662,7 +656,7 @@ def _diffusers_load(cls, plan: _Plan):
     with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
         bar = progress_bar(nbytes, desc, len(needed_files))
         try:
-            lazy = LazyTensors(ckpt, kept, rename, progress=bar)
+            lazy = LazyTensors(ckpt, kept, progress=bar)
             load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
                                       keep_in_fp32_modules=keep_in_fp32, unexpected_keys=unexpected)
         finally:

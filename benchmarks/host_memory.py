@@ -147,7 +147,11 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
                ACCEL_NPU_DISABLE="0" if accel else "1", **extra_env)
     cmd = [str(BIN / "torchrun"), f"--nproc_per_node={n}", "--master_port", str(_free_port()),
            str(worker), mode, str(ckpt)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # output to files, not pipes: stock's per-key warning flood would fill a pipe and block the ranks
+    import tempfile
+
+    out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True)
     parent = psutil.Process(proc.pid)
     peak = 0
     t0 = time.time()
@@ -158,10 +162,16 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
             ranks = []
         peak = max(peak, sum(rss_anon(p) for p in ranks))
         time.sleep(0.02)
-    out, err = proc.communicate()
+    proc.wait()
+    out_f.seek(0)
+    err_f.seek(0)
+    out, err = out_f.read(), err_f.read()
+    summary = [line for line in err.splitlines() if "accel-npu:" in line and "truncated" in line]
+    flood = sum(1 for line in err.splitlines() if "were not used when initializing" in line)
     res = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
     return {"rc": proc.returncode, "peak": peak, "wall": time.time() - t0, "results": res,
-            "stderr": err[-2000:], "killed": proc.returncode != 0}
+            "stderr": err[-2000:], "killed": proc.returncode != 0, "summary": summary[:1],
+            "stderr_bytes": len(err), "unused_key_warnings": flood}
 
 
 def _free_port() -> int:
@@ -249,7 +259,8 @@ def main(argv=None) -> int:
             note = "OK" if r["rc"] == 0 else f"FAILED rc={r['rc']}: {r['stderr'][-300:]!r}"
             rows.append((case, n, label, r["peak"], note, secs))
             measured["cases"][f"{case}{n}"] = {"peak": r["peak"], "rc": r["rc"], "seconds": secs,
-                                                "param_bytes": params}
+                                                "param_bytes": params, "stderr_bytes": r["stderr_bytes"],
+                                                "summary": r["summary"]}
             if case == "a" and n == 1 and r["rc"] == 0:
                 per_rank_a = r["peak"]
             if case == "c" and n == 1:
@@ -261,11 +272,13 @@ def main(argv=None) -> int:
     print()
     print(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
           f"{ckpt_bytes / GB:.2f} GB bf16")
-    print(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  description / note")
+    print(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  {'log KB':>7}  description / note")
     for case, n, label, peak, note, secs in rows:
         p = f"{peak / MB:>10,.0f}" if peak is not None else f"{'-':>10}"
         s = f"{secs:>7.1f}" if secs is not None else f"{'-':>7}"
-        print(f"({case}) {n:>3}  {p}  {s}  {label}" + ("" if note == "OK" else f"  [{note}]"))
+        logkb = measured["cases"].get(f"{case}{n}", {}).get("stderr_bytes")
+        lk = f"{logkb / 1024:>7.0f}" if logkb is not None else f"{'-':>7}"
+        print(f"({case}) {n:>3}  {p}  {s}  {lk}  {label}" + ("" if note == "OK" else f"  [{note}]"))
     trunc = measured.get("truncated_bytes")
     print()
     for n in ns:
@@ -285,6 +298,9 @@ def main(argv=None) -> int:
         print(f"load throughput: (c) N=1 {raw_b / MB / c1['seconds']:,.0f} MB/s (incl. bf16->fp32 cast) vs raw "
               f"safe_open read of the same {raw_b / MB:,.0f} MB: {raw_b / MB / raw_s:,.0f} MB/s "
               f"-> ratio {raw_s / c1['seconds']:.2f} (goal >= 0.8)")
+    for key in ("c1", "d1"):
+        if measured["cases"].get(key, {}).get("summary"):
+            print(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
     if a.json:
         Path(a.json).write_text(json.dumps(measured, indent=2))
     return 0
