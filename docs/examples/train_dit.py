@@ -124,16 +124,27 @@ def build_tiny_models(model_type: str, path: str, seed: int) -> None:
 
 
 def load_components(model_type: str, path: str):
-    from diffusers import (AutoencoderKLQwenImage, AutoencoderKLWan, CosmosTransformer3DModel,
-                           QwenImageTransformer2DModel)
-    from transformers import AutoTokenizer, T5EncoderModel
+    """Load the four components; model_index.json (as in any diffusers pipeline dir) names their classes."""
+    import diffusers
+    import transformers
 
-    transformer_cls = QwenImageTransformer2DModel if model_type == "qwen-image" else CosmosTransformer3DModel
-    vae_cls = AutoencoderKLQwenImage if model_type == "qwen-image" else AutoencoderKLWan
-    transformer = transformer_cls.from_pretrained(path, subfolder="transformer")
-    vae = vae_cls.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
-    text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+    classes = {"transformer": ("diffusers", "QwenImageTransformer2DModel" if model_type == "qwen-image"
+                               else "CosmosTransformer3DModel"),
+               "vae": ("diffusers", "AutoencoderKLQwenImage" if model_type == "qwen-image" else "AutoencoderKLWan"),
+               "text_encoder": ("transformers", "T5EncoderModel"),
+               "tokenizer": ("transformers", "AutoTokenizer")}
+    index = os.path.join(path, "model_index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            for name, entry in json.load(f).items():
+                if name in classes and isinstance(entry, list) and entry[0] in ("diffusers", "transformers"):
+                    classes[name] = tuple(entry)
+    lib = {"diffusers": diffusers, "transformers": transformers}
+    cls = {name: getattr(lib[library], class_name) for name, (library, class_name) in classes.items()}
+    transformer = cls["transformer"].from_pretrained(path, subfolder="transformer")
+    vae = cls["vae"].from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+    text_encoder = cls["text_encoder"].from_pretrained(path, subfolder="text_encoder", dtype=torch.float32)
+    tokenizer = cls["tokenizer"].from_pretrained(path, subfolder="tokenizer")
     return transformer, vae, text_encoder, tokenizer
 
 
@@ -188,7 +199,8 @@ class FlowMatchingDiT(torch.nn.Module):
         mean = torch.tensor(cfg.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(cfg.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
         latents = (latents - mean) / std
-        text = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        text = out.hidden_states[-1]  # T5 encoder or a decoder-only LM (Qwen-Image's) alike
         return latents, text
 
     def denoise(self, noisy, t, text, attention_mask):
@@ -203,8 +215,11 @@ class FlowMatchingDiT(torch.nn.Module):
                                        img_shapes=[[(f, h // 2, w // 2)]] * b, return_dict=False)[0]
                 out = out.view(b, f, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
                 return out.reshape(b, c, f, h, w)
+            extra = {}
+            if self.transformer.config.concat_padding_mask:  # real Cosmos checkpoints (needs torchvision)
+                extra["padding_mask"] = torch.zeros(1, 1, noisy.shape[-2], noisy.shape[-1], device=noisy.device)
             return self.transformer(hidden_states=noisy, timestep=t, encoder_hidden_states=text,
-                                    return_dict=False)[0]
+                                    return_dict=False, **extra)[0]
 
     def forward(self, pixel_values, input_ids, attention_mask, noise=None, t=None):
         latents, text = self.encode(pixel_values, input_ids, attention_mask)
@@ -316,6 +331,9 @@ def main(argv=None):
                       f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, "
                       f"steps {start_step} -> {args.max_steps}")
 
+    if start_step >= args.max_steps:
+        accelerator.print(f"Already trained to step {start_step} (--max_steps {args.max_steps}): nothing to train; "
+                          "pass a larger --max_steps to continue, or a new --output_dir to start over.")
     steps_per_epoch = len(loader)
     progress = tqdm(total=args.max_steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process)
     step, last_time = start_step, time.time()
