@@ -361,6 +361,57 @@ def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
+# safetensors written tensor by tensor (safetensors' save_file first serializes the whole shard
+# into one bytes object: +1 shard of memory)
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+class SafetensorsStream:
+    """Write a .safetensors file whose header is known up front, one tensor at a time, in order."""
+
+    def __init__(self, path: str, specs: list[tuple[str, Any, tuple]], metadata: dict | None = None):
+        import struct
+
+        import torch
+
+        header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+        offset = 0
+        self._order = []
+        for name, dtype, shape in specs:
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[str(dtype).replace("torch.", "")], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((8 - len(raw) % 8) % 8)
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+        self.total = offset
+
+    def write(self, name: str, tensor) -> None:
+        expected, dtype, shape, nbytes = self._order[self._next]
+        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointError(f"internal: wrote {name} {tensor.dtype} {tuple(tensor.shape)}, "
+                                  f"expected {expected} {dtype} {shape}")
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        if nbytes:
+            self._f.write(t.view(__import__("torch").uint8).numpy().data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            self._f.close()
+            raise CheckpointError(f"internal: {len(self._order) - self._next} tensors were not written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+# --------------------------------------------------------------------------------------------
 # save_model under ZeRO-3, one shard at a time
 def streaming_save_model(accelerator, model, save_directory, max_shard_size="10GB", safe_serialization=True):
     """Write the model's 16-bit weights like ``save_model`` does, gathering one shard at a time.
@@ -405,26 +456,48 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
                 os.remove(os.path.join(save_directory, name))
     weight_map = {}
     total = 0
-    for i, keys in enumerate(plan):
-        params = [entries[k] for k in keys if hasattr(entries[k], "ds_id")]
-        shard = {}
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            if main:
-                for k in keys:
-                    shard[k] = entries[k].detach().cpu().clone().contiguous()
-        if main:
-            fname = weights if n == 1 else weights.replace(".", f"-{i + 1:05d}-of-{n:05d}.", 1)
-            path = os.path.join(save_directory, fname)
-            if safe_serialization:
-                from safetensors.torch import save_file
 
-                save_file(shard, path, metadata={"format": "pt"})
+    def nbytes(key):
+        v = entries[key]
+        return int(torch.Size(v.ds_shape if hasattr(v, "ds_shape") else v.shape).numel()) * v.element_size()
+
+    for i, keys in enumerate(plan):
+        fname = weights if n == 1 else weights.replace(".", f"-{i + 1:05d}-of-{n:05d}.", 1)
+        path = os.path.join(save_directory, fname)
+        stream = None
+        if main and safe_serialization:
+            stream = SafetensorsStream(path, [(k, entries[k].dtype, tuple(entries[k].ds_shape if hasattr(
+                entries[k], "ds_shape") else entries[k].shape)) for k in keys])
+        bin_shard = {}
+        # gather a quarter of a shard at a time: the gather's own buffers stay small too
+        sub, sub_bytes = [], 0
+        groups = []
+        for k in keys:
+            if sub and sub_bytes + nbytes(k) > max(limit // 4, 1):
+                groups.append(sub)
+                sub, sub_bytes = [], 0
+            sub.append(k)
+            sub_bytes += nbytes(k)
+        if sub:
+            groups.append(sub)
+        for group in groups:
+            params = [entries[k] for k in group if hasattr(entries[k], "ds_id")]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if main:
+                    for k in group:
+                        if stream is not None:
+                            stream.write(k, entries[k])
+                        else:
+                            bin_shard[k] = entries[k].detach().cpu().clone()
+        if main:
+            if stream is not None:
+                stream.close()
             else:
-                torch.save(shard, path)
-            for k, v in shard.items():
+                torch.save(bin_shard, path)
+            for k in keys:
                 weight_map[k] = fname
-                total += v.numel() * v.element_size()
-        del shard
+                total += nbytes(k)
+        del bin_shard
     if main and n > 1:
         _write_json(os.path.join(save_directory, weights + ".index.json"),
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -572,7 +645,6 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
 
 def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, bar) -> list[str]:
     import torch
-    from safetensors.torch import save_file
 
     def out_dtype(v):
         return torch_dtype if v.dtype.is_floating_point else v.dtype
@@ -593,21 +665,25 @@ def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, b
         size += nbytes
     n = len(plan)
     files, weight_map, total = [], {}, 0
+
+    def out_name(key):
+        return key[len(prefix):] if prefix and key.startswith(prefix) else key
+
     for i, shard_keys in enumerate(plan):
         fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
-        shard = {}
+        stream = SafetensorsStream(os.path.join(directory, fname),
+                                   [(out_name(k), out_dtype(state[k]), tuple(state[k].shape)) for k in shard_keys])
         for key in shard_keys:
             v = state[key]
             t = v.contiguous()
-            t = t.to(out_dtype(t)).contiguous()
-            name = key[len(prefix):] if prefix and key.startswith(prefix) else key
-            shard[name] = t
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
+            t = t.to(out_dtype(t))
+            stream.write(out_name(key), t)
+            weight_map[out_name(key)] = fname
+            del t
             bar.update(int(torch.Size(v.shape).numel()))
-        save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
+        stream.close()
+        total += stream.total
         files.append(fname)
-        del shard
     if n > 1:
         _write_json(os.path.join(directory, f"{stem}.safetensors.index.json"),
                     {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -384,7 +384,10 @@ def rematerialize(tower, attr: str = "") -> str:
             for pid in missing:
                 tensors[pid] = params[pid].data.detach().clone()
     for pid, entries in slots.items():
-        new = torch.nn.Parameter(tensors[pid], requires_grad=False)
+        value = tensors[pid]
+        if pid not in missing:
+            value = _to_load_dtype(tower, entries[0][2], value)
+        new = torch.nn.Parameter(value, requires_grad=False)
         for module, pname, _ in entries:
             module._parameters[pname] = new
     how = "files" if not missing else ("gathered" if not has_files or len(missing) == len(slots) else "files+gathered")
@@ -398,6 +401,31 @@ def rematerialize(tower, attr: str = "") -> str:
                     len(missing), directory or "no local directory recorded",
                     next(iter(tensors.values())).dtype if tensors else "?")
     return how
+
+
+def _to_load_dtype(tower, name: str, tensor):
+    """The dtype from_pretrained would have given this parameter outside zero.Init.
+
+    transformers records the requested (or "auto"-resolved) dtype in ``config.dtype``; modules in
+    ``_keep_in_fp32_modules`` stay fp32 for fp16 loads (``..._strict`` ones for bf16 too).
+    Without a recorded dtype the file's own dtype is kept.
+    """
+    import torch
+
+    if not tensor.is_floating_point():
+        return tensor
+    target = _config_get(tower, "dtype")
+    if isinstance(target, str):
+        target = getattr(torch, target.replace("torch.", ""), None)
+    if not isinstance(target, torch.dtype) or target == tensor.dtype:
+        return tensor
+    parts = name.split(".")
+    strict = set(getattr(tower, "_keep_in_fp32_modules_strict", None) or ())
+    loose = set(getattr(tower, "_keep_in_fp32_modules", None) or ())
+    keep = strict | loose if target == torch.float16 else strict if target == torch.bfloat16 else set()
+    if any(m in parts for m in keep):
+        target = torch.float32
+    return tensor.to(target)
 
 
 def _all_ranks_agree(flag: bool) -> bool:

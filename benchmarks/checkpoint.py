@@ -72,11 +72,20 @@ class Peak:
         return self.peak - self.start
 
 
+def trim() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 # ------------------------------------------------------------------------------------------
 # the worker, started by `accelerate launch` on every rank (no accel_npu import, like a user)
 def worker(a) -> None:
-    import gc
-
     import torch
     from accelerate import Accelerator
 
@@ -116,7 +125,7 @@ def worker(a) -> None:
     accelerator.backward(loss)
     opt.step()
     opt.zero_grad()
-    gc.collect()
+    trim()
     rank = accelerator.process_index
 
     def resident(p):
@@ -130,19 +139,22 @@ def worker(a) -> None:
            "model_bf16_bytes": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                    for p in model.parameters()) * 2}
     if a.measure_saves:
-        with Peak() as p:
-            accelerator.save_state(os.path.join(a.out, "ckpt"))
-        rec["save_state_extra"] = p.extra
-        gc.collect()
-        with Peak() as p:
-            accelerator.save_model(model, os.path.join(a.out, "model"), max_shard_size=f"{a.shard_mb}MB")
-        rec["save_model_extra"] = p.extra
-        gc.collect()
+        # freed memory goes back to the OS before each measurement (glibc keeps it otherwise, and a
+        # later allocation reusing it would not show in RssAnon)
+        trim()
         with Peak() as p:
             sd = accelerator.get_state_dict(model)  # all ranks: the stock gather into rank 0
         rec["get_state_dict_extra"] = p.extra
         del sd
-        gc.collect()
+        trim()
+        with Peak() as p:
+            accelerator.save_state(os.path.join(a.out, "ckpt"))
+        rec["save_state_extra"] = p.extra
+        trim()
+        with Peak() as p:
+            accelerator.save_model(model, os.path.join(a.out, "model"), max_shard_size=f"{a.shard_mb}MB")
+        rec["save_model_extra"] = p.extra
+        trim()
     print("RESULT " + json.dumps(rec), flush=True)
     accelerator.wait_for_everyone()
 

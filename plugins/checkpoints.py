@@ -89,14 +89,18 @@ def _save_model(wrapped, instance, args, kwargs):
     save_directory = _arg(args, kwargs, 1, "save_directory")
     max_shard_size = _arg(args, kwargs, 2, "max_shard_size", "10GB")
     safe = _arg(args, kwargs, 3, "safe_serialization", True)
+    engine = model if hasattr(model, "zero_gather_16bit_weights_on_model_save") else next(
+        (m for m in instance._models if getattr(m, "module", None) is model), None)
+    if engine is None:
+        return wrapped(*args, **kwargs)
     checkpointing.rendezvous("save_model")
-    if not model.zero_gather_16bit_weights_on_model_save():
+    if not engine.zero_gather_16bit_weights_on_model_save():
         _in_save_model = True
         try:
             return wrapped(*args, **kwargs)  # stock raises its explanation
         finally:
             _in_save_model = False
-    checkpointing.streaming_save_model(instance, model, save_directory, max_shard_size, safe)
+    checkpointing.streaming_save_model(instance, engine, save_directory, max_shard_size, safe)
 
 
 def _patch(name, reason, remove_when, wrapper):

@@ -141,3 +141,19 @@ def test_consolidate_command_is_registered(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "CKPT_DIR" in out and "--max-shard-size" in out and "--dtype" in out
+
+
+def test_streamed_safetensors_load_back_identically(tmp_path):
+    from safetensors.torch import load_file
+
+    from accel_npu.checkpointing import SafetensorsStream
+
+    tensors = {"w": torch.randn(3, 4).bfloat16(), "s": torch.tensor(5.0), "empty": torch.zeros(0, 2),
+               "idx": torch.arange(7), "mask": torch.tensor([True, False]), "h": torch.randn(2).half()}
+    stream = SafetensorsStream(str(tmp_path / "x.safetensors"), [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    for k, v in tensors.items():
+        stream.write(k, v)
+    stream.close()
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert set(back) == set(tensors)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
