@@ -150,3 +150,29 @@ def test_wizard_ctrl_c_writes_nothing(tmp_path):
     out = finish(child)
     assert child.exitstatus == 130 and "nothing was written" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
+    """Replays the answers of the session shown in docs/config.md; the terminal must show the same."""
+    from accel_npu.backend import current_backend
+
+    if current_backend().name != "cpu":
+        pytest.skip("the documented session was captured on a machine without an accelerator")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    block = doc.split("```text\n$ accel-npu config\n", 1)[1].split("\n```", 1)[0]
+    answers = [line.rsplit("]: ", 1)[1] for line in block.splitlines() if "]: " in line]
+    env = base_env(HF_HOME=str(tmp_path / "hf"))
+    child = spawn([], env, tmp_path)
+    child.logfile_read = None
+    seen = []
+    for text in answers:
+        child.expect(PROMPT_END)
+        seen.append(child.before + child.after)
+        child.sendline(text)
+    child.expect(pexpect.EOF)
+    seen.append(child.before)
+    child.close()
+    assert child.exitstatus == 0
+    shown = "".join(seen).replace("\r\n", "\n").replace(str(tmp_path / "hf"), "/tmp/demo/hf")
+    assert [line.rstrip() for line in shown.strip("\n").splitlines()] == \
+        [line.rstrip() for line in block.splitlines()]
