@@ -176,3 +176,51 @@ def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
     shown = "".join(seen).replace("\r\n", "\n").replace(str(tmp_path / "hf"), "/tmp/demo/hf")
     assert [line.rstrip() for line in shown.strip("\n").splitlines()] == \
         [line.rstrip() for line in block.splitlines()]
+
+
+def test_wizard_multinode_npu_branches(tmp_path):
+    """Questions that only appear for NPU / several machines / ZeRO offload; invalid answers re-asked."""
+    target = tmp_path / "multi.yaml"
+    child = spawn(["--config_file", str(target)], base_env(), tmp_path)
+    answer(child, r"Which device backend.*Your choice \[3", "npu")
+    answer(child, r"How many machines.*\[1", "2")
+    answer(child, r"Rank of THIS machine \(0 = the main machine, up to 1\)\? \[0", "1")
+    child.expect(r"IP address of the main machine \(rank 0\)\?: ")
+    child.sendline("")
+    child.expect(r"! an answer is needed here")
+    child.expect(r"IP address of the main machine \(rank 0\)\?: ")
+    child.sendline("10.0.0.7")
+    answer(child, r"Port on the main machine\? \[29500", "")
+    answer(child, r"How many training processes on each machine\? \(one per device; no NPU here to check "
+                  r"against\) \[8", "")
+    answer(child, r"share the training state\?.*Your choice \[2", "")
+    answer(child, r"Offload to host \(CPU\) memory\?.*2\) optimizer.*Your choice \[1", "optimizer")
+    answer(child, r"Mixed precision\?.*1\) bf16.*2\) fp16.*3\) no.*Your choice \[1", "")
+    answer(child, r"Micro batch size.*\[auto", "")
+    answer(child, r"Gradient accumulation steps.*\[auto", "")
+    answer(child, r"Use these Ascend runtime settings\? TASK_QUEUE_ENABLE=2, .*\[yes", "no")
+    answer(child, r"TASK_QUEUE_ENABLE \(task queue.*\[2", "5")
+    child.expect(r"! TASK_QUEUE_ENABLE must be 0, 1 or 2 \(got '5'\)")
+    answer(child, r"TASK_QUEUE_ENABLE \(task queue.*\[2", "1")
+    answer(child, r"PYTORCH_NPU_ALLOC_CONF.*\[expandable_segments:True", "")
+    answer(child, r"CPU_AFFINITY_CONF.*\[1", "2")
+    answer(child, r"HCCL_CONNECT_TIMEOUT.*\[1200", "")
+    answer(child, r"HCCL_EXEC_TIMEOUT.*\[1800", "3600")
+    answer(child, r"Frozen sub-models.*\[auto", "vae,text_encoder")
+    answer(child, r"load model weights.*\[auto", "")
+    answer(child, r"Truncate models.*\[none", "")
+    out = finish(child)
+    assert child.exitstatus == 0, out
+    assert "Configuration: DeepSpeed ZeRO-2, bf16, 2 machines x 8 npu process(es), optimizer offloaded to CPU." in out
+    assert "On the other machines: the same files, with --machine_rank N (N = 1..1)." in out
+    cfg = yaml.safe_load(target.read_text())
+    assert (cfg["num_machines"], cfg["num_processes"], cfg["machine_rank"]) == (2, 16, 1)
+    assert (cfg["main_process_ip"], cfg["main_process_port"]) == ("10.0.0.7", 29500)
+    assert cfg["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    ds = json.loads((tmp_path / "multi.deepspeed.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert ds["zero_force_ds_cpu_optimizer"] is False
+    side = yaml.safe_load((tmp_path / "multi.accel-npu.yaml").read_text())
+    assert side["env"] == {"TASK_QUEUE_ENABLE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+                           "CPU_AFFINITY_CONF": "2", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "3600",
+                           "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder"}
