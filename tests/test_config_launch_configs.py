@@ -45,6 +45,24 @@ def test_templates_are_package_data_of_accel_npu_launch_configs():
     assert "accel_npu.launch_configs = *.yaml, *.json, *.md" in setup_cfg
 
 
+def test_a_built_wheel_ships_every_template(tmp_path):
+    """What `pip install accel-npu` gets: a wheel built from a copy of the source tree."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "tests", "benchmarks", "build", "dist", "__pycache__", "*.egg-info"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("accel_npu-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for p in CONFIGS.iterdir():
+        if p.suffix in (".yaml", ".json", ".md"):
+            assert f"accel_npu/launch_configs/{p.name}" in names, p.name
+
+
 def test_every_variant_passes_accelerates_and_deepspeeds_own_parsers():
     """Stock accelerate (accel-npu off) run from launch_configs/ so it finds the relative JSON."""
     yamls = [p.name for p in accelerate_yamls("")]
