@@ -355,6 +355,11 @@ def accel_npu_activate(backend_name):
     import wrapt
 
     install_import_diagnostics()
+    # A mismatched pair is known from metadata alone: say so at startup, even when nothing imports
+    # torch_npu directly (accelerate's is_npu_available() swallows the import error and trains on CPU).
+    problem = pairing_problem()
+    if problem:
+        log.error("accel-npu: %s", problem)
 
     def _on_torch_npu(_module):
         # Field report 000: "Cannot create tensor with internal format" warnings; base format always.

@@ -110,6 +110,10 @@ def test_torch_torch_npu_pairing_mismatch_is_one_clear_error(tmp_path):
     site = make_site(tmp_path, version="2.7.1.post2")
     stock = py("import torch, torch_npu", env_with(site, ACCEL_NPU_DISABLE="1"))
     assert "undefined symbol" in last_line(stock)
+    # known from metadata alone: said once at startup even when nothing imports torch_npu directly
+    quiet = py("import torch", env_with(site))
+    assert quiet.returncode == 0
+    assert quiet.stderr.count("are not a pair") == 1 and "pip install 'torch==2.7.1'" in quiet.stderr, quiet.stderr
     # still an ImportError for code that probes `try: import torch_npu`
     ours = py("import torch\ntry:\n import torch_npu\nexcept ImportError as e:\n print('caught', type(e).__name__)\n raise",
               env_with(site))
