@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -652,13 +652,10 @@ def write_files(files: dict[Path, str]) -> list[tuple[Path, Path | None]]:
     return done
 
 
-def settings_fields() -> list[str]:
-    return [f.name for f in fields(Settings)]
-
-
 __all__ = [
     "Settings", "Machine", "detect_machine", "default_settings", "problems", "validate", "render",
-    "settings_from_files", "resolve_template", "default_config_file", "write_files", "replace",
+    "settings_from_files", "resolve_template", "default_config_file", "write_files", "template_files",
+    "write_templates",
 ]
 
 

@@ -36,13 +36,9 @@ class Prompter:
         except KeyboardInterrupt:
             raise Aborted("interrupted") from None
 
-    def ask(self, question: str, default, convert: Callable[[str], object] = str, hint: str = ""):
+    def ask(self, question: str, default, convert: Callable[[str], object] = str):
         shown = "" if default is None or default == "" else f" [{default}]"
-        if hint:
-            self.say(f"{question}\n  ({hint})")
-            prompt = f"> {shown.strip()}: " if shown else "> "
-        else:
-            prompt = f"{question}{shown}: "
+        prompt = f"{question}{shown}: "
         while True:
             answer = self._input(prompt)
             if not answer:

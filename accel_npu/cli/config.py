@@ -66,9 +66,8 @@ def _apply_flags(args, s) -> set[str]:
         s.npu_env.update({k: str(v) for k, v in npu.items()})
         if len(npu) == len(_NPU_FLAGS) or args.non_interactive:
             given.add("npu_env")
-    if s.strategy == "ddp" or not s.strategy.startswith("zero"):
-        if "offload" not in given:
-            s.offload = "none"
+    if s.strategy == "ddp" and "offload" not in given:
+        s.offload = "none"
     return given
 
 
