@@ -191,15 +191,22 @@ loss = (p * 2).sum()
 scaler.scale(loss).backward()
 before = p.detach().clone()
 scaler.step(opt); scaler.update()
-print("RESULT " + json.dumps({"fused": opt.param_groups[0]["fused"],
+import warnings
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    with torch.autocast("cuda", dtype=torch.bfloat16) as ac:
+        autocast = [ac.device, str(ac.fast_dtype), torch.is_autocast_enabled(ac.device)]
+print("RESULT " + json.dumps({"autocast": autocast, "fused": opt.param_groups[0]["fused"],
       "scaling_into_step": getattr(opt, "_step_supports_amp_scaling", False), "moved": float((p.detach() - before).abs().max())}))
 """
 
 
-def test_adamw_fused_on_npu_without_grad_scale_in_the_fused_step(tmp_path):
+def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step(tmp_path):
     site = make_site(tmp_path)
     ours = results(py(ADAMW_PROBE, env_with(site)))[0]
     stock = results(py(ADAMW_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]
+    assert ours["autocast"] == ["npu", "torch.bfloat16", True]      # item 1 on the npu backend
+    assert stock["autocast"] == ["cuda", "torch.bfloat16", False]    # stock: disabled
     assert ours["fused"] is True and ours["scaling_into_step"] is False
     assert stock["fused"] is None and stock["scaling_into_step"] is False
     # the scaler unscaled the gradient itself: an AdamW step moves each weight by ~lr
