@@ -149,15 +149,11 @@ def _config_checks(wrapped, instance, args, kwargs):
 
 def _set_mixed_precision(wrapped, instance, args, kwargs):
     mixed_precision = kwargs.pop("mixed_precision", args[0] if args else None)
-    ds_source = getattr(instance, "_accel_npu_ds_source", None) or "<DeepSpeedPlugin config>"
-    if isinstance(ds_source, str) and ds_source.startswith("<"):
-        ds_file_like = ds_source
-    else:
-        ds_file_like = str(ds_source)
+    ds_source = str(getattr(instance, "_accel_npu_ds_source", None) or "<DeepSpeedPlugin config>")
     env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
     source = ("ACCELERATE_MIXED_PRECISION (accelerate launch)" if env_mp and env_mp.lower() == str(mixed_precision).lower()
               else "Accelerator(mixed_precision=...)")
-    effective, line = resolve_precision(mixed_precision, source, instance.deepspeed_config, ds_file_like)
+    effective, line = resolve_precision(mixed_precision, source, instance.deepspeed_config, ds_source)
     if line and effective != (mixed_precision or "no"):
         log.warning(line)
     return wrapped(effective)
