@@ -270,29 +270,67 @@ def is_zero_partitioned(module) -> bool:
 
 
 def source_dir(tower, attr: str = "") -> str | None:
-    """The local directory whose weight files ``tower`` was loaded from, or None."""
+    """The local directory whose weight files ``tower`` was loaded from, or None.
+
+    transformers records the path it was given (``config._name_or_path``), not the subfolder:
+    the path itself, then ``path/<attribute name>``, then every subdirectory is tried, and the
+    first whose files hold all of the tower's parameters with the right shapes wins.
+    """
     candidates = []
     recorded = getattr(tower, "_accel_npu_source", None)  # issue 4's loader may record it
     if recorded:
         candidates.append(str(recorded))
     for value in (getattr(tower, "name_or_path", None), _config_get(tower, "_name_or_path")):
-        if value:
+        if value and str(value) not in candidates:
             candidates.append(str(value))
+    roots = []
     for cand in candidates:
-        for d in (cand, os.path.join(cand, attr) if attr else None):
-            if d and os.path.isdir(d) and _weight_files(d):
-                return d
-        if not os.path.isdir(cand):
+        if os.path.isdir(cand):
+            roots.append(cand)
+        else:
             try:  # a hub id already in the local cache
                 from huggingface_hub import snapshot_download
 
-                d = snapshot_download(cand, local_files_only=True)
-                for sub in (d, os.path.join(d, attr) if attr else None):
-                    if sub and _weight_files(sub):
-                        return sub
+                roots.append(snapshot_download(cand, local_files_only=True))
             except Exception:
                 pass
+    shapes = _param_shapes(tower)
+    for root in roots:
+        dirs = [root] + ([os.path.join(root, attr)] if attr else [])
+        try:
+            dirs += [os.path.join(root, d) for d in sorted(os.listdir(root))
+                     if os.path.isdir(os.path.join(root, d)) and d != attr]
+        except OSError:
+            pass
+        for d in dirs:
+            if _weight_files(d) and _holds(tower, d, shapes):
+                return d
     return None
+
+
+def _param_shapes(tower) -> dict[str, tuple]:
+    out = {}
+    for name, p in tower.named_parameters():
+        out[name] = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+    return out
+
+
+def _holds(tower, directory: str, shapes: dict[str, tuple]) -> bool:
+    """Whether the safetensors files of ``directory`` hold every parameter with its shape."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple] = {}
+    try:
+        for path in _weight_files(directory):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    found[key] = tuple(f.get_slice(key).get_shape())
+    except Exception:
+        return False
+    for name, shape in shapes.items():
+        if not any(found.get(k) == shape for k in _candidate_keys(tower, name)):
+            return False
+    return True
 
 
 def _config_get(module, key):

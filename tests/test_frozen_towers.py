@@ -119,3 +119,18 @@ def test_restore_puts_towers_back(no_env):
     towers.restore(m)
     assert [n for n, _ in m.named_parameters()] == before
     assert type(m) is Model
+
+
+def test_source_dir_finds_the_subfolder_transformers_did_not_record(tmp_path):
+    """transformers keeps `config._name_or_path` = the path given, not the subfolder: the files a
+    zero.Init tower is re-materialized from are found by matching parameter names and shapes."""
+    from transformers import T5Config, T5EncoderModel
+
+    small = T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    T5EncoderModel(small).save_pretrained(tmp_path / "repo" / "text_encoder")
+    other = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    T5EncoderModel(other).save_pretrained(tmp_path / "repo" / "a_decoy")  # same keys, other shapes
+    model = T5EncoderModel.from_pretrained(tmp_path / "repo", subfolder="text_encoder")
+    assert model.config._name_or_path == str(tmp_path / "repo")
+    assert towers.source_dir(model, "t5") == str(tmp_path / "repo" / "text_encoder")
+    assert towers.source_dir(model, "text_encoder") == str(tmp_path / "repo" / "text_encoder")

@@ -28,7 +28,7 @@ class DiT4DiT(torch.nn.Module):
         super().__init__()
         self.transformer = CosmosTransformer3DModel.from_pretrained(pretrained, subfolder="transformer")
         self.vae = AutoencoderKLWan.from_pretrained(pretrained, subfolder="vae")
-        self.text_encoder = T5EncoderModel.from_pretrained(os.path.join(pretrained, "text_encoder"))
+        self.text_encoder = T5EncoderModel.from_pretrained(pretrained, subfolder="text_encoder")
         # as in Cosmos25.py: freeze the towers after loading them
         self.vae.requires_grad_(False)
         self.text_encoder.requires_grad_(False)
