@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-import time
+from datetime import timedelta
 from typing import Any
 
 from accel_npu import environment
@@ -100,22 +100,23 @@ def rendezvous(op: str, timeout: float | None = None) -> None:
     n = _counters[op] = _counters.get(op, 0) + 1
     key = f"accel_npu/rendezvous/{op}/{n}"
     store.set(f"{key}/rank{rank}", "1")
-    arrived = store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while arrived < world:
-        if time.monotonic() > deadline:
-            present = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
-            missing = [r for r in range(world) if r not in present]
-            raise CollectiveMisuseError(
-                f"accelerator.{op}() under DeepSpeed ZeRO is a collective, but only rank(s) {present} "
-                f"entered it; rank(s) {missing} did not within {timeout:g} s "
-                f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
-                f"group times out, or gather the whole model into this rank's memory. "
-                f"{_INSTEAD.get(op, '')}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-        arrived = store.add(key, 0)
+    if store.add(key, 1) >= world:
+        store.set(f"{key}/done", "1")  # the last rank to arrive releases the others
+        return
+    try:
+        store.wait([f"{key}/done"], timedelta(seconds=timeout))
+        return
+    except Exception:  # the store's timeout error (its type differs between torch versions)
+        if store.check([f"{key}/done"]):
+            return
+    present = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
+    missing = [r for r in range(world) if r not in present]
+    raise CollectiveMisuseError(
+        f"accelerator.{op}() under DeepSpeed ZeRO is a collective, but only rank(s) {present} "
+        f"entered it; rank(s) {missing} did not within {timeout:g} s "
+        f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
+        f"group times out, or gather the whole model into this rank's memory. "
+        f"{_INSTEAD.get(op, '')}")
 
 
 # --------------------------------------------------------------------------------------------
