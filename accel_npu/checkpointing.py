@@ -307,10 +307,34 @@ def _tag(i: int) -> str:
     return f"{MODEL_NAME}" if i == 0 else f"{MODEL_NAME}_{i}"
 
 
+def _carry_over(final: str, tmp: str) -> None:
+    """Entries of an existing ``final`` that this save did not write (the user's logs, other files)
+    are hard-linked into ``tmp`` so the swap keeps them, as stock save_state would (no data is
+    copied; a crash before the swap leaves them where they were)."""
+    for name in os.listdir(final):
+        src, dst = os.path.join(final, name), os.path.join(tmp, name)
+        if os.path.lexists(dst):
+            continue  # written by this save: the new one wins, as in stock
+        try:
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+            elif os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            else:
+                os.link(src, dst)
+        except OSError:
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+
+
 def _swap_into_place(tmp: str, final: str) -> None:
     old = old_dir(final)
     if os.path.exists(old):
         shutil.rmtree(old)
+    if os.path.isdir(final):
+        _carry_over(final, tmp)
     if os.path.exists(final):
         os.rename(final, old)  # from here until the next rename, resolve_load_dir() recovers `old`
     os.rename(tmp, final)

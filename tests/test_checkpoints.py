@@ -157,3 +157,22 @@ def test_streamed_safetensors_load_back_identically(tmp_path):
     back = load_file(str(tmp_path / "x.safetensors"))
     assert set(back) == set(tensors)
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_swap_keeps_the_users_other_files_and_replaces_the_checkpoint(tmp_path):
+    final = tmp_path / "out"
+    (final / "pytorch_model").mkdir(parents=True)
+    (final / "pytorch_model" / "old_shard.pt").write_text("old")
+    (final / "logs").mkdir()
+    (final / "logs" / "events.out").write_text("tensorboard")
+    (final / "notes.txt").write_text("mine")
+    tmp = tmp_path / ".out.accel-npu-partial"
+    (tmp / "pytorch_model").mkdir(parents=True)
+    (tmp / "pytorch_model" / "new_shard.pt").write_text("new")
+    (tmp / "latest").write_text("pytorch_model")
+    checkpointing._swap_into_place(str(tmp), str(final))
+    assert sorted(os.listdir(final / "pytorch_model")) == ["new_shard.pt"]
+    assert (final / "latest").read_text() == "pytorch_model"
+    assert (final / "logs" / "events.out").read_text() == "tensorboard"
+    assert (final / "notes.txt").read_text() == "mine"
+    assert not tmp.exists() and not (tmp_path / ".out.accel-npu-old").exists()
