@@ -67,7 +67,7 @@ def select_towers(model, names: list[str] | None = None) -> list[str]:
 
     ``names`` (or ACCEL_NPU_FROZEN_MODULES) overrides detection; each must exist and be frozen.
     Auto-detection: children of the model (and of plain container children, which have no
-    ``config``) that are models of their own (they have a ``config``: diffusers/transformers
+    ``config``) that are, or wrap, models of their own (a ``config``: diffusers/transformers
     models, i.e. what ``from_pretrained`` returns) and whose parameters are all frozen. Plain
     frozen layers (an embedding used inside the trained path) stay in the engine: their output
     feeds bf16 layers, so they must be cast like them; name them in the variable to hide them.
@@ -98,7 +98,7 @@ def select_towers(model, names: list[str] | None = None) -> list[str]:
         def visit(module, prefix: str, depth: int) -> None:
             for child_name, child in module.named_children():
                 full = f"{prefix}{child_name}"
-                if _all_frozen(child) and _is_model_like(child):
+                if _all_frozen(child) and any(_is_model_like(m) for m in child.modules()):
                     chosen.append(full)
                 elif depth < 2 and not _is_model_like(child) and _any_trainable(child):
                     visit(child, full + ".", depth + 1)

@@ -47,6 +47,12 @@ def test_auto_detect_takes_frozen_children_not_frozen_leaves_of_trained_models(n
     assert towers.select_towers(m) == ["backbone.vae", "text_encoder"]
 
 
+def test_a_frozen_plain_wrapper_around_a_model_is_a_tower(no_env):
+    m = Model()
+    m.vae_wrapper = torch.nn.Sequential(Tower(torch.nn.Linear(2, 2)))  # e.g. a repo's VAE wrapper class
+    assert towers.select_towers(m) == ["backbone.vae", "text_encoder", "vae_wrapper"]
+
+
 def test_model_like_children_are_not_searched(no_env):
     m = Model()
     m.backbone.config = {"hidden_size": 4}  # a model of its own: its frozen parts run in its dtype
