@@ -69,3 +69,23 @@ def test_blocked_by_name(site):
     assert {p["name"]: p for p in report["plugins"]}["cpu"]["status"] == "loaded"
     unfixed = run(site, [sys.executable, "-m", "dit4dit_mini"], ACCEL_NPU_DISABLED_PLUGINS="dit4dit")
     assert unfixed.returncode != 0 and STOCK_ERROR in unfixed.stderr
+
+
+LAUNCH_ENV_PROBE = """
+from accel_npu.backend import Backend
+from accel_npu.manager import get_plugin_manager
+pm = get_plugin_manager()
+for name in ("npu", "cpu"):
+    backend = Backend(name=name, device_type=name, dist_backend="hccl" if name == "npu" else "gloo")
+    merged = {}
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env={}):
+        merged.update(defaults or {})
+    print(name, merged.get("WANDB_MODE"), merged.get("TASK_QUEUE_ENABLE"))
+"""
+
+
+def test_launch_default_for_ascend_workers(site):
+    """The plugin's accel_npu_launch_env default, called through the plugin manager as the launcher does."""
+    proc = run(site, [sys.executable, "-c", LAUNCH_ENV_PROBE])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["npu offline 2", "cpu None None"]

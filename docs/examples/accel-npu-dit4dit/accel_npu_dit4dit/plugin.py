@@ -49,6 +49,16 @@ def accel_npu_register_patches():
 
 
 @hookimpl
+def accel_npu_launch_env(backend, env):
+    """Field report 001, 5.1: the repo's train_8p.sh exported WANDB_MODE=offline because Ascend training
+    nodes have no internet (wandb.init then hangs). As a launch default the script is not needed;
+    a value in the user's shell still wins (accel-npu applies defaults only where unset)."""
+    if backend.name != "npu":
+        return None
+    return {"WANDB_MODE": "offline"}
+
+
+@hookimpl
 def accel_npu_env_report(backend):
     from importlib.metadata import version
 
