@@ -655,6 +655,7 @@ def _diffusers_load(cls, plan: _Plan):
     desc = f"Loading {cls.__name__}"
     with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
         bar = progress_bar(nbytes, desc, len(needed_files))
+        started = time.perf_counter()
         try:
             lazy = LazyTensors(ckpt, kept, progress=bar)
             load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
@@ -662,6 +663,7 @@ def _diffusers_load(cls, plan: _Plan):
         finally:
             if bar is not None:
                 bar.close()
+        seconds = time.perf_counter() - started
     malloc_trim()
 
     left = tensors_on_meta(model)
@@ -675,9 +677,10 @@ def _diffusers_load(cls, plan: _Plan):
         truncated = requested_depth is not None and ckpt_depth is not None and requested_depth < ckpt_depth
         if truncated:
             log.warning(
-                "accel-npu: %s truncated to %s=%d of %d: read %d tensors (%.1f MB) from %d of %d shard(s); "
-                "skipped %d checkpoint tensors of layers %s (not read).", cls.__name__, dkey, requested_depth,
-                ckpt_depth, len(kept), nbytes / 2**20, len(needed_files), len(ckpt.files), len(unexpected),
+                "accel-npu: %s truncated to %s=%d of %d: read %d tensors (%.1f MB in %.2f s) from %d of %d "
+                "shard(s); skipped %d checkpoint tensors of layers %s (not read).", cls.__name__, dkey,
+                requested_depth, ckpt_depth, len(kept), nbytes / 2**20, seconds, len(needed_files),
+                len(ckpt.files), len(unexpected),
                 _ranges(dropped_layers) if dropped_layers else "-")
         else:
             log.warning("accel-npu: %d tensor(s) of the checkpoint at %s are not used by %s (not read): %s",

@@ -44,6 +44,23 @@ mode, path = sys.argv[1], sys.argv[2]
 t = time.time()
 if mode == "baseline":
     model = None
+elif mode == "raw":                        # the yardstick: safe_open read of the kept tensors only
+    import accelerate
+    from safetensors import safe_open
+    cfg = {k: v for k, v in json.load(open(os.path.join(path, "config.json"))).items() if not k.startswith("_")}
+    cfg["num_layers"] = 2
+    with accelerate.init_empty_weights():
+        keys = list(QwenImageTransformer2DModel(**cfg).state_dict())
+    wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
+    t = time.time()
+    model, got = None, []
+    for name in sorted(set(wm[k] for k in keys)):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            got += [f.get_tensor(k).clone() for k in keys if wm[k] == name]
+    secs = time.time() - t
+    print("RESULT " + json.dumps({"rank": 0, "seconds": secs, "params": 0,
+                                  "param_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
+    sys.exit(0)
 elif mode == "full_then_slice":            # the field report's pattern
     model = QwenImageTransformer2DModel.from_pretrained(path)
     model.transformer_blocks = model.transformer_blocks[:2]
@@ -139,7 +156,29 @@ def mem_available() -> int:
     return 0
 
 
-def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env: dict) -> dict:
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def make_memory_cgroup(limit: int) -> Path | None:
+    """A cgroup-v1 memory cgroup for the launched ranks (None where this machine cannot make one)."""
+    path = CGROUP_V1 / f"accel-npu-bench-{os.getpid()}"
+    try:
+        path.mkdir(exist_ok=True)
+        (path / "memory.limit_in_bytes").write_text(str(limit))
+        return path
+    except OSError:
+        return None
+
+
+def remove_cgroup(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env: dict,
+             cgroup: Path | None = None) -> dict:
     import psutil
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
@@ -151,7 +190,11 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
     import tempfile
 
     out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True)
+    def enter_cgroup():
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    proc = subprocess.Popen(cmd, env=env, stdout=out_f, stderr=err_f, text=True, preexec_fn=enter_cgroup)
     parent = psutil.Process(proc.pid)
     peak = 0
     t0 = time.time()
@@ -182,37 +225,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def raw_read_seconds(ckpt: Path, keys: list[str]) -> tuple[float, int]:
-    """A raw safe_open read of the given keys (the throughput yardstick for case c)."""
-    from safetensors import safe_open
-
-    index = json.loads((ckpt / "diffusion_pytorch_model.safetensors.index.json").read_text())
-    by_file: dict[str, list[str]] = {}
-    for k in keys:
-        by_file.setdefault(index["weight_map"][k], []).append(k)
-    t = time.time()
-    nbytes = 0
-    for name, ks in sorted(by_file.items()):
-        with safe_open(str(ckpt / name), framework="pt") as f:
-            for k in ks:
-                x = f.get_tensor(k).clone()  # really read it
-                nbytes += x.numel() * x.element_size()
-                del x
-    return time.time() - t, nbytes
-
-
-def kept_keys(ckpt: Path, layers: int = 2) -> list[str]:
-    import accelerate
-    from diffusers import QwenImageTransformer2DModel
-
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    cfg["num_layers"] = layers
-    with accelerate.init_empty_weights():
-        m = QwenImageTransformer2DModel(**cfg)
-    return list(m.state_dict())
-
-
 CASES = {
     "a": ("stock: full from_pretrained (no torch_dtype), slice 2", "full_then_slice", False, {}),
     "b": ("stock: from_pretrained(num_layers=2)", "num_layers", False, {}),
@@ -228,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="a,b,c,d")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
+    ap.add_argument("--cgroup-gib", type=float, default=4.0,
+                    help="memory limit for the (a)-vs-(c) run at N=2 in a memory cgroup (0: skip)")
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ns.split(",")]
     cache = Path(a.cache)
@@ -236,14 +250,13 @@ def main(argv=None) -> int:
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     worker = cache / "host_memory_worker.py"
     worker.write_text(WORKER)
-    keys = kept_keys(ckpt)
     print(f"checkpoint: {ckpt} ({ckpt_bytes / GB:.2f} GB bf16, 60 blocks)", flush=True)
 
     base = run_case(worker, "baseline", ckpt, 1, True, {})
     baseline = base["peak"]
     rows, per_rank_a = [], None
     measured: dict = {"baseline": baseline, "checkpoint_bytes": ckpt_bytes, "cases": {}}
-    for case in a.cases.split(","):
+    for case in [c for c in a.cases.split(",") if c]:
         label, mode, accel, env = CASES[case]
         for n in ns:
             if case == "a" and per_rank_a is not None:
@@ -267,7 +280,8 @@ def main(argv=None) -> int:
                 measured["truncated_bytes"] = params
             print(f"  ({case}) N={n}: {r['peak'] / MB:,.0f} MB  {secs:.1f} s  {note[:80]}", flush=True)
 
-    raw_s, raw_b = raw_read_seconds(ckpt, keys)
+    raw = run_case(worker, "raw", ckpt, 1, False, {})  # a fresh process, like the ranks
+    raw_s, raw_b = raw["results"][0]["seconds"], raw["results"][0]["param_bytes"]
     measured["raw_read"] = {"seconds": raw_s, "bytes": raw_b}
     print()
     print(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
@@ -294,13 +308,37 @@ def main(argv=None) -> int:
             print(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
                   f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}")
     c1 = measured["cases"].get("c1", {})
-    if c1.get("seconds"):
-        print(f"load throughput: (c) N=1 {raw_b / MB / c1['seconds']:,.0f} MB/s (incl. bf16->fp32 cast) vs raw "
-              f"safe_open read of the same {raw_b / MB:,.0f} MB: {raw_b / MB / raw_s:,.0f} MB/s "
-              f"-> ratio {raw_s / c1['seconds']:.2f} (goal >= 0.8)")
+    if c1.get("summary"):
+        import re
+
+        m = re.search(r"\(([\d.]+) MB in ([\d.]+) s\)", c1["summary"][0])
+        if m:
+            mat = float(m.group(2))
+            print(f"load throughput: (c) N=1 materialized {float(m.group(1)):,.0f} MB in {mat:.2f} s "
+                  f"({float(m.group(1)) / max(mat, 1e-9):,.0f} MB/s, incl. bf16->fp32 cast) vs raw safe_open read "
+                  f"(fresh process, get_tensor + copy) of the same {raw_b / MB:,.0f} MB: {raw_s:.2f} s ({raw_b / MB / raw_s:,.0f} MB/s) -> ratio "
+                  f"{raw_s / max(mat, 1e-9):.2f} (goal >= 0.8); whole from_pretrained call {c1['seconds']:.2f} s")
     for key in ("c1", "d1"):
         if measured["cases"].get(key, {}).get("summary"):
             print(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
+    if a.cgroup_gib:
+        limit = int(a.cgroup_gib * GB)
+        cg = make_memory_cgroup(limit)
+        if cg is None:
+            print("memory cgroup: cannot create one here (cgroup v1 memory controller not writable); skipped")
+        else:
+            print(f"\nN=2 inside a {a.cgroup_gib:g} GiB memory cgroup (page cache counted, reclaimable):")
+            try:
+                for case in ("a", "c"):
+                    label, mode, accel, env = CASES[case]
+                    r = run_case(worker, mode, ckpt, 2, accel, env, cgroup=cg)
+                    killed = "OOM-killed" if "Signal 9" in r["stderr"] or "-9" in r["stderr"] else ""
+                    status = "completed" if r["rc"] == 0 else f"FAILED rc={r['rc']} {killed}".strip()
+                    print(f"  ({case}) {label}: {status}, node peak {r['peak'] / MB:,.0f} MB")
+                    measured["cgroup"] = {**measured.get("cgroup", {}), case: {"rc": r["rc"], "peak": r["peak"],
+                                                                             "status": status}}
+            finally:
+                remove_cgroup(cg)
     if a.json:
         Path(a.json).write_text(json.dumps(measured, indent=2))
     return 0
