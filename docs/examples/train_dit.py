@@ -30,6 +30,7 @@ import re
 import shutil
 import time
 
+import matplotlib
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -269,9 +270,7 @@ def write_loss_table(history, accelerator):
 
 
 def plot_loss(history, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
