@@ -242,6 +242,9 @@ def test_truncated_shard_names_file_and_key(ckpts, tmp_path):
     shard = path / _needed_shard(path)
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])  # an interrupted download
+    with pytest.raises(OSError) as stock_exc:  # stock names the file, not what is wrong or which key
+        stock(DIFFUSERS_TARGET, QWEN_CLS)(str(path))
+    assert "Unable to load weights" in str(stock_exc.value) and "key" not in str(stock_exc.value)
     with pytest.raises(LoadError) as exc:
         QWEN_CLS.from_pretrained(path)
     msg = str(exc.value)
@@ -267,6 +270,22 @@ def test_missing_shard_names_file_and_key(ckpts, tmp_path):
 
 
 def test_index_naming_a_key_no_shard_has(ckpts, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(ckpts["qwen"], tmp_path / "q")
+    key = "transformer_blocks.1.attn.to_q.weight"
+    shard = path / _shards_of(path)[key]
+    tensors = load_file(str(shard))
+    del tensors[key]  # the index still names it
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    # stock: returns a model with that weight silently left on meta
+    ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(path))
+    assert key in tensors_on_meta(ref)
+    with pytest.raises(LoadError, match=f"key '{key}' is in {shard}.*no such tensor"):
+        QWEN_CLS.from_pretrained(path)
+
+
+def test_index_and_shards_that_disagree(ckpts, tmp_path):
     path = _copy(ckpts["qwen"], tmp_path / "q")
     index_file = path / "diffusion_pytorch_model.safetensors.index.json"
     index = json.loads(index_file.read_text())
@@ -274,7 +293,7 @@ def test_index_naming_a_key_no_shard_has(ckpts, tmp_path):
     wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][key])
     index["weight_map"][key] = wrong
     index_file.write_text(json.dumps(index))
-    with pytest.raises(LoadError, match=f"key '{key}' is in {path / wrong}.*no such tensor"):
+    with pytest.raises(LoadError, match=f"key '{key}' is in {path / wrong}.*do not belong together"):
         QWEN_CLS.from_pretrained(path)
 
 
