@@ -163,6 +163,32 @@ def test_transformers_tied_embeddings_parity_and_truncation(ckpts, monkeypatch):
         LlamaForCausalLM.from_pretrained(ckpts["llama"], num_hidden_layers=5)
 
 
+def test_transformers_truncation_opens_only_needed_shards(tmp_path, caplog):
+    from transformers import LlamaForCausalLM
+
+    intact = _save(tm.randomize(tm.llama(num_hidden_layers=6)), tmp_path / "intact", shard="40KB")
+    path = _copy(intact, tmp_path / "q")
+    wm = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    dropped = tuple(f"model.layers.{i}." for i in range(2, 6))
+    kept_files = {f for k, f in wm.items() if not k.startswith(dropped)}
+    dropped_only = sorted(set(wm.values()) - kept_files)
+    assert dropped_only
+    for name in dropped_only:
+        (path / name).write_bytes(b"\0garbage")
+    with pytest.raises(Exception):  # stock opens every shard
+        stock(TRANSFORMERS_TARGET, LlamaForCausalLM)(str(path), num_hidden_layers=2)
+    ref = stock(TRANSFORMERS_TARGET, LlamaForCausalLM)(str(intact), num_hidden_layers=2)
+    caplog.clear()
+    caplog.set_level(logging.INFO)
+    ours = LlamaForCausalLM.from_pretrained(str(path), num_hidden_layers=2)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert_identical(ours, ref)
+    assert ours.config._name_or_path == str(path)
+    lines = [r.getMessage() for r in caplog.records if "truncated to num_hidden_layers=2" in r.getMessage()]
+    assert len(lines) == 1 and f"of {len(set(wm.values()))} shard(s)" in lines[0] and "layers 2-5" in lines[0]
+    assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]  # no per-key table
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. truncation before reading
 # ------------------------------------------------------------------------------------------------
