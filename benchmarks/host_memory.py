@@ -44,7 +44,7 @@ mode, path = sys.argv[1], sys.argv[2]
 t = time.time()
 if mode == "baseline":
     model = None
-elif mode == "raw":                        # the yardstick: safe_open read of the kept tensors only
+elif mode in ("raw", "raw_fp32"):          # the yardstick: safe_open read of the kept tensors only
     import accelerate
     from safetensors import safe_open
     cfg = {k: v for k, v in json.load(open(os.path.join(path, "config.json"))).items() if not k.startswith("_")}
@@ -56,7 +56,10 @@ elif mode == "raw":                        # the yardstick: safe_open read of th
     model, got = None, []
     for name in sorted(set(wm[k] for k in keys)):
         with safe_open(os.path.join(path, name), framework="pt") as f:
-            got += [f.get_tensor(k).clone() for k in keys if wm[k] == name]
+            if mode == "raw":
+                got += [f.get_tensor(k).clone() for k in keys if wm[k] == name]
+            else:                          # the same read, cast like from_pretrained without torch_dtype
+                got += [f.get_tensor(k).to(torch.float32) for k in keys if wm[k] == name]
     secs = time.time() - t
     print("RESULT " + json.dumps({"rank": 0, "seconds": secs, "params": 0,
                                   "param_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
@@ -282,6 +285,8 @@ def main(argv=None) -> int:
 
     raw = run_case(worker, "raw", ckpt, 1, False, {})  # a fresh process, like the ranks
     raw_s, raw_b = raw["results"][0]["seconds"], raw["results"][0]["param_bytes"]
+    raw32 = run_case(worker, "raw_fp32", ckpt, 1, False, {})
+    raw32_s = raw32["results"][0]["seconds"]
     measured["raw_read"] = {"seconds": raw_s, "bytes": raw_b}
     print()
     print(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
@@ -317,7 +322,8 @@ def main(argv=None) -> int:
             print(f"load throughput: (c) N=1 materialized {float(m.group(1)):,.0f} MB in {mat:.2f} s "
                   f"({float(m.group(1)) / max(mat, 1e-9):,.0f} MB/s, incl. bf16->fp32 cast) vs raw safe_open read "
                   f"(fresh process, get_tensor + copy) of the same {raw_b / MB:,.0f} MB: {raw_s:.2f} s ({raw_b / MB / raw_s:,.0f} MB/s) -> ratio "
-                  f"{raw_s / max(mat, 1e-9):.2f} (goal >= 0.8); whole from_pretrained call {c1['seconds']:.2f} s")
+                  f"{raw_s / max(mat, 1e-9):.2f} (goal >= 0.8); vs the same read cast to fp32: {raw32_s:.2f} s -> "
+                  f"ratio {raw32_s / max(mat, 1e-9):.2f}; whole from_pretrained call {c1['seconds']:.2f} s")
     for key in ("c1", "d1"):
         if measured["cases"].get(key, {}).get("summary"):
             print(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
