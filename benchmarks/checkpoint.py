@@ -155,7 +155,8 @@ def worker(a) -> None:
             accelerator.save_model(model, os.path.join(a.out, "model"), max_shard_size=f"{a.shard_mb}MB")
         rec["save_model_extra"] = p.extra
         trim()
-    print("RESULT " + json.dumps(rec), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(rec) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
     accelerator.wait_for_everyone()
 
 
@@ -174,8 +175,9 @@ def launch(a, tmp: Path, name: str, measure_saves: bool, **env_extra) -> list[di
         f"deepspeed_config:\n  deepspeed_config_file: {d / 'ds.json'}\n  zero3_init_flag: false\n"
         "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: false\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}, **env_extra)
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(d / "acc.yaml"), __file__, "--worker",
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **env_extra)
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(d / "acc.yaml"),
+           "--main_process_port", str(_free_port()), __file__, "--worker",
            "--out", str(d), "--width", str(a.width), "--layers", str(a.layers), "--tower-layers",
            str(a.tower_layers), "--shard-mb", str(a.shard_mb)] + (["--measure-saves"] if measure_saves else [])
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

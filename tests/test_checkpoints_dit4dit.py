@@ -29,8 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
-    zero_config
+from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, write_deepspeed_config, zero_config
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +65,9 @@ def _launch(work: Path, stage: int, name: str, *args: str, disable: bool = False
     yaml = write_deepspeed_config(work / f"cfg_{name}", ds)
     extra = {"ACCEL_NPU_DISABLE": "1"} if disable else {}
     env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT=str(TIMEOUT_S), **extra)
-    return accelerate_launch(["--config_file", str(yaml), str(SCRIPTS / "train_dit4dit.py"),
+    # an explicit rendezvous port: accelerate's DeepSpeed path ignores MASTER_PORT (29500 otherwise)
+    return accelerate_launch(["--config_file", str(yaml), "--main_process_port", env["MASTER_PORT"],
+                              str(SCRIPTS / "train_dit4dit.py"),
                               "--pretrained", str(work / "pretrained"), *args], env=env, timeout=600)
 
 
@@ -84,8 +85,21 @@ def _parallel(*calls):
     return out
 
 
+def _results(proc) -> list[dict]:
+    """Every `RESULT {json}` record, also when two ranks' lines ended up on one line."""
+    out = []
+    decoder = json.JSONDecoder()
+    for line in (proc.stdout + proc.stderr).splitlines():
+        for piece in line.split("RESULT ")[1:]:
+            try:
+                out.append(decoder.raw_decode(piece)[0])
+            except ValueError:
+                pass
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
 def _kind(proc, kind):
-    return [r for r in results(proc) if r.get("kind") == kind]
+    return [r for r in _results(proc) if r.get("kind") == kind]
 
 
 def _files(directory) -> dict:

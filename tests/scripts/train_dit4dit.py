@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -45,7 +46,9 @@ class DiT4DiT(torch.nn.Module):
 
 
 def emit(**rec):
-    print("RESULT " + json.dumps(rec), flush=True)
+    # one write() per line: ranks share the pipe, and a single short write is not interleaved
+    sys.stdout.write("RESULT " + json.dumps(rec) + "\n")
+    sys.stdout.flush()
 
 
 def batch_for(step, rank, bs=2):
