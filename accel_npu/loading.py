@@ -274,6 +274,23 @@ def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
         malloc_trim()
 
 
+def loading_report() -> dict:
+    """The loading section of ``accel-npu env`` (never raises)."""
+    info: dict = {}
+    try:
+        wanted = truncation_map()
+        info["truncate (ACCEL_NPU_TRUNCATE)"] = ", ".join(f"{k} -> {v} layers" for k, v in wanted.items()) or "off"
+    except ConfigError as exc:
+        info["truncate (ACCEL_NPU_TRUNCATE)"] = f"INVALID: {exc}"
+    raw = environment.get("ACCEL_NPU_LOAD_SLOTS").strip()
+    info["load slots (ACCEL_NPU_LOAD_SLOTS)"] = raw or "from free memory (multi-rank nodes only)"
+    info["slot timeout s (ACCEL_NPU_LOAD_TIMEOUT)"] = environment.get("ACCEL_NPU_LOAD_TIMEOUT")
+    avail = available_memory()
+    info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
+    info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"
+    return info
+
+
 # ------------------------------------------------------------------------------------------------
 # checkpoint files
 # ------------------------------------------------------------------------------------------------

@@ -76,3 +76,10 @@ ZERO3_INIT_CM = Patch(
 @hookimpl
 def accel_npu_register_patches():
     return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM]
+
+
+@hookimpl
+def accel_npu_env_report(backend):
+    from accel_npu.loading import loading_report
+
+    return ("Loading", loading_report())

@@ -112,3 +112,15 @@ def test_sigkilled_holder_releases_its_slot(tmp_path, qwen_ckpt):
         if holder.poll() is None:
             holder.kill()
         holder.wait()
+
+
+def test_env_report_section(monkeypatch):
+    from accel_npu.loading import loading_report
+
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2")
+    monkeypatch.setenv("ACCEL_NPU_LOAD_SLOTS", "1")
+    info = loading_report()
+    assert info["truncate (ACCEL_NPU_TRUNCATE)"] == "QwenImageTransformer2DModel -> 2 layers"
+    assert info["load slots (ACCEL_NPU_LOAD_SLOTS)"] == "1"
+    monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "nonsense")
+    assert loading_report()["truncate (ACCEL_NPU_TRUNCATE)"].startswith("INVALID")
