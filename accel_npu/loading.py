@@ -546,6 +546,7 @@ _DIFFUSERS_PASSED = ("cache_dir", "force_download", "proxies", "local_files_only
 
 @dataclass
 class _Plan:
+    original: Any  # the path object exactly as passed (stock registers it in the config)
     path: str
     folder: str
     ckpt: Checkpoint
@@ -567,7 +568,7 @@ def _diffusers_plan(cls, args, kwargs) -> _Plan | None:
         path = kwargs.pop("pretrained_model_name_or_path", None)
     if not isinstance(path, (str, os.PathLike)):
         return None
-    path = os.fspath(path)
+    original, path = path, os.fspath(path)
     for name, neutral in _DIFFUSERS_NEUTRAL.items():
         if name in kwargs and not any(kwargs[name] is v or kwargs[name] == v for v in neutral):
             return None
@@ -590,7 +591,8 @@ def _diffusers_plan(cls, args, kwargs) -> _Plan | None:
     ckpt = open_checkpoint(folder)
     if ckpt is None:
         return None
-    return _Plan(path, folder, ckpt, kwargs, torch_dtype, bool(kwargs.get("output_loading_info", False)), subfolder)
+    return _Plan(original, path, folder, ckpt, kwargs, torch_dtype, bool(kwargs.get("output_loading_info", False)),
+                 subfolder)
 
 
 def _diffusers_load(cls, plan: _Plan):
@@ -702,7 +704,7 @@ def _diffusers_load(cls, plan: _Plan):
         else:
             log.warning("accel-npu: %d tensor(s) of the checkpoint at %s are not used by %s (not read): %s",
                         len(unexpected), plan.folder, cls.__name__, _short(unexpected, 5))
-    model.register_to_config(_name_or_path=plan.path)
+    model.register_to_config(_name_or_path=plan.original)
     model.eval()
     if plan.output_loading_info:
         return model, {"missing_keys": [k for k in missing if k not in on_meta], "unexpected_keys": unexpected,

@@ -136,6 +136,24 @@ def test_cosmos_parity_keep_in_fp32(ckpts):
         assert torch.equal(ours(**x)[0], ref(**x)[0])
 
 
+def test_vae_parity_deprecated_attention_blocks(tmp_path):
+    """AutoencoderKL (pipelines' VAE) has attention blocks built for legacy key names."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = tm.randomize(AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                                     up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4,
+                                     norm_num_groups=4, layers_per_block=1))
+    vae.save_pretrained(str(tmp_path / "vae"))
+    ours = AutoencoderKL.from_pretrained(tmp_path / "vae", torch_dtype=torch.float32)
+    ref = stock(DIFFUSERS_TARGET, AutoencoderKL)(tmp_path / "vae", torch_dtype=torch.float32)
+    assert_identical(ours, ref)
+    assert ours.config._name_or_path == ref.config._name_or_path
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(ours(x).sample, ref(x).sample)
+
+
 def test_transformers_tied_embeddings_parity_and_truncation(ckpts, monkeypatch):
     from transformers import LlamaForCausalLM
 
