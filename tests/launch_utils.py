@@ -70,6 +70,9 @@ def zero_config(stage: int, bf16: bool = False, **zero_extra) -> dict:
 def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
                       cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `accelerate launch ARGS` as a user would; returns the finished process (text output)."""
+    if "--main_process_port" not in args:
+        # accelerate's DeepSpeed path ignores MASTER_PORT (always 29500): pick a free port here.
+        args = ["--main_process_port", str(free_port()), *args]
     cmd = [str(BIN / "accelerate"), "launch", *args]
     return subprocess.run(cmd, env=env or base_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
