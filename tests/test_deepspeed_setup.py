@@ -7,15 +7,14 @@ torchrun processes on 2 CPU ranks (stock = ACCEL_NPU_DISABLE=1).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import subprocess
-import sys
 
 import pytest
 
 import accel_npu
+from tests.inprocess import stock
 from accel_npu.errors import ConfigError
 from accel_npu.plugins.deepspeed_setup import file_precision, resolve_precision
 
@@ -28,15 +27,6 @@ def active():
     accel_npu.patch()
     yield
     accel_npu.patch()
-
-
-@contextlib.contextmanager
-def stock():
-    accel_npu.unpatch()
-    try:
-        yield
-    finally:
-        accel_npu.patch()
 
 
 def _ds_file(tmp_path, name, bf16=None, fp16=None, stage=2):

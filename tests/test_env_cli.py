@@ -1,7 +1,6 @@
 """`accel-npu env` prints exactly the plugins and patches the code declares, and which applied."""
 import json
 import subprocess
-import sys
 
 from tests.launch_utils import BIN, base_env
 

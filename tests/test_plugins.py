@@ -1,5 +1,4 @@
 """The plugin manager and each hook, in-process, with a plugin registered by the test."""
-import argparse
 
 import pytest
 

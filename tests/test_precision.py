@@ -5,7 +5,6 @@ is back, identical) for the duration of the block, then re-arms it.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import accel_npu
+from tests.inprocess import stock
 from accel_npu.plugins import precision
 
 
@@ -23,15 +23,6 @@ def active():
     precision._logged.clear()
     yield
     accel_npu.patch()
-
-
-@contextlib.contextmanager
-def stock():
-    accel_npu.unpatch()
-    try:
-        yield
-    finally:
-        accel_npu.patch()
 
 
 def _linear():

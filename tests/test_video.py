@@ -2,7 +2,6 @@
 absent. Real decord 0.6.0 on a tiny uncompressed AVI this test writes (no encoder needed)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import struct
 
@@ -12,6 +11,7 @@ import pytest
 decord = pytest.importorskip("decord")
 
 import accel_npu  # noqa: E402
+from tests.inprocess import stock  # noqa: E402
 from accel_npu.plugins import video  # noqa: E402
 
 
@@ -61,15 +61,6 @@ def active():
     video._logged.clear()
     yield
     accel_npu.patch()
-
-
-@contextlib.contextmanager
-def stock():
-    accel_npu.unpatch()
-    try:
-        yield
-    finally:
-        accel_npu.patch()
 
 
 def test_video_reader_gpu_ctx_decodes_on_cpu(clip, caplog):

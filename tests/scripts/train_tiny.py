@@ -7,7 +7,6 @@ Prints one `RESULT {json}` line per rank at the end: world, rank, losses, a para
 """
 import argparse
 import json
-import os
 import sys
 
 import torch
