@@ -15,8 +15,10 @@ Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
+import re
 import logging
 import sys
 import threading
@@ -82,18 +84,66 @@ class Patch:
 
     def version_problem(self) -> str | None:
         """Why the installed version is not supported, or None when it is."""
-        from packaging.requirements import Requirement  # lazy: costs ~15 ms, needed only on apply
-
         try:
-            req = Requirement(self.supports)
-        except Exception as exc:
+            dist, clauses = parse_supports(self.supports)
+        except ValueError as exc:
             return f"unreadable version range {self.supports!r}: {exc}"
-        try:
-            installed = importlib.metadata.version(req.name)
-        except importlib.metadata.PackageNotFoundError:
-            return f"{req.name} is not installed"
-        if not req.specifier.contains(installed, prereleases=True):
-            return f"{req.name} {installed} is outside the supported range {req.specifier}"
+        installed = installed_version(dist)
+        if installed is None:
+            return f"{dist} is not installed"
+        if not version_satisfies(installed, clauses):
+            return f"{dist} {installed} is outside the supported range {','.join(op + v for op, v in clauses)}"
+        return None
+
+
+# Version ranges are checked inside `import torch`, so this avoids packaging.specifiers (whose
+# regexes cost ~10-20 ms to compile) and compares with packaging.version.Version directly.
+_NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)")
+_CLAUSE = re.compile(r"\s*(~=|==|!=|>=|<=|>|<)\s*([0-9][0-9A-Za-z.+!-]*)\s*")
+_COMPARE = {
+    "==": lambda v, r: v == r, "!=": lambda v, r: v != r, ">=": lambda v, r: v >= r,
+    "<=": lambda v, r: v <= r, ">": lambda v, r: v > r, "<": lambda v, r: v < r,
+}
+
+
+def parse_supports(supports: str) -> tuple[str, list[tuple[str, str]]]:
+    """"accelerate>=1.10,<1.16" -> ("accelerate", [(">=", "1.10"), ("<", "1.16")])."""
+    match = _NAME.fullmatch(supports)
+    if not match or not match.group(2).strip():
+        raise ValueError("expected 'distribution<op>version[,<op>version...]'")
+    clauses = []
+    for part in match.group(2).split(","):
+        clause = _CLAUSE.fullmatch(part)
+        if not clause:
+            raise ValueError(f"cannot read the clause {part.strip()!r}")
+        clauses.append((clause.group(1), clause.group(2)))
+    return match.group(1), clauses
+
+
+def version_satisfies(installed: str, clauses: list[tuple[str, str]]) -> bool:
+    # Inside `import torch` torch's vendored copy of packaging.version is already loaded: the same
+    # code, without a second import.
+    vendored = sys.modules.get("torch._vendor.packaging.version")
+    Version = vendored.Version if vendored is not None else importlib.import_module("packaging.version").Version
+
+    # Local labels ("2.13.0+cpu") do not change which release it is.
+    v = Version(Version(installed).public)
+    for op, ref in clauses:
+        r = Version(ref)
+        if op == "~=":  # compatible release: >= ref, same prefix but the last component
+            prefix = r.release[:-1] or r.release
+            if not (v >= r and v.release[:len(prefix)] == prefix):
+                return False
+        elif not _COMPARE[op](v, r):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def installed_version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 

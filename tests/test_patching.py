@@ -107,3 +107,19 @@ def test_apply_twice_wraps_once(target_module):
     ledger.arm()
     assert mod.add(1, 2) == 30
     assert not isinstance(mod.add.__wrapped__, wrapt.FunctionWrapper)
+
+
+@pytest.mark.parametrize("supports", ["torch>=2.5,<2.15", "accelerate>=1.10,<1.16", "x~=1.15",
+                                      "x==2.13.0", "x!=1.0,>0.9", "x<=0.19.8", "x~=0.19.2"])
+@pytest.mark.parametrize("installed", ["2.13.0+cpu", "2.15.0", "2.4.1", "1.15.0", "1.16.0", "0.19.8",
+                                       "0.19.9", "2.14.0rc1", "1.0", "0.95", "1.15.3", "2.0"])
+def test_version_ranges_agree_with_packaging(supports, installed):
+    """The startup-cheap range check gives packaging.specifiers' answer (local labels ignored)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from accel_npu.patching import parse_supports, version_satisfies
+
+    dist, clauses = parse_supports(supports)
+    spec = SpecifierSet(supports[len(dist):])
+    assert version_satisfies(installed, clauses) == spec.contains(Version(installed).public, prereleases=True)
