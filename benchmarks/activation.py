@@ -54,6 +54,21 @@ def time_import(disabled: bool) -> float:
     return time.perf_counter() - t0
 
 
+ACTIVATE = r'''
+import time, torch          # autoload off: accel-npu is not active yet
+t0 = time.perf_counter()
+import accel_npu.auto       # exactly what the torch.backends entry point does
+print((time.perf_counter() - t0))
+'''
+
+
+def activation_time() -> float:
+    """accel-npu's own share of `import torch`, timed inside one process (no process-start noise)."""
+    out = subprocess.run([sys.executable, "-c", ACTIVATE], env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def step_time(disabled: bool) -> float:
     out = subprocess.run([sys.executable, "-c", LOOP], env=env(disabled), check=True,
                          capture_output=True, text=True).stdout
@@ -70,6 +85,7 @@ def main() -> None:
     for _ in range(a.runs):  # interleaved so drift in machine load hits both sides alike
         on.append(time_import(False))
         off.append(time_import(True))
+    act = statistics.median(activation_time() for _ in range(a.runs))
     s_on, s_off = [], []
     for _ in range(a.loops):
         s_on.append(step_time(False))
@@ -79,6 +95,8 @@ def main() -> None:
     print(f"{'measure':<34}{'accel-npu':>12}{'disabled':>12}{'difference':>14}{'goal':>12}")
     print(f"{'import torch, median of %d (ms)' % a.runs:<34}{imp_on * 1e3:>12.1f}{imp_off * 1e3:>12.1f}"
           f"{(imp_on - imp_off) * 1e3:>+13.1f} ms{'<= +30 ms':>12}")
+    print(f"{'activation alone, median of %d (ms)' % a.runs:<34}{act * 1e3:>12.1f}{'-':>12}"
+          f"{act * 1e3:>+13.1f} ms{'<= +30 ms':>12}")
     print(f"{'train step, median of %d (ms)' % a.loops:<34}{st_on * 1e3:>12.3f}{st_off * 1e3:>12.3f}"
           f"{(st_on / st_off - 1) * 100:>+13.2f} %{'<= 1 %':>12}")
 
