@@ -151,18 +151,12 @@ def _is_our_temp(name: str) -> bool:
 def _fsync_tree(root: str) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass
-        _fsync_dir(dirpath)
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory (its entries); best effort, as some filesystems refuse."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -338,7 +332,7 @@ def _swap_into_place(tmp: str, final: str) -> None:
     if os.path.exists(final):
         os.rename(final, old)  # from here until the next rename, resolve_load_dir() recovers `old`
     os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    _fsync_path(os.path.dirname(final))
     if os.path.exists(old):
         shutil.rmtree(old)
 

@@ -62,29 +62,19 @@ def _with_ctx(position: int, what: str):
 _REASON = ("Pitfall 7.11: decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. "
            "Requested context GPU(i)', or 'no CUDA-capable device'); decodes on decord.cpu(0) instead.")
 
-VIDEO_READER = Patch(
-    target="decord.video_reader:VideoReader.__init__",
-    supports="decord>=0.6,<0.7",
-    reason=_REASON.format("VideoReader"),
-    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
-    wrapper=_with_ctx(1, "VideoReader"),
-)
+def _ctx_patch(module: str, cls: str) -> Patch:
+    return Patch(
+        target=f"decord.{module}:{cls}.__init__",
+        supports="decord>=0.6,<0.7",
+        reason=_REASON.format(cls),
+        remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
+        wrapper=_with_ctx(1, cls),
+    )
 
-VIDEO_LOADER = Patch(
-    target="decord.video_loader:VideoLoader.__init__",
-    supports="decord>=0.6,<0.7",
-    reason=_REASON.format("VideoLoader"),
-    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
-    wrapper=_with_ctx(1, "VideoLoader"),
-)
 
-AV_READER = Patch(
-    target="decord.av_reader:AVReader.__init__",
-    supports="decord>=0.6,<0.7",
-    reason=_REASON.format("AVReader"),
-    remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
-    wrapper=_with_ctx(1, "AVReader"),
-)
+VIDEO_READER = _ctx_patch("video_reader", "VideoReader")
+VIDEO_LOADER = _ctx_patch("video_loader", "VideoLoader")
+AV_READER = _ctx_patch("av_reader", "AVReader")
 
 
 @hookimpl
