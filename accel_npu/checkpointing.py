@@ -450,20 +450,8 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
     entries = module.state_dict(keep_vars=True)
     for key, value in towers.tower_state_dict(module).items():
         entries.setdefault(key, value)
-    seen: dict[int, str] = {}
-    plan: list[list[str]] = [[]]
-    size = 0
-    for key, value in entries.items():
-        if id(value) in seen:
-            continue  # a tied weight: saved once, like safetensors requires
-        seen[id(value)] = key
-        shape = value.ds_shape if hasattr(value, "ds_shape") else value.shape
-        nbytes = int(torch.Size(shape).numel()) * value.element_size()
-        if plan[-1] and size + nbytes > limit:
-            plan.append([])
-            size = 0
-        plan[-1].append(key)
-        size += nbytes
+    plan = plan_shards(entries, limit, lambda value: int(torch.Size(
+        value.ds_shape if hasattr(value, "ds_shape") else value.shape).numel()) * value.element_size())
     n = len(plan)
     main = accelerator.is_main_process
     weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
@@ -662,26 +650,36 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
     return written
 
 
+def plan_shards(entries: dict, limit: int, nbytes) -> list[list[str]]:
+    """Keys packed in order into shards of at most ``limit`` bytes (a larger tensor gets its own).
+
+    A tensor seen under several keys (tied weights) is planned once, under its first key, as
+    safetensors requires; from_pretrained re-ties it.
+    """
+    plan: list[list[str]] = [[]]
+    size = 0
+    seen: set[int] = set()
+    for key, value in entries.items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        n = nbytes(value)
+        if plan[-1] and size + n > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(key)
+        size += n
+    return plan
+
+
 def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, bar) -> list[str]:
     import torch
 
     def out_dtype(v):
         return torch_dtype if v.dtype.is_floating_point else v.dtype
 
-    plan: list[list[str]] = [[]]
-    size = 0
-    seen: set[int] = set()
-    for key in keys:
-        v = state[key]
-        if id(v) in seen:
-            continue  # shared (tied) tensor: stored once; from_pretrained re-ties it
-        seen.add(id(v))
-        nbytes = int(torch.Size(v.shape).numel()) * torch.empty((), dtype=out_dtype(v)).element_size()
-        if plan[-1] and size + nbytes > limit:
-            plan.append([])
-            size = 0
-        plan[-1].append(key)
-        size += nbytes
+    plan = plan_shards({key: state[key] for key in keys}, limit, lambda v: int(torch.Size(v.shape).numel())
+                       * torch.empty((), dtype=out_dtype(v)).element_size())
     n = len(plan)
     files, weight_map, total = [], {}, 0
 
