@@ -417,20 +417,28 @@ class LazyTensors:
     def __contains__(self, key):
         return key in self.keys
 
-    def items(self):
-        from safetensors import safe_open
-
+    def _by_file(self, only=None) -> dict[str, list[str]]:
         by_file: dict[str, list[str]] = {}
         for k in self.keys:
-            by_file.setdefault(self.ckpt.weight_map[k], []).append(k)
-        for name in sorted(by_file):
+            if only is None or k in only:
+                by_file.setdefault(self.ckpt.weight_map[k], []).append(k)
+        return {name: by_file[name] for name in sorted(by_file)}
+
+    def order(self) -> list[str]:
+        """The keys in the order :meth:`items` reads them (shard by shard)."""
+        return [k for keys in self._by_file().values() for k in keys]
+
+    def items(self, only=None):
+        from safetensors import safe_open
+
+        for name, keys in self._by_file(only).items():
             path = self.ckpt.path(name)
             try:
                 handle = safe_open(path, framework="pt", device="cpu")
             except Exception as exc:
                 raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
             with handle as f:
-                for k in by_file[name]:
+                for k in keys:
                     try:
                         tensor = f.get_tensor(k)
                     except Exception as exc:
@@ -672,17 +680,45 @@ def _diffusers_load(cls, plan: _Plan):
     del model_sd
 
     desc = f"Loading {cls.__name__}"
-    with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
-        bar = progress_bar(nbytes, desc, len(needed_files))
-        started = time.perf_counter()
-        try:
-            lazy = LazyTensors(ckpt, kept, progress=bar)
-            load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
-                                      keep_in_fp32_modules=keep_in_fp32, unexpected_keys=unexpected)
-        finally:
-            if bar is not None:
-                bar.close()
+    from accel_npu import zero3_loading
+
+    zero_cfg = zero3_loading.zero3_config()
+    started = time.perf_counter()
+    if zero_cfg is not None:  # ZeRO-3 zero.Init: straight into partitions, read once by rank 0
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        buffers = [k for k in kept if k not in params]
+        if buffers:  # replicated: every rank loads them, with stock's casting rules
+            load_model_dict_into_meta(model, LazyTensors(ckpt, buffers), dtype=torch_dtype,
+                                      model_name_or_path=plan.path, keep_in_fp32_modules=keep_in_fp32,
+                                      unexpected_keys=unexpected)
+        param_keys = [k for k in kept if k in params]
+        import torch.distributed as dist
+
+        bar = progress_bar(nbytes_of(ckpt, param_keys), desc, len(needed_files)) if dist.get_rank() == 0 else None
+        done = zero3_loading.load_partitioned(model, LazyTensors(ckpt, param_keys, progress=bar), zero_cfg)
         seconds = time.perf_counter() - started
+        if dist.get_rank() == 0:
+            log.warning("accel-npu: %s loaded into ZeRO-3 partitions (zero3_init_flag, %s) over %d ranks: rank 0 "
+                        "read %.1f MB once in %.2f s and broadcast it in %d group(s); each rank keeps 1/%d.",
+                        cls.__name__, str(done["dtype"]).replace("torch.", ""), dist.get_world_size(),
+                        done["bytes_read"] / 2**20, seconds, done["groups"], dist.get_world_size())
+
+        def load_whole():
+            return _diffusers_load(cls, plan)
+
+        zero3_loading.attach_rebuild(model, load_whole, done["dtype"])
+        object.__setattr__(model, "_accel_npu_source", plan.folder)
+    else:
+        with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
+            bar = progress_bar(nbytes, desc, len(needed_files))
+            try:
+                lazy = LazyTensors(ckpt, kept, progress=bar)
+                load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
+                                          keep_in_fp32_modules=keep_in_fp32, unexpected_keys=unexpected)
+            finally:
+                if bar is not None:
+                    bar.close()
+            seconds = time.perf_counter() - started
     malloc_trim()
 
     left = tensors_on_meta(model)

@@ -393,6 +393,12 @@ def rematerialize(tower, attr: str = "") -> str:
     """
     import torch
 
+    rebuild = getattr(tower, "_accel_npu_rebuild", None)  # set by accel_npu.zero3_loading
+    if _all_ranks_agree(rebuild is not None):
+        rebuild()  # stock diffusers' result, from the files; local to each rank
+        log.info("accel-npu: %s was loaded into ZeRO-3 partitions; rebuilt whole from %s", attr or
+                 type(tower).__name__, getattr(tower, "_accel_npu_source", "its files"))
+        return "files"
     directory = source_dir(tower, attr)
     has_files = directory is not None
     # every rank must take the same branch: the gather below is a collective

@@ -9,12 +9,18 @@ Cases (each launched with ``torchrun --nproc_per_node N``, N = 1, 2, 3):
   (b) stock ``from_pretrained(path, num_layers=2)``
   (c) (a) unchanged, with accel-npu and ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2``
   (d) (b) with accel-npu
+ZeRO-3 (an Accelerator with a ZeRO-3 bf16 DeepSpeedPlugin, ``zero3_init_flag=True``, created first,
+then the whole 60-block ``from_pretrained(path)`` without torch_dtype):
+  (e) whole model on every rank, as stock diffusers loads it (``ACCEL_NPU_ZERO3_INIT=0``; stock
+      accelerate itself refuses DeepSpeed on CPU)
+  (f) accel-npu: straight into ZeRO-3 partitions, rank 0 reads the checkpoint once
+  Their baseline is a rank that creates the same Accelerator and loads nothing.
 Node peak = max over time of the *sum* of RssAnon of all rank processes (sampled from
 /proc/<pid>/status every 20 ms). Page cache (file-backed) is not counted. A case whose predicted
 peak does not fit in this node's MemAvailable is not run (it would be OOM-killed, which is the
 point of (a)); the table says so and gives the estimate from N=1.
 
-Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d] [--cache DIR]
+Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -42,8 +48,17 @@ torch.set_num_threads(1)
 from diffusers import QwenImageTransformer2DModel
 mode, path = sys.argv[1], sys.argv[2]
 t = time.time()
-if mode == "baseline":
+if mode.startswith("zero3"):                # a ZeRO-3 job: the Accelerator comes first
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
+          "gradient_accumulation_steps": 1}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=True))
+    t = time.time()
+if mode in ("baseline", "zero3_baseline"):
     model = None
+elif mode == "zero3_full":
+    model = QwenImageTransformer2DModel.from_pretrained(path)
 elif mode in ("raw", "raw_fp32"):          # the yardstick: safe_open read of the kept tensors only
     import accelerate
     from safetensors import safe_open
@@ -71,8 +86,9 @@ else:                                      # "num_layers"
     model = QwenImageTransformer2DModel.from_pretrained(path, num_layers=2)
 secs = time.time() - t
 import gc; gc.collect()
-n = 0 if model is None else sum(p.numel() for p in model.parameters())
-nbytes = 0 if model is None else sum(p.numel() * p.element_size() for p in model.parameters())
+held = lambda p: p.ds_tensor if hasattr(p, "ds_id") else p  # this rank's ZeRO-3 partition
+n = 0 if model is None else sum(held(p).numel() for p in model.parameters())
+nbytes = 0 if model is None else sum(held(p).numel() * p.element_size() for p in model.parameters())
 print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "seconds": secs, "params": n,
                               "param_bytes": nbytes}), flush=True)
 time.sleep(1.0)  # let the sampler see the steady state
@@ -212,7 +228,7 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
     out_f.seek(0)
     err_f.seek(0)
     out, err = out_f.read(), err_f.read()
-    summary = [line for line in err.splitlines() if "accel-npu:" in line and "truncated" in line]
+    summary = [line for line in err.splitlines() if "accel-npu:" in line and ("truncated" in line or "ZeRO-3 partitions" in line)]
     flood = sum(1 for line in err.splitlines() if "were not used when initializing" in line)
     res = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
     return {"rc": proc.returncode, "peak": peak, "wall": time.time() - t0, "results": res,
@@ -234,13 +250,16 @@ CASES = {
     "c": ("accel-npu: (a) + ACCEL_NPU_TRUNCATE=...:2", "full_then_slice", True,
           {"ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"}),
     "d": ("accel-npu: (b)", "num_layers", True, {}),
+    "e": ("ZeRO-3, whole per rank (stock diffusers' way)", "zero3_full", True, {"ACCEL_NPU_ZERO3_INIT": "0"}),
+    "f": ("ZeRO-3, accel-npu: partitions, read once", "zero3_full", True, {}),
 }
+_DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="1,2,3")
-    ap.add_argument("--cases", default="a,b,c,d")
+    ap.add_argument("--cases", default="a,b,c,d,e,f")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--cgroup-gib", type=float, default=4.0,
@@ -257,13 +276,19 @@ def main(argv=None) -> int:
 
     base = run_case(worker, "baseline", ckpt, 1, True, {})
     baseline = base["peak"]
-    rows, per_rank_a = [], None
+    rows, per_rank_a, per_rank_e, zero3_base = [], None, None, {}
     measured: dict = {"baseline": baseline, "checkpoint_bytes": ckpt_bytes, "cases": {}}
     for case in [c for c in a.cases.split(",") if c]:
         label, mode, accel, env = CASES[case]
+        if case in "ef":
+            env = {**env, **_DS_ENV}
         for n in ns:
-            if case == "a" and per_rank_a is not None:
-                need = n * per_rank_a
+            if case in "ef" and f"z{n}" not in zero3_base:
+                zero3_base[f"z{n}"] = run_case(worker, "zero3_baseline", ckpt, n, True, _DS_ENV)["peak"]
+                measured["zero3_baseline"] = zero3_base
+            per_rank = per_rank_a if case == "a" else per_rank_e if case == "e" else None
+            if per_rank is not None:
+                need = n * per_rank
                 if need > 0.85 * mem_available():
                     rows.append((case, n, label, None, f"not run: needs ~{need / GB:.1f} GiB "
                                  f"(est. {n} x N=1), {mem_available() / GB:.1f} GiB available", None))
@@ -279,6 +304,8 @@ def main(argv=None) -> int:
                                                 "summary": r["summary"]}
             if case == "a" and n == 1 and r["rc"] == 0:
                 per_rank_a = r["peak"]
+            if case == "e" and n == 1 and r["rc"] == 0:
+                per_rank_e = r["peak"]
             if case == "c" and n == 1:
                 measured["truncated_bytes"] = params
             print(f"  ({case}) N={n}: {r['peak'] / MB:,.0f} MB  {secs:.1f} s  {note[:80]}", flush=True)
@@ -312,6 +339,17 @@ def main(argv=None) -> int:
             bound = 1.2 * (n * (trunc + baseline))
             print(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
                   f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}")
+    for n in ns:
+        e_, f_ = (measured["cases"].get(f"{x}{n}", {}) for x in "ef")
+        zb = zero3_base.get(f"z{n}")
+        if f_.get("peak") and zb:
+            bound = 1.2 * ckpt_bytes + zb
+            e_peak = e_.get("peak") or e_.get("estimate")
+            print(f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
+                  f"{1.2 * ckpt_bytes / MB:,.0f} + {zb / MB:,.0f} = {bound / MB:,.0f} MB -> "
+                  f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
+                  + (f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
+                     if e_peak else ""))
     c1 = measured["cases"].get("c1", {})
     if c1.get("summary"):
         import re
@@ -324,7 +362,7 @@ def main(argv=None) -> int:
                   f"(fresh process, get_tensor + copy) of the same {raw_b / MB:,.0f} MB: {raw_s:.2f} s ({raw_b / MB / raw_s:,.0f} MB/s) -> ratio "
                   f"{raw_s / max(mat, 1e-9):.2f} (goal >= 0.8); vs the same read cast to fp32: {raw32_s:.2f} s -> "
                   f"ratio {raw32_s / max(mat, 1e-9):.2f}; whole from_pretrained call {c1['seconds']:.2f} s")
-    for key in ("c1", "d1"):
+    for key in ("c1", "d1", *(f"f{n}" for n in ns)):
         if measured["cases"].get(key, {}).get("summary"):
             print(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
     if a.cgroup_gib:

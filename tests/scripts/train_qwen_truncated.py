@@ -22,6 +22,8 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--vae", help="also load this AutoencoderKL, frozen, and decode with it (not prepared)")
+    p.add_argument("--vae-child", action="store_true", help="hold the VAE as model.vae (given to prepare)")
     a = p.parse_args()
 
     # the same global batch whatever the rank count; the last block's text stream is unused
@@ -29,6 +31,17 @@ def main():
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     set_seed(0)
     model = QwenImageTransformer2DModel.from_pretrained(a.path)
+    loaded = [p for p in model.parameters()]
+    partitioned = all(hasattr(p, "ds_id") for p in loaded)
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in loaded)
+    whole = sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in loaded)
+    vae = None
+    if a.vae:  # a frozen VAE, used directly (or held by the trained model with --vae-child)
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(a.vae).requires_grad_(False)
+        if a.vae_child:
+            model.vae = vae
     before = len(model.transformer_blocks)
     model.transformer_blocks = model.transformer_blocks[: a.keep]
     accelerator.print(f"Truncated transformer blocks: {before} -> {len(model.transformer_blocks)}")
@@ -47,8 +60,10 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
+    dtype = next(model.parameters()).dtype  # bf16 under a DeepSpeed bf16 engine: inputs must match
     for x0, txt, eps, tt in loader:
         b = x0.shape[0]
+        x0, txt, eps, tt = (v.to(dtype) for v in (x0, txt, eps, tt))
         xt = (1 - tt[:, None, None]) * x0 + tt[:, None, None] * eps
         pred = model(hidden_states=xt, encoder_hidden_states=txt,
                      encoder_hidden_states_mask=torch.ones(b, txt.shape[1], dtype=torch.long),
@@ -59,12 +74,21 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()[None]).mean().item())
+    decoded = None
+    if vae is not None:
+        vae = accelerator.unwrap_model(model).vae if a.vae_child else vae
+        with torch.no_grad():
+            img = vae.decode(torch.randn(1, vae.config.latent_channels, 4, 4,
+                                         generator=torch.Generator().manual_seed(3))).sample
+        decoded = {"sum": img.double().sum().item(), "abs": img.double().abs().sum().item(),
+                   "dtype": str(next(vae.parameters()).dtype)}
     if accelerator.is_main_process:
         for i in range(9, len(losses), 10):
             print(f"Step {i + 1}: loss={losses[i]:.4f}")
     rec = {"rank": accelerator.process_index, "world": accelerator.num_processes, "losses": losses,
            "blocks": len(accelerator.unwrap_model(model).transformer_blocks), "before": before,
-           "pid": os.getpid()}
+           "pid": os.getpid(), "partitioned": partitioned, "held": held, "whole": whole, "params": len(loaded),
+           "decoded": decoded}
     print("RESULT " + json.dumps(rec), flush=True)
 
 

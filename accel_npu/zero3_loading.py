@@ -1,0 +1,229 @@
+"""Loading straight into ZeRO-3 partitions: the node reads the checkpoint once (issue 4, item 4).
+
+Under ``accelerate launch`` with DeepSpeed ZeRO-3 and ``zero3_init_flag`` (the user's config asks
+for ``deepspeed.zero.Init``), transformers builds its models partitioned, but stock diffusers
+ignores the flag: every rank builds the whole model (fp32 without ``torch_dtype``) and DeepSpeed
+partitions it only at ``accelerator.prepare`` — node peak N × model. Here a diffusers model
+loaded under that flag is built on meta exactly as stock, then, in groups of a few tens of MB:
+
+1. every rank allocates the group's parameters whole, in zero.Init's dtype (the DeepSpeed
+   config's bf16/fp16/fp32, as transformers' zero.Init gives);
+2. global rank 0 alone fills them from the checkpoint (``safe_open``, one tensor at a time);
+3. ``deepspeed.zero.Init(module=group)`` (public API) broadcasts them from rank 0 and keeps
+   each rank's 1/N partition; the whole tensors are freed.
+
+Node peak ≈ 1 × model (in zero.Init's dtype) + N × one group, flat in N; the checkpoint is read
+once. Buffers and plain tensor attributes (RoPE tables) are stock's, untouched.
+
+A model loaded this way that is then used *without* a DeepSpeed engine (a VAE loaded outside
+``zero3_init_context_manager(enable=False)`` and called directly) is rebuilt whole from its
+files on its first forward — what stock diffusers would have returned — with a warning; towers
+hidden at ``accelerator.prepare`` are rebuilt the same way (:mod:`accel_npu.towers`).
+``ACCEL_NPU_ZERO3_INIT=0`` turns all of this off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+from accel_npu import environment
+
+log = logging.getLogger("accel_npu")
+
+#: bytes of whole parameters a rank holds at once while partitioning (per group)
+GROUP_BYTES = 64 << 20
+
+#: module attribute holding how to rebuild a partitioned model whole from its files
+REBUILD_ATTR = "_accel_npu_rebuild"
+
+
+def zero3_config() -> dict | None:
+    """The DeepSpeed config when a load should go straight into ZeRO-3 partitions, else None.
+
+    That is: transformers' HfDeepSpeedConfig weakref says ZeRO-3 (accelerate sets it for
+    ``zero3_init_flag: true``), the load is not a frozen tower's (``zero3_init_context_manager
+    (enable=False)``, pipeline components), ``ACCEL_NPU_ZERO3_INIT`` is not off, the process
+    group is up, and parameters are partitioned over the whole world (not MiCS).
+    """
+    from accel_npu.loading import in_frozen_load
+
+    if in_frozen_load() or environment.get("ACCEL_NPU_ZERO3_INIT").strip().lower() in {"0", "false", "no", "off"}:
+        return None
+    ds = sys.modules.get("transformers.integrations.deepspeed")
+    try:
+        if ds is None or not ds.is_deepspeed_zero3_enabled():
+            return None
+        config = ds.deepspeed_config()
+    except Exception:  # an unknown transformers: load as stock would
+        return None
+    if not isinstance(config, dict):
+        return None
+    zero = config.get("zero_optimization") or {}
+    try:
+        mics = int(zero.get("mics_shard_size", -1) or -1)
+    except (TypeError, ValueError):
+        mics = -1
+    if mics > 0:
+        log.info("accel-npu: MiCS (mics_shard_size=%s) partitions per group; loading as stock diffusers does", mics)
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return config
+
+
+def _param_slots(model) -> dict[int, list[tuple[Any, str, str]]]:
+    """{id(parameter): [(owning module, attribute, dotted name), ...]} (tied parameters share an id)."""
+    slots: dict[int, list[tuple[Any, str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, pname, f"{mod_name}.{pname}" if mod_name else pname))
+    return slots
+
+
+def _groups(order: list[str], sizes: dict[str, int], budget: int) -> list[list[str]]:
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for key in order:
+        if current and used + sizes[key] > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += sizes[key]
+    if current:
+        groups.append(current)
+    return groups
+
+
+def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
+    """Replace ``model``'s meta parameters by ZeRO-3 partitions filled from ``lazy`` (read on rank 0).
+
+    ``lazy`` is a :class:`accel_npu.loading.LazyTensors` over exactly the checkpoint keys that
+    name the model's parameters (buffers are the model's own). Collective: every rank calls it
+    with the same model and keys. Returns {"dtype", "groups", "bytes_read"}.
+    """
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    reader = dist.get_rank() == 0
+    slots = _param_slots(model)
+    by_key: dict[str, int] = {}
+    for pid, entries in slots.items():
+        for _module, _attr, name in entries:
+            by_key[name] = pid
+    keys = [k for k in lazy.order() if k in by_key]
+    seen: set[int] = set()
+    order = []
+    for k in keys:  # a tied parameter is filled once, from its first key
+        if by_key[k] not in seen:
+            seen.add(by_key[k])
+            order.append(k)
+
+    probe = torch.nn.Module()
+    dtype = deepspeed.zero.Init(module=probe, config_dict_or_path=ds_config).dtype
+
+    def target_dtype(meta):
+        return dtype if meta.is_floating_point() else meta.dtype
+
+    sizes = {}
+    for k in order:
+        meta = slots[by_key[k]][0][0]._parameters[slots[by_key[k]][0][1]]
+        sizes[k] = meta.numel() * torch.empty((), dtype=target_dtype(meta)).element_size()
+    groups = _groups(order, sizes, GROUP_BYTES)
+    source = iter(lazy.items(only=set(order))) if reader else None
+    read = 0
+    with torch.no_grad():
+        for group in groups:
+            holder = torch.nn.Module()
+            for i, key in enumerate(group):
+                entries = slots[by_key[key]]
+                meta = entries[0][0]._parameters[entries[0][1]]
+                whole = torch.empty(meta.shape, dtype=target_dtype(meta))
+                if reader:
+                    name, tensor = next(source)
+                    assert name == key, (name, key)  # lazy.order() is the read order
+                    whole.copy_(tensor)
+                    read += tensor.numel() * tensor.element_size()
+                    del tensor
+                param = torch.nn.Parameter(whole, requires_grad=meta.requires_grad)
+                for module, attr, _name in entries:
+                    module._parameters[attr] = param
+                holder.register_parameter(f"p{i}", param)
+            # broadcasts each tensor from rank 0 and keeps this rank's partition (public API)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=ds_config)
+            del holder, whole, param
+    if source is not None:
+        for _rest in source:  # closes the last shard
+            pass
+    if progress is not None:
+        progress.close()
+    return {"dtype": dtype, "groups": len(groups), "bytes_read": read}
+
+
+# ------------------------------------------------------------------------------------------------
+# a partitioned model used without a DeepSpeed engine
+# ------------------------------------------------------------------------------------------------
+def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
+    """Let ``model`` be rebuilt whole (stock result) from its files; guard its first forward."""
+    def rebuild() -> None:
+        rebuild_whole(model, load_whole, zero_dtype)
+
+    object.__setattr__(model, REBUILD_ATTR, rebuild)
+
+    handles = []
+
+    def first_call(module, args):
+        # any submodule's forward counts: vae.decode() never calls vae.forward()
+        for h in handles:
+            h.remove()
+        handles.clear()
+        if hasattr(model, "ds_id") or hasattr(module, "ds_id") or not _partitioned(model):
+            return None  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
+        (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
+            "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but is called outside the "
+            "DeepSpeed engine; rebuilding it whole from its files (what stock diffusers returns). Load frozen "
+            "models inside `accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to "
+            "skip this.", type(model).__name__)
+        rebuild()
+        return None
+
+    for sub in model.modules():
+        if sub._parameters:
+            handles.append(sub.register_forward_pre_hook(first_call))
+
+
+def _partitioned(module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def rebuild_whole(model, load_whole: Callable[[], Any], zero_dtype) -> None:
+    """Swap ``model``'s partitioned parameters for whole ones loaded as stock would (local, no collective).
+
+    A parameter the user moved or cast after loading keeps that device / dtype.
+    """
+    import torch
+
+    from accel_npu.loading import outside_zero_init
+
+    with outside_zero_init():
+        fresh = load_whole()
+    fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
+    for pid, entries in _param_slots(model).items():
+        module, attr, name = entries[0]
+        old = module._parameters[attr]
+        if not hasattr(old, "ds_id"):
+            continue
+        value = fresh_params[name].data
+        device = old.data.device
+        dtype = old.data.dtype if old.data.dtype != zero_dtype and value.is_floating_point() else value.dtype
+        new = torch.nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=old.requires_grad)
+        for mod, a, _n in entries:
+            mod._parameters[a] = new
+    del fresh
+    object.__setattr__(model, REBUILD_ATTR, None)
