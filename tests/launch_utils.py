@@ -81,8 +81,8 @@ def results(proc: subprocess.CompletedProcess) -> list[dict]:
     """The `RESULT {json}` lines printed by test scripts, sorted by rank."""
     out = []
     for line in (proc.stdout + proc.stderr).splitlines():
-        if "RESULT " in line:
-            obj, _ = json.JSONDecoder().raw_decode(line.split("RESULT ", 1)[1])
+        for part in line.split("RESULT ")[1:]:  # two ranks' prints can share a line
+            obj, _ = json.JSONDecoder().raw_decode(part)
             out.append(obj)
     return sorted(out, key=lambda r: r.get("rank", 0))
 
