@@ -111,6 +111,8 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
     import torch
     import torch.distributed as dist
 
+    from accel_npu.loading import malloc_trim
+
     reader = dist.get_rank() == 0
     slots = _param_slots(model)
     by_key: dict[str, int] = {}
@@ -158,6 +160,9 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
             # broadcasts each tensor from rank 0 and keeps this rank's partition (public API)
             deepspeed.zero.Init(module=holder, config_dict_or_path=ds_config)
             del holder, whole, param
+            # the freed whole tensors are holes between partitions in glibc's heap: without a trim
+            # they stay resident (measured +1.2 GB per rank on a 4.2 GB model at N=2)
+            malloc_trim()
     if source is not None:
         for _rest in source:  # closes the last shard
             pass

@@ -85,6 +85,8 @@ elif mode == "full_then_slice":            # the field report's pattern
 else:                                      # "num_layers"
     model = QwenImageTransformer2DModel.from_pretrained(path, num_layers=2)
 secs = time.time() - t
+if mode.startswith("zero3"):               # a job holds its model until prepare: so do all ranks here
+    accelerator.wait_for_everyone()
 import gc; gc.collect()
 held = lambda p: p.ds_tensor if hasattr(p, "ds_id") else p  # this rank's ZeRO-3 partition
 n = 0 if model is None else sum(held(p).numel() for p in model.parameters())
