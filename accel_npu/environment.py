@@ -23,6 +23,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_TRUNCATE", "", "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks."),
     EnvVar("ACCEL_NPU_LOAD_SLOTS", "", "How many ranks of one node may materialize weights at once (default: from free memory)."),
     EnvVar("ACCEL_NPU_LOAD_TIMEOUT", "1800", "Seconds a rank waits for a load slot before failing with the holder's name."),
+    EnvVar("ACCEL_NPU_LOAD_THREADS", "", "Threads one rank uses to read and cast weights (default: this node's cores / ranks loading at once, at most 4)."),
     EnvVar("ACCEL_NPU_ZERO3_INIT", "1", "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0."),
     EnvVar("ACCEL_NPU_FROZEN_MODULES", "", "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained)."),
     EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),

@@ -312,7 +312,7 @@ class Checkpoint:
 
 
 def _read_header(path: str) -> dict[str, tuple]:
-    """Keys, dtypes and shapes of one safetensors file, checked against the file size."""
+    """{key: (dtype, shape, first byte, end byte)} of one safetensors file, checked against its size."""
     import struct
 
     try:
@@ -341,7 +341,8 @@ def _read_header(path: str) -> dict[str, tuple]:
             raise LoadError(
                 f"accel-npu: {path} is truncated or corrupt: key {key!r} needs bytes {begin}..{end} of the "
                 f"data section but the file holds only {data_len}. Re-download or re-save this shard.")
-        out[key] = (info.get("dtype"), tuple(info.get("shape", ())))
+        # dtype, shape, and the tensor's byte range in the file (for readahead)
+        out[key] = (info.get("dtype"), tuple(info.get("shape", ())), 8 + n + begin, 8 + n + end)
     return out
 
 
@@ -393,7 +394,7 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
 def nbytes_of(ckpt: Checkpoint, keys) -> int:
     total = 0
     for k in keys:
-        dtype, shape = ckpt.headers[ckpt.weight_map[k]][k]
+        dtype, shape = ckpt.headers[ckpt.weight_map[k]][k][:2]
         n = 1
         for s in shape:
             n *= s
@@ -401,14 +402,51 @@ def nbytes_of(ckpt: Checkpoint, keys) -> int:
     return total
 
 
+def readahead(ckpt: Checkpoint, files: dict[str, list[str]]) -> None:
+    """Ask the kernel to start reading the byte ranges of these tensors now (POSIX_FADV_WILLNEED).
+
+    The reads then overlap with casting the tensors before them instead of stalling each
+    page fault on storage; only the ranges of the listed tensors are requested. Best effort.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for name, keys in files.items():
+        header = ckpt.headers.get(name)
+        if header is None:
+            continue
+        ranges = sorted(header[k][2:4] for k in keys if k in header)
+        merged: list[list[int]] = []
+        for begin, end in ranges:  # adjacent tensors: one request
+            if merged and begin <= merged[-1][1] + (1 << 20):
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([begin, end])
+        try:
+            fd = os.open(ckpt.path(name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            for begin, end in merged:
+                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 class LazyTensors:
     """A read-once mapping: ``items()`` reads each kept tensor from its shard as it is consumed.
 
-    Shards are visited in order, one open at a time; only the listed keys are read.
+    Shards are visited in order, one open at a time; only the listed keys are read. With
+    ``convert`` (key, tensor -> tensor in its final dtype) and ``threads`` > 1, the reads and
+    casts of the next few tensors run in a small thread pool while the caller assigns the
+    current one (the cast to fp32 is what bounds loading; torch releases the GIL while casting).
+    Results are identical and yielded in the same order.
     """
 
-    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None):
+    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None, convert=None, threads: int = 1):
         self.ckpt, self.keys, self.progress = ckpt, keys, progress
+        self.convert, self.threads = convert, threads
         self.read = 0
 
     def __len__(self):
@@ -431,23 +469,88 @@ class LazyTensors:
     def items(self, only=None):
         from safetensors import safe_open
 
-        for name, keys in self._by_file(only).items():
-            path = self.ckpt.path(name)
-            try:
-                handle = safe_open(path, framework="pt", device="cpu")
-            except Exception as exc:
-                raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
-            with handle as f:
-                for k in keys:
-                    try:
-                        tensor = f.get_tensor(k)
-                    except Exception as exc:
-                        raise LoadError(f"accel-npu: reading {k!r} from {path} failed: {exc}") from exc
-                    self.read += tensor.numel() * tensor.element_size()
-                    if self.progress is not None:
-                        self.progress.update(tensor.numel() * tensor.element_size())
-                    yield k, tensor
-                    del tensor
+        files = self._by_file(only)
+        readahead(self.ckpt, files)
+        pool = None
+        if self.convert is not None and self.threads > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(self.threads, thread_name_prefix="accel-npu-load")
+        try:
+            for name, keys in files.items():
+                path = self.ckpt.path(name)
+                try:
+                    handle = safe_open(path, framework="pt", device="cpu")
+                except Exception as exc:
+                    raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
+                with handle as f:
+                    yield from self._read_file(f, path, keys, pool)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _get(self, f, path: str, key: str):
+        try:
+            return f.get_tensor(key)  # a view of the file's mmap: nothing is read yet
+        except Exception as exc:
+            raise LoadError(f"accel-npu: reading {key!r} from {path} failed: {exc}") from exc
+
+    def _read_file(self, f, path: str, keys: list[str], pool):
+        import collections
+
+        pending: collections.deque = collections.deque()
+        ahead = 2 * self.threads
+        todo = iter(keys)
+        while True:
+            while pool is not None and len(pending) < ahead:
+                k = next(todo, None)
+                if k is None:
+                    break
+                pending.append((k, pool.submit(self.convert, k, self._get(f, path, k))))
+            if pool is not None:
+                if not pending:
+                    return
+                k, fut = pending.popleft()
+                tensor = fut.result()
+            else:
+                k = next(todo, None)
+                if k is None:
+                    return
+                tensor = self._get(f, path, k)
+                if self.convert is not None:
+                    tensor = self.convert(k, tensor)
+            size = _file_bytes(self.ckpt, self.ckpt.weight_map[k], k, tensor)
+            self.read += size
+            if self.progress is not None:
+                self.progress.update(size)
+            yield k, tensor
+            del tensor
+
+
+def _file_bytes(ckpt: Checkpoint, name: str, key: str, tensor) -> int:
+    entry = ckpt.headers.get(name, {}).get(key)
+    if entry is not None:
+        return entry[3] - entry[2]
+    return tensor.numel() * tensor.element_size()
+
+
+def load_threads(loading_ranks: int) -> int:
+    """Threads one rank uses to cast while loading: ``ACCEL_NPU_LOAD_THREADS``, else this node's
+    cores divided among the ranks loading at the same time (at most 4)."""
+    raw = environment.get("ACCEL_NPU_LOAD_THREADS").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_THREADS={raw!r} is not a whole number >= 1")
+        return n
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, loading_ranks)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -709,10 +812,13 @@ def _diffusers_load(cls, plan: _Plan):
         zero3_loading.attach_rebuild(model, load_whole, done["dtype"])
         object.__setattr__(model, "_accel_npu_source", plan.folder)
     else:
-        with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}"):
+        slots = slot_count(max(nbytes, out_bytes))
+        threads = load_threads(min(_local_world_size(), slots or _local_world_size()))
+        convert = _stock_cast(model, torch_dtype, keep_in_fp32)
+        with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}", slots=slots):
             bar = progress_bar(nbytes, desc, len(needed_files))
             try:
-                lazy = LazyTensors(ckpt, kept, progress=bar)
+                lazy = LazyTensors(ckpt, kept, progress=bar, convert=convert, threads=threads)
                 load_model_dict_into_meta(model, lazy, dtype=torch_dtype, model_name_or_path=plan.path,
                                           keep_in_fp32_modules=keep_in_fp32, unexpected_keys=unexpected)
             finally:
@@ -746,6 +852,31 @@ def _diffusers_load(cls, plan: _Plan):
         return model, {"missing_keys": [k for k in missing if k not in on_meta], "unexpected_keys": unexpected,
                        "mismatched_keys": [], "error_msgs": []}
     return model
+
+
+def _stock_cast(model, torch_dtype, keep_in_fp32: list[str]):
+    """(key, tensor) -> the tensor diffusers' ``load_model_dict_into_meta`` assigns for that key.
+
+    Done ahead (in load threads); ``load_model_dict_into_meta`` then finds nothing left to cast.
+    The same rules: with ``torch_dtype`` floating tensors take it (``_keep_in_fp32_modules``: fp32),
+    without it every tensor takes the dtype of the model's (meta) tensor; contiguous like it.
+    """
+    import torch
+
+    model_sd = model.state_dict()
+
+    def cast(key, tensor):
+        old = model_sd.get(key)
+        if torch_dtype is not None and torch.is_floating_point(tensor):
+            fp32 = any(m in key.split(".") for m in keep_in_fp32)
+            tensor = tensor.to(torch.float32 if fp32 else torch_dtype)
+        elif torch_dtype is None and old is not None:
+            tensor = tensor.to(old.dtype)
+        if old is not None and old.is_contiguous():
+            tensor = tensor.contiguous()
+        return tensor
+
+    return cast
 
 
 def _ranges(nums: list[int]) -> str:

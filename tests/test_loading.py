@@ -91,8 +91,10 @@ def assert_identical(ours, ref):
 # ------------------------------------------------------------------------------------------------
 # 3. meta-init parity
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("threads", ["1", "3"], ids=["1-load-thread", "3-load-threads"])
 @pytest.mark.parametrize("kw", [{}, {"torch_dtype": torch.bfloat16}, {"num_layers": 2}], ids=["fp32", "bf16", "trunc"])
-def test_qwen_parity_with_stock(ckpts, kw):
+def test_qwen_parity_with_stock(ckpts, kw, threads, monkeypatch):
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)  # casts ahead in a pool, or inline
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"], **kw)
     ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), **kw)
     assert_identical(ours, ref)
@@ -121,9 +123,11 @@ def test_wan_parity_nonpersistent_rope_buffers(ckpts):
             assert torch.equal(ours(**x)[0], ref(**x)[0])
 
 
-def test_cosmos_parity_keep_in_fp32(ckpts):
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_cosmos_parity_keep_in_fp32(ckpts, threads, monkeypatch):
     from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)
     ours = CosmosTransformer3DModel.from_pretrained(ckpts["cosmos"], torch_dtype=torch.bfloat16)
     ref = stock(DIFFUSERS_TARGET, CosmosTransformer3DModel)(str(ckpts["cosmos"]), torch_dtype=torch.bfloat16)
     assert_identical(ours, ref)
@@ -383,3 +387,19 @@ def test_pipeline_components_load_outside_zero_init(tmp_path, monkeypatch):
     assert not hasattr(p, "ds_id") and p.dtype == torch.float32 and p.numel() > 0  # whole, checkpoint dtype
     assert len(pipe.transformer.transformer_blocks) == 2  # ACCEL_NPU_TRUNCATE reaches pipeline components
     assert tensors_on_meta(pipe.transformer) == [] and tensors_on_meta(pipe.text_encoder) == []
+
+
+def test_load_threads_share_the_nodes_cores_among_loading_ranks(monkeypatch):
+    import os
+
+    from accel_npu.errors import ConfigError
+    from accel_npu.loading import load_threads
+
+    monkeypatch.delenv("ACCEL_NPU_LOAD_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [load_threads(n) for n in (1, 2, 3, 8, 16)] == [4, 4, 2, 1, 1]  # at most 4, at least 1
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", "3")
+    assert load_threads(8) == 3
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", "many")
+    with pytest.raises(ConfigError, match="ACCEL_NPU_LOAD_THREADS='many'"):
+        load_threads(1)
