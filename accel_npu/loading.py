@@ -798,7 +798,8 @@ def _diffusers_load(cls, plan: _Plan):
         import torch.distributed as dist
 
         bar = progress_bar(nbytes_of(ckpt, param_keys), desc, len(needed_files)) if dist.get_rank() == 0 else None
-        done = zero3_loading.load_partitioned(model, LazyTensors(ckpt, param_keys, progress=bar), zero_cfg)
+        done = zero3_loading.load_partitioned(model, LazyTensors(ckpt, param_keys, progress=bar), zero_cfg,
+                                              progress=bar)
         seconds = time.perf_counter() - started
         if dist.get_rank() == 0:
             log.warning("accel-npu: %s loaded into ZeRO-3 partitions (zero3_init_flag, %s) over %d ranks: rank 0 "

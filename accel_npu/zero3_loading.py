@@ -140,6 +140,7 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
     groups = _groups(order, sizes, GROUP_BYTES)
     source = iter(lazy.items(only=set(order))) if reader else None
     read = 0
+    failure: BaseException | None = None  # rank 0 keeps joining the collectives, then all ranks raise
     with torch.no_grad():
         for group in groups:
             holder = torch.nn.Module()
@@ -147,12 +148,16 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
                 entries = slots[by_key[key]]
                 meta = entries[0][0]._parameters[entries[0][1]]
                 whole = torch.empty(meta.shape, dtype=target_dtype(meta))
-                if reader:
-                    name, tensor = next(source)
-                    assert name == key, (name, key)  # lazy.order() is the read order
-                    whole.copy_(tensor)
-                    read += tensor.numel() * tensor.element_size()
-                    del tensor
+                if reader and failure is None:
+                    try:
+                        name, tensor = next(source)
+                        if name != key:  # lazy.order() is the read order; never expected
+                            raise RuntimeError(f"read {name!r} where {key!r} was expected")
+                        whole.copy_(tensor)
+                        read += tensor.numel() * tensor.element_size()
+                        del tensor
+                    except Exception as exc:
+                        failure = exc
                 param = torch.nn.Parameter(whole, requires_grad=meta.requires_grad)
                 for module, attr, _name in entries:
                     module._parameters[attr] = param
@@ -163,11 +168,23 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
             # the freed whole tensors are holes between partitions in glibc's heap: without a trim
             # they stay resident (measured +1.2 GB per rank on a 4.2 GB model at N=2)
             malloc_trim()
-    if source is not None:
+    if source is not None and failure is None:
         for _rest in source:  # closes the last shard
             pass
     if progress is not None:
         progress.close()
+    failed = torch.tensor([1 if failure is not None else 0])
+    dist.broadcast(failed, 0)
+    if failed.item():
+        from accel_npu.loading import LoadError
+
+        if failure is not None:
+            if isinstance(failure, LoadError):
+                raise failure
+            raise LoadError(f"accel-npu: reading the checkpoint into ZeRO-3 partitions failed on rank 0: "
+                            f"{failure}") from failure
+        raise LoadError("accel-npu: rank 0 failed to read the checkpoint while loading it into ZeRO-3 "
+                        "partitions (its log names the file and key); nothing was loaded on this rank either.")
     return {"dtype": dtype, "groups": len(groups), "bytes_read": read}
 
 

@@ -132,3 +132,23 @@ def test_zero3_loads_straight_into_partitions_read_once(tmp_path, deep_qwen, tin
         assert a["decoded"] == b["decoded"] and a["decoded"]["dtype"] == "torch.float32", (a, b)
     if not vae_child:
         assert "called outside the DeepSpeed engine; rebuilding it whole" in log
+
+
+@pytest.mark.slow
+def test_zero3_read_failure_on_rank0_fails_every_rank_clearly(tmp_path, deep_qwen):
+    """Rank 0 reads for everyone: if a shard breaks under it, the other ranks, waiting in the
+    broadcast, get a LoadError too instead of hanging until the process-group timeout."""
+    import shutil
+    import subprocess
+
+    from tests.launch_utils import BIN
+
+    ckpt = shutil.copytree(deep_qwen, tmp_path / "qwen6")
+    env = base_env(ACCELERATE_USE_DEEPSPEED="true")
+    proc = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", env["MASTER_PORT"],
+                           str(SCRIPTS / "zero3_read_failure.py"), str(ckpt)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    res = results(proc)
+    assert [r["rank"] for r in res] == [0, 1], explain(proc)
+    assert not res[0]["ok"] and "cannot open" in res[0]["error"] and str(ckpt) in res[0]["error"], res[0]
+    assert not res[1]["ok"] and "rank 0 failed to read the checkpoint" in res[1]["error"], res[1]
