@@ -285,6 +285,13 @@ def loading_report() -> dict:
     raw = environment.get("ACCEL_NPU_LOAD_SLOTS").strip()
     info["load slots (ACCEL_NPU_LOAD_SLOTS)"] = raw or "from free memory (multi-rank nodes only)"
     info["slot timeout s (ACCEL_NPU_LOAD_TIMEOUT)"] = environment.get("ACCEL_NPU_LOAD_TIMEOUT")
+    try:
+        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = str(load_threads(_local_world_size()))
+    except ConfigError as exc:
+        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = f"INVALID: {exc}"
+    zero3 = environment.get("ACCEL_NPU_ZERO3_INIT").strip().lower() not in {"0", "false", "no", "off"}
+    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if zero3
+                                                   else "off: whole model on every rank, as stock")
     avail = available_memory()
     info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
     info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"

@@ -39,9 +39,10 @@ DIFFUSERS_MODEL = Patch(
     supports="diffusers>=0.35,<0.43",
     reason="Stock builds/reads every layer even with num_layers=N (all shards opened, dropped blocks "
            "paged in, one warning per key), casts all to fp32 per rank without torch_dtype (field report "
-           "000: host OOM with 2 ranks), leaves missing keys on meta, and half-loads corrupt checkpoints.",
-    remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys and "
-                "staggers ranks (not as of 0.42)",
+           "000: host OOM with 2 ranks), leaves missing keys on meta, half-loads corrupt checkpoints, and "
+           "ignores zero3_init_flag under ZeRO-3 (every rank builds the whole model before prepare).",
+    remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
+                "staggers ranks and builds under zero.Init (not as of 0.42)",
     wrapper=_diffusers_model,
 )
 
