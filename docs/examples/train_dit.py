@@ -301,8 +301,11 @@ def main(argv=None):
                 build_tiny_models(args.model_type, model_path, args.seed)
     transformer, vae, text_encoder, tokenizer = load_components(args.model_type, model_path)
     model = FlowMatchingDiT(args.model_type, transformer, vae, text_encoder)
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # under ZeRO-3 (zero3_init_flag) parameters are partitioned from from_pretrained on, as in
+    # transformers' Trainer: count their full size (ds_numel), not this rank's empty placeholder
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    n_train = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    n_frozen = sum(numel(p) for p in model.parameters() if not p.requires_grad)
 
     dataset = SyntheticCaptions(tokenizer, args.num_samples, args.resolution, args.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.train_batch_size, shuffle=True,
