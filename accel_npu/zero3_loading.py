@@ -173,7 +173,9 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
             pass
     if progress is not None:
         progress.close()
-    failed = torch.tensor([1 if failure is not None else 0])
+    # gloo takes a CPU tensor; HCCL/NCCL only a tensor on this rank's device
+    device = "cpu" if dist.get_backend() == "gloo" else deepspeed.get_accelerator().current_device_name()
+    failed = torch.tensor([1 if failure is not None else 0], device=device)
     dist.broadcast(failed, 0)
     if failed.item():
         from accel_npu.loading import LoadError
