@@ -142,18 +142,24 @@ def is_local_main() -> bool:
     return os.environ.get("LOCAL_RANK", "0") in ("", "0")
 
 
+def _whole_number_env(name: str) -> int:
+    """A set variable that must be a whole number >= 1 (else one ConfigError naming it)."""
+    raw = environment.get(name).strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"accel-npu: {name}={raw!r} is not a whole number >= 1")
+    return n
+
+
 def slot_count(nbytes: int) -> int | None:
     """How many ranks of this node may materialize at once; None = no staggering."""
     raw = environment.get("ACCEL_NPU_LOAD_SLOTS").strip()
     local = _local_world_size()
     if raw:
-        try:
-            k = int(raw)
-        except ValueError:
-            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_SLOTS={raw!r} is not a whole number >= 1") from None
-        if k < 1:
-            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_SLOTS={raw!r} must be >= 1")
-        return k
+        return _whole_number_env("ACCEL_NPU_LOAD_SLOTS")
     if local <= 1:
         return None
     avail = available_memory()
@@ -289,8 +295,9 @@ def loading_report() -> dict:
         info["load threads (ACCEL_NPU_LOAD_THREADS)"] = str(load_threads(_local_world_size()))
     except ConfigError as exc:
         info["load threads (ACCEL_NPU_LOAD_THREADS)"] = f"INVALID: {exc}"
-    zero3 = environment.get("ACCEL_NPU_ZERO3_INIT").strip().lower() not in {"0", "false", "no", "off"}
-    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if zero3
+    from accel_npu.zero3_loading import switched_on
+
+    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if switched_on()
                                                    else "off: whole model on every rank, as stock")
     avail = available_memory()
     info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
@@ -544,15 +551,8 @@ def _file_bytes(ckpt: Checkpoint, name: str, key: str, tensor) -> int:
 def load_threads(loading_ranks: int) -> int:
     """Threads one rank uses to cast while loading: ``ACCEL_NPU_LOAD_THREADS``, else this node's
     cores divided among the ranks loading at the same time (at most 4)."""
-    raw = environment.get("ACCEL_NPU_LOAD_THREADS").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ConfigError(f"accel-npu: ACCEL_NPU_LOAD_THREADS={raw!r} is not a whole number >= 1")
-        return n
+    if environment.get("ACCEL_NPU_LOAD_THREADS").strip():
+        return _whole_number_env("ACCEL_NPU_LOAD_THREADS")
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -787,7 +787,6 @@ def _diffusers_load(cls, plan: _Plan):
         t = model_sd[k]
         dt = t.dtype if torch_dtype is None or not t.is_floating_point() else torch_dtype
         out_bytes += t.numel() * (torch.empty((), dtype=dt).element_size())
-    del model_sd
 
     desc = f"Loading {cls.__name__}"
     from accel_npu import zero3_loading
@@ -822,7 +821,7 @@ def _diffusers_load(cls, plan: _Plan):
     else:
         slots = slot_count(max(nbytes, out_bytes))
         threads = load_threads(min(_local_world_size(), slots or _local_world_size()))
-        convert = _stock_cast(model, torch_dtype, keep_in_fp32)
+        convert = _stock_cast(model_sd, torch_dtype, keep_in_fp32)
         with load_slot(max(nbytes, out_bytes), what=f"{cls.__name__} from {plan.folder}", slots=slots):
             bar = progress_bar(nbytes, desc, len(needed_files))
             try:
@@ -862,7 +861,7 @@ def _diffusers_load(cls, plan: _Plan):
     return model
 
 
-def _stock_cast(model, torch_dtype, keep_in_fp32: list[str]):
+def _stock_cast(model_sd: dict, torch_dtype, keep_in_fp32: list[str]):
     """(key, tensor) -> the tensor diffusers' ``load_model_dict_into_meta`` assigns for that key.
 
     Done ahead (in load threads); ``load_model_dict_into_meta`` then finds nothing left to cast.
@@ -870,8 +869,6 @@ def _stock_cast(model, torch_dtype, keep_in_fp32: list[str]):
     without it every tensor takes the dtype of the model's (meta) tensor; contiguous like it.
     """
     import torch
-
-    model_sd = model.state_dict()
 
     def cast(key, tensor):
         old = model_sd.get(key)

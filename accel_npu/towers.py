@@ -403,13 +403,9 @@ def rematerialize(tower, attr: str = "") -> str:
     has_files = directory is not None
     # every rank must take the same branch: the gather below is a collective
     has_files = _all_ranks_agree(has_files)
-    slots: dict[int, list[tuple[Any, str, str]]] = {}
-    for mod_name, module in tower.named_modules(remove_duplicate=False):
-        for pname, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            slots.setdefault(id(param), []).append((module, pname, full))
+    from accel_npu.zero3_loading import param_slots
+
+    slots = param_slots(tower)  # {id(param): [(module, attribute, dotted name), ...]}
     params = {pid: entries[0][0]._parameters[entries[0][1]] for pid, entries in slots.items()}
     tensors: dict[int, Any] = {}
     if has_files:

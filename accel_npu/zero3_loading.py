@@ -39,6 +39,11 @@ GROUP_BYTES = 64 << 20
 REBUILD_ATTR = "_accel_npu_rebuild"
 
 
+def switched_on() -> bool:
+    """``ACCEL_NPU_ZERO3_INIT`` is not 0/false/no/off."""
+    return environment.get("ACCEL_NPU_ZERO3_INIT").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def zero3_config() -> dict | None:
     """The DeepSpeed config when a load should go straight into ZeRO-3 partitions, else None.
 
@@ -49,7 +54,7 @@ def zero3_config() -> dict | None:
     """
     from accel_npu.loading import in_frozen_load
 
-    if in_frozen_load() or environment.get("ACCEL_NPU_ZERO3_INIT").strip().lower() in {"0", "false", "no", "off"}:
+    if in_frozen_load() or not switched_on():
         return None
     ds = sys.modules.get("transformers.integrations.deepspeed")
     try:
@@ -75,7 +80,7 @@ def zero3_config() -> dict | None:
     return config
 
 
-def _param_slots(model) -> dict[int, list[tuple[Any, str, str]]]:
+def param_slots(model) -> dict[int, list[tuple[Any, str, str]]]:
     """{id(parameter): [(owning module, attribute, dotted name), ...]} (tied parameters share an id)."""
     slots: dict[int, list[tuple[Any, str, str]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -114,7 +119,7 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
     from accel_npu.loading import malloc_trim
 
     reader = dist.get_rank() == 0
-    slots = _param_slots(model)
+    slots = param_slots(model)
     by_key: dict[str, int] = {}
     for pid, entries in slots.items():
         for _module, _attr, name in entries:
@@ -200,6 +205,8 @@ def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
 
     object.__setattr__(model, REBUILD_ATTR, rebuild)
 
+    from accel_npu.towers import is_zero_partitioned
+
     handles = []
 
     def first_call(module, args):
@@ -207,7 +214,7 @@ def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
         for h in handles:
             h.remove()
         handles.clear()
-        if hasattr(model, "ds_id") or hasattr(module, "ds_id") or not _partitioned(model):
+        if hasattr(model, "ds_id") or hasattr(module, "ds_id") or not is_zero_partitioned(model):
             return None  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
         (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
             "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but is called outside the "
@@ -222,10 +229,6 @@ def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
             handles.append(sub.register_forward_pre_hook(first_call))
 
 
-def _partitioned(module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
 def rebuild_whole(model, load_whole: Callable[[], Any], zero_dtype) -> None:
     """Swap ``model``'s partitioned parameters for whole ones loaded as stock would (local, no collective).
 
@@ -238,7 +241,7 @@ def rebuild_whole(model, load_whole: Callable[[], Any], zero_dtype) -> None:
     with outside_zero_init():
         fresh = load_whole()
     fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
-    for pid, entries in _param_slots(model).items():
+    for pid, entries in param_slots(model).items():
         module, attr, name = entries[0]
         old = module._parameters[attr]
         if not hasattr(old, "ds_id"):
