@@ -144,7 +144,6 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
         sizes[k] = meta.numel() * torch.empty((), dtype=target_dtype(meta)).element_size()
     groups = _groups(order, sizes, GROUP_BYTES)
     source = iter(lazy.items(only=set(order))) if reader else None
-    read = 0
     failure: BaseException | None = None  # rank 0 keeps joining the collectives, then all ranks raise
     with torch.no_grad():
         for group in groups:
@@ -159,7 +158,6 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
                         if name != key:  # lazy.order() is the read order; never expected
                             raise RuntimeError(f"read {name!r} where {key!r} was expected")
                         whole.copy_(tensor)
-                        read += tensor.numel() * tensor.element_size()
                         del tensor
                     except Exception as exc:
                         failure = exc
@@ -192,7 +190,7 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
                             f"{failure}") from failure
         raise LoadError("accel-npu: rank 0 failed to read the checkpoint while loading it into ZeRO-3 "
                         "partitions (its log names the file and key); nothing was loaded on this rank either.")
-    return {"dtype": dtype, "groups": len(groups), "bytes_read": read}
+    return {"dtype": dtype, "groups": len(groups), "bytes_read": lazy.read}  # LazyTensors counts what it read
 
 
 # ------------------------------------------------------------------------------------------------
