@@ -7,12 +7,15 @@ Stock accelerate 1.15 on a machine without an accelerator:
 - ``accelerate launch --num_processes 2 train.py`` without a config starts *one* process (its
   only multi-CPU path goes through mpirun).
 This plugin makes both behave like they do on GPUs, which is what lets a user debug the very
-same DeepSpeed config on a laptop.
+same DeepSpeed config on a laptop. It also closes the gloo group of a script that never calls
+``destroy_process_group`` before the interpreter tears down (see ``CLOSE_GLOO_AT_EXIT``).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 
 from accel_npu import hookimpl
 from accel_npu.backend import Backend, current_backend, is_distributed_launch
@@ -67,6 +70,32 @@ def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
     return launch_args, defaults, mp_from_config_flag
 
 
+def _close_gloo_group_at_exit() -> None:
+    """atexit: destroy the default gloo group a script left open, while Python is still alive.
+
+    Skipped after an unhandled exception (``sys.last_value`` is set): a peer may still be inside
+    a collective with this rank, and shutting gloo down would wait for it.
+    """
+    if not CLOSE_GLOO_AT_EXIT.applied or getattr(sys, "last_value", None) is not None:
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 — at exit: say it, never raise
+        log.debug("accel-npu: could not close the gloo group at exit: %s", exc)
+
+
+def _register_close_at_exit(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if current_backend().name == "cpu":
+        # PartialState() runs again for every Accelerator: keep one registration.
+        atexit.unregister(_close_gloo_group_at_exit)
+        atexit.register(_close_gloo_group_at_exit)
+    return result
+
+
 PREPARE_BACKEND = Patch(
     target="accelerate.state:PartialState._prepare_backend",
     supports="accelerate>=1.10,<1.16",
@@ -86,6 +115,18 @@ VALIDATE_LAUNCH = Patch(
 )
 
 
+CLOSE_GLOO_AT_EXIT = Patch(
+    target="accelerate.state:PartialState.__init__",
+    supports="accelerate>=1.10,<1.16",
+    reason="A script that ends without accelerator.end_training() leaves its gloo group to "
+           "interpreter teardown, where gloo's threads still hold work of DeepSpeed's async "
+           "collectives: 'terminate called without an active exception', SIGABRT, exit -6 after "
+           "training finished (pytorch#190489; the atexit fix pytorch#179291 was abandoned).",
+    remove_when="torch destroys the default process group at exit by itself",
+    wrapper=_register_close_at_exit,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [PREPARE_BACKEND, VALIDATE_LAUNCH]
+    return [PREPARE_BACKEND, VALIDATE_LAUNCH, CLOSE_GLOO_AT_EXIT]

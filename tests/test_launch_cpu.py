@@ -77,3 +77,30 @@ def test_workers_activate_when_script_imports_autoload_disabler_before_torch(tmp
     res = results(proc)
     assert proc.returncode == 0 and len(res) == 2, explain(proc)
     _assert_two_distinct_ranks(res, proc, "MULTI_CPU")
+
+
+def _teardown_lines(proc) -> dict[str, str]:
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("GROUP_AT_TEARDOWN"):
+            fields = dict(kv.split("=") for kv in line.split()[1:])
+            out[fields["rank"]] = fields["open"]
+    return out
+
+
+def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
+    """Scripts rarely call destroy_process_group(); gloo left to interpreter teardown can abort
+    a finished run ('terminate called without an active exception', exit -6). accel-npu closes
+    the group at exit, unless the script did (no-op) or failed (a peer may be mid-collective)."""
+    script = str(SCRIPTS / "group_at_teardown.py")
+    proc = accelerate_launch(["--num_processes", "2", script, "plain,end_training"], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert "REDUCED rank=0 3.0" in proc.stdout and "REDUCED rank=1 3.0" in proc.stdout, explain(proc)
+    assert _teardown_lines(proc) == {"0": "False", "1": "False"}, explain(proc)
+
+    failed = accelerate_launch(["--num_processes", "2", script, "raise,plain"], cwd=tmp_path)
+    assert failed.returncode != 0, explain(failed)
+    assert "the script failed after training" in failed.stderr, explain(failed)
+    # The failing rank leaves its group to teardown; the clean one still closes its own.
+    assert _teardown_lines(failed).get("1") == "False", explain(failed)
+    assert _teardown_lines(failed).get("0") in ("True", None), explain(failed)
