@@ -789,7 +789,7 @@ def _diffusers_load(cls, plan: _Plan):
         out_bytes += t.numel() * (torch.empty((), dtype=dt).element_size())
 
     desc = f"Loading {cls.__name__}"
-    from accel_npu import zero3_loading
+    from accel_npu import fsdp_loading, zero3_loading
 
     zero_cfg = zero3_loading.zero3_config()
     started = time.perf_counter()
@@ -818,6 +818,24 @@ def _diffusers_load(cls, plan: _Plan):
 
         zero3_loading.attach_rebuild(model, load_whole, done["dtype"])
         object.__setattr__(model, "_accel_npu_source", plan.folder)
+    elif fsdp_loading.reads_elsewhere():  # FSDP cpu_ram_efficient_loading: rank 0 reads for this rank
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        buffers = [k for k in kept if k not in params]
+        if buffers:  # not all of them are in FSDP's broadcast (non-persistent ones): read as stock
+            load_model_dict_into_meta(model, LazyTensors(ckpt, buffers), dtype=torch_dtype,
+                                      model_name_or_path=plan.path, keep_in_fp32_modules=keep_in_fp32,
+                                      unexpected_keys=unexpected)
+        convert = _stock_cast(model_sd, torch_dtype, keep_in_fp32)
+        dtypes = {k: convert(k, torch.empty(0, dtype=model_sd[k].dtype)).dtype for k in kept if k in params}
+        left_bytes = fsdp_loading.materialize_empty(model, dtypes)
+        seconds = time.perf_counter() - started
+        log.info("accel-npu: %s: %.1f MB of parameters left for FSDP to fill from rank 0 "
+                 "(fsdp_cpu_ram_efficient_loading); this rank read no weights.", cls.__name__, left_bytes / 2**20)
+
+        def load_whole():
+            return _diffusers_load(cls, plan)
+
+        fsdp_loading.attach_fill(model, load_whole)
     else:
         slots = slot_count(max(nbytes, out_bytes))
         threads = load_threads(min(_local_world_size(), slots or _local_world_size()))
@@ -832,6 +850,10 @@ def _diffusers_load(cls, plan: _Plan):
                 if bar is not None:
                     bar.close()
             seconds = time.perf_counter() - started
+        if fsdp_loading.rank0_reads_for_all():
+            log.warning("accel-npu: %s read on rank 0 only (fsdp_cpu_ram_efficient_loading): the other %d rank(s) "
+                        "read nothing; accelerator.prepare gives them rank 0's weights (a model used without "
+                        "prepare reads its files on its first call).", cls.__name__, fsdp_loading.world_size() - 1)
     malloc_trim()
 
     left = tensors_on_meta(model)

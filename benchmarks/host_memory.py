@@ -15,12 +15,18 @@ then the whole 60-block ``from_pretrained(path)`` without torch_dtype):
       accelerate itself refuses DeepSpeed on CPU)
   (f) accel-npu: straight into ZeRO-3 partitions, rank 0 reads the checkpoint once
   Their baseline is a rank that creates the same Accelerator and loads nothing.
+FSDP2 with ``fsdp_cpu_ram_efficient_loading`` (an FSDP Accelerator from accelerate's launch
+environment, then ``from_pretrained(path, torch_dtype=bfloat16)`` and ``accelerator.prepare``; N >= 2):
+  (g) every rank reads the whole checkpoint, as stock diffusers does (accel-npu's loading plugin
+      blocked; the cpu plugin still runs FSDP on gloo ranks)
+  (h) accel-npu: rank 0 reads, the other ranks get rank 0's weights at prepare
+  Peaks include ``prepare`` (accelerate broadcasts rank 0's weights into the shards there).
 Node peak = max over time of the *sum* of RssAnon of all rank processes (sampled from
 /proc/<pid>/status every 20 ms). Page cache (file-backed) is not counted. A case whose predicted
 peak does not fit in this node's MemAvailable is not run (it would be OOM-killed, which is the
 point of (a)); the table says so and gives the estimate from N=1.
 
-Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f] [--cache DIR]
+Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -55,8 +61,15 @@ if mode.startswith("zero3"):                # a ZeRO-3 job: the Accelerator come
           "gradient_accumulation_steps": 1}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=True))
     t = time.time()
-if mode in ("baseline", "zero3_baseline"):
+if mode.startswith("fsdp2"):               # FSDP from the launch environment, as accelerate launch sets it
+    from accelerate import Accelerator
+    accelerator = Accelerator()
+    t = time.time()
+if mode in ("baseline", "zero3_baseline", "fsdp2_baseline"):
     model = None
+elif mode == "fsdp2":
+    model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16)
+    model = accelerator.prepare(model)
 elif mode == "zero3_full":
     model = QwenImageTransformer2DModel.from_pretrained(path)
 elif mode in ("raw", "raw_fp32"):          # the yardstick: safe_open read of the kept tensors only
@@ -85,10 +98,11 @@ elif mode == "full_then_slice":            # the field report's pattern
 else:                                      # "num_layers"
     model = QwenImageTransformer2DModel.from_pretrained(path, num_layers=2)
 secs = time.time() - t
-if mode.startswith("zero3"):               # a job holds its model until prepare: so do all ranks here
+if mode.startswith(("zero3", "fsdp2")):   # a job holds its model until prepare: so do all ranks here
     accelerator.wait_for_everyone()
 import gc; gc.collect()
-held = lambda p: p.ds_tensor if hasattr(p, "ds_id") else p  # this rank's ZeRO-3 partition
+# this rank's ZeRO-3 partition / FSDP shard
+held = lambda p: p.ds_tensor if hasattr(p, "ds_id") else p.to_local() if hasattr(p, "to_local") else p
 n = 0 if model is None else sum(held(p).numel() for p in model.parameters())
 nbytes = 0 if model is None else sum(held(p).numel() * p.element_size() for p in model.parameters())
 print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "seconds": secs, "params": n,
@@ -230,7 +244,8 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
     out_f.seek(0)
     err_f.seek(0)
     out, err = out_f.read(), err_f.read()
-    summary = [line for line in err.splitlines() if "accel-npu:" in line and ("truncated" in line or "ZeRO-3 partitions" in line)]
+    summary = [line for line in err.splitlines() if "accel-npu:" in line and ("truncated" in line or "ZeRO-3 partitions" in line
+                                                                   or "read on rank 0 only" in line)]
     flood = sum(1 for line in err.splitlines() if "were not used when initializing" in line)
     res = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
     return {"rc": proc.returncode, "peak": peak, "wall": time.time() - t0, "results": res,
@@ -254,14 +269,20 @@ CASES = {
     "d": ("accel-npu: (b)", "num_layers", True, {}),
     "e": ("ZeRO-3, whole per rank (stock diffusers' way)", "zero3_full", True, {"ACCEL_NPU_ZERO3_INIT": "0"}),
     "f": ("ZeRO-3, accel-npu: partitions, read once", "zero3_full", True, {}),
+    "g": ("FSDP2 efficient loading, every rank reads (stock diffusers)", "fsdp2", True,
+          {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
+    "h": ("FSDP2 efficient loading, accel-npu: rank 0 reads", "fsdp2", True, {}),
 }
 _DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
+_FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+             "FSDP_SYNC_MODULE_STATES": "true", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+             "FSDP_RESHARD_AFTER_FORWARD": "true", "ACCELERATE_MIXED_PRECISION": "no"}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="1,2,3")
-    ap.add_argument("--cases", default="a,b,c,d,e,f")
+    ap.add_argument("--cases", default="a,b,c,d,e,f,g,h")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--cgroup-gib", type=float, default=4.0,
@@ -284,11 +305,21 @@ def main(argv=None) -> int:
         label, mode, accel, env = CASES[case]
         if case in "ef":
             env = {**env, **_DS_ENV}
+        if case in "gh":
+            env = {**env, **_FSDP_ENV}
         for n in ns:
             if case in "ef" and f"z{n}" not in zero3_base:
                 zero3_base[f"z{n}"] = run_case(worker, "zero3_baseline", ckpt, n, True, _DS_ENV)["peak"]
                 measured["zero3_baseline"] = zero3_base
+            if case in "gh":
+                if n < 2:
+                    continue  # one rank: nothing to shard
+                if f"s{n}" not in zero3_base:
+                    zero3_base[f"s{n}"] = run_case(worker, "fsdp2_baseline", ckpt, n, True, _FSDP_ENV)["peak"]
+                    measured["fsdp2_baseline"] = {k: v for k, v in zero3_base.items() if k.startswith("s")}
             per_rank = per_rank_a if case == "a" else per_rank_e if case == "e" else None
+            if case == "g":  # every rank a whole bf16 model, plus rank 0's copy during prepare
+                per_rank = ckpt_bytes * (n + 1) / n + baseline
             if per_rank is not None:
                 need = n * per_rank
                 if need > 0.85 * mem_available():
@@ -352,6 +383,14 @@ def main(argv=None) -> int:
                   f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
                   + (f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
                      if e_peak else ""))
+    for n in ns:
+        g_, h_ = (measured["cases"].get(f"{x}{n}", {}) for x in "gh")
+        sb = zero3_base.get(f"s{n}")
+        if h_.get("peak") and sb:
+            g_peak = g_.get("peak") or g_.get("estimate")
+            print(f"N={n}: FSDP2 (h) {h_['peak'] / MB:,.0f} MB, above baseline {(h_['peak'] - sb) / ckpt_bytes:.2f} x model"
+                  + (f"; (g) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x model; (g)/(h) = {g_peak / h_['peak']:.1f}x"
+                     + (" [g estimated]" if "estimate" in g_ else "") if g_peak else ""))
     c1 = measured["cases"].get("c1", {})
     if c1.get("summary"):
         import re

@@ -70,6 +70,25 @@ def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
     return launch_args, defaults, mp_from_config_flag
 
 
+def _fsdp_on_cpu(wrapped, instance, args, kwargs):
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    first = not AcceleratorState._shared_state  # later AcceleratorState() calls only re-read it
+    wrapped(*args, **kwargs)
+    fsdp_plugin = kwargs.get("fsdp_plugin")
+    if (first and fsdp_plugin is not None and instance.distributed_type == DistributedType.MULTI_CPU
+            and current_backend().name == "cpu"):
+        # What stock does for MULTI_GPU/MULTI_NPU/...: the list it checks leaves MULTI_CPU out.
+        instance.distributed_type = DistributedType.FSDP
+        if instance._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(instance._mixed_precision)
+        instance.fsdp_plugin = fsdp_plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        log.info("accel-npu: no accelerator; FSDP%s over %s gloo ranks", fsdp_plugin.fsdp_version,
+                 instance.num_processes)
+
+
 def _close_gloo_group_at_exit() -> None:
     """atexit: destroy the default gloo group a script left open, while Python is still alive.
 
@@ -115,6 +134,16 @@ VALIDATE_LAUNCH = Patch(
 )
 
 
+FSDP_ON_CPU = Patch(
+    target="accelerate.state:AcceleratorState.__init__",
+    supports="accelerate>=1.10,<1.16",
+    reason="An FSDP launch config on gloo ranks trains as plain DDP: AcceleratorState turns "
+           "FSDP on only for MULTI_GPU/NPU/XPU/... distributed types, never MULTI_CPU, so the "
+           "FSDP config being debugged on CPU is silently not used.",
+    remove_when="accelerate enables FSDP for DistributedType.MULTI_CPU",
+    wrapper=_fsdp_on_cpu,
+)
+
 CLOSE_GLOO_AT_EXIT = Patch(
     target="accelerate.state:PartialState.__init__",
     supports="accelerate>=1.10,<1.16",
@@ -129,4 +158,4 @@ CLOSE_GLOO_AT_EXIT = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [PREPARE_BACKEND, VALIDATE_LAUNCH, CLOSE_GLOO_AT_EXIT]
+    return [PREPARE_BACKEND, VALIDATE_LAUNCH, FSDP_ON_CPU, CLOSE_GLOO_AT_EXIT]

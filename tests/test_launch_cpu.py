@@ -104,3 +104,22 @@ def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
     # The failing rank leaves its group to teardown; the clean one still closes its own.
     assert _teardown_lines(failed).get("1") == "False", explain(failed)
     assert _teardown_lines(failed).get("0") in ("True", None), explain(failed)
+
+
+def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_path):
+    """accelerate turns FSDP on only for MULTI_GPU/NPU/XPU/... ranks: on gloo ranks an FSDP config
+    silently trained as DDP (MULTI_CPU, whole replicas). accel-npu makes it FSDP, as on devices."""
+    import yaml
+
+    cfg = tmp_path / "fsdp2.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
+                        "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+        "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path)
+    res = results(proc)
+    assert proc.returncode == 0 and len(res) == 2, explain(proc)
+    _assert_two_distinct_ranks(res, proc, "FSDP")
+    assert all(r["param_type"] == "DTensor" for r in res), res  # sharded, not whole replicas
+    assert res[0]["losses"]["1"] != res[1]["losses"]["1"]  # each rank's own batches

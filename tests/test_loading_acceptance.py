@@ -152,3 +152,41 @@ def test_zero3_read_failure_on_rank0_fails_every_rank_clearly(tmp_path, deep_qwe
     assert [r["rank"] for r in res] == [0, 1], explain(proc)
     assert not res[0]["ok"] and "cannot open" in res[0]["error"] and str(ckpt) in res[0]["error"], res[0]
     assert not res[1]["ok"] and "rank 0 failed to read the checkpoint" in res[1]["error"], res[1]
+
+
+def _fsdp2_launch_config(directory: Path, efficient: bool) -> Path:
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+           "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                           "fsdp_cpu_ram_efficient_loading": efficient, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                           "fsdp_reshard_after_forward": True},
+           "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}
+    path = directory / f"fsdp2_{'efficient' if efficient else 'every_rank'}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen, tiny_vae):
+    """Item 4 under FSDP: with fsdp_cpu_ram_efficient_loading (accelerate's own setting, which
+    transformers honours and stock diffusers ignores), the unchanged script's DiT is read by rank 0
+    alone and rank 1 gets rank 0's weights at prepare: losses bit-identical to every rank reading.
+    The frozen VAE used without prepare reads its files on rank 1 at its first call: same output."""
+    runs = {}
+    for efficient in (True, False):
+        args = ["--config_file", str(_fsdp2_launch_config(tmp_path, efficient)),
+                str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)]
+        proc = accelerate_launch(args, timeout=600)
+        assert proc.returncode == 0, explain(proc)
+        res = results(proc)
+        assert [r["rank"] for r in res] == [0, 1] and all(r["world"] == 2 for r in res), explain(proc)
+        runs[efficient] = (proc, res)
+    proc, ours = runs[True]
+    _, every = runs[False]
+    log = proc.stdout + proc.stderr
+    assert ours[0]["shards_opened"] > 0 and ours[1]["shards_opened"] == 0, ours  # rank 1 read nothing
+    assert every[0]["shards_opened"] == every[1]["shards_opened"] > 0, every
+    assert log.count("QwenImageTransformer2DModel read on rank 0 only (fsdp_cpu_ram_efficient_loading)") == 1
+    assert "read on rank 0 only" not in runs[False][0].stderr
+    assert ours[0]["losses"] == ours[1]["losses"] == every[0]["losses"], (ours, every)  # bit-identical
+    for a, b in zip(ours, every):  # the VAE, used without prepare: stock's weights on every rank
+        assert a["decoded"] == b["decoded"] and a["decoded"]["dtype"] == "torch.float32", (a, b)

@@ -30,7 +30,12 @@ def main():
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True),
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     set_seed(0)
+    import safetensors  # observe, not change: how many shard files this rank opens to load the DiT
+
+    real_open, opened = safetensors.safe_open, []
+    safetensors.safe_open = lambda path, *args, **kw: (opened.append(path), real_open(path, *args, **kw))[1]
     model = QwenImageTransformer2DModel.from_pretrained(a.path)
+    safetensors.safe_open = real_open
     loaded = [p for p in model.parameters()]
     partitioned = all(hasattr(p, "ds_id") for p in loaded)
     held = sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in loaded)
@@ -88,7 +93,7 @@ def main():
     rec = {"rank": accelerator.process_index, "world": accelerator.num_processes, "losses": losses,
            "blocks": len(accelerator.unwrap_model(model).transformer_blocks), "before": before,
            "pid": os.getpid(), "partitioned": partitioned, "held": held, "whole": whole, "params": len(loaded),
-           "decoded": decoded}
+           "decoded": decoded, "shards_opened": len(opened)}
     print("RESULT " + json.dumps(rec), flush=True)
 
 

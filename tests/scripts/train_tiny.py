@@ -65,7 +65,8 @@ def main():
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     rec = {"num_processes": accelerator.num_processes, "rank": accelerator.process_index,
            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
-           "losses": losses, "first_inputs": first_inputs, "checksum": checksum}
+           "losses": losses, "first_inputs": first_inputs, "checksum": checksum,
+           "param_type": type(next(model.parameters())).__name__}
     # One write call per line keeps the two ranks' lines from interleaving on the shared pipe.
     sys.stdout.write("RESULT " + json.dumps(rec) + "\n")
     sys.stdout.flush()

@@ -1,0 +1,122 @@
+"""FSDP ``cpu_ram_efficient_loading``: only global rank 0 reads a diffusers checkpoint (issue 4, item 4).
+
+With ``fsdp_cpu_ram_efficient_loading: true`` accelerate's FSDP prepare fills every rank's shard
+from rank 0's weights (FSDP2: ``fsdp2_load_full_state_dict`` broadcasts them; FSDP1:
+``sync_module_states``). transformers reads real weights on rank 0 only and gives the other ranks
+``torch.empty`` parameters. Stock diffusers ignores the setting: every rank reads the whole
+checkpoint, so the node holds N models before ``prepare`` throws N - 1 of them away.
+
+Here a diffusers model loaded on any other rank gets its parameters with the shape, dtype and
+device stock would give, uninitialized (``torch.empty``: no byte read, no page touched); buffers
+and plain tensor attributes are stock's. A model that is *called* before FSDP manages it (a
+frozen VAE loaded while the setting is on and used directly) first reads its weights from its
+files, once: what stock diffusers returns. Pipeline components and loads inside
+``zero3_init_context_manager(enable=False)`` always read. ``fsdp_cpu_ram_efficient_loading:
+false`` in the launch config turns all of this off, as it does for transformers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+log = logging.getLogger("accel_npu")
+
+#: module attribute holding how to fill a model whose weights were left to rank 0's broadcast
+FILL_ATTR = "_accel_npu_fill"
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def efficient_loading_requested() -> bool:
+    """accelerate's FSDP with ``cpu_ram_efficient_loading`` (its launcher or FullyShardedDataParallelPlugin set these)."""
+    return _env_true("ACCELERATE_USE_FSDP") and _env_true("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def world_size() -> int:
+    return _rank_and_world()[1]
+
+
+def rank0_reads_for_all() -> bool:
+    """This load is of a model whose weights FSDP's prepare will broadcast from global rank 0."""
+    from accel_npu.loading import in_frozen_load
+
+    return efficient_loading_requested() and not in_frozen_load() and _rank_and_world()[1] > 1
+
+
+def reads_elsewhere() -> bool:
+    """True on the ranks that should not read: rank 0 reads for them."""
+    return rank0_reads_for_all() and _rank_and_world()[0] != 0
+
+
+def materialize_empty(model, dtypes: dict[str, Any]) -> int:
+    """Give every parameter on meta a real, uninitialized tensor (tied ones stay tied); returns bytes."""
+    import torch
+
+    from accel_npu.zero3_loading import param_slots
+
+    total = 0
+    for entries in param_slots(model).values():
+        module, attr, name = entries[0]
+        old = module._parameters[attr]
+        if old.device.type != "meta":
+            continue
+        dtype = dtypes.get(name, old.dtype)
+        new = torch.nn.Parameter(torch.empty(old.shape, dtype=dtype), requires_grad=old.requires_grad)
+        total += new.numel() * new.element_size()
+        for mod, a, _n in entries:
+            mod._parameters[a] = new
+    return total
+
+
+def _managed_by_fsdp(module) -> bool:
+    # FSDP1 and FSDP2 both mark the modules they manage (torch.distributed.fsdp, for dynamo).
+    return bool(getattr(module, "_is_fsdp_managed_module", False))
+
+
+def attach_fill(model, load_whole: Callable[[], Any]) -> None:
+    """Fill ``model`` from its files on its first forward unless FSDP manages it by then."""
+    handles = []
+
+    def fill() -> None:
+        from accel_npu.loading import outside_zero_init
+
+        with outside_zero_init():  # a frozen load: reads on every rank
+            fresh = load_whole()
+        fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
+        for name, param in model.named_parameters(remove_duplicate=False):
+            value = fresh_params[name].data
+            param.data = value.to(device=param.device, dtype=param.dtype)
+        del fresh
+        object.__setattr__(model, FILL_ATTR, None)
+
+    def first_call(module, args):
+        # any submodule's forward counts: vae.decode() never calls vae.forward()
+        for h in handles:
+            h.remove()
+        handles.clear()
+        if _managed_by_fsdp(model) or _managed_by_fsdp(module) or getattr(model, FILL_ATTR, None) is None:
+            return None  # FSDP's prepare broadcast rank 0's weights into it
+        log.info("accel-npu: %s was left for FSDP to fill from rank 0 (fsdp_cpu_ram_efficient_loading) but is "
+                 "called outside FSDP; reading its weights from its files now (what stock diffusers returns).",
+                 type(model).__name__)
+        fill()
+        return None
+
+    object.__setattr__(model, FILL_ATTR, fill)
+    for sub in model.modules():
+        if sub._parameters:
+            handles.append(sub.register_forward_pre_hook(first_call))
