@@ -299,6 +299,11 @@ def loading_report() -> dict:
 
     info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if switched_on()
                                                    else "off: whole model on every rank, as stock")
+    from accel_npu.fsdp_loading import efficient_loading_requested
+
+    info["FSDP loads (fsdp_cpu_ram_efficient_loading)"] = (
+        "rank 0 reads, the other ranks get its weights at prepare" if efficient_loading_requested()
+        else "off in this environment: every rank reads, as stock")
     avail = available_memory()
     info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
     info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"

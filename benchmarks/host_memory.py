@@ -20,13 +20,14 @@ environment, then ``from_pretrained(path, torch_dtype=bfloat16)`` and ``accelera
   (g) every rank reads the whole checkpoint, as stock diffusers does (accel-npu's loading plugin
       blocked; the cpu plugin still runs FSDP on gloo ranks)
   (h) accel-npu: rank 0 reads, the other ranks get rank 0's weights at prepare
+  (i), (j): (g), (h) without torch_dtype (fp32 models, the field report's call)
   Peaks include ``prepare`` (accelerate broadcasts rank 0's weights into the shards there).
 Node peak = max over time of the *sum* of RssAnon of all rank processes (sampled from
 /proc/<pid>/status every 20 ms). Page cache (file-backed) is not counted. A case whose predicted
 peak does not fit in this node's MemAvailable is not run (it would be OOM-killed, which is the
 point of (a)); the table says so and gives the estimate from N=1.
 
-Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h] [--cache DIR]
+Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h,i,j] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -67,9 +68,11 @@ if mode.startswith("fsdp2"):               # FSDP from the launch environment, a
     t = time.time()
 if mode in ("baseline", "zero3_baseline", "fsdp2_baseline"):
     model = None
-elif mode == "fsdp2":
-    model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16)
-    model = accelerator.prepare(model)
+elif mode.startswith("fsdp2"):             # fsdp2: bf16 as stored; fsdp2_fp32: no torch_dtype (fp32)
+    dtype = torch.bfloat16 if mode == "fsdp2" else None
+    model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype)
+    # FSDP2 prepares the model with its optimizer (SGD: no state, nothing allocated)
+    model, _opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
 elif mode == "zero3_full":
     model = QwenImageTransformer2DModel.from_pretrained(path)
 elif mode in ("raw", "raw_fp32"):          # the yardstick: safe_open read of the kept tensors only
@@ -272,6 +275,9 @@ CASES = {
     "g": ("FSDP2 efficient loading, every rank reads (stock diffusers)", "fsdp2", True,
           {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
     "h": ("FSDP2 efficient loading, accel-npu: rank 0 reads", "fsdp2", True, {}),
+    "i": ("(g) without torch_dtype (fp32), every rank reads", "fsdp2_fp32", True,
+          {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
+    "j": ("(h) without torch_dtype (fp32), accel-npu: rank 0 reads", "fsdp2_fp32", True, {}),
 }
 _DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
 _FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
@@ -282,7 +288,7 @@ _FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_E
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="1,2,3")
-    ap.add_argument("--cases", default="a,b,c,d,e,f,g,h")
+    ap.add_argument("--cases", default="a,b,c,d,e,f,g,h,i,j")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--cgroup-gib", type=float, default=4.0,
@@ -305,21 +311,21 @@ def main(argv=None) -> int:
         label, mode, accel, env = CASES[case]
         if case in "ef":
             env = {**env, **_DS_ENV}
-        if case in "gh":
+        if case in "ghij":
             env = {**env, **_FSDP_ENV}
         for n in ns:
             if case in "ef" and f"z{n}" not in zero3_base:
                 zero3_base[f"z{n}"] = run_case(worker, "zero3_baseline", ckpt, n, True, _DS_ENV)["peak"]
                 measured["zero3_baseline"] = zero3_base
-            if case in "gh":
+            if case in "ghij":
                 if n < 2:
                     continue  # one rank: nothing to shard
                 if f"s{n}" not in zero3_base:
                     zero3_base[f"s{n}"] = run_case(worker, "fsdp2_baseline", ckpt, n, True, _FSDP_ENV)["peak"]
                     measured["fsdp2_baseline"] = {k: v for k, v in zero3_base.items() if k.startswith("s")}
             per_rank = per_rank_a if case == "a" else per_rank_e if case == "e" else None
-            if case == "g":  # every rank a whole bf16 model, plus rank 0's copy during prepare
-                per_rank = ckpt_bytes * (n + 1) / n + baseline
+            if case == "i":  # every rank a whole fp32 model, plus the shards made at prepare
+                per_rank = 2 * ckpt_bytes * (n + 1) / n + baseline
             if per_rank is not None:
                 need = n * per_rank
                 if need > 0.85 * mem_available():
@@ -383,14 +389,17 @@ def main(argv=None) -> int:
                   f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
                   + (f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
                      if e_peak else ""))
-    for n in ns:
-        g_, h_ = (measured["cases"].get(f"{x}{n}", {}) for x in "gh")
-        sb = zero3_base.get(f"s{n}")
-        if h_.get("peak") and sb:
-            g_peak = g_.get("peak") or g_.get("estimate")
-            print(f"N={n}: FSDP2 (h) {h_['peak'] / MB:,.0f} MB, above baseline {(h_['peak'] - sb) / ckpt_bytes:.2f} x model"
-                  + (f"; (g) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x model; (g)/(h) = {g_peak / h_['peak']:.1f}x"
-                     + (" [g estimated]" if "estimate" in g_ else "") if g_peak else ""))
+    for stock, ours in ("gh", "ij"):
+        for n in ns:
+            g_, h_ = (measured["cases"].get(f"{x}{n}", {}) for x in (stock, ours))
+            sb = zero3_base.get(f"s{n}")
+            if h_.get("peak") and sb:
+                g_peak = g_.get("peak") or g_.get("estimate")
+                print(f"N={n}: FSDP2 ({ours}) {h_['peak'] / MB:,.0f} MB, above baseline "
+                      f"{(h_['peak'] - sb) / ckpt_bytes:.2f} x bf16 model"
+                      + (f"; ({stock}) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x; ({stock})/({ours}) = "
+                         f"{g_peak / h_['peak']:.1f}x" + (f" [{stock} estimated]" if "estimate" in g_ else "")
+                         if g_peak else ""))
     c1 = measured["cases"].get("c1", {})
     if c1.get("summary"):
         import re
