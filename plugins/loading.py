@@ -64,6 +64,22 @@ DIFFUSERS_PIPELINE = Patch(
     wrapper=_diffusers_pipeline,
 )
 
+def _fsdp2_load_full_state_dict(wrapped, instance, args, kwargs):
+    from accel_npu.fsdp_loading import load_full_state_dict_releasing
+
+    return load_full_state_dict_releasing(wrapped, instance, args, kwargs)
+
+
+FSDP2_LOAD_FULL_STATE_DICT = Patch(
+    target="accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
+    supports="accelerate>=1.10,<1.16",
+    reason="FSDP2 prepare with cpu_ram_efficient_loading keeps rank 0's whole model alive (its "
+           "original_sd) until every shard is built: node peak = full model + all shards (2 x model). "
+           "Each full tensor can go once it is broadcast.",
+    remove_when="accelerate releases original_sd entries as it broadcasts them",
+    wrapper=_fsdp2_load_full_state_dict,
+)
+
 ZERO3_INIT_CM = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.zero3_init_context_manager",
     supports="accelerate>=1.10,<1.16",
@@ -76,7 +92,7 @@ ZERO3_INIT_CM = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM]
+    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM, FSDP2_LOAD_FULL_STATE_DICT]
 
 
 @hookimpl

@@ -68,3 +68,30 @@ def test_a_model_managed_by_fsdp_is_not_filled_again():
     model._is_fsdp_managed_module = True  # what fully_shard / FSDP1 set on the modules they manage
     model(torch.randn(1, 3))
     assert calls == []
+
+
+def test_fsdp2_full_state_dict_is_released_tensor_by_tensor():
+    """accelerate's fsdp2_load_full_state_dict gets rank 0's whole weights as ``original_sd``;
+    each full tensor is dropped once read (broadcast and sharded), and the caller's dict no longer
+    pins them."""
+    import gc
+    import weakref
+
+    from collections import OrderedDict
+
+    original_sd = OrderedDict(a=torch.ones(4), b=torch.ones(4))  # what model.state_dict() returns
+    refs = {k: weakref.ref(v) for k, v in original_sd.items()}
+    alive_after_read = {}
+
+    def fake_load(accelerator, model, full_sd, cpu_offload=False):
+        for name in ("a", "b"):
+            assert name in full_sd
+            tensor = full_sd[name]  # what accelerate does on rank 0: read, broadcast, shard
+            del tensor
+            gc.collect()
+            alive_after_read[name] = refs[name]() is not None
+        return model
+
+    out = fsdp_loading.load_full_state_dict_releasing(fake_load, None, ("acc", "model", original_sd), {})
+    assert out == "model" and original_sd == {}
+    assert alive_after_read == {"a": False, "b": False}
