@@ -39,8 +39,13 @@ def get(name: str) -> str:
     return os.environ.get(name, var.default)
 
 
+def truthy(value: str) -> bool:
+    """How accel-npu (and accelerate's own env flags) read yes/no values."""
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
 def flag(name: str) -> bool:
-    return get(name).strip().lower() in {"1", "true", "yes", "on"}
+    return truthy(get(name))
 
 
 def disabled() -> bool:

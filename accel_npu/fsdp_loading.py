@@ -26,13 +26,11 @@ log = logging.getLogger("accel_npu")
 FILL_ATTR = "_accel_npu_fill"
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def efficient_loading_requested() -> bool:
     """accelerate's FSDP with ``cpu_ram_efficient_loading`` (its launcher or FullyShardedDataParallelPlugin set these)."""
-    return _env_true("ACCELERATE_USE_FSDP") and _env_true("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    from accel_npu.environment import truthy
+
+    return truthy(os.environ.get("ACCELERATE_USE_FSDP", "")) and truthy(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", ""))
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -89,8 +87,6 @@ def _managed_by_fsdp(module) -> bool:
 
 def attach_fill(model, load_whole: Callable[[], Any]) -> None:
     """Fill ``model`` from its files on its first forward unless FSDP manages it by then."""
-    handles = []
-
     def fill() -> None:
         from accel_npu.loading import outside_zero_init
 
@@ -103,23 +99,18 @@ def attach_fill(model, load_whole: Callable[[], Any]) -> None:
         del fresh
         object.__setattr__(model, FILL_ATTR, None)
 
-    def first_call(module, args):
-        # any submodule's forward counts: vae.decode() never calls vae.forward()
-        for h in handles:
-            h.remove()
-        handles.clear()
+    def first_call(module) -> None:
         if _managed_by_fsdp(model) or _managed_by_fsdp(module) or getattr(model, FILL_ATTR, None) is None:
-            return None  # FSDP's prepare broadcast rank 0's weights into it
+            return  # FSDP's prepare broadcast rank 0's weights into it
         log.info("accel-npu: %s was left for FSDP to fill from rank 0 (fsdp_cpu_ram_efficient_loading) but is "
                  "called outside FSDP; reading its weights from its files now (what stock diffusers returns).",
                  type(model).__name__)
         fill()
-        return None
+
+    from accel_npu.zero3_loading import on_first_forward
 
     object.__setattr__(model, FILL_ATTR, fill)
-    for sub in model.modules():
-        if sub._parameters:
-            handles.append(sub.register_forward_pre_hook(first_call))
+    on_first_forward(model, first_call)
 
 
 class _ReleasedOnRead(dict):

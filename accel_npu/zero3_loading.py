@@ -205,21 +205,32 @@ def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
 
     from accel_npu.towers import is_zero_partitioned
 
-    handles = []
-
-    def first_call(module, args):
-        # any submodule's forward counts: vae.decode() never calls vae.forward()
-        for h in handles:
-            h.remove()
-        handles.clear()
+    def first_call(module) -> None:
         if hasattr(model, "ds_id") or hasattr(module, "ds_id") or not is_zero_partitioned(model):
-            return None  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
+            return  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
         (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
             "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but is called outside the "
             "DeepSpeed engine; rebuilding it whole from its files (what stock diffusers returns). Load frozen "
             "models inside `accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to "
             "skip this.", type(model).__name__)
         rebuild()
+
+    on_first_forward(model, first_call)
+
+
+def on_first_forward(model, callback: Callable[[Any], None]) -> None:
+    """Call ``callback(submodule)`` once, before the first forward of any of ``model``'s submodules.
+
+    Any submodule counts (``vae.decode()`` never calls ``vae.forward()``); the hooks are removed
+    at that first call.
+    """
+    handles = []
+
+    def first_call(module, args):
+        for h in handles:
+            h.remove()
+        handles.clear()
+        callback(module)
         return None
 
     for sub in model.modules():
