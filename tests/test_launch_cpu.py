@@ -107,8 +107,9 @@ def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
 
 
 def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_path):
-    """accelerate turns FSDP on only for MULTI_GPU/NPU/XPU/... ranks: on gloo ranks an FSDP config
-    silently trained as DDP (MULTI_CPU, whole replicas). accel-npu makes it FSDP, as on devices."""
+    """accelerate turns FSDP on only for MULTI_GPU/NPU/XPU/... ranks. Stock on CPU: every rank is
+    rank 0 of 1 (no FSDP, the same batches); with the cpu backend but without FSDP_ON_CPU it would
+    be DDP (MULTI_CPU, whole replicas). accel-npu makes it FSDP, as on devices."""
     import yaml
 
     cfg = tmp_path / "fsdp2.yaml"
@@ -117,6 +118,11 @@ def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_pat
         "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
                         "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
         "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    stock = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path,
+                              env=base_env(ACCEL_NPU_DISABLE="1"))
+    assert stock.returncode == 0, explain(stock)
+    assert [(r["rank"], r["num_processes"], r["distributed_type"]) for r in results(stock)] == [(0, 1, "NO")] * 2
+
     proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path)
     res = results(proc)
     assert proc.returncode == 0 and len(res) == 2, explain(proc)

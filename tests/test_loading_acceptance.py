@@ -169,7 +169,8 @@ def _fsdp2_launch_config(directory: Path, efficient: bool) -> Path:
 def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen, tiny_vae):
     """Item 4 under FSDP: with fsdp_cpu_ram_efficient_loading (accelerate's own setting, which
     transformers honours and stock diffusers ignores), the unchanged script's DiT is read by rank 0
-    alone and rank 1 gets rank 0's weights at prepare: losses bit-identical to every rank reading.
+    alone (stock: both ranks read) and rank 1 gets rank 0's weights at prepare: losses
+    bit-identical to every rank reading.
     The frozen VAE used without prepare reads its files on rank 1 at its first call: same output."""
     runs = {}
     for efficient in (True, False):
@@ -182,6 +183,12 @@ def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen
         runs[efficient] = (proc, res)
     proc, ours = runs[True]
     _, every = runs[False]
+    # stock diffusers ignores the setting: rank 1 reads the checkpoint too
+    stock = accelerate_launch(["--config_file", str(_fsdp2_launch_config(tmp_path, True)),
+                               str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "1"],
+                              env=base_env(ACCEL_NPU_DISABLED_PLUGINS="loading"), timeout=600)
+    assert stock.returncode == 0, explain(stock)
+    assert [r["shards_opened"] > 0 for r in results(stock)] == [True, True], explain(stock)
     log = proc.stdout + proc.stderr
     assert ours[0]["shards_opened"] > 0 and ours[1]["shards_opened"] == 0, ours  # rank 1 read nothing
     assert every[0]["shards_opened"] == every[1]["shards_opened"] > 0, every

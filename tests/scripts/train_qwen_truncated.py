@@ -31,11 +31,14 @@ def main():
                               kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     set_seed(0)
     import safetensors  # observe, not change: how many shard files this rank opens to load the DiT
+    import safetensors.torch
 
-    real_open, opened = safetensors.safe_open, []
+    real_open, real_load_file, opened = safetensors.safe_open, safetensors.torch.load_file, []
     safetensors.safe_open = lambda path, *args, **kw: (opened.append(path), real_open(path, *args, **kw))[1]
+    # stock diffusers reads whole shards with load_file
+    safetensors.torch.load_file = lambda path, *args, **kw: (opened.append(path), real_load_file(path, *args, **kw))[1]
     model = QwenImageTransformer2DModel.from_pretrained(a.path)
-    safetensors.safe_open = real_open
+    safetensors.safe_open, safetensors.torch.load_file = real_open, real_load_file
     loaded = [p for p in model.parameters()]
     partitioned = all(hasattr(p, "ds_id") for p in loaded)
     held = sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in loaded)
