@@ -796,15 +796,23 @@ def _diffusers_load(cls, plan: _Plan):
     desc = f"Loading {cls.__name__}"
     from accel_npu import fsdp_loading, zero3_loading
 
-    zero_cfg = zero3_loading.zero3_config()
-    started = time.perf_counter()
-    if zero_cfg is not None:  # ZeRO-3 zero.Init: straight into partitions, read once by rank 0
+    def load_whole():  # stock's result from the files: for a model later used outside the engine / FSDP
+        return _diffusers_load(cls, plan)
+
+    def read_buffers_only() -> set[str]:
+        """Buffers (small; not all in a broadcast) on every rank with stock's casting rules; returns parameter names."""
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         buffers = [k for k in kept if k not in params]
-        if buffers:  # replicated: every rank loads them, with stock's casting rules
+        if buffers:
             load_model_dict_into_meta(model, LazyTensors(ckpt, buffers), dtype=torch_dtype,
                                       model_name_or_path=plan.path, keep_in_fp32_modules=keep_in_fp32,
                                       unexpected_keys=unexpected)
+        return params
+
+    zero_cfg = zero3_loading.zero3_config()
+    started = time.perf_counter()
+    if zero_cfg is not None:  # ZeRO-3 zero.Init: straight into partitions, read once by rank 0
+        params = read_buffers_only()
         param_keys = [k for k in kept if k in params]
         import torch.distributed as dist
 
@@ -818,27 +826,16 @@ def _diffusers_load(cls, plan: _Plan):
                         cls.__name__, str(done["dtype"]).replace("torch.", ""), dist.get_world_size(),
                         done["bytes_read"] / 2**20, seconds, done["groups"], dist.get_world_size())
 
-        def load_whole():
-            return _diffusers_load(cls, plan)
-
         zero3_loading.attach_rebuild(model, load_whole, done["dtype"])
         object.__setattr__(model, "_accel_npu_source", plan.folder)
     elif fsdp_loading.reads_elsewhere():  # FSDP cpu_ram_efficient_loading: rank 0 reads for this rank
-        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        buffers = [k for k in kept if k not in params]
-        if buffers:  # not all of them are in FSDP's broadcast (non-persistent ones): read as stock
-            load_model_dict_into_meta(model, LazyTensors(ckpt, buffers), dtype=torch_dtype,
-                                      model_name_or_path=plan.path, keep_in_fp32_modules=keep_in_fp32,
-                                      unexpected_keys=unexpected)
+        params = read_buffers_only()
         convert = _stock_cast(model_sd, torch_dtype, keep_in_fp32)
         dtypes = {k: convert(k, torch.empty(0, dtype=model_sd[k].dtype)).dtype for k in kept if k in params}
         left_bytes = fsdp_loading.materialize_empty(model, dtypes)
         seconds = time.perf_counter() - started
         log.info("accel-npu: %s: %.1f MB of parameters left for FSDP to fill from rank 0 "
                  "(fsdp_cpu_ram_efficient_loading); this rank read no weights.", cls.__name__, left_bytes / 2**20)
-
-        def load_whole():
-            return _diffusers_load(cls, plan)
 
         fsdp_loading.attach_fill(model, load_whole)
     else:
