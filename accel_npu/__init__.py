@@ -13,6 +13,55 @@ __version__ = "0.1.0"
 
 PROJECT_NAME = "accel_npu"
 
+#: Subpackages whose source sits at the repository root, beside accel_npu/ (setup.cfg package_dir).
+SOURCE_CHECKOUT_PACKAGES = {"accel_npu.plugins": "plugins", "accel_npu.launch_configs": "launch_configs"}
+
+
+class _SourceCheckoutFinder:
+    """Serves ``accel_npu.plugins`` / ``accel_npu.launch_configs`` from a source checkout.
+
+    Why: an installed accel-npu has them inside ``accel_npu/`` (setup.cfg maps the top-level
+    ``plugins/`` and ``launch_configs/`` there), but when the repository root comes first on
+    ``sys.path`` — ``python -c`` from the root, or accelerate's DeepSpeed launcher, which puts the
+    working directory on every worker's PYTHONPATH — the source ``accel_npu/`` shadows the
+    installed one and has no such subpackages. This finder applies the same mapping to the source
+    tree, as setuptools' editable finder does, so one package is found however it is installed.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        folder = SOURCE_CHECKOUT_PACKAGES.get(fullname)
+        if folder is None:
+            return None
+        import importlib.util
+        import os
+
+        init = os.path.join(self.root, folder, "__init__.py")
+        return importlib.util.spec_from_file_location(fullname, init) if os.path.isfile(init) else None
+
+
+def _map_source_checkout() -> None:
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Only a checkout of this project: an installed copy has no setup.cfg beside it.
+    if not (os.path.isfile(os.path.join(root, "setup.cfg"))
+            and os.path.isfile(os.path.join(root, "plugins", "__init__.py"))):
+        return
+    if any(isinstance(f, _SourceCheckoutFinder) for f in sys.meta_path):
+        return
+    # Before PathFinder, so an editable finder of some other checkout cannot pair this accel_npu
+    # with that checkout's plugins.
+    position = next((i for i, f in enumerate(sys.meta_path) if getattr(f, "__name__", "") == "PathFinder"),
+                    len(sys.meta_path))
+    sys.meta_path.insert(position, _SourceCheckoutFinder(root))
+
+
+_map_source_checkout()
+
 
 def __getattr__(name: str):
     if name == "hookimpl":
