@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from accel_npu import PROJECT_NAME, environment, hookspecs
 log = logging.getLogger("accel_npu")
 
 ENTRY_POINT_GROUP = "accel_npu"
+BUILTIN_PACKAGE = "accel_npu.plugins"
 
 #: Built-in plugins: (name, module). Order does not decide backend priority (tryfirst/trylast do).
 DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
@@ -44,6 +46,7 @@ class PluginRecord:
     module: str
     version: str
     status: str  # "loaded", "blocked", "failed: <error>"
+    origin: str = ""  # the file the plugin module was imported from
 
 
 class AccelNpuPluginManager(pluggy.PluginManager):
@@ -72,7 +75,8 @@ class AccelNpuPluginManager(pluggy.PluginManager):
             self.records.append(PluginRecord(name, source, module_name, version,
                                              f"failed: {type(exc).__name__}: {exc}"))
             return
-        self.records.append(PluginRecord(name, source, module_name, version, "loaded"))
+        self.records.append(PluginRecord(name, source, module_name, version, "loaded",
+                                         origin=getattr(plugin, "__file__", "") or ""))
 
     def load_plugins(self) -> None:
         if self._loaded:
@@ -80,7 +84,15 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         self._loaded = True
         from accel_npu import __version__
 
+        problem = _builtin_package_problem()
+        if problem is not None:
+            # One line for the one cause, not one per built-in plugin.
+            log.warning("accel-npu: no built-in plugin loads in this process (pid %d): %s", os.getpid(), problem)
         for name, module_name in DEFAULT_PLUGINS:
+            if problem is not None:
+                status = "blocked" if self._blocked(name) else f"failed: {problem}"
+                self.records.append(PluginRecord(name, "builtin", module_name, __version__, status))
+                continue
             self._register_module(name, module_name, "builtin", __version__,
                                   lambda m=module_name: importlib.import_module(m))
         self._load_entry_points()
@@ -102,6 +114,18 @@ class AccelNpuPluginManager(pluggy.PluginManager):
     def enable_trace(self) -> None:
         self.trace.root.setwriter(lambda msg: sys.stderr.write(f"[accel-npu trace] {msg}"))
         self.enable_tracing()
+
+
+def _builtin_package_problem() -> str | None:
+    """Why ``accel_npu.plugins`` cannot be imported here (naming a shadowing copy), or None."""
+    try:
+        importlib.import_module(BUILTIN_PACKAGE)
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        from accel_npu import install
+
+        note = install.shadowing_note()
+        return f"cannot import {BUILTIN_PACKAGE} ({type(exc).__name__}: {exc})" + (f"; {note}" if note else "")
 
 
 _pm: AccelNpuPluginManager | None = None

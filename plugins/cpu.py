@@ -156,6 +156,38 @@ CLOSE_GLOO_AT_EXIT = Patch(
 )
 
 
+def _shm_op_only_when_asked(wrapped, instance, args, kwargs):
+    # DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op in every process
+    # group setup (deepspeed/comm/torch.py TorchBackend.__init__ -> build_shm_op): ~90 s of g++
+    # on 2 cores before step 1 of a first run, and "Error building extension
+    # 'deepspeed_shm_comm'" where no compiler is installed. The op serves only
+    # inference_all_reduce (tensor-parallel inference); ZeRO training reduces through
+    # torch.distributed either way. Returning None is DeepSpeed's own path when the op is not
+    # available (e.g. not Linux): inference_all_reduce falls back to the process group.
+    from accel_npu import environment
+
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        on_cpu = get_accelerator()._name == "cpu"
+    except Exception:  # noqa: BLE001 - not ours to decide then
+        on_cpu = False
+    if not on_cpu or environment.flag("ACCEL_NPU_DEEPSPEED_SHM_OP"):
+        return wrapped(*args, **kwargs)
+    log.debug("accel-npu: DeepSpeed's shm all-reduce op not built (ACCEL_NPU_DEEPSPEED_SHM_OP=1 builds it)")
+    return None
+
+
+SHM_OP_ONLY_WHEN_ASKED = Patch(
+    target="deepspeed.comm.torch:build_shm_op",
+    supports="deepspeed>=0.16,<0.20",
+    reason="DeepSpeed's CPU accelerator compiles its shm all-reduce op with g++ before step 1 (~90 s; "
+           "fails without a compiler), though ZeRO training never uses it (only inference_all_reduce).",
+    remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",
+    wrapper=_shm_op_only_when_asked,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [PREPARE_BACKEND, VALIDATE_LAUNCH, FSDP_ON_CPU, CLOSE_GLOO_AT_EXIT]
+    return [PREPARE_BACKEND, VALIDATE_LAUNCH, FSDP_ON_CPU, CLOSE_GLOO_AT_EXIT, SHM_OP_ONLY_WHEN_ASKED]

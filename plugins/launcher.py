@@ -23,15 +23,35 @@ def bootstrap_dir() -> str:
     return os.path.dirname(os.path.abspath(bootstrap.__file__))
 
 
-def prepare_worker_environment(num_processes: int, environ=None) -> dict[str, str]:
+def worker_script_dir(entrypoint, cmd_args) -> str | None:
+    """The directory a worker puts first on sys.path: the script's (``python script.py``), the
+    working directory (``python -m module``), or the entrypoint's own when it is the script."""
+    if not isinstance(entrypoint, str):
+        return None
+    if not os.path.basename(entrypoint).startswith("python"):
+        return os.path.dirname(os.path.abspath(entrypoint))
+    args = [str(a) for a in cmd_args]
+    if "-m" in args:
+        return os.getcwd()
+    script = next((a for a in args if not a.startswith("-")), None)
+    return os.path.dirname(os.path.abspath(script)) if script else None
+
+
+def prepare_worker_environment(num_processes: int, environ=None, script_dir: str | None = None) -> dict[str, str]:
     """Run launch checks and apply environment defaults to ``environ`` (os.environ by default).
 
-    Returns the variables it set. Raises LaunchError when a plugin refuses the launch.
+    Returns the variables it set. Raises LaunchError when a plugin refuses the launch, or when
+    the workers would import a copy of accel_npu that cannot activate them.
     """
+    from accel_npu import install
     from accel_npu.backend import current_backend
+    from accel_npu.errors import LaunchError
     from accel_npu.manager import get_plugin_manager
 
     environ = os.environ if environ is None else environ
+    problem = install.worker_import_problem(environ.get("PYTHONPATH", ""), script_dir)
+    if problem:
+        raise LaunchError(f"accel-npu: refusing to start workers: {problem}.")
     pm = get_plugin_manager()
     backend = current_backend()
     pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(environ))
@@ -52,8 +72,16 @@ def prepare_worker_environment(num_processes: int, environ=None) -> dict[str, st
 
 def _launch_agent(wrapped, instance, args, kwargs):
     config = kwargs.get("config", args[0] if args else None)
+    entrypoint = kwargs.get("entrypoint", args[1] if len(args) > 1 else None)
+    cmd_args = kwargs.get("args", args[2] if len(args) > 2 else ())
     nproc = getattr(config, "nproc_per_node", 1) or 1
-    prepare_worker_environment(int(nproc))
+    from accel_npu.errors import LaunchError
+
+    try:
+        prepare_worker_environment(int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()))
+    except LaunchError as exc:
+        # One clear error, not a traceback through accelerate's and torch's launchers.
+        raise SystemExit(f"{type(exc).__name__}: {exc}") from None
     return wrapped(*args, **kwargs)
 
 

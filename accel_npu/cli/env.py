@@ -53,10 +53,12 @@ def collect(import_targets: bool = True) -> dict:
         },
         "backend": {"name": backend.name, "selected by": backend.plugin, "device type": backend.device_type,
                     "dist backend": backend.dist_backend, "devices": backend.device_count},
+        "installation": _installation(),
         "plugins": [
             {"name": r.name, "source": r.source, "module": r.module, "version": r.version,
              "status": r.status if r.name not in activation.registration_errors
-             else f"failed: {activation.registration_errors[r.name]}"}
+             else f"failed: {activation.registration_errors[r.name]}",
+             "imported from": _unexpected_origin(r)}
             for r in pm.records
         ],
         "patches": ledger.report(),
@@ -69,6 +71,28 @@ def collect(import_targets: bool = True) -> dict:
             title, values = section
             report["sections"][title] = values
     return report
+
+
+def _installation() -> dict:
+    from accel_npu import install
+
+    return {"imported from": install.imported_package_dir(),
+            "installed distribution": install.installed_package_dir() or "none (not installed)",
+            "shadowed": install.shadowing_note() or "no"}
+
+
+def _unexpected_origin(record) -> str | None:
+    """A built-in plugin's file when it is not from the installed distribution, else None."""
+    from accel_npu import install
+
+    if record.source != "builtin" or not record.origin:
+        return None
+    installed = install.installed_package_dir()
+    expected = install.builtin_plugins_dir(installed) if installed else None
+    origin = os.path.realpath(record.origin)
+    if expected and origin.startswith(os.path.realpath(expected) + os.sep):
+        return None
+    return record.origin
 
 
 def render(report: dict) -> str:
@@ -84,9 +108,12 @@ def render(report: dict) -> str:
     block("Versions", report["versions"])
     block("Activation", report["activation"])
     block("Backend", report["backend"])
+    block("Installation", report["installation"])
     lines.append("## Plugins")
     for p in report["plugins"]:
         lines.append(f"  {p['name']:<14} {p['status']:<10} {p['source']} {p['module']} {p['version']}")
+        if p.get("imported from"):
+            lines.append(f"      imported from {p['imported from']} (not the installed distribution)")
     lines.append("")
     lines.append("## Patches")
     for p in report["patches"]:
