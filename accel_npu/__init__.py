@@ -9,9 +9,7 @@ from __future__ import annotations
 # Only the standard library at import time: torch imports this package inside `import torch`
 # (the torch.backends entry point), before our own error handling can run.
 
-__version__ = "0.1.0"
-
-PROJECT_NAME = "accel_npu"
+from accel_npu._version import __version__
 
 #: Subpackages whose source sits at the repository root, beside accel_npu/ (setup.cfg package_dir).
 SOURCE_CHECKOUT_PACKAGES = {"accel_npu.plugins": "plugins", "accel_npu.launch_configs": "launch_configs"}
@@ -64,12 +62,13 @@ _map_source_checkout()
 
 
 def __getattr__(name: str):
+    # `from accel_npu import hookimpl` (what third-party plugins write) without importing pluggy
+    # inside every `import accel_npu`.
     if name == "hookimpl":
-        import pluggy
+        from accel_npu.hookspecs import hookimpl
 
-        marker = pluggy.HookimplMarker(PROJECT_NAME)
-        globals()["hookimpl"] = marker
-        return marker
+        globals()["hookimpl"] = hookimpl
+        return hookimpl
     raise AttributeError(f"module 'accel_npu' has no attribute {name!r}")
 
 

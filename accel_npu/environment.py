@@ -17,7 +17,7 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_DISABLE", "0", "1: accel-npu does nothing at all (as if not installed)."),
-    EnvVar("ACCEL_NPU_DISABLED_PLUGINS", "", "Comma-separated plugin names to block, or '*' for all."),
+    EnvVar("ACCEL_NPU_DISABLED_PLUGINS", "", "Comma-separated plugin names to block, or '*' for all but the essential ones."),
     EnvVar("ACCEL_NPU_TRACE", "0", "1: log every hook call and every patch application to stderr."),
     EnvVar("ACCEL_NPU_BACKEND", "", "Force a device backend (npu, cuda, cpu) instead of detecting one."),
     EnvVar("ACCEL_NPU_TRUNCATE", "", "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks."),
@@ -33,20 +33,59 @@ VARIABLES: tuple[EnvVar, ...] = (
 
 _BY_NAME = {v.name: v for v in VARIABLES}
 
+_YES = frozenset({"1", "true", "yes", "on"})
+_NO = frozenset({"0", "false", "no", "off"})
 
-def get(name: str) -> str:
-    """The value of a declared variable (its default when unset)."""
+
+def get(name: str, env=None) -> str:
+    """The value of a declared variable (its default when unset); ``env``: another mapping."""
     var = _BY_NAME[name]
-    return os.environ.get(name, var.default)
+    return (os.environ if env is None else env).get(name, var.default)
 
 
 def truthy(value: str) -> bool:
-    """How accel-npu (and accelerate's own env flags) read yes/no values."""
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    """How accel-npu (and accelerate's own env flags) read yes/no values: 1/true/yes/on."""
+    return value.strip().lower() in _YES
+
+
+def falsy(value: str) -> bool:
+    """0/false/no/off: an explicit "no" (for switches that are on by default)."""
+    return value.strip().lower() in _NO
 
 
 def flag(name: str) -> bool:
+    """A yes/no variable that is off unless set to yes."""
     return truthy(get(name))
+
+
+def switched_on(name: str) -> bool:
+    """A yes/no variable that is on unless set to no."""
+    return not falsy(get(name))
+
+
+def whole_number(name: str) -> int:
+    """A set variable that must be a whole number >= 1 (else one ConfigError naming it)."""
+    raw = get(name).strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        from accel_npu.errors import ConfigError
+
+        raise ConfigError(f"accel-npu: {name}={raw!r} is not a whole number >= 1")
+    return n
+
+
+def seconds(name: str) -> float:
+    """A variable that must be a number of seconds (else one ConfigError naming it)."""
+    raw = get(name)
+    try:
+        return float(raw)
+    except ValueError:
+        from accel_npu.errors import ConfigError
+
+        raise ConfigError(f"accel-npu: {name}={raw!r} is not a number of seconds") from None
 
 
 def disabled() -> bool:
@@ -56,3 +95,8 @@ def disabled() -> bool:
 def disabled_plugins() -> set[str]:
     raw = get("ACCEL_NPU_DISABLED_PLUGINS")
     return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def forced_backend(env=None) -> str | None:
+    """The backend ACCEL_NPU_BACKEND forces ("npu", "cuda", "cpu"), or None to detect one."""
+    return get("ACCEL_NPU_BACKEND", env).strip().lower() or None

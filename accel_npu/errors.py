@@ -11,3 +11,11 @@ class LaunchError(AccelNpuError):
 
 class ConfigError(AccelNpuError):
     """A configuration that contradicts itself or names something that does not exist."""
+
+
+class LoadError(AccelNpuError):
+    """A checkpoint that cannot be loaded as asked; names the file and key and says what to do."""
+
+
+class CheckpointError(AccelNpuError):
+    """A checkpoint that is incomplete, or a checkpoint operation that cannot work."""

@@ -1,4 +1,7 @@
-"""Every hook accel-npu calls. Plugins implement them with ``@accel_npu.hookimpl``.
+"""Every hook accel-npu calls, and the two markers: ``hookspec`` here, ``hookimpl`` for plugins.
+
+Plugins implement hooks with ``@hookimpl`` (``from accel_npu.hookspecs import hookimpl``, or
+``from accel_npu import hookimpl``: the same object).
 
 All hooks are prefixed ``accel_npu_``. docs/plugin_hooks.md lists each one with its exact
 signature (tests/test_hookspecs_documented.py keeps the two in step).
@@ -6,17 +9,18 @@ signature (tests/test_hookspecs_documented.py keeps the two in step).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
 import pluggy
 
-from accel_npu import PROJECT_NAME
+# Annotations name accel_npu.backend.Backend and accel_npu.patching.Patch as strings (postponed
+# evaluation): this module imports neither, so backend.py may call hooks without an import cycle.
 
-if TYPE_CHECKING:  # pragma: no cover
-    from accel_npu.backend import Backend
-    from accel_npu.patching import Patch
+#: pluggy project name: the markers below and the plugin manager use it
+PROJECT_NAME = "accel_npu"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec(firstresult=True)

@@ -18,10 +18,8 @@ DISTRIBUTION = "accel-npu"
 
 
 def imported_package_dir() -> str:
-    """The ``accel_npu/`` directory this process imported."""
-    import accel_npu
-
-    return os.path.dirname(os.path.abspath(accel_npu.__file__))
+    """The ``accel_npu/`` directory this process imported (this module lives in it)."""
+    return os.path.dirname(os.path.abspath(__file__))
 
 
 def installed_package_dir() -> str | None:

@@ -1,9 +1,11 @@
 """The plugin manager: built-in plugins by name, third-party ones by entry point.
 
-Built-in plugins are plain modules listed in :data:`DEFAULT_PLUGINS`; third-party plugins
-come from the entry-point group ``accel_npu``. ``ACCEL_NPU_DISABLED_PLUGINS=a,b`` (or ``*``)
-blocks plugins by name, like pytest's ``-p no:name``. A plugin that raises while loading is
-recorded with its error and skipped: training goes on.
+Built-in plugins are plain modules or packages listed in :data:`DEFAULT_PLUGINS`; third-party
+plugins come from the entry-point group ``accel_npu``. ``ACCEL_NPU_DISABLED_PLUGINS=a,b`` (or
+``*``) blocks plugins by name, like pytest's ``-p no:name`` — except the :data:`ESSENTIAL_PLUGINS`,
+which call the hooks other plugins rely on (``accel_npu_check_launch``, ``accel_npu_launch_env``,
+``accel_npu_configure_deepspeed``) and so cannot be blocked, as pytest's essential plugins cannot.
+A plugin that raises while loading is recorded with its error and skipped: training goes on.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 import pluggy
 
-from accel_npu import PROJECT_NAME, environment, hookspecs
+from accel_npu import environment, hookspecs
+from accel_npu.hookspecs import PROJECT_NAME
 
 log = logging.getLogger("accel_npu")
 
@@ -25,18 +28,24 @@ BUILTIN_PACKAGE = "accel_npu.plugins"
 
 #: Built-in plugins: (name, module). Order does not decide backend priority (tryfirst/trylast do).
 DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("npu", "accel_npu.plugins.npu"),
-    ("cuda", "accel_npu.plugins.cuda"),
-    ("cpu", "accel_npu.plugins.cpu"),
-    ("launcher", "accel_npu.plugins.launcher"),
+    ("npu", "accel_npu.plugins.devices.npu"),
+    ("cuda", "accel_npu.plugins.devices.cuda"),
+    ("cpu", "accel_npu.plugins.devices.cpu"),
+    ("launcher", "accel_npu.plugins.launch.launcher"),
     ("precision", "accel_npu.plugins.precision"),
-    ("deepspeed_setup", "accel_npu.plugins.deepspeed_setup"),
+    ("deepspeed_setup", "accel_npu.plugins.deepspeed"),
     ("video", "accel_npu.plugins.video"),
     ("loading", "accel_npu.plugins.loading"),
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),
-    ("launch_settings", "accel_npu.plugins.launch_settings"),
+    ("launch_settings", "accel_npu.plugins.launch.settings"),
 )
+
+#: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.
+ESSENTIAL_PLUGINS: dict[str, str] = {
+    "launcher": "reaches launched workers; calls every plugin's accel_npu_check_launch and accel_npu_launch_env",
+    "deepspeed_setup": "calls every plugin's accel_npu_configure_deepspeed",
+}
 
 
 @dataclass
@@ -59,7 +68,14 @@ class AccelNpuPluginManager(pluggy.PluginManager):
     # -- loading -----------------------------------------------------------------------------
     def _blocked(self, name: str) -> bool:
         blocked = environment.disabled_plugins()
-        return "*" in blocked or name in blocked
+        asked = "*" in blocked or name in blocked
+        if asked and name in ESSENTIAL_PLUGINS:
+            if name in blocked:
+                log.warning("accel-npu: plugin %r is essential and cannot be blocked (ACCEL_NPU_DISABLED_PLUGINS): "
+                            "it %s. ACCEL_NPU_DISABLE=1 turns accel-npu off as a whole.", name,
+                            ESSENTIAL_PLUGINS[name])
+            return False
+        return asked
 
     def _register_module(self, name: str, module_name: str, source: str, version: str, loader) -> None:
         if self._blocked(name):
@@ -82,7 +98,7 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         if self._loaded:
             return
         self._loaded = True
-        from accel_npu import __version__
+        from accel_npu._version import __version__
 
         problem = _builtin_package_problem()
         if problem is not None:
@@ -91,9 +107,11 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         for name, module_name in DEFAULT_PLUGINS:
             if problem is not None:
                 status = "blocked" if self._blocked(name) else f"failed: {problem}"
-                self.records.append(PluginRecord(name, "builtin", module_name, __version__, status))
+                source = "builtin, essential" if name in ESSENTIAL_PLUGINS else "builtin"
+                self.records.append(PluginRecord(name, source, module_name, __version__, status))
                 continue
-            self._register_module(name, module_name, "builtin", __version__,
+            source = "builtin, essential" if name in ESSENTIAL_PLUGINS else "builtin"
+            self._register_module(name, module_name, source, __version__,
                                   lambda m=module_name: importlib.import_module(m))
         self._load_entry_points()
 

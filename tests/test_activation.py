@@ -18,7 +18,8 @@ import accelerate.state as st
 from accel_npu.patching import get_ledger
 wrapped = isinstance(inspect.getattr_static(st.PartialState, "_prepare_backend"), wrapt.FunctionWrapper)
 print("RESULT " + json.dumps({"active": accel_npu.is_active(), "prepare_backend_wrapped": wrapped,
-      "applied": sorted(p.target for p in get_ledger().patches if p.applied)}))
+      "applied": sorted(p.target for p in get_ledger().patches if p.applied),
+      "applied_by": sorted({p.plugin for p in get_ledger().patches if p.applied})}))
 '''
 
 
@@ -38,14 +39,25 @@ def test_import_torch_alone_activates():
 
 def test_disable_activates_nothing():
     result, _ = probe(ACCEL_NPU_DISABLE="1")
-    assert result == {"active": False, "prepare_backend_wrapped": False, "applied": []}
+    assert result == {"active": False, "prepare_backend_wrapped": False, "applied": [], "applied_by": []}
 
 
 def test_disabled_plugins_block_by_name_and_star():
     result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="cpu")
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
     result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="*")
-    assert result["applied"] == []
+    # every plugin but the essential ones, which call the hooks other plugins rely on
+    assert result["applied_by"] == ["deepspeed_setup"], result
+    assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
+
+
+def test_essential_plugins_cannot_be_blocked():
+    from accel_npu.manager import ESSENTIAL_PLUGINS
+
+    assert set(ESSENTIAL_PLUGINS) == {"launcher", "deepspeed_setup"}
+    result, proc = probe(ACCEL_NPU_DISABLED_PLUGINS="deepspeed_setup,precision")
+    assert "deepspeed_setup" in result["applied_by"] and "precision" not in result["applied_by"]
+    assert "plugin 'deepspeed_setup' is essential and cannot be blocked" in proc.stderr
 
 
 def test_trace_logs_patch_applications():

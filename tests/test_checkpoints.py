@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from accel_npu import checkpointing, environment
-from accel_npu.checkpointing import CheckpointError, CollectiveMisuseError
+from accel_npu import environment
+from accel_npu.plugins.checkpoints import state as checkpointing
+from accel_npu.plugins.checkpoints.consolidate import consolidate
+from accel_npu.plugins.checkpoints.state import CheckpointError, CollectiveMisuseError
 
 
 def _worker(rank, port, queue):
@@ -119,7 +121,7 @@ def test_consolidate_refuses_a_save_that_never_finished(tmp_path):
     (ckpt / "pytorch_model").mkdir(parents=True)
     (tmp_path / ".ckpt.accel-npu-partial").mkdir()
     with pytest.raises(CheckpointError) as info:
-        checkpointing.consolidate(str(ckpt), str(tmp_path / "out"))
+        consolidate(str(ckpt), str(tmp_path / "out"))
     msg = str(info.value)
     assert "latest (the save did not finish" in msg and ".ckpt.accel-npu-partial" in msg
     assert "Nothing was written" in msg and not (tmp_path / "out").exists()
@@ -129,7 +131,7 @@ def test_consolidate_refuses_non_empty_output(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("keep me")
     with pytest.raises(CheckpointError, match="not empty"):
-        checkpointing.consolidate(str(tmp_path), str(tmp_path / "out"))
+        consolidate(str(tmp_path), str(tmp_path / "out"))
     assert (tmp_path / "out" / "x").read_text() == "keep me"
 
 
@@ -146,7 +148,7 @@ def test_consolidate_command_is_registered(capsys):
 def test_streamed_safetensors_load_back_identically(tmp_path):
     from safetensors.torch import load_file
 
-    from accel_npu.checkpointing import SafetensorsStream
+    from accel_npu._torch.safetensors_io import SafetensorsStream
 
     tensors = {"w": torch.randn(3, 4).bfloat16(), "s": torch.tensor(5.0), "empty": torch.zeros(0, 2),
                "idx": torch.arange(7), "mask": torch.tensor([True, False]), "h": torch.randn(2).half()}

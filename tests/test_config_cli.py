@@ -178,7 +178,7 @@ def test_invalid_combination_is_one_clear_error_and_nothing_written(tmp_path, ar
 def test_more_processes_than_visible_devices_is_refused():
     # The device count comes from the backend plugin (tests/contract exercises torch_npu's side);
     # here the rule itself, on a machine with 8 visible NPUs (pitfall 7.1).
-    from accel_npu import wizard
+    from accel_npu.cli.config import settings as wizard
 
     machine = wizard.Machine(backend="npu", device_count=8, visible_devices_note="ASCEND_RT_VISIBLE_DEVICES=<unset>")
     s = wizard.default_settings(machine)

@@ -22,14 +22,14 @@ def accelerate_yamls(prefix: str) -> list[Path]:
 
 
 def test_shipped_files_are_generated_by_the_wizard_code(tmp_path):
-    from accel_npu.wizard import template_files
+    from accel_npu.cli.config.settings import template_files
 
     expected = {p.name: text for p, text in template_files(tmp_path).items()}
     shipped = {p.name: p.read_text() for p in CONFIGS.iterdir() if p.suffix in (".yaml", ".json")}
     assert sorted(shipped) == sorted(expected)
     stale = [name for name in expected if shipped[name] != expected[name]]
     assert not stale, (f"launch_configs/ is out of date: {stale}; regenerate with python -c "
-                       "\"from accel_npu.wizard import write_templates; write_templates('launch_configs')\"")
+                       "\"from accel_npu.cli.config.settings import write_templates; write_templates('launch_configs')\"")
     names = {p.stem for p in accelerate_yamls("")}
     assert names == {"npu_zero2", "npu_zero3", "npu_multinode_zero3", "cpu_zero2", "cpu_zero3",
                      "cpu_multinode_zero3"}

@@ -1,4 +1,4 @@
-"""plugins/launch_settings.py in the launcher process: which config is launched, how its sidecar
+"""plugins/launch/settings.py in the launcher process: which config is launched, how its sidecar
 is applied (the shell wins), broken sidecars, and deepspeed_config_file resolution rules —
 with accelerate's real `accelerate launch` argument parser."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from accel_npu.errors import ConfigError
-from accel_npu.plugins import launch_settings
+from accel_npu.plugins.launch import settings as launch_settings
 
 
 def parse(*argv: str):

@@ -16,7 +16,7 @@ import pytest
 import accel_npu
 from tests.inprocess import stock
 from accel_npu.errors import ConfigError
-from accel_npu.plugins.deepspeed_setup import file_precision, resolve_precision
+from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
 
 from .launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
     zero_config

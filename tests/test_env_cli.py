@@ -24,7 +24,7 @@ def _run(*args, **env):
 def test_env_json_lists_exactly_declared_plugins_and_patches():
     plugins, targets = _declared()
     report = json.loads(_run("--json"))
-    builtin = {p["name"] for p in report["plugins"] if p["source"] == "builtin"}
+    builtin = {p["name"] for p in report["plugins"] if p["source"].startswith("builtin")}
     assert builtin == plugins
     assert {p["target"] for p in report["patches"]} == targets
     for p in report["patches"]:

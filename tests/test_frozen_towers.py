@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from accel_npu import towers
+from accel_npu.plugins.frozen_towers import rematerialize, towers
 from accel_npu.errors import AccelNpuError, ConfigError
 
 
@@ -138,5 +138,5 @@ def test_source_dir_finds_the_subfolder_transformers_did_not_record(tmp_path):
     T5EncoderModel(other).save_pretrained(tmp_path / "repo" / "a_decoy")  # same keys, other shapes
     model = T5EncoderModel.from_pretrained(tmp_path / "repo", subfolder="text_encoder")
     assert model.config._name_or_path == str(tmp_path / "repo")
-    assert towers.source_dir(model, "t5") == str(tmp_path / "repo" / "text_encoder")
-    assert towers.source_dir(model, "text_encoder") == str(tmp_path / "repo" / "text_encoder")
+    assert rematerialize.source_dir(model, "t5") == str(tmp_path / "repo" / "text_encoder")
+    assert rematerialize.source_dir(model, "text_encoder") == str(tmp_path / "repo" / "text_encoder")

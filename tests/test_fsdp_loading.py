@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from accel_npu import fsdp_loading
-from accel_npu.loading import outside_zero_init
+from accel_npu._torch import markers
+from accel_npu._torch.zero import outside_zero_init
+from accel_npu.plugins.loading.placement import fsdp as fsdp_loading
 
 FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "True", "WORLD_SIZE": "2"}
 
@@ -56,7 +57,7 @@ def test_a_model_called_before_fsdp_manages_it_reads_its_files_first():
     fsdp_loading.attach_fill(model, lambda: whole)
     x = torch.randn(1, 3)
     assert torch.equal(model(x), whole(x))  # filled on the first call
-    assert getattr(model, fsdp_loading.FILL_ATTR) is None
+    assert getattr(model, markers.FILL) is None
 
 
 def test_a_model_managed_by_fsdp_is_not_filled_again():

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import tiny_models as tm  # noqa: E402
 
 from accel_npu.activation import activate  # noqa: E402
-from accel_npu.loading import LoadError, tensors_on_meta  # noqa: E402
+from accel_npu.errors import LoadError  # noqa: E402
+from accel_npu.plugins.loading.diffusers import tensors_on_meta  # noqa: E402
 from accel_npu.patching import original_of  # noqa: E402
 
 activate()
@@ -393,7 +394,7 @@ def test_load_threads_share_the_nodes_cores_among_loading_ranks(monkeypatch):
     import os
 
     from accel_npu.errors import ConfigError
-    from accel_npu.loading import load_threads
+    from accel_npu.plugins.loading.slots import load_threads
 
     monkeypatch.delenv("ACCEL_NPU_LOAD_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from accel_npu.errors import ConfigError
-from accel_npu.loading import LoadSlotTimeout, load_slot, malloc_trim, slot_count
+from accel_npu._torch.memory import malloc_trim
+from accel_npu.plugins.loading.slots import LoadSlotTimeout, load_slot, slot_count
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -75,7 +76,7 @@ def qwen_ckpt(tmp_path_factory):
 
 HOLDER = (
     "import time\n"
-    "from accel_npu.loading import load_slot\n"
+    "from accel_npu.plugins.loading.slots import load_slot\n"
     "cm = load_slot(1, what='a stuck load', slots=1)\n"
     "cm.__enter__()\n"
     "print('HOLDING', flush=True)\n"
@@ -115,7 +116,7 @@ def test_sigkilled_holder_releases_its_slot(tmp_path, qwen_ckpt):
 
 
 def test_env_report_section(monkeypatch):
-    from accel_npu.loading import loading_report
+    from accel_npu.plugins.loading import loading_report
 
     monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2")
     monkeypatch.setenv("ACCEL_NPU_LOAD_SLOTS", "1")

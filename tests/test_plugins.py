@@ -88,7 +88,7 @@ def test_forced_backend(fresh_pm, monkeypatch):
 
 
 def test_launch_env_user_values_win_and_bootstrap_is_added(probe):
-    from accel_npu.plugins.launcher import bootstrap_dir, prepare_worker_environment
+    from accel_npu.plugins.launch.launcher import bootstrap_dir, prepare_worker_environment
 
     environ = {"PROBE_USER_SET": "mine", "PYTHONPATH": "/somewhere"}
     added = prepare_worker_environment(2, environ)
@@ -100,7 +100,7 @@ def test_launch_env_user_values_win_and_bootstrap_is_added(probe):
 
 def test_check_launch_refuses_before_workers(probe, monkeypatch):
     from accel_npu.backend import reset_backend_cache
-    from accel_npu.plugins.launcher import prepare_worker_environment
+    from accel_npu.plugins.launch.launcher import prepare_worker_environment
 
     reset_backend_cache()
     monkeypatch.setenv("PROBE_BACKEND", "1")

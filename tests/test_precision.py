@@ -78,7 +78,7 @@ def test_autocast_remap_is_logged_once(caplog):
 def test_autocast_passes_through_where_cuda_is_available(monkeypatch):
     # On a CUDA machine the wrapper must hand "cuda" to torch untouched.
     seen = {}
-    monkeypatch.setattr(precision, "_cuda_available", True)
+    monkeypatch.setattr(precision, "cuda_available", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ctx = torch.autocast("cuda", dtype=torch.bfloat16)

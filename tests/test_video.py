@@ -91,6 +91,6 @@ def test_cpu_ctx_and_cuda_machines_untouched(clip, monkeypatch):
     path, _ = clip
     ctx = decord.cpu(0)
     assert video._cpu_ctx_for(ctx, "VideoReader") is ctx
-    monkeypatch.setattr(video, "_cuda", True)  # a CUDA machine: the GPU context is passed on as given
+    monkeypatch.setattr(video, "cuda_available", lambda: True)  # a CUDA machine: the GPU context is passed on as given
     gpu = decord.gpu(0)
     assert video._cpu_ctx_for(gpu, "VideoReader") is gpu

@@ -1,4 +1,4 @@
-"""When a diffusers load goes straight into ZeRO-3 partitions (accel_npu/zero3_loading.py).
+"""When a diffusers load goes straight into ZeRO-3 partitions (plugins/loading/placement/zero3.py).
 
 The end-to-end behaviour (2 ranks, bit-identical losses, rank 0 reading once, frozen VAEs rebuilt
 whole) is tests/test_loading_acceptance.py::test_zero3_loads_straight_into_partitions_read_once.
@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from accel_npu import zero3_loading
-from accel_npu.loading import outside_zero_init
+from accel_npu._torch.packing import pack_by_budget
+from accel_npu._torch.zero import outside_zero_init
+from accel_npu.plugins.loading.placement import zero3 as zero3_loading
 from tests.launch_utils import free_port
 
 
 def test_groups_keep_read_order_and_stay_under_the_budget():
     sizes = {"a": 40, "b": 30, "c": 100, "d": 10, "e": 10}
-    groups = zero3_loading._groups(list("abcde"), sizes, budget=64)
+    groups = pack_by_budget(list("abcde"), sizes.__getitem__, 64)
     assert groups == [["a"], ["b"], ["c"], ["d", "e"]]  # order kept; an oversized tensor alone
     assert [k for g in groups for k in g] == list("abcde")
 

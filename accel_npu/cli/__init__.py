@@ -1,5 +1,6 @@
 """The ``accel-npu`` command. Built-in subcommands are modules listed in BUILTIN_COMMANDS;
-plugins add more through the ``accel_npu_add_commands`` hook."""
+plugins add more through the ``accel_npu_add_commands`` hook (``consolidate`` comes from the
+checkpoints plugin)."""
 from __future__ import annotations
 
 import argparse
@@ -11,12 +12,11 @@ import sys
 BUILTIN_COMMANDS = (
     "accel_npu.cli.env",
     "accel_npu.cli.config",
-    "accel_npu.cli.consolidate",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from accel_npu import __version__
+    from accel_npu._version import __version__
     from accel_npu.manager import get_plugin_manager
 
     parser = argparse.ArgumentParser(prog="accel-npu", description="Unchanged CUDA training on Ascend NPU and CPU.")

@@ -19,7 +19,8 @@ def _version(dist: str) -> str:
 
 
 def collect(import_targets: bool = True) -> dict:
-    from accel_npu import __version__, activation, environment
+    from accel_npu import activation, environment
+    from accel_npu._version import __version__
     from accel_npu.backend import current_backend
     from accel_npu.manager import get_plugin_manager
     from accel_npu.patching import get_ledger
@@ -85,7 +86,7 @@ def _unexpected_origin(record) -> str | None:
     """A built-in plugin's file when it is not from the installed distribution, else None."""
     from accel_npu import install
 
-    if record.source != "builtin" or not record.origin:
+    if not record.source.startswith("builtin") or not record.origin:
         return None
     installed = install.installed_package_dir()
     expected = install.builtin_plugins_dir(installed) if installed else None

@@ -119,7 +119,7 @@ def test_torch_torch_npu_pairing_mismatch_is_one_clear_error(tmp_path):
               env_with(site))
     assert ours.returncode != 0 and "caught NpuEnvironmentError" in ours.stdout, ours.stderr[-2000:]
     line = last_line(ours)
-    assert line.startswith("accel_npu.plugins.npu.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded"), line
+    assert line.startswith("accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded"), line
     assert f"torch {torch.__version__} and torch_npu 2.7.1.post2 are not a pair" in line
     assert "Fix: pip install 'torch==2.7.1'" in line
 

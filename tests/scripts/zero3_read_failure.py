@@ -13,7 +13,8 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from diffusers import QwenImageTransformer2DModel
 
-import accel_npu.loading as loading
+import accel_npu.plugins.loading.diffusers as loading
+from accel_npu.errors import LoadError
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
     try:
         QwenImageTransformer2DModel.from_pretrained(path)
         outcome = {"ok": True}
-    except loading.LoadError as exc:
+    except LoadError as exc:
         outcome = {"ok": False, "error": str(exc)}
     print("RESULT " + json.dumps({"rank": accelerator.process_index, **outcome}), flush=True)
 

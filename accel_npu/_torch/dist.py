@@ -1,0 +1,117 @@
+"""torch.distributed helpers that work before, without and after a process group exists."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from accel_npu.errors import AccelNpuError
+
+
+class CollectiveMisuseError(AccelNpuError):
+    """A collective (a ZeRO-3 gather, a sharded save) entered by only some of the ranks."""
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(global rank, world size): from the process group when it is up, else the launcher's env."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 0, 1
+
+
+def local_world_size() -> int:
+    """Processes on this node (the launcher's LOCAL_WORLD_SIZE; 1 when not launched)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def is_local_main() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0")
+
+
+def _store_and_world():
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world == 1:
+            return None, 1, 0
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store(), world, rank
+    except Exception:  # no store we can use: no guard (never worse than stock)
+        return None, 1, 0
+
+
+_counters: dict[str, int] = {}
+
+
+def rendezvous(op: str, timeout: float, advice: str = "") -> None:
+    """Return once every rank has called ``rendezvous(op)`` the same number of times.
+
+    Uses the process group's key-value store (no collective, so it cannot hang): raises
+    :class:`CollectiveMisuseError` naming the missing ranks after ``timeout`` seconds, with
+    ``advice`` (what to call instead).
+    """
+    store, world, rank = _store_and_world()
+    if store is None:
+        return
+    n = _counters[op] = _counters.get(op, 0) + 1
+    key = f"accel_npu/rendezvous/{op}/{n}"
+    store.set(f"{key}/rank{rank}", "1")
+    if store.add(key, 1) >= world:
+        store.set(f"{key}/done", "1")  # the last rank to arrive releases the others
+        return
+    try:
+        store.wait([f"{key}/done"], timedelta(seconds=timeout))
+        return
+    except Exception:  # the store's timeout error (its type differs between torch versions)
+        if store.check([f"{key}/done"]):
+            return
+    present = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
+    missing = [r for r in range(world) if r not in present]
+    raise CollectiveMisuseError(
+        f"accelerator.{op}() under DeepSpeed ZeRO is a collective, but only rank(s) {present} "
+        f"entered it; rank(s) {missing} did not within {timeout:g} s "
+        f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
+        f"group times out, or gather the whole model into this rank's memory. "
+        f"{advice}")
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """True only when ``flag`` is true on every rank (a MIN all-reduce; plain value if not distributed)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        device = "cpu"
+        if dist.get_backend() != "gloo":  # HCCL/NCCL take only a tensor on this rank's device
+            import accelerate
+
+            device = accelerate.PartialState().device
+        t = torch.tensor([1 if flag else 0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+    except Exception:  # pragma: no cover - never let bookkeeping break prepare
+        return flag
+
+
+def collective_device():
+    """The device a collective's tensor must live on: CPU for gloo, this rank's device otherwise."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return "cpu"
+    import deepspeed
+
+    return deepspeed.get_accelerator().current_device_name()

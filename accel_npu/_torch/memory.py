@@ -1,0 +1,30 @@
+"""Host memory: give freed heap back to the OS, read MemAvailable."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+_libc = None
+
+
+def malloc_trim() -> bool:
+    """Give freed heap memory back to the OS (glibc keeps freed blocks otherwise)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(_libc.malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return False
+
+
+def available_memory() -> int | None:
+    """MemAvailable of this node (bytes), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,163 @@
+"""The patch ledger: the one mechanism every accel-npu patch goes through.
+
+A :class:`~accel_npu.patching.patch.Patch` declares *what* it wraps (the defining module and
+qualified name), *which versions* of the owning library it knows, *why* it exists and *when* it
+can go. Declaring one changes nothing. Once the ledger is armed, a patch is applied when its
+target module is imported (a wrapt post-import hook on the defining module) — or at once if it
+already is, or, if that module is still importing, the moment it finishes.
+
+Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the ledger:
+- idempotent: applying twice wraps once;
+- reversible: :meth:`PatchLedger.unpatch_all` puts back the *identical* original object
+  (and removes the attribute again where the original was inherited from a base class);
+- queryable: each patch is "not imported", "applied", "skipped: <reason>" or "failed: <error>";
+- never raises: an unknown library version, a missing attribute or a broken version string
+  becomes "skipped"/"failed" with the reason, not an exception.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+from typing import Any
+
+import wrapt
+
+from accel_npu import environment
+from accel_npu.patching.imports import call_when_imported, still_importing
+from accel_npu.patching.patch import APPLIED, NOT_IMPORTED, UNPATCHED, Patch
+
+log = logging.getLogger("accel_npu")
+
+
+class PatchLedger:
+    def __init__(self) -> None:
+        self.patches: list[Patch] = []
+        self.armed = False
+        self._hooked_modules: set[str] = set()
+        self._lock = threading.RLock()
+
+    # -- declaration ---------------------------------------------------------------------------
+    def register(self, patch: Patch, plugin: str = "") -> Patch:
+        with self._lock:
+            if any(p.target == patch.target and p.plugin == (plugin or patch.plugin) for p in self.patches):
+                return patch
+            if plugin:
+                patch.plugin = plugin
+            self.patches.append(patch)
+            if patch.module not in self._hooked_modules:
+                self._hooked_modules.add(patch.module)
+                # Registered once per module; the hook checks `armed`, so unpatch/repatch need no
+                # hook bookkeeping. wrapt calls it at once if the module is already imported.
+                wrapt.register_post_import_hook(self._on_import, patch.module)
+            return patch
+
+    def find(self, target: str) -> Patch | None:
+        return next((p for p in self.patches if p.target == target), None)
+
+    # -- applying ------------------------------------------------------------------------------
+    def arm(self) -> None:
+        with self._lock:
+            self.armed = True
+            for patch in self.patches:
+                module = sys.modules.get(patch.module)
+                if module is not None:
+                    self.apply(patch, module)
+
+    def _on_import(self, module) -> None:
+        if not self.armed:
+            return
+        with self._lock:
+            for patch in self.patches:
+                if patch.module == module.__name__:
+                    self.apply(patch, module)
+
+    def apply(self, patch: Patch, module=None) -> None:
+        """Apply one patch if its module is imported and its version is supported. Never raises."""
+        with self._lock:
+            if patch.applied:
+                return
+            module = module if module is not None else sys.modules.get(patch.module)
+            if module is None:
+                patch.status = NOT_IMPORTED
+                return
+            if still_importing(module) and call_when_imported(module, self._on_import):
+                # e.g. `import accelerate` before torch: accelerate.accelerator imports torch (and so
+                # activates us) before it defines Accelerator. Apply once its body has run.
+                patch.status = NOT_IMPORTED
+                return
+            problem = patch.version_problem()
+            if problem:
+                patch.status = f"skipped: {problem}"
+                self._trace(patch)
+                return
+            try:
+                parent, attribute, original = wrapt.resolve_path(module, patch.qualname)
+            except Exception as exc:
+                patch.status = f"skipped: {patch.qualname} not found in {patch.module} ({exc})"
+                self._trace(patch)
+                return
+            if original is patch._installed and patch._installed is not None:
+                patch.status = APPLIED  # someone else's reload restored our wrapper; nothing to do
+                return
+            try:
+                had_own = (attribute in vars(parent)) if inspect.isclass(parent) else True
+                wrapped = wrapt.FunctionWrapper(original, patch.wrapper)
+                setattr(parent, attribute, wrapped)
+            except Exception as exc:
+                patch.status = f"failed: {type(exc).__name__}: {exc}"
+                log.warning("accel-npu: could not apply %s: %s", patch.target, patch.status)
+                return
+            patch._parent, patch._attribute, patch._original = parent, attribute, original
+            patch._had_own_attribute, patch._installed = had_own, wrapped
+            patch.status = APPLIED
+            self._trace(patch)
+
+    def _trace(self, patch: Patch) -> None:
+        if environment.flag("ACCEL_NPU_TRACE"):
+            sys.stderr.write(f"[accel-npu trace] patch {patch.target} ({patch.plugin}): {patch.status}\n")
+
+    # -- undoing -------------------------------------------------------------------------------
+    def unpatch(self, patch: Patch) -> None:
+        with self._lock:
+            if not patch.applied:
+                return
+            parent, attribute = patch._parent, patch._attribute
+            current = inspect.getattr_static(parent, attribute, None)
+            if current is not patch._installed:
+                log.warning("accel-npu: %s was re-wrapped by someone else; restoring the original anyway",
+                            patch.target)
+            if patch._had_own_attribute:
+                setattr(parent, attribute, patch._original)
+            else:
+                delattr(parent, attribute)
+            patch._parent = patch._original = patch._installed = None
+            patch.status = UNPATCHED
+
+    def unpatch_all(self) -> None:
+        with self._lock:
+            self.armed = False
+            for patch in reversed(self.patches):
+                self.unpatch(patch)
+
+    # -- querying ------------------------------------------------------------------------------
+    def report(self) -> list[dict[str, str]]:
+        return [
+            {"target": p.target, "plugin": p.plugin, "supports": p.supports, "status": p.status,
+             "reason": p.reason, "remove_when": p.remove_when}
+            for p in self.patches
+        ]
+
+
+_ledger = PatchLedger()
+
+
+def get_ledger() -> PatchLedger:
+    return _ledger
+
+
+def original_of(target: str) -> Any:
+    """The unwrapped original of an applied patch (for code that must bypass it)."""
+    patch = _ledger.find(target)
+    return patch._original if patch is not None and patch.applied else None

@@ -1,0 +1,279 @@
+"""Atomic ``save_state`` under DeepSpeed, and the checks before ``load_state`` (issue 5).
+
+- :func:`atomic_save_state`: ``accelerator.save_state(dir)`` writes every rank's shards into a
+  hidden sibling directory, then rank 0 writes ``latest``, a manifest and the trained
+  components' configs, and renames it into place. A crash or SIGKILL at any point leaves the
+  previous checkpoint as it was (:func:`resolve_load_dir` also recovers the one moment where
+  the old directory is set aside).
+- :func:`rendezvous`: a bounded check that every rank entered a collective
+  (``get_state_dict``/``save_model``/``save_state``) before anything is gathered; a rank-0-only
+  call fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds with what to call instead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+from accel_npu import environment
+from accel_npu._torch import dist
+from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu.errors import CheckpointError
+
+from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_path, fsync_tree, is_our_temp,
+                                                 old_dir, partial_dir, write_json)
+
+__all__ = ["CheckpointError", "CollectiveMisuseError", "atomic_save_state", "resolve_load_dir", "rendezvous"]
+
+log = logging.getLogger("accel_npu")
+
+# --------------------------------------------------------------------------------------------
+# bounded rendezvous
+_INSTEAD = {
+    "get_state_dict": (
+        "Call it on every rank (it is a collective under ZeRO-3) and save on the main process only:\n"
+        "    state_dict = accelerator.get_state_dict(model)      # all ranks\n"
+        "    if accelerator.is_main_process: save(state_dict)\n"
+        "or, without gathering the model into one rank's memory:\n"
+        "    accelerator.save_state(output_dir)                   # all ranks; sharded, atomic\n"
+        "    accel-npu consolidate output_dir export_dir          # later, offline: diffusers directories"),
+    "save_model": (
+        "Call accelerator.save_model(model, dir) on every rank (under ZeRO-3 it gathers one shard at a "
+        "time; only the main process writes), or accelerator.save_state(dir) on every rank and "
+        "`accel-npu consolidate dir export_dir` afterwards."),
+    "save_state": (
+        "Call accelerator.save_state(dir) on every rank, not inside `if accelerator.is_main_process:`: "
+        "under DeepSpeed every rank writes its own shard."),
+}
+
+
+def collective_timeout() -> float:
+    return environment.seconds("ACCEL_NPU_COLLECTIVE_TIMEOUT")
+
+
+def rendezvous(op: str, timeout: float | None = None) -> None:
+    """Return once every rank has called ``rendezvous(op)``; else a :class:`CollectiveMisuseError`
+    after ``timeout`` (``ACCEL_NPU_COLLECTIVE_TIMEOUT``) saying what to call instead."""
+    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, _INSTEAD.get(op, ""))
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate helpers
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(accelerator) -> int:
+    try:
+        return int(accelerator.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+    except Exception:
+        return 0
+
+
+# --------------------------------------------------------------------------------------------
+# components: what consolidate needs to write config.json
+def _library_of(module) -> str | None:
+    try:
+        from diffusers.models.modeling_utils import ModelMixin
+
+        if isinstance(module, ModelMixin):
+            return "diffusers"
+    except Exception:
+        pass
+    try:
+        from transformers import PreTrainedModel
+
+        if isinstance(module, PreTrainedModel):
+            return "transformers"
+    except Exception:
+        pass
+    return None
+
+
+def _save_component_config(module, library: str, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    if library == "diffusers":
+        module.save_config(directory)
+    else:
+        module.config.save_pretrained(directory)
+
+
+def record_components(model, directory: str) -> dict:
+    """Write the trained components' configs under ``directory/accel_npu_components``.
+
+    A component is the model itself when it is a diffusers/transformers model, else each of its
+    registered children (frozen towers kept out of the engine are not children any more).
+    """
+    comps: dict[str, Any] = {}
+    base = os.path.join(directory, COMPONENTS_DIR)
+    root_lib = _library_of(model)
+    items = [("", model)] if root_lib else list(model.named_children())
+    for name, module in items:
+        lib = _library_of(module)
+        entry = {"class": f"{type(module).__module__}.{type(module).__qualname__}", "library": lib,
+                 "prefix": f"{name}." if name else ""}
+        if lib:
+            try:
+                _save_component_config(module, lib, os.path.join(base, name or "_root"))
+                entry["config"] = os.path.join(COMPONENTS_DIR, name or "_root", "config.json")
+            except Exception as exc:  # a config we cannot write must not fail the save
+                log.warning("accel-npu: could not record the config of %s: %s", name or "the model", exc)
+        comps[name] = entry
+    os.makedirs(base, exist_ok=True)
+    write_json(os.path.join(base, "components.json"), {"components": comps})
+    return comps
+
+
+# --------------------------------------------------------------------------------------------
+# atomic save_state
+def _automatic_target(accelerator) -> str:
+    pc = accelerator.project_configuration
+    base = os.path.join(accelerator.project_dir, "checkpoints")
+    os.makedirs(base, exist_ok=True)
+    if pc.total_limit is not None and accelerator.is_main_process:
+        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None),
+                         key=_digits)
+        excess = len(folders) + 1 - pc.total_limit
+        for f in folders[:max(0, excess)]:
+            shutil.rmtree(os.path.join(base, f))
+    final = os.path.join(base, f"checkpoint_{accelerator.save_iteration}")
+    if os.path.exists(final):
+        raise ValueError(f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists. Please "
+                         "manually override `self.save_iteration` with what iteration to start with.")
+    return final
+
+
+def _digits(name: str):
+    import re
+
+    found = re.findall(r"([0-9]+)(?=[^/]*$)", name)
+    return int(found[0]) if found else None
+
+
+def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True, **save_model_func_kwargs):
+    """``Accelerator.save_state`` under DeepSpeed, atomically. Called on every rank."""
+    rendezvous("save_state")
+    pc = accelerator.project_configuration
+    automatic = pc.automatic_checkpoint_naming
+    final = _automatic_target(accelerator) if automatic else os.path.abspath(os.fspath(output_dir))
+    tmp = partial_dir(final)
+    if accelerator.is_main_process:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by an interrupted save: never a checkpoint
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    accelerator.wait_for_everyone()
+    save_model_func_kwargs.setdefault("save_latest", False)  # `latest` is written last, below
+    pc.automatic_checkpoint_naming = False
+    try:
+        wrapped(tmp, safe_serialization=safe_serialization, **save_model_func_kwargs)
+    finally:
+        pc.automatic_checkpoint_naming = automatic
+    accelerator.wait_for_everyone()  # every rank's shards are on disk
+    if accelerator.is_main_process:
+        tags = [_tag(i) for i in range(len(accelerator._models))]
+        if accelerator._models:
+            record_components(accelerator.unwrap_model(accelerator._models[0]), tmp)
+        with open(os.path.join(tmp, "latest"), "w") as f:
+            f.write(tags[0] if tags else "")
+        files = {}
+        for dirpath, _, names in os.walk(tmp):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                files[os.path.relpath(path, tmp)] = os.path.getsize(path)
+        write_json(os.path.join(tmp, MANIFEST), {
+            "format": 1, "tags": tags, "world_size": accelerator.num_processes,
+            "zero_stage": zero_stage(accelerator), "files": files})
+        fsync_tree(tmp)
+        _swap_into_place(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _tag(i: int) -> str:
+    from accelerate.utils import MODEL_NAME
+
+    return f"{MODEL_NAME}" if i == 0 else f"{MODEL_NAME}_{i}"
+
+
+def _carry_over(final: str, tmp: str) -> None:
+    """Entries of an existing ``final`` that this save did not write (the user's logs, other files)
+    are hard-linked into ``tmp`` so the swap keeps them, as stock save_state would (no data is
+    copied; a crash before the swap leaves them where they were)."""
+    for name in os.listdir(final):
+        src, dst = os.path.join(final, name), os.path.join(tmp, name)
+        if os.path.lexists(dst):
+            continue  # written by this save: the new one wins, as in stock
+        try:
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+            elif os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            else:
+                os.link(src, dst)
+        except OSError:
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _swap_into_place(tmp: str, final: str) -> None:
+    old = old_dir(final)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    if os.path.isdir(final):
+        _carry_over(final, tmp)
+    if os.path.exists(final):
+        os.rename(final, old)  # from here until the next rename, resolve_load_dir() recovers `old`
+    os.rename(tmp, final)
+    fsync_path(os.path.dirname(final))
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+def missing_files(directory: str) -> list[str] | None:
+    """Files the manifest lists that are absent or truncated; None when there is no manifest."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        manifest = json.load(f)
+    out = []
+    for rel, size in manifest["files"].items():
+        p = os.path.join(directory, rel)
+        if not os.path.isfile(p):
+            out.append(rel)
+        elif os.path.getsize(p) != size:
+            out.append(f"{rel} (truncated: {os.path.getsize(p)} of {size} bytes)")
+    return out
+
+
+def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
+    """The directory ``load_state`` should read, checked for completeness."""
+    if input_dir is None:
+        if not accelerator.project_configuration.automatic_checkpoint_naming:
+            return None
+        base = os.path.join(accelerator.project_dir, "checkpoints")
+        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None),
+                         key=_digits)
+        if not folders:
+            return None
+        input_dir = os.path.join(base, folders[-1])
+    input_dir = os.path.expanduser(os.fspath(input_dir))
+    if not os.path.isdir(input_dir) and os.path.isdir(old_dir(input_dir)):
+        log.warning("accel-npu: %s is missing but the previous checkpoint set aside by an interrupted save is "
+                    "there; loading %s", input_dir, old_dir(input_dir))
+        input_dir = old_dir(input_dir)
+    if os.path.isdir(input_dir):
+        missing = missing_files(input_dir)
+        if missing:
+            raise CheckpointError(f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}")
+    return input_dir
+
+

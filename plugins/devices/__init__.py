@@ -1,0 +1,1 @@
+"""Device backends, one plugin each: npu (Ascend, torch_npu), cuda (pass-through), cpu (gloo)."""

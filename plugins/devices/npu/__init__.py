@@ -1,0 +1,177 @@
+"""The npu device backend (Ascend, torch_npu): backend selection, launch defaults and checks,
+activation (import diagnostics, mx_driving), the NPU section of ``accel-npu env``.
+
+A thin layer: every call into torch_npu goes through :class:`contract.TorchNpu`, and that list is
+the contract written down in docs/npu-contract.md; :mod:`diagnostics` explains failed imports.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+from accel_npu import environment
+from accel_npu.backend import Backend
+from accel_npu.errors import LaunchError
+from accel_npu.hookspecs import hookimpl
+from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
+from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, diagnose_import_error,
+                                                      install_import_diagnostics, library_status,
+                                                      pairing_problem)
+
+log = logging.getLogger("accel_npu")
+
+#: why torch_npu is installed but unusable in this process (set by backend selection)
+_broken: str | None = None
+
+
+def visible_device_count(env) -> int:
+    """Devices this process may use, honouring ASCEND_RT_VISIBLE_DEVICES."""
+    count = TorchNpu.device_count()
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    if visible:
+        count = min(count, len([d for d in visible.split(",") if d.strip()])) if count else \
+            len([d for d in visible.split(",") if d.strip()])
+    return count
+
+
+@hookimpl(tryfirst=True)
+def accel_npu_select_backend(env):
+    global _broken
+    forced = environment.forced_backend(env)
+    if forced and forced != "npu":
+        return None
+    if not TorchNpu.installed():
+        return None
+    try:
+        if not TorchNpu.is_available():
+            return None
+        count = visible_device_count(env)
+    except (ImportError, OSError) as exc:
+        _broken = str(exc) if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc, env)
+        log.error("%s", _broken)
+        return None
+    except Exception as exc:  # a broken torch_npu install is reported by `accel-npu env`
+        log.warning("accel-npu: torch_npu is installed but unusable: %s", exc)
+        return None
+    return Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=count,
+                   ds_accelerator="npu", plugin="npu")
+
+
+#: Ascend defaults for launched workers (field report 001, section 5.1); user values win.
+NPU_LAUNCH_DEFAULTS = {
+    "TASK_QUEUE_ENABLE": "2",
+    "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+    "CPU_AFFINITY_CONF": "1",
+    "HCCL_CONNECT_TIMEOUT": "1200",
+    "HCCL_EXEC_TIMEOUT": "1800",
+}
+
+
+@hookimpl
+def accel_npu_launch_env(backend, env):
+    if backend.name != "npu":
+        return None
+    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
+
+
+@hookimpl
+def accel_npu_check_launch(backend, num_processes, env):
+    # torch_npu installed but not loadable: one clear error before any worker starts
+    if _broken and environment.forced_backend(env) in (None, "npu"):
+        raise LaunchError(_broken)
+    # Pitfall 7.1: accelerate wraps extra ranks onto the same device; HCCL then fails much later.
+    if backend.name == "npu" and backend.device_count and num_processes > backend.device_count:
+        raise LaunchError(
+            f"accel-npu: {num_processes} processes requested but only {backend.device_count} NPU(s) are "
+            f"visible (ASCEND_RT_VISIBLE_DEVICES={env.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')}). "
+            f"Use --num_processes {backend.device_count} (one process per NPU)."
+        )
+
+
+# -- mx_driving ----------------------------------------------------------------------------------
+_mx_lock = threading.Lock()
+_mx_state: dict = {"status": "not requested"}
+#: libraries whose import (after torch is fully imported) may apply a deferred mx_driving patcher
+_MX_DEFERRED_TRIGGERS = ("accelerate", "transformers", "diffusers", "deepspeed", "mmcv")
+
+
+def _torch_initializing() -> bool:
+    torch = sys.modules.get("torch")
+    spec = getattr(torch, "__spec__", None)
+    return torch is None or bool(getattr(spec, "_initializing", False))
+
+
+def apply_mx_driving(_module=None) -> None:
+    """Enter mx_driving's patcher once per process (ACCEL_NPU_MX_DRIVING=1). Never raises."""
+    with _mx_lock:
+        if _mx_state.get("patcher") is not None or _mx_state["status"].startswith("failed"):
+            return
+        if _torch_initializing():
+            # torch_npu is imported inside `import torch` (its autoload): mx_driving imports torch,
+            # so wait for the first library the script imports after torch.
+            _mx_state["status"] = "deferred until torch is imported"
+            return
+        try:
+            api, patcher = MxDriving.apply_patcher()
+        except Exception as exc:  # noqa: BLE001 - a patcher failure must not stop training
+            _mx_state["status"] = f"failed: {type(exc).__name__}: {exc}"
+            log.warning("accel-npu: mx_driving patcher not applied: %s", exc)
+            return
+        _mx_state.update(status=f"applied: {api}", patcher=patcher)
+        log.info("accel-npu: mx_driving patcher applied (%s)", api)
+
+
+@hookimpl
+def accel_npu_activate(backend_name):
+    if backend_name not in (None, "npu") or not TorchNpu.installed():
+        return
+    import wrapt
+
+    install_import_diagnostics()
+    # A mismatched pair is known from metadata alone: say so at startup, even when nothing imports
+    # torch_npu directly (accelerate's is_npu_available() swallows the import error and trains on CPU).
+    problem = pairing_problem()
+    if problem:
+        log.error("accel-npu: %s", problem)
+
+    def _on_torch_npu(_module):
+        # Field report 000: "Cannot create tensor with internal format" warnings; base format always.
+        try:
+            TorchNpu.disallow_internal_format()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("accel-npu: allow_internal_format not set: %s", exc)
+
+    wrapt.register_post_import_hook(_on_torch_npu, "torch_npu")
+    if environment.flag("ACCEL_NPU_MX_DRIVING") and MxDriving.installed():
+        _mx_state["status"] = "waiting for torch_npu"
+        wrapt.register_post_import_hook(apply_mx_driving, "torch_npu")
+
+        def _deferred(_module):
+            if _mx_state["status"].startswith("deferred") and "torch_npu" in sys.modules:
+                apply_mx_driving()
+
+        for name in _MX_DEFERRED_TRIGGERS:
+            wrapt.register_post_import_hook(_deferred, name)
+
+
+@hookimpl
+def accel_npu_env_report(backend):
+    if not TorchNpu.installed():
+        return ("NPU", {"torch_npu": "not installed"})
+    info = {"torch_npu (installed)": TorchNpu.dist_version() or "unknown"}
+    pairing = pairing_problem()
+    info["torch/torch_npu pairing"] = f"PROBLEM: {pairing}" if pairing else "ok (same base version)"
+    info.update(library_status(os.environ))
+    try:
+        info["torch_npu"] = TorchNpu.version()
+        info["devices"] = TorchNpu.device_count()
+    except Exception as exc:  # noqa: BLE001
+        info["import torch_npu"] = f"PROBLEM: {exc if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)}"
+    info["ASCEND_HOME_PATH"] = os.environ.get("ASCEND_HOME_PATH", "<unset>")
+    info["ASCEND_RT_VISIBLE_DEVICES"] = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "<unset>")
+    info["mx_driving"] = ("not installed" if not MxDriving.installed() else
+                          _mx_state["status"] if environment.flag("ACCEL_NPU_MX_DRIVING") else
+                          "installed; patcher off (ACCEL_NPU_MX_DRIVING=1 enables it)")
+    return ("NPU", info)

@@ -1,0 +1,63 @@
+"""Frozen towers kept out of the DeepSpeed engine (issue 5, item 1).
+
+Under DeepSpeed, a frozen fp32 VAE / text encoder held as an attribute of the trained model is
+cast to bf16 by the engine ("Input type (float) and bias type (BFloat16) should be the same")
+and, under ZeRO-3, partitioned and hooked although nobody trains it. At
+``accelerator.prepare`` such children are taken out of the module tree before
+``deepspeed.initialize`` and kept as plain attributes (towers.py; towers built under zero.Init
+are made whole first: rematerialize.py).
+``ACCEL_NPU_FROZEN_MODULES`` names them explicitly ("none" turns this off).
+"""
+from __future__ import annotations
+
+import logging
+
+from accel_npu import environment
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+from accel_npu.plugins.frozen_towers import towers
+
+log = logging.getLogger("accel_npu")
+
+
+def _prepare_deepspeed(wrapped, instance, args, kwargs):
+    import torch
+
+    models = [a for a in args if isinstance(a, torch.nn.Module)]
+    if len(models) != 1 or towers.hidden_towers(models[0]):
+        return wrapped(*args, **kwargs)
+    model = models[0]
+    names = towers.select_towers(model)
+    if not names:
+        return wrapped(*args, **kwargs)
+    towers.hide(model, names, device=instance.device)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        towers.restore(model)
+        raise
+
+
+PREPARE_DEEPSPEED = Patch(
+    target="accelerate.accelerator:Accelerator._prepare_deepspeed",
+    supports="accelerate>=1.10,<1.16",
+    reason="DeepSpeed casts every registered parameter to bf16 and ZeRO-3 partitions frozen ones: a "
+           "frozen fp32 VAE/text encoder held by the trained model fails with 'Input type (float) and "
+           "bias type (BFloat16)' and wastes memory (field report 001, 3.3 / 7.4 / 7.5).",
+    remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",
+    wrapper=_prepare_deepspeed,
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [PREPARE_DEEPSPEED]
+
+
+@hookimpl
+def accel_npu_env_report(backend):
+    names = towers.requested_names()
+    return ("frozen towers", {
+        "ACCEL_NPU_FROZEN_MODULES": environment.get("ACCEL_NPU_FROZEN_MODULES") or "(auto-detect)",
+        "mode": "off" if names == [] else ("auto-detect" if names is None else ", ".join(names)),
+    })

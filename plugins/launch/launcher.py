@@ -1,0 +1,100 @@
+"""Launchers (torchrun, accelerate launch): checks before workers start, and worker environment.
+
+Both launchers end in ``torch.distributed.launcher.api.launch_agent``; workers inherit the
+agent's environment. Before they start we (1) let plugins refuse an impossible launch, (2) add
+plugins' environment defaults where the user set nothing, and (3) put accel-npu's bootstrap on
+PYTHONPATH so workers activate even when a script imports torch_npu before torch (which turns
+torch's entry points off for that process).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+
+log = logging.getLogger("accel_npu")
+
+
+def bootstrap_dir() -> str:
+    import accel_npu.activation._bootstrap as bootstrap
+
+    return os.path.dirname(os.path.abspath(bootstrap.__file__))
+
+
+def worker_script_dir(entrypoint, cmd_args) -> str | None:
+    """The directory a worker puts first on sys.path: the script's (``python script.py``), the
+    working directory (``python -m module``), or the entrypoint's own when it is the script."""
+    if not isinstance(entrypoint, str):
+        return None
+    if not os.path.basename(entrypoint).startswith("python"):
+        return os.path.dirname(os.path.abspath(entrypoint))
+    args = [str(a) for a in cmd_args]
+    if "-m" in args:
+        return os.getcwd()
+    script = next((a for a in args if not a.startswith("-")), None)
+    return os.path.dirname(os.path.abspath(script)) if script else None
+
+
+def prepare_worker_environment(num_processes: int, environ=None, script_dir: str | None = None) -> dict[str, str]:
+    """Run launch checks and apply environment defaults to ``environ`` (os.environ by default).
+
+    Returns the variables it set. Raises LaunchError when a plugin refuses the launch, or when
+    the workers would import a copy of accel_npu that cannot activate them.
+    """
+    from accel_npu import install
+    from accel_npu.backend import current_backend
+    from accel_npu.errors import LaunchError
+    from accel_npu.manager import get_plugin_manager
+
+    environ = os.environ if environ is None else environ
+    problem = install.worker_import_problem(environ.get("PYTHONPATH", ""), script_dir)
+    if problem:
+        raise LaunchError(f"accel-npu: refusing to start workers: {problem}.")
+    pm = get_plugin_manager()
+    backend = current_backend()
+    pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(environ))
+    added: dict[str, str] = {}
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(environ)):
+        for key, value in (defaults or {}).items():
+            if key not in environ and key not in added:
+                added[key] = str(value)
+    environ.update(added)
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if bootstrap_dir() not in paths:
+        environ["PYTHONPATH"] = os.pathsep.join([bootstrap_dir(), *paths])
+    if added:
+        log.info("accel-npu: worker environment defaults: %s",
+                 ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
+    return added
+
+
+def _launch_agent(wrapped, instance, args, kwargs):
+    config = kwargs.get("config", args[0] if args else None)
+    entrypoint = kwargs.get("entrypoint", args[1] if len(args) > 1 else None)
+    cmd_args = kwargs.get("args", args[2] if len(args) > 2 else ())
+    nproc = getattr(config, "nproc_per_node", 1) or 1
+    from accel_npu.errors import LaunchError
+
+    try:
+        prepare_worker_environment(int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()))
+    except LaunchError as exc:
+        # One clear error, not a traceback through accelerate's and torch's launchers.
+        raise SystemExit(f"{type(exc).__name__}: {exc}") from None
+    return wrapped(*args, **kwargs)
+
+
+LAUNCH_AGENT = Patch(
+    target="torch.distributed.launcher.api:launch_agent",
+    supports="torch>=2.5,<2.15",
+    reason="Workers must inherit accel-npu's activation (even with torch_npu imported first), the "
+           "backend's environment defaults, and be refused early when the launch cannot work.",
+    remove_when="never: this is how accel-npu reaches launched workers",
+    wrapper=_launch_agent,
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [LAUNCH_AGENT]

@@ -1,0 +1,107 @@
+"""Bounded-memory model loading: truncation, validation, meta-init, staggered slots (issue 4).
+
+This module declares the plugin (its patches and its ``accel-npu env`` section); the machinery
+sits beside it (docs/loading.md): ``diffusers.py`` and ``transformers.py`` (the two
+``from_pretrained``), ``frozen.py`` (loads kept outside zero.Init), ``placement/`` (zero3, fsdp,
+local), ``slots.py``, ``lazy.py``, ``truncation.py``, ``job.py``. Every wrapper hands calls it
+does not improve to the stock implementation (hub ids, device_map, quantization, variants,
+pickled checkpoints, ...).
+"""
+from __future__ import annotations
+
+from accel_npu._torch.dist import local_world_size
+from accel_npu._torch.memory import available_memory, malloc_trim
+from accel_npu.environment import get as env_get
+from accel_npu.errors import ConfigError
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+from accel_npu.plugins.loading import diffusers, frozen, transformers, truncation
+from accel_npu.plugins.loading.placement import fsdp, zero3
+from accel_npu.plugins.loading.slots import load_threads
+
+
+
+DIFFUSERS_MODEL = Patch(
+    target="diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+    supports="diffusers>=0.35,<0.43",
+    reason="Stock builds/reads every layer even with num_layers=N (all shards opened, dropped blocks "
+           "paged in, one warning per key), casts all to fp32 per rank without torch_dtype (field report "
+           "000: host OOM with 2 ranks), leaves missing keys on meta, half-loads corrupt checkpoints, and "
+           "ignores zero3_init_flag under ZeRO-3 (every rank builds the whole model before prepare).",
+    remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
+                "staggers ranks and builds under zero.Init (not as of 0.42)",
+    wrapper=diffusers.from_pretrained,
+)
+
+TRANSFORMERS_MODEL = Patch(
+    target="transformers.modeling_utils:PreTrainedModel.from_pretrained",
+    supports="transformers>=4.50,<5.30",
+    reason="ACCEL_NPU_TRUNCATE for transformers classes, a clear error instead of random init when the "
+           "requested depth exceeds the checkpoint, node-level load slots and malloc_trim.",
+    remove_when="never for ACCEL_NPU_TRUNCATE; slots: when transformers staggers per-node loading",
+    wrapper=transformers.from_pretrained,
+)
+
+DIFFUSERS_PIPELINE = Patch(
+    target="diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
+    supports="diffusers>=0.35,<0.43",
+    reason="Pipeline components (VAE, text encoders) are inference towers: under ZeRO-3 transformers "
+           "builds them inside zero.Init (partitioned, cast) — accelerate #3170, diffusers #10743.",
+    remove_when="transformers/accelerate stop using zero.Init for pipeline components",
+    wrapper=frozen.pipeline_from_pretrained,
+)
+
+FSDP2_LOAD_FULL_STATE_DICT = Patch(
+    target="accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
+    supports="accelerate>=1.10,<1.16",
+    reason="FSDP2 prepare with cpu_ram_efficient_loading keeps rank 0's whole model alive (its "
+           "original_sd) until every shard is built: node peak = full model + all shards (2 x model). "
+           "Each full tensor can go once it is broadcast.",
+    remove_when="accelerate releases original_sd entries as it broadcasts them",
+    wrapper=fsdp.load_full_state_dict_releasing,
+)
+
+ZERO3_INIT_CM = Patch(
+    target="accelerate.utils.dataclasses:DeepSpeedPlugin.zero3_init_context_manager",
+    supports="accelerate>=1.10,<1.16",
+    reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig weakref set, "
+           "so frozen towers are still built under zero.Init (accelerate #3170, diffusers #10743).",
+    remove_when="accelerate clears the weakref when zero.Init is disabled",
+    wrapper=frozen.zero3_init_context_manager,
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM, FSDP2_LOAD_FULL_STATE_DICT]
+
+
+@hookimpl
+def accel_npu_env_report(backend):
+    return ("Loading", loading_report())
+
+
+def loading_report() -> dict:
+    """The loading section of ``accel-npu env`` (never raises)."""
+    info: dict = {}
+    try:
+        wanted = truncation.truncation_map()
+        info["truncate (ACCEL_NPU_TRUNCATE)"] = ", ".join(f"{k} -> {v} layers" for k, v in wanted.items()) or "off"
+    except ConfigError as exc:
+        info["truncate (ACCEL_NPU_TRUNCATE)"] = f"INVALID: {exc}"
+    raw = env_get("ACCEL_NPU_LOAD_SLOTS").strip()
+    info["load slots (ACCEL_NPU_LOAD_SLOTS)"] = raw or "from free memory (multi-rank nodes only)"
+    info["slot timeout s (ACCEL_NPU_LOAD_TIMEOUT)"] = env_get("ACCEL_NPU_LOAD_TIMEOUT")
+    try:
+        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = str(load_threads(local_world_size()))
+    except ConfigError as exc:
+        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = f"INVALID: {exc}"
+    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if zero3.switched_on()
+                                                   else "off: whole model on every rank, as stock")
+    info["FSDP loads (fsdp_cpu_ram_efficient_loading)"] = (
+        "rank 0 reads, the other ranks get its weights at prepare" if fsdp.efficient_loading_requested()
+        else "off in this environment: every rank reads, as stock")
+    avail = available_memory()
+    info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
+    info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"
+    return info

@@ -1,0 +1,73 @@
+"""decord without CUDA (pitfall 7.11, issue 3).
+
+``decord.VideoReader(path, ctx=decord.gpu(i))`` (also ``VideoLoader`` and ``AVReader``) needs a
+CUDA build of decord and a GPU; on an NPU or CPU machine it fails in the first dataloader step
+with "CUDA not enabled. Requested context GPU(i)". When CUDA is absent the reader decodes on
+``decord.cpu(0)`` instead (logged once). Where CUDA is available nothing changes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from accel_npu._torch.device import cuda_available
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+
+log = logging.getLogger("accel_npu")
+
+_KDLGPU = 2  # DLPack device type of decord.gpu(i)
+_lock = threading.Lock()
+_logged: set = set()
+
+
+def _cpu_ctx_for(ctx, what: str):
+    if isinstance(ctx, (list, tuple)):  # VideoLoader takes a list of contexts
+        return type(ctx)(_cpu_ctx_for(c, what) for c in ctx)
+    if getattr(ctx, "device_type", None) != _KDLGPU or cuda_available():
+        return ctx
+    import decord
+
+    with _lock:
+        first = what not in _logged
+        _logged.add(what)
+    if first:
+        log.warning("accel-npu: decord.%s(ctx=%r) decodes on decord.cpu(0): no CUDA here (decord has no "
+                    "NPU decoder)", what, ctx)
+    return decord.cpu(0)
+
+
+def _with_ctx(position: int, what: str):
+    """A wrapper that swaps a GPU ``ctx`` (positional index ``position`` after self, or keyword)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if "ctx" in kwargs:
+            kwargs["ctx"] = _cpu_ctx_for(kwargs["ctx"], what)
+        elif len(args) > position:
+            args = (*args[:position], _cpu_ctx_for(args[position], what), *args[position + 1:])
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+_REASON = ("Pitfall 7.11: decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. "
+           "Requested context GPU(i)', or 'no CUDA-capable device'); decodes on decord.cpu(0) instead.")
+
+def _ctx_patch(module: str, cls: str) -> Patch:
+    return Patch(
+        target=f"decord.{module}:{cls}.__init__",
+        supports="decord>=0.6,<0.7",
+        reason=_REASON.format(cls),
+        remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
+        wrapper=_with_ctx(1, cls),
+    )
+
+
+VIDEO_READER = _ctx_patch("video_reader", "VideoReader")
+VIDEO_LOADER = _ctx_patch("video_loader", "VideoLoader")
+AV_READER = _ctx_patch("av_reader", "AVReader")
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [VIDEO_READER, VIDEO_LOADER, AV_READER]

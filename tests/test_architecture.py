@@ -1,0 +1,149 @@
+"""The layout holds: no import cycles, layers import downwards, one reader per environment
+variable, every package installed.
+
+Read off the source with ``ast`` (every import statement, at module level or inside a function),
+so a cycle hidden in a function-level import counts too.
+"""
+import ast
+import configparser
+import re
+from pathlib import Path
+
+from tests.launch_utils import REPO
+
+#: source folder -> the package it is installed as (setup.cfg package_dir)
+ROOTS = {"accel_npu": REPO / "accel_npu", "accel_npu.plugins": REPO / "plugins"}
+
+
+def modules() -> dict[str, Path]:
+    """{dotted module name: file} of accel_npu and the built-in plugins."""
+    out = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if package == "accel_npu" and parts[:1] == ["plugins"]:
+                continue
+            out[".".join([package, *parts])] = path
+    return out
+
+
+MODULES = modules()
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """accel_npu modules ``name`` imports anywhere in its file (resolved to module names)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                base = ".".join(parent[:len(parent) - node.level + 1] + ([base] if base else []))
+            # `from pkg import sub` imports the submodule pkg.sub when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_checker_sees_cycles_and_relative_imports():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert "accel_npu.plugins.loading.slots" in GRAPH["accel_npu.plugins.loading.placement.local"]
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_framework_imports_no_plugin():
+    framework = {n: deps for n, deps in GRAPH.items() if not n.startswith("accel_npu.plugins")}
+    offenders = {n: sorted(d for d in deps if d.startswith("accel_npu.plugins")) for n, deps in framework.items()}
+    assert not {n: d for n, d in offenders.items() if d}
+
+
+def test_the_bottom_layer_imports_only_environment_and_errors():
+    allowed = {"accel_npu.environment", "accel_npu.errors", "accel_npu"}
+    for name, deps in GRAPH.items():
+        if name.startswith("accel_npu._torch"):
+            assert {d for d in deps if not d.startswith("accel_npu._torch")} <= allowed, (name, deps)
+
+
+def test_plugins_do_not_import_each_other():
+    """A plugin package imports the framework and its own modules; shared code goes to accel_npu._torch."""
+    def plugin_of(name: str) -> str:  # accel_npu.plugins.<concern>
+        return ".".join(name.split(".")[:3])
+
+    for name, deps in GRAPH.items():
+        if not name.startswith("accel_npu.plugins."):
+            continue
+        others = {d for d in deps if d.startswith("accel_npu.plugins.") and plugin_of(d) != plugin_of(name)}
+        assert not others, (name, others)
+
+
+def test_wrapt_style_wrappers_live_in_plugins():
+    signature = re.compile(r"def \w+\(wrapped, (instance|cls|accelerator)\b")
+    for name, path in MODULES.items():
+        if not name.startswith("accel_npu.plugins"):
+            assert not signature.search(path.read_text()), name
+
+
+ENV_READ = re.compile(r"""(environ|env)(\.get\(|\[|\.setdefault\(|\.pop\()\s*["']ACCEL_NPU_|getenv\(\s*["']ACCEL_NPU_""")
+
+
+def test_one_reader_per_environment_variable():
+    """ACCEL_NPU_* variables are read through accel_npu.environment only (the worker bootstrap keeps
+    one stdlib-only copy of the ACCEL_NPU_DISABLE check: it runs before accel_npu is imported)."""
+    allowed = {"accel_npu.environment", "accel_npu.activation._bootstrap.sitecustomize"}
+    readers = {name for name, path in MODULES.items() if ENV_READ.search(path.read_text())}
+    assert readers <= allowed, sorted(readers - allowed)
+    assert ENV_READ.search('os.environ.get("ACCEL_NPU_X")') and ENV_READ.search("env.get('ACCEL_NPU_BACKEND', '')")
+
+
+def test_setup_cfg_lists_every_package():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    listed = {p.strip() for p in cfg["options"]["packages"].split("\n") if p.strip()}
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    packages.add("accel_npu.launch_configs")
+    assert listed == packages, (sorted(packages - listed), sorted(listed - packages))
