@@ -163,10 +163,15 @@ def test_first_run_needs_no_cxx_toolchain(tmp_path):
     """A first run (empty JIT cache) on a machine without a C++ compiler. Stock: DeepSpeed's CPU
     accelerator compiles its shm all-reduce op while setting up the process group and dies. Ours:
     trains without building it (ZeRO training never uses that op)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("cpu_zero2.yaml", "cpu_zero2.deepspeed.json"):  # beside the working directory: stock finds it
+        shutil.copy(REPO / "launch_configs" / name, run_dir / name)
+
     def launch(**extra):
         env = base_env(CXX=str(tmp_path / "no-compiler" / "g++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "jit"), **extra)
-        return accelerate_launch(["--config_file", "launch_configs/cpu_zero2.yaml",
-                                  str(SCRIPTS / "report_activation.py")], cwd=REPO, env=env)
+        return accelerate_launch(["--config_file", "cpu_zero2.yaml", str(SCRIPTS / "report_activation.py")],
+                                 cwd=run_dir, env=env)
 
     stock = launch(ACCEL_NPU_DISABLE="1")
     assert stock.returncode != 0 and "Error building extension 'deepspeed_shm_comm'" in stock.stderr, explain(stock)
