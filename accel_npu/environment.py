@@ -18,6 +18,7 @@ class EnvVar:
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_DISABLE", "0", "1: accel-npu does nothing at all (as if not installed)."),
     EnvVar("ACCEL_NPU_DISABLED_PLUGINS", "", "Comma-separated plugin names to block, or '*' for all but the essential ones."),
+    EnvVar("ACCEL_NPU_DISABLED_PATCHES", "", "Comma-separated patch targets (module:Qual.name, as `accel-npu env` lists them) left unapplied: that function runs stock."),
     EnvVar("ACCEL_NPU_TRACE", "0", "1: log every hook call and every patch application to stderr."),
     EnvVar("ACCEL_NPU_BACKEND", "", "Force a device backend (npu, cuda, cpu) instead of detecting one."),
     EnvVar("ACCEL_NPU_TRUNCATE", "", "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks."),
@@ -94,6 +95,11 @@ def disabled() -> bool:
 
 def disabled_plugins() -> set[str]:
     raw = get("ACCEL_NPU_DISABLED_PLUGINS")
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def disabled_patches() -> set[str]:
+    raw = get("ACCEL_NPU_DISABLED_PATCHES")
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 

@@ -126,3 +126,11 @@ def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
                                                ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
                              capture_output=True, text=True, timeout=120, cwd="/")
     assert unfixed.stdout.strip() == "16", unfixed.stderr
+
+
+def test_disabled_patches_leave_one_function_stock():
+    result, proc = probe(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:PartialState._prepare_backend, nope:x")
+    assert result["active"] and not result["prepare_backend_wrapped"]
+    assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
+    assert "accelerate.utils.dataclasses:DeepSpeedPlugin.__post_init__" in result["applied"]  # the rest stays on
+    assert "ACCEL_NPU_DISABLED_PATCHES names nope:x, which no plugin declares" in proc.stderr

@@ -35,7 +35,20 @@ def _worker(rank, port, queue):
             except CollectiveMisuseError as exc:
                 queue.put((rank, 2, str(exc), time.monotonic() - t0))
         else:
-            time.sleep(4)
+            time.sleep(3)
+        dist.barrier()
+        # rounds 3 and 4: every rank calls again, rank 0 one second late. The caught misuse must not
+        # shift the pairing: rank 1 waits for rank 0 (it does not pair with rank 0's failed call),
+        # and nobody raises.
+        for n in (3, 4):
+            if rank == 0:
+                time.sleep(1)
+            t0 = time.monotonic()
+            try:
+                checkpointing.rendezvous("get_state_dict")
+                queue.put((rank, n, "ok", time.monotonic() - t0))
+            except CollectiveMisuseError as exc:
+                queue.put((rank, n, str(exc), time.monotonic() - t0))
     finally:
         dist.destroy_process_group()
 
@@ -51,13 +64,16 @@ def test_rendezvous_pairs_up_all_ranks_and_fails_bounded_on_one_rank_saying_what
         p.start()
     for p in procs:
         p.join(60)
-    out = sorted((queue.get(timeout=5) for _ in range(3)), key=lambda x: (x[1], x[0]))
+    out = sorted((queue.get(timeout=5) for _ in range(7)), key=lambda x: (x[1], x[0]))
     assert [(r, n, s) for r, n, s, _ in out[:2]] == [(0, 1, "ok"), (1, 1, "ok")]
     assert all(t < 2 for *_, t in out[:2])
     rank, n, message, seconds = out[2]
     assert (rank, n) == (0, 2)
     assert 2 <= seconds < 4
     assert "only rank(s) [0] entered it; rank(s) [1] did not within 2 s" in message
+    later = out[3:]
+    assert [(r, n, s) for r, n, s, _ in later] == [(0, 3, "ok"), (1, 3, "ok"), (0, 4, "ok"), (1, 4, "ok")], later
+    assert all(0.8 < t < 2 for r, n, s, t in later if r == 1), later  # rank 1 really waited for rank 0
     assert "ACCEL_NPU_COLLECTIVE_TIMEOUT" in message and "accelerator.save_state(output_dir)" in message
 
 
@@ -178,3 +194,26 @@ def test_swap_keeps_the_users_other_files_and_replaces_the_checkpoint(tmp_path):
     assert (final / "logs" / "events.out").read_text() == "tensorboard"
     assert (final / "notes.txt").read_text() == "mine"
     assert not tmp.exists() and not (tmp_path / ".out.accel-npu-old").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["save_state", "save_model"])
+def test_rank0_only_save_under_zero3_fails_in_time_saying_what_to_do(mode, tmp_path):
+    """save_state / save_model inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks: the
+    main process gets CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT, nothing is written.
+    (No stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
+        zero_config
+
+    cfg = write_deepspeed_config(tmp_path, zero_config(3))
+    out = tmp_path / "out"
+    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), mode, str(out)],
+                             env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    assert proc.returncode != 0, explain(proc)
+    rec = results(proc)
+    assert len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(proc)
+    assert 5 <= rec[0]["seconds"] < 20, rec
+    assert f"accelerator.{mode}() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
+           "rank(s) [1] did not within 5 s" in rec[0]["message"]
+    assert "on every rank" in rec[0]["message"]
+    assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"

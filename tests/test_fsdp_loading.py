@@ -1,5 +1,10 @@
 """When a diffusers load leaves its weights to FSDP's broadcast from rank 0 (in-process; the
 2-rank behaviour is tests/test_loading_acceptance.py::test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -71,28 +76,86 @@ def test_a_model_managed_by_fsdp_is_not_filled_again():
     assert calls == []
 
 
-def test_fsdp2_full_state_dict_is_released_tensor_by_tensor():
-    """accelerate's fsdp2_load_full_state_dict gets rank 0's whole weights as ``original_sd``;
-    each full tensor is dropped once read (broadcast and sharded), and the caller's dict no longer
-    pins them."""
-    import gc
-    import weakref
+FSDP2_PROBE = r'''
+import gc, json, os, sys, weakref
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-    from collections import OrderedDict
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+import accelerate
+from accelerate.utils import fsdp_utils
 
-    original_sd = OrderedDict(a=torch.ones(4), b=torch.ones(4))  # what model.state_dict() returns
-    refs = {k: weakref.ref(v) for k, v in original_sd.items()}
-    alive_after_read = {}
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+original_sd = model.state_dict()                   # what accelerate's prepare keeps of rank 0's weights
+refs = [weakref.ref(v) for v in original_sd.values()]
+model = model.to(torch.device("meta"))
+mesh = init_device_mesh("cpu", (1,))
+for layer in model:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+alive_at_broadcast = []
+real_broadcast = dist.broadcast
 
-    def fake_load(accelerator, model, full_sd, cpu_offload=False):
-        for name in ("a", "b"):
-            assert name in full_sd
-            tensor = full_sd[name]  # what accelerate does on rank 0: read, broadcast, shard
-            del tensor
-            gc.collect()
-            alive_after_read[name] = refs[name]() is not None
-        return model
+def recording_broadcast(tensor, *args, **kwargs):
+    gc.collect()
+    alive_at_broadcast.append(sum(r() is not None for r in refs))
+    return real_broadcast(tensor, *args, **kwargs)
 
-    out = fsdp_loading.load_full_state_dict_releasing(fake_load, None, ("acc", "model", original_sd), {})
-    assert out == "model" and original_sd == {}
-    assert alive_after_read == {"a": False, "b": False}
+dist.broadcast = recording_broadcast
+class Acc:
+    is_main_process = True
+fsdp_utils.fsdp2_load_full_state_dict(Acc(), model, original_sd)
+del original_sd
+gc.collect()
+same = all(torch.equal(model.state_dict()[k].full_tensor(), v) for k, v in reference.items())
+print("RESULT " + json.dumps({"accelerate": accelerate.__version__, "alive": alive_at_broadcast, "same": same,
+                              "after": sum(r() is not None for r in refs)}))
+dist.destroy_process_group()
+'''
+
+
+def _released_at_each_broadcast(tmp_path, pythonpath: str = "", **env) -> dict:
+    """accelerate's real fsdp2_load_full_state_dict on a 1-rank gloo group and FSDP2 model: how many
+    of rank 0's full tensors are still alive at each broadcast (weakrefs; witnessed by wrapping
+    torch.distributed.broadcast, which accelerate calls for every parameter)."""
+    from tests.launch_utils import base_env, free_port
+
+    extra = {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p)} \
+        if pythonpath else {}
+    proc = subprocess.run([sys.executable, "-c", FSDP2_PROBE, str(free_port())], env=base_env(**extra, **env),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+def test_fsdp2_full_state_dict_is_released_tensor_by_tensor(tmp_path):
+    """Installed accelerate: each full tensor is freed as it is broadcast; stock keeps all 8 alive."""
+    ours = _released_at_each_broadcast(tmp_path)
+    stock = _released_at_each_broadcast(tmp_path, ACCEL_NPU_DISABLE="1")
+    assert stock["alive"] == [8] * 8 and stock["same"]
+    assert ours["same"] and ours["after"] == 0
+    assert all(alive <= 8 - i for i, alive in enumerate(ours["alive"])) and ours["alive"][-1] <= 1, ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["1.10.1", "1.12.0", "1.13.0"])
+def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
+    """accelerate 1.10-1.13 iterate zip(full_sd.items(), ...) instead of indexing: the patch must
+    release there too (it declares accelerate>=1.10). The real release, pip-installed beside."""
+    from accel_npu.plugins.loading import FSDP2_LOAD_FULL_STATE_DICT
+
+    assert FSDP2_LOAD_FULL_STATE_DICT.supports == "accelerate>=1.10,<1.16"
+    target = tmp_path / f"accelerate-{version}"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          f"accelerate=={version}"], capture_output=True, text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    ours = _released_at_each_broadcast(tmp_path, str(target))
+    stock = _released_at_each_broadcast(tmp_path, str(target), ACCEL_NPU_DISABLE="1")
+    assert ours["accelerate"] == stock["accelerate"] == version
+    assert stock["alive"] == [8] * 8
+    assert ours["same"] and ours["alive"] == [8, 7, 6, 5, 4, 3, 2, 1], ours

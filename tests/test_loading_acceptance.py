@@ -47,7 +47,10 @@ def test_two_ranks_train_with_the_loss_of_one_rank(deep_qwen):
     print("step  loss(1 rank)  loss(2 ranks)")
     for i, (a, b) in enumerate(zip(one, two)):
         print(f"{i + 1:4d}  {a:.6f}  {b:.6f}")
-    assert diff < 5e-3, (diff, one, two)
+    assert diff < 1e-5, (diff, one, two)  # measured about 1e-7: the same model, the same data
+
+
+DIFFUSERS_FROM_PRETRAINED = "diffusers.models.modeling_utils:ModelMixin.from_pretrained"
 
 
 def _zero3_launch_config(directory: Path) -> Path:
@@ -104,31 +107,37 @@ def tiny_vae(tmp_path_factory):
 def test_zero3_loads_straight_into_partitions_read_once(tmp_path, deep_qwen, tiny_vae, vae_child):
     """Item 4: under ZeRO-3 with zero3_init_flag, the field report's unchanged script (whole
     model, no torch_dtype) loads each rank's 1/N partition only — rank 0 reads the checkpoint
-    once — and trains with exactly the losses of a whole-per-rank load (ACCEL_NPU_ZERO3_INIT=0,
-    stock diffusers' way). A frozen VAE loaded the same way and used outside the engine (or held
-    by the model and kept out of the engine at prepare) is rebuilt whole, fp32, as stock."""
+    once — and trains with exactly the losses of stock diffusers' load (its from_pretrained
+    unpatched: ACCEL_NPU_DISABLED_PATCHES), which every rank reads whole. A frozen VAE loaded the
+    same way and used outside the engine (or held by the model and kept out of the engine at
+    prepare) is rebuilt whole, fp32, as stock. What each rank read is counted by the script itself
+    (the tensors it takes out of the shards), not by accel-npu."""
     config = _zero3_launch_config(tmp_path)
     runs = {}
-    for label, flag in (("partitioned", "1"), ("whole", "0")):
+    for label, env in (("partitioned", {}), ("stock", {"ACCEL_NPU_DISABLED_PATCHES": DIFFUSERS_FROM_PRETRAINED})):
         args = ["--config_file", str(config), "--num_processes", "2", str(SCRIPTS / "train_qwen_truncated.py"),
                 str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)] + (["--vae-child"] if vae_child else [])
-        proc = accelerate_launch(args, env=base_env(ACCEL_NPU_ZERO3_INIT=flag), timeout=600)
+        proc = accelerate_launch(args, env=base_env(**env), timeout=600)
         assert proc.returncode == 0, explain(proc)
         res = results(proc)
         assert [r["rank"] for r in res] == [0, 1], explain(proc)
         runs[label] = (proc, res)
     proc, ours = runs["partitioned"]
-    _, whole = runs["whole"]
+    _, stock = runs["stock"]
+    checkpoint_bytes = sum(f.stat().st_size for f in Path(deep_qwen).glob("*.safetensors"))
+    # read once: rank 0 took every tensor out of the shards, rank 1 opened none
+    assert ours[0]["shards_opened"] > 0 and ours[1]["shards_opened"] == 0, ours
+    assert 0.9 * checkpoint_bytes < ours[0]["bytes_read"] <= checkpoint_bytes and ours[1]["bytes_read"] == 0, ours
+    # stock: every rank reads it all
+    assert all(r["shards_opened"] > 0 and r["bytes_read"] > 0.9 * checkpoint_bytes for r in stock), stock
     for r in ours:  # each rank held half of every parameter right after from_pretrained
         assert r["partitioned"] and r["whole"] <= 2 * r["held"] <= r["whole"] + 2 * r["params"], r
-    assert all(not r["partitioned"] and r["held"] == r["whole"] for r in whole)
+    assert all(not r["partitioned"] and r["held"] == r["whole"] for r in stock)
     log = proc.stdout + proc.stderr
-    assert log.count("QwenImageTransformer2DModel loaded into ZeRO-3 partitions") == 1  # rank 0 only
-    assert "rank 0 read" in log and "over 2 ranks" in log
-    assert "partitions" not in runs["whole"][0].stderr
-    assert ours[0]["losses"] == whole[0]["losses"], (ours[0]["losses"], whole[0]["losses"])  # bit-identical
+    assert log.count("QwenImageTransformer2DModel loaded into ZeRO-3 partitions") == 1  # rank 0 says so once
+    assert ours[0]["losses"] == stock[0]["losses"], (ours[0]["losses"], stock[0]["losses"])  # bit-identical
     assert ours[0]["losses"] == ours[1]["losses"]
-    for a, b in zip(ours, whole):  # the VAE: whole, fp32, the same output as stock's
+    for a, b in zip(ours, stock):  # the VAE: whole, fp32, the same output as stock's
         assert a["decoded"] == b["decoded"] and a["decoded"]["dtype"] == "torch.float32", (a, b)
     if not vae_child:
         assert "called outside the DeepSpeed engine; rebuilding it whole" in log
@@ -186,7 +195,7 @@ def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen
     # stock diffusers ignores the setting: rank 1 reads the checkpoint too
     stock = accelerate_launch(["--config_file", str(_fsdp2_launch_config(tmp_path, True)),
                                str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "1"],
-                              env=base_env(ACCEL_NPU_DISABLED_PLUGINS="loading"), timeout=600)
+                              env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED), timeout=600)
     assert stock.returncode == 0, explain(stock)
     assert [r["shards_opened"] > 0 for r in results(stock)] == [True, True], explain(stock)
     log = proc.stdout + proc.stderr

@@ -1,3 +1,4 @@
+import math
 """Issue 3 acceptance: an unchanged CUDA-style script trains end to end on 2 CPU ranks.
 
 tests/scripts/cuda_style_train.py: torch.autocast("cuda", dtype=torch.bfloat16) in the forward,
@@ -32,7 +33,8 @@ def test_cuda_style_script_trains_with_accel_npu(launch_config):
         assert len(r["losses"]) == 4                                 # trained to the end, past the eval
         assert r["activation_dtypes"] == ["bfloat16"] * 4            # autocast really ran bf16
         assert r["eval_pred_dtype"] == "torch.bfloat16" and r["eval_numpy_dtype"] == "float32"
-        assert r["eval_metric"] == r["eval_metric"]                  # a number, not NaN
+        # a finite MSE of the right size (targets are sums of 8 N(0, 1): variance 8)
+        assert math.isfinite(r["eval_metric"]) and 0 < r["eval_metric"] < 50, r["eval_metric"]
         assert r["ds_bf16"] == {"enabled": True} and r["param_dtype"] == "torch.bfloat16"
     # one line per launch states the effective precision; the remap is logged once per rank
     assert out.count("accel-npu: mixed precision = bf16") == 1, explain(proc)

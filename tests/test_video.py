@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-decord = pytest.importorskip("decord")
+import decord  # noqa: E402  (a test dependency: its absence is a failure, not a skip)
 
 import accel_npu  # noqa: E402
 from tests.inprocess import stock  # noqa: E402
@@ -40,6 +40,33 @@ def write_raw_avi(path, frames, fps=10):
     body = b"AVI " + hdrl + lst(b"movi", movi) + chunk(b"idx1", idx)
     path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
     return str(path)
+
+
+def write_av_avi(path, frames, audio, fps=10, rate=8000):
+    """Uncompressed AVI with a BGR24 video stream and a mono 16-bit PCM audio stream."""
+    h, w = frames[0].shape[:2]
+    raw = [np.ascontiguousarray(f[::-1, :, ::-1]).tobytes() for f in frames]
+    size = w * h * 3
+    def chunk(fourcc, data):
+        return fourcc + struct.pack("<I", len(data)) + data + (b"\0" if len(data) % 2 else b"")
+    def lst(kind, data):
+        return b"LIST" + struct.pack("<I", len(data) + 4) + kind + data
+    n = len(frames)
+    per_frame = rate // fps
+    pcm = [audio[i * per_frame:(i + 1) * per_frame].astype("<i2").tobytes() for i in range(n)]
+    avih = struct.pack("<14I", int(1e6 / fps), size * fps, 0, 0x10, n, 0, 2, size, w, h, 0, 0, 0, 0)
+    vstrh = b"vids" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 1, fps, 0, n, size, -1, 0, 0, 0, w, h)
+    vstrf = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, size, 0, 0, 0, 0)
+    astrh = b"auds" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 2, 2 * rate, 0, n * per_frame, 2 * per_frame, -1, 2, 0, 0, 0, 0)
+    astrf = struct.pack("<HHIIHH", 1, 1, rate, 2 * rate, 2, 16)
+    hdrl = lst(b"hdrl", chunk(b"avih", avih) + lst(b"strl", chunk(b"strh", vstrh) + chunk(b"strf", vstrf))
+               + lst(b"strl", chunk(b"strh", astrh) + chunk(b"strf", astrf)))
+    movi, idx = b"", b""
+    for r, a in zip(raw, pcm):
+        idx += b"00db" + struct.pack("<III", 0x10, 4 + len(movi), len(r)); movi += chunk(b"00db", r)
+        idx += b"01wb" + struct.pack("<III", 0x10, 4 + len(movi), len(a)); movi += chunk(b"01wb", a)
+    body = b"AVI " + hdrl + lst(b"movi", movi) + chunk(b"idx1", idx)
+    open(path, "wb").write(b"RIFF" + struct.pack("<I", len(body)) + body)
 
 
 @pytest.fixture
@@ -85,6 +112,24 @@ def test_video_loader_gpu_ctx_list(clip):
     loader = decord.VideoLoader([path], ctx=[decord.gpu(0)], **kwargs)
     batch, _ = loader.next()
     assert np.array_equal(batch.asnumpy(), np.stack(frames[:2]))
+
+
+def test_av_reader_gpu_ctx_decodes_video_and_audio_on_cpu(tmp_path):
+    frames = []
+    for i in range(6):
+        f = np.zeros((16, 32, 3), np.uint8)
+        f[..., 0], f[..., 1], f[:8, :, 2] = 40 * i, 7, 200
+        frames.append(f)
+    t = np.arange(6 * 800) / 8000
+    audio = (3000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16)
+    path = str(tmp_path / "av.avi")
+    write_av_avi(path, frames, audio)
+    with stock(), pytest.raises(decord.DECORDError, match="Device API gpu is not enabled"):
+        decord.AVReader(path, ctx=decord.gpu(0), sample_rate=8000)
+    reader = decord.AVReader(path, ctx=decord.gpu(0), sample_rate=8000)
+    samples, video_frames = reader[0:2]
+    assert np.array_equal(video_frames.asnumpy(), np.stack(frames[:2]))
+    assert np.array_equal(samples[0].asnumpy().ravel(), audio[:800] / 32768)
 
 
 def test_cpu_ctx_and_cuda_machines_untouched(clip, monkeypatch):

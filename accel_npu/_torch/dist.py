@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 from accel_npu.errors import AccelNpuError
@@ -51,31 +52,39 @@ def _store_and_world():
         return None, 1, 0
 
 
-_counters: dict[str, int] = {}
-
-
 def rendezvous(op: str, timeout: float, advice: str = "") -> None:
-    """Return once every rank has called ``rendezvous(op)`` the same number of times.
+    """Return once every rank has entered ``rendezvous(op)``; else, after ``timeout`` seconds, raise
+    :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice``.
 
-    Uses the process group's key-value store (no collective, so it cannot hang): raises
-    :class:`CollectiveMisuseError` naming the missing ranks after ``timeout`` seconds, with
-    ``advice`` (what to call instead).
+    Uses the process group's key-value store (no collective, so it cannot hang). Calls pair up by
+    *generation*, not by a per-process call count: a generation ends "done" when the last rank
+    arrives, or "aborted" when a waiting rank gives up, and either way the next call of every rank
+    starts a fresh one. So a misuse that a script catches (rank 0 alone) does not shift the
+    pairing of the calls after it.
     """
     store, world, rank = _store_and_world()
     if store is None:
         return
-    n = _counters[op] = _counters.get(op, 0) + 1
-    key = f"accel_npu/rendezvous/{op}/{n}"
-    store.set(f"{key}/rank{rank}", "1")
-    if store.add(key, 1) >= world:
-        store.set(f"{key}/done", "1")  # the last rank to arrive releases the others
-        return
-    try:
-        store.wait([f"{key}/done"], timedelta(seconds=timeout))
-        return
-    except Exception:  # the store's timeout error (its type differs between torch versions)
-        if store.check([f"{key}/done"]):
+    base = f"accel_npu/rendezvous/{op}"
+    deadline = time.monotonic() + timeout
+    while True:
+        generation = int(store.add(f"{base}/generation", 0))
+        key = f"{base}/{generation}"
+        if store.check([f"{key}/state"]):
+            time.sleep(0.01)  # that generation just ended; its finisher is advancing the counter
+            continue
+        store.set(f"{key}/rank{rank}", "1")
+        if store.add(f"{key}/arrived", 1) >= world:
+            outcome = _finish(store, base, generation, "done")
+        else:
+            try:
+                store.wait([f"{key}/state"], timedelta(seconds=max(0.0, deadline - time.monotonic())))
+                outcome = _state(store, key)
+            except Exception:  # the store's timeout error (its type differs between torch versions)
+                outcome = _finish(store, base, generation, "aborted")
+        if outcome == "done":
             return
+        break  # aborted: this generation was misused (possibly by another waiting rank giving up)
     present = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
     missing = [r for r in range(world) if r not in present]
     raise CollectiveMisuseError(
@@ -84,6 +93,23 @@ def rendezvous(op: str, timeout: float, advice: str = "") -> None:
         f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
         f"group times out, or gather the whole model into this rank's memory. "
         f"{advice}")
+
+
+def _state(store, key: str) -> str:
+    return store.get(f"{key}/state").decode()
+
+
+def _finish(store, base: str, generation: int, outcome: str) -> str:
+    """End a generation as ``outcome`` unless it already ended; returns how it ended.
+
+    The first to set the state wins (compare_set), and only the winner advances the generation.
+    """
+    key = f"{base}/{generation}"
+    final = store.compare_set(f"{key}/state", "", outcome)
+    final = final.decode() if isinstance(final, bytes) else str(final)
+    if final == outcome:
+        store.add(f"{base}/generation", 1)
+    return final
 
 
 def all_ranks_agree(flag: bool) -> bool:

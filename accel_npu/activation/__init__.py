@@ -57,6 +57,10 @@ def _activate() -> None:
             registration_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
             log.warning("accel-npu: plugin %r failed to declare its patches and is skipped: %s",
                         impl.plugin_name, exc)
+    unknown = environment.disabled_patches() - {p.target for p in ledger.patches}
+    if unknown:
+        log.warning("accel-npu: ACCEL_NPU_DISABLED_PATCHES names %s, which no plugin declares (targets are "
+                    "listed by `accel-npu env`)", ", ".join(sorted(unknown)))
     ledger.arm()
     pm.hook.accel_npu_activate(backend_name=environment.forced_backend())
 

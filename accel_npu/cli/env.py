@@ -37,7 +37,7 @@ def collect(import_targets: bool = True) -> dict:
             try:
                 importlib.import_module(patch.module)
             except Exception as exc:  # noqa: BLE001 - the report records it instead
-                patch.status = f"skipped: cannot import {patch.module}: {type(exc).__name__}: {exc}"
+                patch.status = f"failed: cannot import {patch.module}: {type(exc).__name__}: {exc}"
     backend = current_backend()
     report: dict = {
         "versions": {

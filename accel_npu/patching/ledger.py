@@ -26,7 +26,7 @@ import wrapt
 
 from accel_npu import environment
 from accel_npu.patching.imports import call_when_imported, still_importing
-from accel_npu.patching.patch import APPLIED, NOT_IMPORTED, UNPATCHED, Patch
+from accel_npu.patching.patch import APPLIED, DISABLED, NOT_IMPORTED, UNPATCHED, Patch
 
 log = logging.getLogger("accel_npu")
 
@@ -86,6 +86,10 @@ class PatchLedger:
                 # e.g. `import accelerate` before torch: accelerate.accelerator imports torch (and so
                 # activates us) before it defines Accelerator. Apply once its body has run.
                 patch.status = NOT_IMPORTED
+                return
+            if patch.target in environment.disabled_patches():
+                patch.status = DISABLED
+                self._trace(patch)
                 return
             problem = patch.version_problem()
             if problem:

@@ -11,6 +11,7 @@ Wrapper = Callable[[Callable, Any, tuple, dict], Any]
 NOT_IMPORTED = "not imported"
 APPLIED = "applied"
 UNPATCHED = "unpatched"
+DISABLED = "disabled (ACCEL_NPU_DISABLED_PATCHES)"
 
 
 @dataclass(eq=False)

@@ -33,10 +33,35 @@ def main():
     import safetensors  # observe, not change: how many shard files this rank opens to load the DiT
     import safetensors.torch
 
-    real_open, real_load_file, opened = safetensors.safe_open, safetensors.torch.load_file, []
-    safetensors.safe_open = lambda path, *args, **kw: (opened.append(path), real_open(path, *args, **kw))[1]
-    # stock diffusers reads whole shards with load_file
-    safetensors.torch.load_file = lambda path, *args, **kw: (opened.append(path), real_load_file(path, *args, **kw))[1]
+    real_open, real_load_file, opened, read = safetensors.safe_open, safetensors.torch.load_file, [], [0]
+
+    class CountingHandle:  # the bytes of every tensor this rank takes out of a shard
+        def __init__(self, handle):
+            self._handle = handle
+
+        def __enter__(self):
+            self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def get_tensor(self, key):
+            tensor = self._handle.get_tensor(key)
+            read[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+    def counting_load_file(path, *args, **kw):  # stock diffusers reads whole shards with load_file
+        opened.append(path)
+        tensors = real_load_file(path, *args, **kw)
+        read[0] += sum(t.numel() * t.element_size() for t in tensors.values())
+        return tensors
+
+    safetensors.safe_open = lambda path, *args, **kw: (opened.append(path), CountingHandle(real_open(path, *args, **kw)))[1]
+    safetensors.torch.load_file = counting_load_file
     model = QwenImageTransformer2DModel.from_pretrained(a.path)
     safetensors.safe_open, safetensors.torch.load_file = real_open, real_load_file
     loaded = [p for p in model.parameters()]
@@ -96,7 +121,7 @@ def main():
     rec = {"rank": accelerator.process_index, "world": accelerator.num_processes, "losses": losses,
            "blocks": len(accelerator.unwrap_model(model).transformer_blocks), "before": before,
            "pid": os.getpid(), "partitioned": partitioned, "held": held, "whole": whole, "params": len(loaded),
-           "decoded": decoded, "shards_opened": len(opened)}
+           "decoded": decoded, "shards_opened": len(opened), "bytes_read": read[0]}
     print("RESULT " + json.dumps(rec), flush=True)
 
 

@@ -126,6 +126,12 @@ class _ReleasedOnRead(dict):
         super().__init__(items)
         self._released = 0
 
+    def items(self):
+        # accelerate 1.10-1.13 iterate ``zip(full_sd.items(), ...)`` instead of indexing: hand each
+        # entry over through __getitem__ (and so release it) as the zip consumes it.
+        for key in list(dict.keys(self)):
+            yield key, self[key]
+
     def __getitem__(self, key):
         value = self.pop(key)
         self._released += value.numel() * value.element_size() if hasattr(value, "element_size") else 0

@@ -1,0 +1,37 @@
+"""A script that saves inside ``if accelerator.is_main_process:`` under DeepSpeed ZeRO-3 (a common
+mistake: DiT4DiT, diffusers #2606). usage: rank0_only_save.py save_state|save_model OUT_DIR
+
+Prints ``RESULT {json}`` from the main process: the exception it got, or "saved".
+"""
+import json
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+
+mode, out_dir = sys.argv[1], sys.argv[2]
+accelerator = Accelerator()
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 4)),
+                                     batch_size=2)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+x, y = next(iter(loader))
+accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+optimizer.step()
+if accelerator.is_main_process:
+    started = time.monotonic()
+    try:
+        if mode == "save_state":
+            accelerator.save_state(out_dir)
+        else:
+            accelerator.save_model(model, out_dir)
+        outcome = {"result": "saved"}
+    except Exception as exc:  # noqa: BLE001 - reported, then re-raised
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["seconds"] = time.monotonic() - started
+    print("RESULT " + json.dumps({"rank": 0, **outcome}), flush=True)
+    if "error" in outcome:
+        raise SystemExit(1)
+accelerator.wait_for_everyone()
