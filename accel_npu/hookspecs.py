@@ -9,12 +9,13 @@ signature (tests/test_hookspecs_documented.py keeps the two in step).
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 
 import pluggy
 
-# Annotations name accel_npu.backend.Backend and accel_npu.patching.Patch as strings (postponed
-# evaluation): this module imports neither, so backend.py may call hooks without an import cycle.
+if TYPE_CHECKING:  # for annotations only: never imported at run time (backend.py calls these hooks)
+    from accel_npu.backend import Backend
+    from accel_npu.patching import Patch
 
 #: pluggy project name: the markers below and the plugin manager use it
 PROJECT_NAME = "accel_npu"

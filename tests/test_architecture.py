@@ -2,7 +2,8 @@
 variable, every package installed.
 
 Read off the source with ``ast`` (every import statement, at module level or inside a function),
-so a cycle hidden in a function-level import counts too.
+so a cycle hidden in a function-level import counts too; only ``if TYPE_CHECKING:`` imports,
+which never run, are left out.
 """
 import ast
 import configparser
@@ -35,8 +36,14 @@ def imports_of(name: str, path: Path) -> set[str]:
     """accel_npu modules ``name`` imports anywhere in its file (resolved to module names)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    # `if TYPE_CHECKING:` blocks never run: their imports are for annotations, not dependencies
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                 for stmt in block.body for n in ast.walk(stmt)}
     found = set()
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

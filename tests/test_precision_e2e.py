@@ -1,4 +1,3 @@
-import math
 """Issue 3 acceptance: an unchanged CUDA-style script trains end to end on 2 CPU ranks.
 
 tests/scripts/cuda_style_train.py: torch.autocast("cuda", dtype=torch.bfloat16) in the forward,
@@ -7,6 +6,8 @@ go through .cpu().numpy() for a metric; launched with `accelerate launch` under 
 bf16 with mixed_precision: bf16 *also* set in the accelerate config.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 

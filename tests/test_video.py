@@ -15,8 +15,9 @@ from tests.inprocess import stock  # noqa: E402
 from accel_npu.plugins import video  # noqa: E402
 
 
-def write_raw_avi(path, frames, fps=10):
-    """Uncompressed AVI (BI_RGB: bottom-up BGR24 rows), decodable bit-exactly by decord's ffmpeg."""
+def write_raw_avi(path, frames, fps=10, audio=None, rate=8000):
+    """Uncompressed AVI (BI_RGB: bottom-up BGR24 rows), decodable bit-exactly by decord's ffmpeg;
+    with ``audio`` (int16 samples) also a mono 16-bit PCM stream at ``rate``, interleaved per frame."""
     h, w = frames[0].shape[:2]
     assert (w * 3) % 4 == 0, "rows must be 4-byte aligned"
     raw = [np.ascontiguousarray(f[::-1, :, ::-1]).tobytes() for f in frames]
@@ -29,53 +30,41 @@ def write_raw_avi(path, frames, fps=10):
         return b"LIST" + struct.pack("<I", len(data) + 4) + kind + data
 
     n = len(frames)
-    avih = struct.pack("<14I", int(1e6 / fps), size * fps, 0, 0x10, n, 0, 1, size, w, h, 0, 0, 0, 0)
+    per_frame = rate // fps
+    pcm = [] if audio is None else [audio[i * per_frame:(i + 1) * per_frame].astype("<i2").tobytes() for i in range(n)]
+    streams = 1 if audio is None else 2
+    avih = struct.pack("<14I", int(1e6 / fps), size * fps, 0, 0x10, n, 0, streams, size, w, h, 0, 0, 0, 0)
     strh = b"vids" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 1, fps, 0, n, size, -1, 0, 0, 0, w, h)
     strf = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, size, 0, 0, 0, 0)
-    hdrl = lst(b"hdrl", chunk(b"avih", avih) + lst(b"strl", chunk(b"strh", strh) + chunk(b"strf", strf)))
+    strls = lst(b"strl", chunk(b"strh", strh) + chunk(b"strf", strf))
+    if audio is not None:
+        astrh = b"auds" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 2, 2 * rate, 0, n * per_frame,
+                                                    2 * per_frame, -1, 2, 0, 0, 0, 0)
+        astrf = struct.pack("<HHIIHH", 1, 1, rate, 2 * rate, 2, 16)  # PCM, mono, 16 bit
+        strls += lst(b"strl", chunk(b"strh", astrh) + chunk(b"strf", astrf))
+    hdrl = lst(b"hdrl", chunk(b"avih", avih) + strls)
     movi, idx = b"", b""
-    for r in raw:
-        idx += b"00db" + struct.pack("<III", 0x10, 4 + len(movi), len(r))
-        movi += chunk(b"00db", r)
+    for i, r in enumerate(raw):
+        for fourcc, data in [(b"00db", r)] + ([(b"01wb", pcm[i])] if pcm else []):
+            idx += fourcc + struct.pack("<III", 0x10, 4 + len(movi), len(data))
+            movi += chunk(fourcc, data)
     body = b"AVI " + hdrl + lst(b"movi", movi) + chunk(b"idx1", idx)
     path.write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
     return str(path)
 
 
-def write_av_avi(path, frames, audio, fps=10, rate=8000):
-    """Uncompressed AVI with a BGR24 video stream and a mono 16-bit PCM audio stream."""
-    h, w = frames[0].shape[:2]
-    raw = [np.ascontiguousarray(f[::-1, :, ::-1]).tobytes() for f in frames]
-    size = w * h * 3
-    def chunk(fourcc, data):
-        return fourcc + struct.pack("<I", len(data)) + data + (b"\0" if len(data) % 2 else b"")
-    def lst(kind, data):
-        return b"LIST" + struct.pack("<I", len(data) + 4) + kind + data
-    n = len(frames)
-    per_frame = rate // fps
-    pcm = [audio[i * per_frame:(i + 1) * per_frame].astype("<i2").tobytes() for i in range(n)]
-    avih = struct.pack("<14I", int(1e6 / fps), size * fps, 0, 0x10, n, 0, 2, size, w, h, 0, 0, 0, 0)
-    vstrh = b"vids" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 1, fps, 0, n, size, -1, 0, 0, 0, w, h)
-    vstrf = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, size, 0, 0, 0, 0)
-    astrh = b"auds" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 2, 2 * rate, 0, n * per_frame, 2 * per_frame, -1, 2, 0, 0, 0, 0)
-    astrf = struct.pack("<HHIIHH", 1, 1, rate, 2 * rate, 2, 16)
-    hdrl = lst(b"hdrl", chunk(b"avih", avih) + lst(b"strl", chunk(b"strh", vstrh) + chunk(b"strf", vstrf))
-               + lst(b"strl", chunk(b"strh", astrh) + chunk(b"strf", astrf)))
-    movi, idx = b"", b""
-    for r, a in zip(raw, pcm):
-        idx += b"00db" + struct.pack("<III", 0x10, 4 + len(movi), len(r)); movi += chunk(b"00db", r)
-        idx += b"01wb" + struct.pack("<III", 0x10, 4 + len(movi), len(a)); movi += chunk(b"01wb", a)
-    body = b"AVI " + hdrl + lst(b"movi", movi) + chunk(b"idx1", idx)
-    open(path, "wb").write(b"RIFF" + struct.pack("<I", len(body)) + body)
+def make_frames(n=6):
+    frames = []
+    for i in range(n):
+        f = np.zeros((16, 32, 3), np.uint8)
+        f[..., 0], f[..., 1], f[:8, :, 2] = 40 * i, 7, 200
+        frames.append(f)
+    return frames
 
 
 @pytest.fixture
 def clip(tmp_path):
-    frames = []
-    for i in range(6):
-        f = np.zeros((16, 32, 3), np.uint8)
-        f[..., 0], f[..., 1], f[:8, :, 2] = 40 * i, 7, 200
-        frames.append(f)
+    frames = make_frames()
     return write_raw_avi(tmp_path / "clip.avi", frames), frames
 
 
@@ -115,15 +104,10 @@ def test_video_loader_gpu_ctx_list(clip):
 
 
 def test_av_reader_gpu_ctx_decodes_video_and_audio_on_cpu(tmp_path):
-    frames = []
-    for i in range(6):
-        f = np.zeros((16, 32, 3), np.uint8)
-        f[..., 0], f[..., 1], f[:8, :, 2] = 40 * i, 7, 200
-        frames.append(f)
+    frames = make_frames()
     t = np.arange(6 * 800) / 8000
     audio = (3000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16)
-    path = str(tmp_path / "av.avi")
-    write_av_avi(path, frames, audio)
+    path = write_raw_avi(tmp_path / "av.avi", frames, audio=audio)
     with stock(), pytest.raises(decord.DECORDError, match="Device API gpu is not enabled"):
         decord.AVReader(path, ctx=decord.gpu(0), sample_rate=8000)
     reader = decord.AVReader(path, ctx=decord.gpu(0), sample_rate=8000)

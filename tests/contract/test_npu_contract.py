@@ -3,7 +3,7 @@ these tests put on PYTHONPATH of their subprocesses. What is checked is accel-np
 contract written down in docs/npu-contract.md, never Ascend itself.
 
 Issue 3 items 5 (too many processes, in the real `accelerate launch`), 9 (worker environment
-defaults, allow_internal_format, torch/torch_npu pairing, libraries on the loader path, mx_driving
+defaults, torch/torch_npu pairing, libraries on the loader path, mx_driving
 patcher) and 2's NPU half (AdamW fused by default, no grad_scale/found_inf into the fused step).
 Stock = ACCEL_NPU_DISABLE=1.
 """
@@ -77,13 +77,19 @@ def test_too_many_processes_refused_before_any_worker(tmp_path):
     assert "Use --num_processes 2" in out
     assert not results(ours)  # no worker started
 
+    # --gpu_ids narrows the devices after the launcher counted 8: still refused (issue 13 item 9)
+    narrowed = accelerate_launch(["--gpu_ids", "0,1", *args], env=env_with(site))
+    assert narrowed.returncode != 0 and not results(narrowed), explain(narrowed)
+    assert "4 processes requested but only 2 NPU(s) are visible (ASCEND_RT_VISIBLE_DEVICES=0,1)" in \
+        narrowed.stdout + narrowed.stderr, explain(narrowed)
+
     stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1", **extra))
     # stock accelerate starts all 4 ranks on 2 devices (HCCL fails much later on real hardware)
     assert stock.returncode == 0, explain(stock)
     recs = results(stock)
     assert [r["rank"] for r in recs] == [0, 1, 2, 3]
     assert all(r["env"]["TASK_QUEUE_ENABLE"] is None for r in recs)   # stock: no Ascend defaults
-    assert all(r["allow_internal_format"] is True for r in recs)
+    assert all(r["torch_npu"] for r in recs)
 
 
 @pytest.mark.slow
@@ -102,7 +108,21 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200"
         assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"          # the user's value wins
         assert r["env"]["DS_ACCELERATOR"] == "npu"
-        assert r["allow_internal_format"] is False            # field report 000's warning gone
+        assert r["torch_npu"]
+
+
+def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
+    """torch_npu's default is already "disable" and its config is write-only (upstream
+    npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it
+    changes. Witness: the options the stand-in's `_npu_setOption` received."""
+    site = make_site(tmp_path)
+    code = ("import torch, torch_npu\n"
+            "try:\n    torch.npu.config.allow_internal_format\n    readable = True\n"
+            "except AttributeError:\n    readable = False\n"
+            "print('RESULT', readable, torch_npu._C.options_set)")
+    proc = py(code, env_with(site))
+    assert proc.returncode == 0, explain(proc)
+    assert "RESULT False []" in proc.stdout, explain(proc)
 
 
 # -- item 9: pairing and libraries ----------------------------------------------------------------

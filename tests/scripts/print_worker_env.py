@@ -1,7 +1,7 @@
 """A launched worker that reports what it was started with (no accelerate, no accel_npu import).
 
-Prints ``RESULT {json}``: rank, the Ascend environment variables, and, when torch_npu imports,
-torch.npu.config.allow_internal_format.
+Prints ``RESULT {json}``: rank, the Ascend environment variables, and whether torch_npu imported
+(torch.npu present).
 """
 import json
 import os
@@ -14,5 +14,5 @@ rec = {"rank": int(os.environ.get("RANK", "0")), "local_rank": os.environ.get("L
 import torch  # noqa: E402
 import torch_npu  # noqa: E402,F401
 
-rec["allow_internal_format"] = torch.npu.config.allow_internal_format
+rec["torch_npu"] = hasattr(torch, "npu") and torch_npu.__name__ == "torch_npu"
 print("RESULT " + json.dumps(rec), flush=True)

@@ -618,7 +618,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     else:
         s.strategy = "ddp"
         s.mixed_precision = cfg.get("mixed_precision") or "no"
-        s.gradient_accumulation_steps = str(env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto"))
+        s.gradient_accumulation_steps = str(sidecar_vars.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "auto"))
     return s
 
 

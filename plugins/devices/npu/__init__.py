@@ -26,13 +26,13 @@ log = logging.getLogger("accel_npu")
 _broken: str | None = None
 
 
-def visible_device_count(env) -> int:
-    """Devices this process may use, honouring ASCEND_RT_VISIBLE_DEVICES."""
-    count = TorchNpu.device_count()
-    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
+def visible_device_count(env, count: int | None = None) -> int:
+    """Devices a process started with ``env`` may use: ``count`` (default: what torch_npu reports
+    here) limited by the ids ASCEND_RT_VISIBLE_DEVICES lists there."""
+    count = TorchNpu.device_count() if count is None else count
+    visible = [d for d in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if visible:
-        count = min(count, len([d for d in visible.split(",") if d.strip()])) if count else \
-            len([d for d in visible.split(",") if d.strip()])
+        count = min(count, len(visible)) if count else len(visible)
     return count
 
 
@@ -82,11 +82,14 @@ def accel_npu_check_launch(backend, num_processes, env):
     if _broken and environment.forced_backend(env) in (None, "npu"):
         raise LaunchError(_broken)
     # Pitfall 7.1: accelerate wraps extra ranks onto the same device; HCCL then fails much later.
-    if backend.name == "npu" and backend.device_count and num_processes > backend.device_count:
+    # `env` is the workers' environment: accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES
+    # by now, after the backend counted this process's devices.
+    visible = visible_device_count(env, backend.device_count) if backend.name == "npu" else 0
+    if visible and num_processes > visible:
         raise LaunchError(
-            f"accel-npu: {num_processes} processes requested but only {backend.device_count} NPU(s) are "
+            f"accel-npu: {num_processes} processes requested but only {visible} NPU(s) are "
             f"visible (ASCEND_RT_VISIBLE_DEVICES={env.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')}). "
-            f"Use --num_processes {backend.device_count} (one process per NPU)."
+            f"Use --num_processes {visible} (one process per NPU)."
         )
 
 
@@ -136,14 +139,9 @@ def accel_npu_activate(backend_name):
     if problem:
         log.error("accel-npu: %s", problem)
 
-    def _on_torch_npu(_module):
-        # Field report 000: "Cannot create tensor with internal format" warnings; base format always.
-        try:
-            TorchNpu.disallow_internal_format()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("accel-npu: allow_internal_format not set: %s", exc)
-
-    wrapt.register_post_import_hook(_on_torch_npu, "torch_npu")
+    # allow_internal_format is left alone: "disable" is torch_npu's own default, and that setting is
+    # what prints field report 000's one-time "Cannot create tensor with internal format" notice
+    # (csrc/aten/common/TensorFactories.cpp TORCH_WARN_ONCE): setting it again cannot silence it.
     if environment.flag("ACCEL_NPU_MX_DRIVING") and MxDriving.installed():
         _mx_state["status"] = "waiting for torch_npu"
         wrapt.register_post_import_hook(apply_mx_driving, "torch_npu")

@@ -41,12 +41,6 @@ class TorchNpu:
         return int(torch.npu.device_count())
 
     @staticmethod
-    def disallow_internal_format() -> None:
-        import torch
-
-        torch.npu.config.allow_internal_format = False
-
-    @staticmethod
     def dist_version() -> str | None:
         """The installed torch_npu distribution's version, from its metadata (no import)."""
         try:

@@ -5,6 +5,7 @@ It models exactly the parts of torch_npu's behaviour that accel-npu's contract
 
 - ``import torch_npu`` registers ``torch.npu`` (is_available, device_count, config,
   get_amp_supported_dtype) like the real package's ``torch._register_device_module("npu", ...)``;
+  ``torch.npu.config`` is write-only, as upstream's ``_npuConfig`` (see below);
 - device_count honours ASCEND_RT_VISIBLE_DEVICES; the machine's count comes from
   STANDIN_NPU_DEVICE_COUNT (default 8);
 - loading fails the way the real wheel's ``libtorch_npu.so`` load fails:
@@ -46,7 +47,23 @@ def _device_count():
 npu = types.ModuleType("torch_npu.npu")
 npu.is_available = lambda: _device_count() > 0
 npu.device_count = _device_count
-npu.config = types.SimpleNamespace(allow_internal_format=True)
+# Mirrors torch_npu/npu/npu_config.py `_npuConfig` (Ascend/pytorch v7.1.0.2-pytorch2.6.0 and
+# master 9e73e708a): the class defines only a classmethod __setattr__ that forwards
+# allow_internal_format to the C++ option ALLOW_INTERNAL_FORMAT and stores nothing, so *reading*
+# torch.npu.config.allow_internal_format raises AttributeError. The option's default is already
+# "disable" (csrc/core/npu/sys_ctrl/npu_sys_ctrl.cpp SetDefaultAllowInternalFromatDisable).
+_C = types.SimpleNamespace(options_set=[])  # stand-in bookkeeping: what torch_npu._C._npu_setOption received
+_C._npu_setOption = _C.options_set.append
+
+
+class _npuConfig:
+    @classmethod
+    def __setattr__(cls, name, value):
+        if name == "allow_internal_format":
+            _C._npu_setOption({"ALLOW_INTERNAL_FORMAT": "enable" if value else "disable"})
+
+
+npu.config = _npuConfig()
 npu.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
 # what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend)
 npu.memory_allocated = lambda device=None: 0
