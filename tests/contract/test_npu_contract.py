@@ -107,6 +107,7 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["CPU_AFFINITY_CONF"] == "1"
         assert r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200"
         assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"          # the user's value wins
+        assert r["env"]["DEEPSPEED_TIMEOUT"] == "30"          # DeepSpeed's 10 min would kill jobs at 600 s
         assert r["env"]["DS_ACCELERATOR"] == "npu"
         assert r["torch_npu"]
 

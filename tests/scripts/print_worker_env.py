@@ -7,7 +7,7 @@ import json
 import os
 
 KEYS = ("TASK_QUEUE_ENABLE", "PYTORCH_NPU_ALLOC_CONF", "CPU_AFFINITY_CONF", "HCCL_CONNECT_TIMEOUT",
-        "HCCL_EXEC_TIMEOUT", "DS_ACCELERATOR", "ASCEND_RT_VISIBLE_DEVICES")
+        "HCCL_EXEC_TIMEOUT", "DEEPSPEED_TIMEOUT", "DS_ACCELERATOR", "ASCEND_RT_VISIBLE_DEVICES")
 
 rec = {"rank": int(os.environ.get("RANK", "0")), "local_rank": os.environ.get("LOCAL_RANK"),
        "world_size": os.environ.get("WORLD_SIZE"), "env": {k: os.environ.get(k) for k in KEYS}}

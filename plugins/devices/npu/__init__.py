@@ -60,12 +60,21 @@ def accel_npu_select_backend(env):
 
 
 #: Ascend defaults for launched workers (field report 001, section 5.1); user values win.
+#: HCCL_EXEC_TIMEOUT=1800 is the report's value, below CANN's own default of 1836 s
+#: (torch_npu csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`).
+#: DEEPSPEED_TIMEOUT (minutes; deepspeed/constants.py `default_pg_timeout`, else 10): DeepSpeed
+#: 0.19.8 gives its process group 10 minutes, and torch_npu's ProcessGroupHCCL keeps any timeout
+#: other than torch's 30-minute default as its watchdog timeout (warning when it is not above
+#: HCCL_EXEC_TIMEOUT): a slow first compile or rank-0 load is killed at 600 s. At exactly 30
+#: minutes ProcessGroupHCCL raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s itself — the
+#: timeout then exceeds HCCL_EXEC_TIMEOUT whatever its value (same file, v7.1.0.2-pytorch2.6.0).
 NPU_LAUNCH_DEFAULTS = {
     "TASK_QUEUE_ENABLE": "2",
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
     "CPU_AFFINITY_CONF": "1",
     "HCCL_CONNECT_TIMEOUT": "1200",
     "HCCL_EXEC_TIMEOUT": "1800",
+    "DEEPSPEED_TIMEOUT": "30",
 }
 
 
@@ -167,6 +176,12 @@ def accel_npu_env_report(backend):
         info["devices"] = TorchNpu.device_count()
     except Exception as exc:  # noqa: BLE001
         info["import torch_npu"] = f"PROBLEM: {exc if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)}"
+    exec_timeout = os.environ.get("HCCL_EXEC_TIMEOUT", NPU_LAUNCH_DEFAULTS["HCCL_EXEC_TIMEOUT"])
+    ds_minutes = os.environ.get("DEEPSPEED_TIMEOUT", NPU_LAUNCH_DEFAULTS["DEEPSPEED_TIMEOUT"])
+    info["HCCL_EXEC_TIMEOUT (workers)"] = f"{exec_timeout} s (CANN's own default: 1836 s)"
+    info["process-group timeout (DeepSpeed, DEEPSPEED_TIMEOUT)"] = (
+        f"{ds_minutes} min" + (": torch_npu raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s"
+                               if ds_minutes.strip() == "30" else ""))
     info["ASCEND_HOME_PATH"] = os.environ.get("ASCEND_HOME_PATH", "<unset>")
     info["ASCEND_RT_VISIBLE_DEVICES"] = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "<unset>")
     info["mx_driving"] = ("not installed" if not MxDriving.installed() else
