@@ -14,11 +14,13 @@ Two things happen in the ``accelerate launch`` process, before any worker starts
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
 from accel_npu.config_files import SIDECAR_SUFFIX, sidecar_for
-from accel_npu.errors import ConfigError
+from accel_npu import environment
+from accel_npu.errors import ConfigError, LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
@@ -71,6 +73,12 @@ def apply_sidecar(config_file: str, environ=None) -> tuple[dict[str, str], dict[
             here = current_backend().name
         except Exception:  # noqa: BLE001 - a warning only
             here = written_for
+        if written_for == "npu" and here != "npu" and environment.forced_backend() != "cpu" \
+                and importlib.util.find_spec("torch_npu") is None:
+            # an npu config on a machine without torch_npu would train on the CPU without a word
+            raise LaunchError(f"accel-npu: {config_file} was written for the npu backend, but torch_npu is not "
+                              "installed here: install the torch_npu release matching your torch (`accel-npu env` "
+                              "checks the pair), or set ACCEL_NPU_BACKEND=cpu to run this config on the CPU.")
         if here != written_for:
             log.warning("accel-npu: %s was written for the %s backend; this machine uses %s.",
                         os.path.basename(config_file), written_for, here)
@@ -136,7 +144,10 @@ def _launch_command(wrapped, instance, args, kwargs):
     launch_args = kwargs.get("args", args[0] if args else None)
     config_file = launched_config_file(launch_args) if launch_args is not None else None
     if config_file:
-        apply_sidecar(config_file)
+        try:
+            apply_sidecar(config_file)
+        except LaunchError as exc:  # one clear error, not a traceback through accelerate's CLI
+            raise SystemExit(f"{type(exc).__name__}: {exc}") from None
         resolve_deepspeed_config_file(config_file, launch_args)
     return wrapped(*args, **kwargs)
 

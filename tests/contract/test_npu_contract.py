@@ -112,6 +112,41 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["torch_npu"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["no-device-nodes", "visible-ids-descending"])
+def test_torch_npu_without_a_usable_npu_refuses_the_launch(case, tmp_path):
+    """torch_npu installed, no usable NPU: stock trains on the CPU without a word; accel-npu refuses
+    with the cause, unless ACCEL_NPU_BACKEND=cpu says the CPU is meant (issue 13 item 2)."""
+    site = make_site(tmp_path)
+    extra = {"STANDIN_NPU_DEVICE_COUNT": "0"} if case == "no-device-nodes" else {"ASCEND_RT_VISIBLE_DEVICES": "1,0"}
+    args = ["--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")]
+    refused = accelerate_launch(args, env=env_with(site, **extra))
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and not results(refused), explain(refused)
+    assert "torch_npu is installed but no NPU is usable:" in out and "Traceback" not in out, explain(refused)
+    if case == "no-device-nodes":
+        assert "there are no /dev/davinci* device nodes" in out
+    else:
+        assert "ASCEND_RT_VISIBLE_DEVICES=1,0 is not in ascending order" in out and "=0,1" in out
+    on_purpose = accelerate_launch(args, env=env_with(site, ACCEL_NPU_BACKEND="cpu", **extra))
+    assert on_purpose.returncode == 0 and len(results(on_purpose)) == 2, explain(on_purpose)
+    stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1", **extra))
+    assert stock.returncode == 0 and results(stock), explain(stock)  # stock: on the CPU, without a word
+
+
+@pytest.mark.slow
+def test_npu_config_without_torch_npu_refuses_the_launch(tmp_path):
+    """launch_configs/npu_zero2.yaml on a machine without torch_npu: refused, not trained on the CPU."""
+    from ..launch_utils import REPO
+
+    proc = accelerate_launch(["--config_file", str(REPO / "launch_configs" / "npu_zero2.yaml"),
+                              str(SCRIPTS / "print_worker_env.py")])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not results(proc), explain(proc)
+    assert "npu_zero2.yaml was written for the npu backend, but torch_npu is not installed here" in out
+    assert "ACCEL_NPU_BACKEND=cpu" in out and "Traceback" not in out, explain(proc)
+
+
 def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
     """torch_npu's default is already "disable" and its config is write-only (upstream
     npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it

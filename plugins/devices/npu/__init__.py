@@ -6,6 +6,7 @@ the contract written down in docs/npu-contract.md; :mod:`diagnostics` explains f
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import sys
@@ -24,6 +25,28 @@ log = logging.getLogger("accel_npu")
 
 #: why torch_npu is installed but unusable in this process (set by backend selection)
 _broken: str | None = None
+#: why torch_npu loads but reports no usable NPU here (set by backend selection)
+_no_device: str | None = None
+
+
+def no_device_reason(env) -> str:
+    """Why torch_npu reports no usable NPU, naming the cause where this process can see it."""
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
+        if not visible.strip():
+            return "ASCEND_RT_VISIBLE_DEVICES is set but empty: torch_npu then sees no NPU. Unset it or list device ids"
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            return (f"ASCEND_RT_VISIBLE_DEVICES={visible} is not in ascending order, and torch_npu then reports "
+                    f"0 devices (torch_npu/npu/__init__.py _device_count_ascend_hal). List the ids ascending: "
+                    f"ASCEND_RT_VISIBLE_DEVICES={','.join(str(i) for i in sorted(set(ids)))}")
+    if not glob.glob("/dev/davinci[0-9]*"):
+        return ("there are no /dev/davinci* device nodes: this container was started without the NPUs "
+                "(docker run --device=/dev/davinci0 ... --device=/dev/davinci_manager --device=/dev/devmm_svm "
+                "--device=/dev/hisi_hdc, or your cluster's NPU device plugin)")
+    if not os.path.isdir("/usr/local/Ascend/driver"):
+        return "the Ascend driver is not installed (/usr/local/Ascend/driver is missing): install the NPU driver"
+    return "torch.npu.is_available() is False (check `npu-smi info` and the driver/firmware versions)"
 
 
 def visible_device_count(env, count: int | None = None) -> int:
@@ -38,7 +61,7 @@ def visible_device_count(env, count: int | None = None) -> int:
 
 @hookimpl(tryfirst=True)
 def accel_npu_select_backend(env):
-    global _broken
+    global _broken, _no_device
     forced = environment.forced_backend(env)
     if forced and forced != "npu":
         return None
@@ -46,6 +69,8 @@ def accel_npu_select_backend(env):
         return None
     try:
         if not TorchNpu.is_available():
+            _no_device = no_device_reason(env)
+            log.error("accel-npu: torch_npu is installed but no NPU is usable: %s", _no_device)
             return None
         count = visible_device_count(env)
     except (ImportError, OSError) as exc:
@@ -87,9 +112,13 @@ def accel_npu_launch_env(backend, env):
 
 @hookimpl
 def accel_npu_check_launch(backend, num_processes, env):
-    # torch_npu installed but not loadable: one clear error before any worker starts
+    # torch_npu installed but not loadable, or loadable without a usable NPU: one clear error before
+    # any worker starts, instead of training on the CPU without a word
     if _broken and environment.forced_backend(env) in (None, "npu"):
         raise LaunchError(_broken)
+    if _no_device and environment.forced_backend(env) in (None, "npu"):
+        raise LaunchError(f"accel-npu: torch_npu is installed but no NPU is usable: {_no_device}. To train on "
+                          "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu.")
     # Pitfall 7.1: accelerate wraps extra ranks onto the same device; HCCL then fails much later.
     # `env` is the workers' environment: accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES
     # by now, after the backend counted this process's devices.

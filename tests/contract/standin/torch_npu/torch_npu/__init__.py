@@ -6,8 +6,9 @@ It models exactly the parts of torch_npu's behaviour that accel-npu's contract
 - ``import torch_npu`` registers ``torch.npu`` (is_available, device_count, config,
   get_amp_supported_dtype) like the real package's ``torch._register_device_module("npu", ...)``;
   ``torch.npu.config`` is write-only, as upstream's ``_npuConfig`` (see below);
-- device_count honours ASCEND_RT_VISIBLE_DEVICES; the machine's count comes from
-  STANDIN_NPU_DEVICE_COUNT (default 8);
+- device_count honours ASCEND_RT_VISIBLE_DEVICES exactly as torch_npu/npu/__init__.py does
+  (ids must be ascending, else 0 devices); the machine's count comes from
+  STANDIN_NPU_DEVICE_COUNT (default 8); is_available() is device_count() > 0 (same file);
 - loading fails the way the real wheel's ``libtorch_npu.so`` load fails:
   * torch/torch_npu base versions differ -> ImportError "...libtorch_npu.so: undefined symbol: ..."
   * STANDIN_REQUIRE_LD_LIBRARY_PATH=1 and torch_npu/lib not on LD_LIBRARY_PATH ->
@@ -36,12 +37,43 @@ if os.environ.get("STANDIN_REQUIRE_LD_LIBRARY_PATH") == "1":
         raise OSError("libc10.so: cannot open shared object file: No such file or directory")
 
 
+def _parse_visible_devices():
+    # Mirrors torch_npu/npu/__init__.py `_parse_visible_devices` (Ascend/pytorch master 9e73e708a):
+    # unset -> 0..63; digits and commas only, reading stops at any other character.
+    var = os.getenv("ASCEND_RT_VISIBLE_DEVICES")
+    if var is None:
+        return list(range(64))
+    rc = []
+    if not var:
+        return rc
+    for idx, c in enumerate(var):
+        if not (c.isdigit() or c == ","):
+            break
+        if idx + 1 == len(var):
+            idx += 1
+    for elem in var[:idx].split(","):
+        if not elem:
+            return rc
+        rc.append(int(elem))
+    return rc
+
+
 def _device_count():
-    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
-    machine = int(os.environ.get("STANDIN_NPU_DEVICE_COUNT", "8"))
-    if visible:
-        return min(machine, len([d for d in visible.split(",") if d.strip()]))
-    return machine
+    # Mirrors torch_npu/npu/__init__.py `_device_count_ascend_hal` (same commit): the raw count
+    # (libascend_hal drvGetDevNum; here STANDIN_NPU_DEVICE_COUNT), then the visible ids in order:
+    # ids not strictly ascending -> 0 devices; the first id past the raw count ends the list.
+    visible = _parse_visible_devices()
+    if not visible:
+        return 0
+    raw = int(os.environ.get("STANDIN_NPU_DEVICE_COUNT", "8"))
+    if raw <= 0:
+        return raw
+    for idx, val in enumerate(visible):
+        if idx > 0 and val <= visible[idx - 1]:
+            return 0
+        if val >= raw:
+            return idx
+    return len(visible)
 
 
 npu = types.ModuleType("torch_npu.npu")
