@@ -267,3 +267,14 @@ def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step
     assert stock["fused"] is None and stock["scaling_into_step"] is False
     # the scaler unscaled the gradient itself: an AdamW step moves each weight by ~lr
     assert abs(ours["moved"] - 0.1) < 1e-4 and abs(stock["moved"] - 0.1) < 1e-4
+
+
+def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
+    """A 910A has no bf16 (torch.npu.get_amp_supported_dtype() lists only fp16/fp32): autocast('cuda',
+    bf16) is off there, and accel-npu says so once instead of claiming a bf16 remap (issue 13 item 8)."""
+    site = make_site(tmp_path)
+    proc = py(ADAMW_PROBE, env_with(site, STANDIN_NPU_SOC="Ascend910A"))
+    ours = results(proc)[0]
+    assert ours["autocast"] == ["npu", "torch.bfloat16", False], ours
+    assert proc.stderr.count("has no bfloat16 autocast") == 1 and "runs in float32" in proc.stderr
+    assert "runs as torch.autocast('npu'" not in proc.stderr

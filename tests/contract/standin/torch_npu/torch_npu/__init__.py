@@ -96,7 +96,13 @@ class _npuConfig:
 
 
 npu.config = _npuConfig()
-npu.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+# Mirrors torch_npu/npu/utils.py `is_bf16_supported` (the SoC decides: a 910A has no bf16; here
+# STANDIN_NPU_SOC, default Ascend910B1) and torch_npu/npu/autocast_utils.py
+# `get_amp_supported_dtype` (bf16 listed only when supported), Ascend/pytorch master 9e73e708a.
+npu.is_bf16_supported = lambda including_emulation=False: not os.environ.get(
+    "STANDIN_NPU_SOC", "Ascend910B1").startswith("Ascend910A")
+npu.get_amp_supported_dtype = lambda: ([torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported()
+                                       else [torch.float16, torch.float32])
 # what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend)
 npu.memory_allocated = lambda device=None: 0
 npu.current_device = lambda: 0
