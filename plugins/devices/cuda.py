@@ -1,9 +1,10 @@
 """The cuda device backend: CUDA is present, so accel-npu changes nothing about devices."""
 from __future__ import annotations
 
-from accel_npu.hookspecs import hookimpl
 from accel_npu import environment
+from accel_npu._torch.device import cuda_available
 from accel_npu.backend import Backend
+from accel_npu.hookspecs import hookimpl
 
 
 @hookimpl
@@ -13,7 +14,7 @@ def accel_npu_select_backend(env):
         return None
     import torch
 
-    if not forced and not torch.cuda.is_available():
+    if not forced and not cuda_available():
         return None
     return Backend(name="cuda", device_type="cuda", dist_backend="nccl",
                    device_count=torch.cuda.device_count(), ds_accelerator=None, plugin="cuda")

@@ -147,6 +147,26 @@ def test_npu_config_without_torch_npu_refuses_the_launch(tmp_path):
     assert "ACCEL_NPU_BACKEND=cpu" in out and "Traceback" not in out, explain(proc)
 
 
+def test_decord_fix_holds_with_transfer_to_npu_imported(tmp_path):
+    """transfer_to_npu makes torch.cuda.is_available() answer for the NPUs: accel-npu's "is CUDA
+    here" must still say no, so decord.gpu(0) decodes on the CPU (decord has no NPU decoder)."""
+    import numpy as np
+
+    from tests.test_video import make_frames, write_raw_avi
+
+    site = make_site(tmp_path)
+    clip = write_raw_avi(tmp_path / "clip.avi", make_frames())
+    code = ("import torch, torch_npu\nimport torch_npu.contrib.transfer_to_npu\nimport decord\n"
+            f"reader = decord.VideoReader({clip!r}, ctx=decord.gpu(0))\n"
+            "print('RESULT', torch.cuda.is_available(), len(reader), int(reader[3].asnumpy().sum()))")
+    ours = py(code, env_with(site))
+    assert ours.returncode == 0, explain(ours)
+    expected = int(np.asarray(make_frames()[3], dtype=np.int64).sum())
+    assert f"RESULT True 6 {expected}" in ours.stdout, explain(ours)
+    stock = py(code, env_with(site, ACCEL_NPU_DISABLE="1"))
+    assert stock.returncode != 0 and "CUDA not enabled" in stock.stderr, explain(stock)
+
+
 def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
     """torch_npu's default is already "disable" and its config is write-only (upstream
     npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it
