@@ -28,7 +28,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_ZERO3_INIT", "1", "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0."),
     EnvVar("ACCEL_NPU_FROZEN_MODULES", "", "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained)."),
     EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),
-    EnvVar("ACCEL_NPU_DEEPSPEED_SHM_OP", "0", "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++, ~90 s once); it serves only inference_all_reduce, never ZeRO training."),
+    EnvVar("ACCEL_NPU_DEEPSPEED_SHM_OP", "0", "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training."),
     EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
 )
 

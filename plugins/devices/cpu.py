@@ -159,8 +159,8 @@ CLOSE_GLOO_AT_EXIT = Patch(
 
 def _shm_op_only_when_asked(wrapped, instance, args, kwargs):
     # DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce op in every process
-    # group setup (deepspeed/comm/torch.py TorchBackend.__init__ -> build_shm_op): ~90 s of g++
-    # on 2 cores before step 1 of a first run, and "Error building extension
+    # group setup (deepspeed/comm/torch.py TorchBackend.__init__ -> build_shm_op): a g++ build
+    # before step 1 of a first run, and "Error building extension
     # 'deepspeed_shm_comm'" where no compiler is installed. The op serves only
     # inference_all_reduce (tensor-parallel inference); ZeRO training reduces through
     # torch.distributed either way. Returning None is DeepSpeed's own path when the op is not
@@ -180,7 +180,7 @@ def _shm_op_only_when_asked(wrapped, instance, args, kwargs):
 SHM_OP_ONLY_WHEN_ASKED = Patch(
     target="deepspeed.comm.torch:build_shm_op",
     supports="deepspeed>=0.16,<0.20",
-    reason="DeepSpeed's CPU accelerator compiles its shm all-reduce op with g++ before step 1 (~90 s; "
+    reason="DeepSpeed's CPU accelerator compiles its shm all-reduce op with g++ before step 1 of a first run ("
            "fails without a compiler), though ZeRO training never uses it (only inference_all_reduce).",
     remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",
     wrapper=_shm_op_only_when_asked,
