@@ -239,6 +239,19 @@ def test_missing_libraries_on_loader_path(tmp_path):
     assert npu["libtorch_npu.so"].endswith("(on LD_LIBRARY_PATH)")
 
 
+@pytest.mark.parametrize("lib", ["libhccl.so", "libascendcl.so"])
+def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
+    """A CANN library missing from the loader path: the fix is CANN's set_env.sh (issue 13 item 1),
+    found beside ASCEND_TOOLKIT_HOME; torch's own libraries keep the LD_LIBRARY_PATH fix (above)."""
+    site = make_site(tmp_path)
+    env = env_with(site, STANDIN_MISSING_CANN_LIB=lib, ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
+    line = last_line(py("import torch, torch_npu", env))
+    assert "NpuEnvironmentError" in line and f"{lib} is part of CANN" in line, line
+    assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in line and "LD_LIBRARY_PATH" not in line, line
+    default = last_line(py("import torch, torch_npu", env_with(site, STANDIN_MISSING_CANN_LIB=lib)))
+    assert "Fix: source /usr/local/Ascend/ascend-toolkit/set_env.sh" in default, default
+
+
 # -- item 9: mx_driving patcher --------------------------------------------------------------------
 PROBE_MX = "import torch, torch_npu, mx_driving; print('CALLS', mx_driving.CALLS)"
 

@@ -5,6 +5,7 @@ import importlib.abc
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import threading
 
@@ -85,7 +86,15 @@ def diagnose_import_error(exc: BaseException, env=os.environ) -> str:
     if "undefined symbol" in text or pairing:
         parts.append(pairing or "torch_npu was built for another torch: reinstall the torch_npu release "
                                 "matching your torch (same base version, e.g. 2.7.1 with 2.7.1.postN).")
-    if "cannot open shared object file" in text or ("libc10.so" in text and "undefined symbol" not in text):
+    missing_lib = _missing_library(text)
+    if missing_lib is not None and not _is_torch_library(missing_lib):
+        # a CANN library (libhccl, libascendcl, ...): the toolkit's environment script is the fix, not
+        # LD_LIBRARY_PATH by hand (torch_npu _init/core/module_loader.py `_check_npu_import` says the same)
+        parts.append(f"{missing_lib} is part of CANN, whose environment is not set up in this shell. Fix: "
+                     f"source {cann_set_env(env)} (in the shell that launches training; with a container, in its "
+                     "entrypoint)" + (". libascend_hal.so comes with the NPU driver: check /usr/local/Ascend/driver"
+                                      if missing_lib.startswith("libascend_hal") else "") + ".")
+    elif "cannot open shared object file" in text or ("libc10.so" in text and "undefined symbol" not in text):
         status = library_status(env)
         missing = [f"{n}: {v}" for n, v in status.items() if "not on" in v or "MISSING" in v]
         parts.append("The dynamic loader cannot find torch's/torch_npu's libraries"
@@ -94,6 +103,33 @@ def diagnose_import_error(exc: BaseException, env=os.environ) -> str:
     if len(parts) == 1:
         parts.append("Check the CANN toolkit (ASCEND_HOME_PATH, source set_env.sh) and `accel-npu env`.")
     return " ".join(parts)
+
+
+#: shared libraries that come with the torch and torch_npu wheels (everything else a failed load names
+#: is CANN's or the driver's)
+_TORCH_LIBRARIES = ("libc10", "libtorch", "libshm", "libgomp")
+
+
+def _missing_library(text: str) -> str | None:
+    """``libhccl.so`` from "libhccl.so: cannot open shared object file: ...", else None."""
+    match = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file", text)
+    return match.group(1) if match else None
+
+
+def _is_torch_library(name: str) -> bool:
+    return name.startswith(_TORCH_LIBRARIES)
+
+
+def cann_set_env(env) -> str:
+    """The CANN toolkit's set_env.sh: beside the toolkit ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH name
+    (they point at ``<install>/ascend-toolkit/latest``; the script is ``<install>/ascend-toolkit/
+    set_env.sh``), else at the default install location."""
+    for var in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
+        home = (env.get(var) or "").rstrip("/")
+        if home:
+            toolkit = os.path.dirname(home) if os.path.basename(home) == "latest" else home
+            return os.path.join(toolkit, "set_env.sh")
+    return "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 
 
 class _ClearTorchNpuImportErrors(importlib.abc.MetaPathFinder):

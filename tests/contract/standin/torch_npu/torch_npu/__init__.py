@@ -31,6 +31,13 @@ def _base(v):
 
 if _base(__version__) != _base(torch.__version__):
     raise ImportError(f"{_LIB}/libtorch_npu.so: undefined symbol: _ZN3c1021throwNullDataPtrErrorEv")
+if os.environ.get("STANDIN_MISSING_CANN_LIB"):
+    # Mirrors torch_npu/_init/core/module_loader.py `_check_npu_import` (Ascend/pytorch master
+    # 9e73e708a): a CANN library the loader cannot find (CANN's set_env.sh not sourced), with the hint
+    # torch_npu appends for libhccl.so without ASCEND_OPP_PATH.
+    _lib = os.environ["STANDIN_MISSING_CANN_LIB"]
+    raise ImportError(f"{_lib}: cannot open shared object file: No such file or directory. Please check that the "
+                      "cann package is installed. Please run 'source set_env.sh' in the CANN installation path.")
 if os.environ.get("STANDIN_REQUIRE_LD_LIBRARY_PATH") == "1":
     entries = [os.path.realpath(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     if os.path.realpath(_LIB) not in entries:
