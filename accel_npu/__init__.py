@@ -1,8 +1,9 @@
 """accel-npu: unchanged CUDA-written Accelerate/DeepSpeed/diffusers training on Ascend NPU and CPU.
 
-Importing this package changes nothing. Activation happens through the ``torch.backends``
-entry point (inside ``import torch``), through ``import accel_npu.auto``, or explicitly
-through :func:`patch`.
+Importing this package patches nothing (from a source checkout it only maps ``plugins/`` and
+``launch_configs/`` as an install would, see :class:`_SourceCheckoutFinder`). Activation happens
+through the ``torch.backends`` entry point (inside ``import torch``), through
+``import accel_npu.auto``, or explicitly through :func:`patch`.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def builtin_plugins_dir(package_dir: str) -> str | None:
         # Only a checkout whose accel_npu/__init__.py maps plugins/ (older ones did not).
         try:
             with open(os.path.join(package_dir, "__init__.py"), encoding="utf-8") as f:
-                if "_SourceCheckoutFinder" in f.read():
+                if "class _SourceCheckoutFinder" in f.read():
                     return beside
         except OSError:
             return None
@@ -80,13 +80,15 @@ def first_package_dir_on(paths: list[str]) -> str | None:
 def worker_import_problem(pythonpath: str, script_dir: str | None = None) -> str | None:
     """Why a worker started with this PYTHONPATH (running a script in ``script_dir``) would import
     an ``accel_npu`` that cannot load the built-in plugins, or None when it would not."""
-    entries = ([script_dir] if script_dir else []) + [p for p in pythonpath.split(os.pathsep) if p]
-    shadow = first_package_dir_on(entries)
+    shadow = first_package_dir_on([script_dir]) if script_dir else None
+    via = "the script's directory"
+    if shadow is None:
+        shadow = first_package_dir_on([p for p in pythonpath.split(os.pathsep) if p])
+        via = "PYTHONPATH"
     if shadow is None or os.path.realpath(shadow) == os.path.realpath(imported_package_dir()):
         return None
     if builtin_plugins_dir(shadow) is not None:
         return None
-    via = "the script's directory" if script_dir and first_package_dir_on([script_dir]) == shadow else "PYTHONPATH"
     return (f"workers would import accel_npu from {shadow} (first on their sys.path through {via}), "
             f"a copy that cannot load accel-npu's built-in plugins, instead of {imported_package_dir()}. "
             f"Remove it from PYTHONPATH or launch from another directory, or update that checkout")

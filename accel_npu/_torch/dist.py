@@ -120,12 +120,7 @@ def all_ranks_agree(flag: bool) -> bool:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return flag
-        device = "cpu"
-        if dist.get_backend() != "gloo":  # HCCL/NCCL take only a tensor on this rank's device
-            import accelerate
-
-            device = accelerate.PartialState().device
-        t = torch.tensor([1 if flag else 0], device=device)
+        t = torch.tensor([1 if flag else 0], device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
     except Exception:  # pragma: no cover - never let bookkeeping break prepare
@@ -133,7 +128,8 @@ def all_ranks_agree(flag: bool) -> bool:
 
 
 def collective_device():
-    """The device a collective's tensor must live on: CPU for gloo, this rank's device otherwise."""
+    """The device a collective's tensor must live on: CPU for gloo, this rank's device otherwise
+    (HCCL/NCCL take no CPU tensors). Its callers run under DeepSpeed, whose accelerator knows it."""
     import torch.distributed as dist
 
     if dist.get_backend() == "gloo":

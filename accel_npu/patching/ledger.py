@@ -10,7 +10,8 @@ Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the
 - idempotent: applying twice wraps once;
 - reversible: :meth:`PatchLedger.unpatch_all` puts back the *identical* original object
   (and removes the attribute again where the original was inherited from a base class);
-- queryable: each patch is "not imported", "applied", "skipped: <reason>" or "failed: <error>";
+- queryable: each patch is "not imported", "applied", "skipped: <reason>", "failed: <error>" or
+  "disabled (ACCEL_NPU_DISABLED_PATCHES)";
 - never raises: an unknown library version, a missing attribute or a broken version string
   becomes "skipped"/"failed" with the reason, not an exception.
 """
