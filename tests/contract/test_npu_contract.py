@@ -89,6 +89,8 @@ def test_too_many_processes_refused_before_any_worker(tmp_path):
     recs = results(stock)
     assert [r["rank"] for r in recs] == [0, 1, 2, 3]
     assert all(r["env"]["TASK_QUEUE_ENABLE"] is None for r in recs)   # stock: no Ascend defaults
+    assert all(r["env"]["TORCH_HCCL_ENABLE_MONITORING"] is None and r["env"]["HCCL_DESYNC_DEBUG"] is None
+               for r in recs)
     assert all(r["torch_npu"] for r in recs)
 
 
@@ -97,7 +99,8 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
     site = make_site(tmp_path)
     proc = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                               str(SCRIPTS / "print_worker_env.py")],
-                             env=env_with(site, HCCL_EXEC_TIMEOUT="99", ASCEND_RT_VISIBLE_DEVICES="0,1"))
+                             env=env_with(site, HCCL_EXEC_TIMEOUT="99", ASCEND_RT_VISIBLE_DEVICES="0,1",
+                                          TORCH_HCCL_DESYNC_DEBUG="0", TORCH_HCCL_TRACE_BUFFER_SIZE="50"))
     assert proc.returncode == 0, explain(proc)
     recs = results(proc)
     assert len(recs) == 2
@@ -109,6 +112,12 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"          # the user's value wins
         assert r["env"]["DEEPSPEED_TIMEOUT"] == "30"          # DeepSpeed's 10 min would kill jobs at 600 s
         assert r["env"]["DS_ACCELERATOR"] == "npu"
+        # hang diagnosis: torch_npu's watchdog, desync report, heartbeat monitor and flight recorder
+        # (issue 13 item 4); a user value for either name of a renamed switch leaves both alone
+        assert r["env"]["HCCL_ASYNC_ERROR_HANDLING"] == r["env"]["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert r["env"]["TORCH_HCCL_DESYNC_DEBUG"] == "0" and r["env"]["HCCL_DESYNC_DEBUG"] is None
+        assert r["env"]["TORCH_HCCL_ENABLE_MONITORING"] == "1" and r["env"]["TORCH_HCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert r["env"]["TORCH_HCCL_TRACE_BUFFER_SIZE"] == "50"
         assert r["torch_npu"]
 
 

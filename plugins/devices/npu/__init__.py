@@ -100,14 +100,50 @@ NPU_LAUNCH_DEFAULTS = {
     "HCCL_CONNECT_TIMEOUT": "1200",
     "HCCL_EXEC_TIMEOUT": "1800",
     "DEEPSPEED_TIMEOUT": "30",
+    # Hang diagnosis (pitfall 7.12), torch_npu's own switches (Ascend/pytorch v7.1.0.2-pytorch2.6.0 ..
+    # v7.3.1, master 9e73e708a). csrc/core/npu/register/OptionsManager.cpp: HCCL_ASYNC_ERROR_HANDLING
+    # 0/1 (default 1: the watchdog tears the job down on a failed or timed-out collective) and
+    # HCCL_DESYNC_DEBUG 0/1 (default 0; on a timeout names the ranks that did not join), any other
+    # value raises at process-group creation. master reads TORCH_HCCL_* first and warns that the
+    # HCCL_* names are deprecated; released versions read only HCCL_*: both are set, neither when
+    # the user set one of the pair (launch env below).
+    "HCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1",
+    "HCCL_DESYNC_DEBUG": "1",
+    "TORCH_HCCL_DESYNC_DEBUG": "1",
+    # csrc/distributed/ProcessGroupHCCL.hpp/.cpp (c10d::getCvarBool/getCvarInt, all off by default):
+    # the heartbeat monitor aborts a rank whose watchdog made no progress for
+    # TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC (600 s), and the flight recorder keeps the last
+    # TORCH_HCCL_TRACE_BUFFER_SIZE collective events, dumped on a timeout to
+    # TORCH_HCCL_DEBUG_INFO_TEMP_FILE (/tmp/hccl_trace_rank_<rank>) — DUMP_ON_TIMEOUT needs both of
+    # the others (the .hpp's comment). 2000 entries is torch's own NCCL default.
+    "TORCH_HCCL_ENABLE_MONITORING": "1",
+    "TORCH_HCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_HCCL_DUMP_ON_TIMEOUT": "1",
 }
+
+#: one switch under two names (master renames HCCL_* to TORCH_HCCL_*): a value the user gives
+#: either name wins over both defaults
+_RENAMED_SWITCHES = (("HCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING"),
+                     ("HCCL_DESYNC_DEBUG", "TORCH_HCCL_DESYNC_DEBUG"))
+
+
+def worker_defaults(env) -> dict[str, str]:
+    """The npu workers' defaults given the launcher's ``env`` (the launcher then keeps every value
+    ``env`` already sets)."""
+    defaults = dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
+    for names in _RENAMED_SWITCHES:
+        if any(name in env for name in names):
+            for name in names:
+                defaults.pop(name)
+    return defaults
 
 
 @hookimpl
 def accel_npu_launch_env(backend, env):
     if backend.name != "npu":
         return None
-    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
+    return worker_defaults(env)
 
 
 @hookimpl
@@ -211,6 +247,11 @@ def accel_npu_env_report(backend):
     info["process-group timeout (DeepSpeed, DEEPSPEED_TIMEOUT)"] = (
         f"{ds_minutes} min" + (": torch_npu raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s"
                                if ds_minutes.strip() == "30" else ""))
+    workers = {**worker_defaults(os.environ), **os.environ}
+    info["hang diagnosis (workers)"] = ", ".join(
+        f"{name}={workers.get(name, '<unset>')}"
+        for name in ("HCCL_ASYNC_ERROR_HANDLING", "HCCL_DESYNC_DEBUG", "TORCH_HCCL_ENABLE_MONITORING",
+                     "TORCH_HCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_DUMP_ON_TIMEOUT"))
     info["ASCEND_HOME_PATH"] = os.environ.get("ASCEND_HOME_PATH", "<unset>")
     info["ASCEND_RT_VISIBLE_DEVICES"] = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "<unset>")
     info["mx_driving"] = ("not installed" if not MxDriving.installed() else
