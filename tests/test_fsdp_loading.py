@@ -76,77 +76,107 @@ def test_a_model_managed_by_fsdp_is_not_filled_again():
     assert calls == []
 
 
-FSDP2_PROBE = r'''
+FSDP2_PROBE = r"""
 import gc, json, os, sys, weakref
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor as dtensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo", rank=0, world_size=1)
+port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+                  LOCAL_RANK=str(rank))
+dist.init_process_group("gloo", rank=rank, world_size=world)
 import accelerate
 from accelerate.utils import fsdp_utils
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+# Linear(32, 30): 30 rows do not split evenly over 4 ranks either (padding in distribute_tensor)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 30 if i % 2 else 32) for i in range(4)])
 reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
 original_sd = model.state_dict()                   # what accelerate's prepare keeps of rank 0's weights
 refs = [weakref.ref(v) for v in original_sd.values()]
 model = model.to(torch.device("meta"))
-mesh = init_device_mesh("cpu", (1,))
+mesh = init_device_mesh("cpu", (world,))
 for layer in model:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
-alive_at_broadcast = []
-real_broadcast = dist.broadcast
+alive_at_scatter, full_inputs = [], []
+real_distribute = dtensor.distribute_tensor
 
-def recording_broadcast(tensor, *args, **kwargs):
+def recording_distribute(tensor, *args, **kwargs):
+    # accelerate and accel-npu both import it from torch.distributed.tensor at call time
     gc.collect()
-    alive_at_broadcast.append(sum(r() is not None for r in refs))
-    return real_broadcast(tensor, *args, **kwargs)
+    alive_at_scatter.append(sum(r() is not None for r in refs))
+    full_inputs.append(tensor.untyped_storage())   # kept alive: distinct storages stay distinct
+    return real_distribute(tensor, *args, **kwargs)
 
-dist.broadcast = recording_broadcast
+dtensor.distribute_tensor = recording_distribute
 class Acc:
-    is_main_process = True
+    is_main_process = rank == 0
 fsdp_utils.fsdp2_load_full_state_dict(Acc(), model, original_sd)
 del original_sd
 gc.collect()
+storages = {s.data_ptr(): s.nbytes() for s in full_inputs}
 same = all(torch.equal(model.state_dict()[k].full_tensor(), v) for k, v in reference.items())
-print("RESULT " + json.dumps({"accelerate": accelerate.__version__, "alive": alive_at_broadcast, "same": same,
-                              "after": sum(r() is not None for r in refs)}))
+print("RESULT " + json.dumps({"accelerate": accelerate.__version__, "alive": alive_at_scatter, "same": same,
+                              "after": sum(r() is not None for r in refs), "rank": rank,
+                              "input_storages": len(storages), "input_bytes": sum(storages.values()),
+                              "model_bytes": sum(v.numel() * v.element_size() for v in reference.values()),
+                              "largest_bytes": max(v.numel() * v.element_size() for v in reference.values())}))
 dist.destroy_process_group()
-'''
+"""
 
 
-def _released_at_each_broadcast(tmp_path, pythonpath: str = "", **env) -> dict:
-    """accelerate's real fsdp2_load_full_state_dict on a 1-rank gloo group and FSDP2 model: how many
-    of rank 0's full tensors are still alive at each broadcast (weakrefs; witnessed by wrapping
-    torch.distributed.broadcast, which accelerate calls for every parameter)."""
+def _load_full_state_dict(tmp_path, pythonpath: str = "", world: int = 1, **env) -> list[dict]:
+    """accelerate's real fsdp2_load_full_state_dict on a ``world``-rank gloo group and FSDP2 model.
+    Witnessed by wrapping torch's distribute_tensor (which accelerate calls for every parameter):
+    how many of rank 0's full tensors are alive at each call (weakrefs), and the storages of the
+    full-shape tensors each rank hands it (stock: a new full-size receive buffer per parameter)."""
     from tests.launch_utils import base_env, free_port
 
     extra = {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p)} \
         if pythonpath else {}
-    proc = subprocess.run([sys.executable, "-c", FSDP2_PROBE, str(free_port())], env=base_env(**extra, **env),
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", FSDP2_PROBE, port, str(r), str(world)],
+                              env=base_env(**extra, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=tmp_path) for r in range(world)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.split("RESULT ", 1)[1]))
+    return out
 
 
 def test_fsdp2_full_state_dict_is_released_tensor_by_tensor(tmp_path):
-    """Installed accelerate: each full tensor is freed as it is broadcast; stock keeps all 8 alive."""
-    ours = _released_at_each_broadcast(tmp_path)
-    stock = _released_at_each_broadcast(tmp_path, ACCEL_NPU_DISABLE="1")
+    """Installed accelerate: each full tensor is freed as it is scattered; stock keeps all 8 alive."""
+    [ours] = _load_full_state_dict(tmp_path)
+    [stock] = _load_full_state_dict(tmp_path, ACCEL_NPU_DISABLE="1")
     assert stock["alive"] == [8] * 8 and stock["same"]
     assert ours["same"] and ours["after"] == 0
-    assert all(alive <= 8 - i for i, alive in enumerate(ours["alive"])) and ours["alive"][-1] <= 1, ours
+    assert ours["alive"] == [7, 6, 5, 4, 3, 2, 1, 0], ours  # the one being scattered: a detached view
+
+
+@pytest.mark.slow
+def test_fsdp2_other_ranks_receive_into_their_shards_only(tmp_path):
+    """2 ranks (installed accelerate): stock's rank 1 allocates a full-size receive buffer for every
+    parameter (8 storages, the whole model); ours hands distribute_tensor views of one buffer the
+    size of the largest parameter. Every rank's shards equal the original weights, both ways."""
+    ours = _load_full_state_dict(tmp_path, world=2)
+    stock = _load_full_state_dict(tmp_path, world=2, ACCEL_NPU_DISABLE="1")
+    assert all(r["same"] for r in ours + stock), (ours, stock)
+    assert stock[1]["input_storages"] == 8 and stock[1]["input_bytes"] >= stock[1]["model_bytes"], stock[1]
+    assert ours[1]["input_storages"] == 1 and ours[1]["input_bytes"] == ours[1]["largest_bytes"], ours[1]
+    assert ours[0]["alive"] == [7, 6, 5, 4, 3, 2, 1, 0] and stock[0]["alive"] == [8] * 8, (ours[0], stock[0])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["1.10.1", "1.12.0", "1.13.0"])
 def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
-    """accelerate 1.10-1.13 iterate zip(full_sd.items(), ...) instead of indexing: the patch must
-    release there too (it declares accelerate>=1.10). The real release, pip-installed beside."""
+    """The patch declares accelerate>=1.10: on each pip-installed release (1.10-1.12 take no
+    cpu_offload; 1.10/1.11 broadcast on the mesh's group) it replaces the real function the same way."""
     from accel_npu.plugins.loading import FSDP2_LOAD_FULL_STATE_DICT
 
     assert FSDP2_LOAD_FULL_STATE_DICT.supports == "accelerate>=1.10,<1.16"
@@ -154,8 +184,8 @@ def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                           f"accelerate=={version}"], capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-2000:]
-    ours = _released_at_each_broadcast(tmp_path, str(target))
-    stock = _released_at_each_broadcast(tmp_path, str(target), ACCEL_NPU_DISABLE="1")
+    [ours] = _load_full_state_dict(tmp_path, str(target))
+    [stock] = _load_full_state_dict(tmp_path, str(target), ACCEL_NPU_DISABLE="1")
     assert ours["accelerate"] == stock["accelerate"] == version
     assert stock["alive"] == [8] * 8
-    assert ours["same"] and ours["alive"] == [8, 7, 6, 5, 4, 3, 2, 1], ours
+    assert ours["same"] and ours["alive"] == [7, 6, 5, 4, 3, 2, 1, 0], ours

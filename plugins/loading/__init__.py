@@ -55,10 +55,12 @@ FSDP2_LOAD_FULL_STATE_DICT = Patch(
     target="accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
     supports="accelerate>=1.10,<1.16",
     reason="FSDP2 prepare with cpu_ram_efficient_loading keeps rank 0's whole model alive (its "
-           "original_sd) until every shard is built: node peak = full model + all shards (2 x model). "
-           "Each full tensor can go once it is broadcast.",
-    remove_when="accelerate releases original_sd entries as it broadcasts them",
-    wrapper=fsdp.load_full_state_dict_releasing,
+           "original_sd) until every shard is built, and every other rank receives each whole tensor "
+           "into a new buffer (kept in its heap) before its shard is scattered: node peak = full model + "
+           "all shards + ~half a model per other rank. Each tensor can go from rank 0 straight into "
+           "the shards, and be freed once scattered.",
+    remove_when="accelerate scatters rank 0's tensors into the shards and releases original_sd entries as it goes",
+    wrapper=fsdp.load_full_state_dict_streaming,
 )
 
 ZERO3_INIT_CM = Patch(

@@ -113,56 +113,125 @@ def attach_fill(model, load_whole: Callable[[], Any]) -> None:
     on_first_forward(model, first_call)
 
 
-class _ReleasedOnRead(dict):
-    """A state dict whose entries are dropped as they are read: each full tensor is freed once used.
+#: rank 0 gives freed full tensors back to the OS every this many bytes (``malloc_trim``): they were
+#: allocated by load threads, in glibc arenas that keep freed blocks otherwise.
+TRIM_BYTES = 256 << 20
 
-    The memory goes back to the OS every ``TRIM_BYTES`` (``malloc_trim``): these tensors were
-    allocated by load threads, in glibc arenas that keep freed blocks otherwise.
+
+def load_full_state_dict_streaming(wrapped, instance, args, kwargs):
+    """Wrapper of accelerate's ``fsdp2_load_full_state_dict(accelerator, model, full_sd[, cpu_offload])``.
+
+    Stock (accelerate 1.10-1.15) has rank 0 broadcast every full tensor to all ranks, each other rank
+    receiving it into a new full-size buffer, then ``distribute_tensor`` scatters it from rank 0
+    again into each rank's shard. Rank 0 keeps its whole model (``original_sd``) until the end, and
+    the other ranks' freed receive buffers stay in their heaps: node peak = full model + all shards
+    + about half a model per other rank. Here each parameter goes from rank 0 straight into every
+    rank's shard with the same ``distribute_tensor`` (a scatter from rank 0), with stock's casting,
+    contiguity and ``cpu_offload`` rules: the other ranks allocate their shards only (the full-shape
+    tensor ``distribute_tensor`` needs is a view of one reused, never-written buffer), and rank 0
+    frees each full tensor once scattered. Same values on every rank; no broadcast at all.
     """
-
-    TRIM_BYTES = 256 << 20
-
-    def __init__(self, items):
-        super().__init__(items)
-        self._released = 0
-
-    def items(self):
-        # accelerate 1.10-1.13 iterate ``zip(full_sd.items(), ...)`` instead of indexing: hand each
-        # entry over through __getitem__ (and so release it) as the zip consumes it.
-        for key in list(dict.keys(self)):
-            yield key, self[key]
-
-    def __getitem__(self, key):
-        value = self.pop(key)
-        self._released += value.numel() * value.element_size() if hasattr(value, "element_size") else 0
-        if self._released >= self.TRIM_BYTES:
-            self._released = 0
-            malloc_trim()
-        return value
-
-
-def load_full_state_dict_releasing(wrapped, instance, args, kwargs):
-    """Wrapper of accelerate's ``fsdp2_load_full_state_dict(accelerator, model, full_sd, ...)``.
-
-    accelerate has already moved the model to meta, so ``full_sd`` (its ``original_sd``) is the
-    only reference left to rank 0's whole weights, and the caller does not use it afterwards.
-    Handing over a dict that forgets each tensor once it is broadcast and sharded lets rank 0 free
-    its full model tensor by tensor while the shards are built, instead of holding both. The
-    other ranks receive every parameter whole into a temporary buffer; the freed buffers are
-    returned to the OS at the end (``malloc_trim``: 2.4 GB per rank for the benchmark model).
-    """
-    args = list(args)
-    positional = len(args) >= 3
-    full_sd = args[2] if positional else kwargs.get("full_sd")
-    if isinstance(full_sd, dict):  # model.state_dict(): an OrderedDict
-        released = _ReleasedOnRead(full_sd)
-        full_sd.clear()
-        if positional:
-            args[2] = released
-        else:
-            kwargs["full_sd"] = released
-        del full_sd
-    try:
+    bound = _bind_load_args(args, kwargs)
+    if bound is None:
         return wrapped(*args, **kwargs)
+    accelerator, model, full_sd, cpu_offload = bound
+    try:
+        return stream_into_shards(accelerator, model, full_sd, cpu_offload)
     finally:
         malloc_trim()
+
+
+def _bind_load_args(args, kwargs):
+    """(accelerator, model, full_sd, cpu_offload) of a call we can take over, else None (stock)."""
+    names = ("accelerator", "model", "full_sd", "cpu_offload")
+    given = dict(zip(names, args))
+    if len(args) > len(names) or any(k not in names or k in given for k in kwargs):
+        return None
+    given.update(kwargs)
+    if not all(k in given for k in names[:3]) or not isinstance(given["full_sd"], dict):
+        return None
+    model = given["model"]
+    # every entry a DTensor (what fully_shard leaves): stock would fail on anything else, let it
+    if not all(hasattr(v, "device_mesh") and hasattr(v, "placements") for v in model.state_dict().values()):
+        return None
+    return given["accelerator"], model, given["full_sd"], bool(given.get("cpu_offload", False))
+
+
+def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = False):
+    """Fill the FSDP2 model (on meta) from rank 0's ``full_sd``, parameter by parameter (see the wrapper)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    meta_sharded_sd = model.state_dict()
+    main = accelerator.is_main_process
+    if main:
+        for name in meta_sharded_sd:
+            if name not in full_sd:  # accelerate 1.15's check, before any collective
+                raise KeyError(
+                    f"Parameter '{name}' found in sharded model state dict but missing from full state dict. "
+                    f"Full state dict has {len(full_sd)} keys, sharded has {len(meta_sharded_sd)} keys.")
+    source = dict(full_sd)  # the only reference left: each entry is freed as it is scattered
+    full_sd.clear()
+    receive = _ReceiveBuffer()
+    sharded_sd, released = {}, 0
+    for name, sharded_param in meta_sharded_sd.items():
+        mesh = sharded_param.device_mesh
+        only_shards = all(isinstance(p, Shard) for p in sharded_param.placements)
+        if main:
+            full = source.pop(name).detach().to(mesh.device_type)
+            if isinstance(full, DTensor):  # after prepare_tp (accelerate >= 1.12)
+                full = full.to_local()
+            released += full.numel() * full.element_size()
+        else:
+            source.pop(name, None)
+            # distribute_tensor reads only rank 0's data (it scatters from rank 0) and returns fresh
+            # shards; a Replicate placement returns its input itself, so that one gets its own tensor
+            full = (receive.view(sharded_param.size(), sharded_param.dtype, mesh.device_type) if only_shards
+                    else torch.empty(sharded_param.size(), device=mesh.device_type, dtype=sharded_param.dtype))
+        sharded = distribute_tensor(full, mesh, sharded_param.placements)
+        to_contiguous, casting_dtype = _infer_parameter_dtype(model, name, full)
+        del full
+        if casting_dtype is not None:
+            sharded = sharded.to(dtype=casting_dtype)
+        if to_contiguous:
+            sharded = sharded.contiguous()
+        if cpu_offload:  # FSDP2's lazy_init expects parameters on CPU with CPU offloading
+            sharded = sharded.to("cpu")
+        sharded_sd[name] = sharded
+        if released >= TRIM_BYTES:
+            released = 0
+            malloc_trim()
+    del receive
+    # assign=True: the parameters are on meta
+    model.load_state_dict(sharded_sd, assign=True)
+    return model
+
+
+def _infer_parameter_dtype(model, name: str, full):
+    """accelerate's rule: (contiguous like the model's tensor, dtype to cast floating tensors to)."""
+    import torch
+
+    try:
+        old = model.get_parameter_or_buffer(name)
+    except AttributeError:  # LoRA: some entries are not parameters or buffers
+        base, local_name = name.rsplit(".", 1)
+        old = getattr(model.get_submodule(base), local_name)
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    casting_dtype = old.dtype if full.dtype.is_floating_point and full.dtype != fp8 else None
+    return old is not None and old.is_contiguous(), casting_dtype
+
+
+class _ReceiveBuffer:
+    """One byte buffer per device, grown to the largest tensor asked for; views of it in any shape."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def view(self, shape, dtype, device):
+        import torch
+
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(device)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[device] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
