@@ -1,8 +1,8 @@
 """What a patch declares: its target, the versions it knows, why it exists, when it can go."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import importlib
+from typing import Any, Callable, Union
 
 from accel_npu.patching.versions import installed_version, parse_supports, version_satisfies
 
@@ -14,7 +14,6 @@ UNPATCHED = "unpatched"
 DISABLED = "disabled (ACCEL_NPU_DISABLED_PATCHES)"
 
 
-@dataclass(eq=False)
 class Patch:
     """One declared patch.
 
@@ -24,27 +23,47 @@ class Patch:
                  "accelerate>=1.10,<1.16". Other versions: skipped with a reason.
     reason:      the pitfall or upstream issue this patch removes.
     remove_when: the condition under which the patch can be deleted.
-    wrapper:     wrapt-style ``wrapper(wrapped, instance, args, kwargs)``.
+    wrapper:     wrapt-style ``wrapper(wrapped, instance, args, kwargs)``, or its import path
+                 "plugin.module:function". A path is imported only when the patch is applied —
+                 when the target's module is imported — so declaring a patch costs nothing
+                 inside ``import torch``.
+
+    A plain class, not a dataclass: plugins declare patches inside ``import torch``, and a
+    dataclass's generated methods cost an ``exec`` per class there.
     """
 
-    target: str
-    supports: str
-    reason: str
-    remove_when: str
-    wrapper: Wrapper
-    plugin: str = ""
+    __slots__ = ("target", "supports", "reason", "remove_when", "_wrapper", "plugin", "status", "_parent",
+                 "_attribute", "_original", "_had_own_attribute", "_installed")
 
-    # ledger-owned state
-    status: str = field(default=NOT_IMPORTED, init=False)
-    _parent: Any = field(default=None, init=False, repr=False)
-    _attribute: str = field(default="", init=False, repr=False)
-    _original: Any = field(default=None, init=False, repr=False)
-    _had_own_attribute: bool = field(default=True, init=False, repr=False)
-    _installed: Any = field(default=None, init=False, repr=False)
+    def __init__(self, target: str, supports: str, reason: str, remove_when: str,
+                 wrapper: Union[Wrapper, str], plugin: str = "") -> None:
+        if ":" not in target:
+            raise ValueError(f"Patch target {target!r} must be 'module:qualified.name'")
+        if isinstance(wrapper, str) and ":" not in wrapper:
+            raise ValueError(f"Patch wrapper {wrapper!r} must be a callable or 'module:function'")
+        self.target, self.supports, self.reason, self.remove_when = target, supports, reason, remove_when
+        self._wrapper, self.plugin = wrapper, plugin
+        # ledger-owned state
+        self.status = NOT_IMPORTED
+        self._parent: Any = None
+        self._attribute = ""
+        self._original: Any = None
+        self._had_own_attribute = True
+        self._installed: Any = None
 
-    def __post_init__(self) -> None:
-        if ":" not in self.target:
-            raise ValueError(f"Patch target {self.target!r} must be 'module:qualified.name'")
+    def __repr__(self) -> str:
+        return f"Patch(target={self.target!r}, plugin={self.plugin!r}, status={self.status!r})"
+
+    @property
+    def wrapper(self) -> Wrapper:
+        """The wrapper function (importing its module the first time, when given as a path)."""
+        if isinstance(self._wrapper, str):
+            module, _, name = self._wrapper.partition(":")
+            obj: Any = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            self._wrapper = obj
+        return self._wrapper
 
     @property
     def module(self) -> str:
