@@ -52,9 +52,10 @@ def _store_and_world():
         return None, 1, 0
 
 
-def rendezvous(op: str, timeout: float, advice: str = "") -> None:
+def rendezvous(op: str, timeout: float, advice="") -> None:
     """Return once every rank has entered ``rendezvous(op)``; else, after ``timeout`` seconds, raise
-    :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice``.
+    :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice`` (a string, or
+    a callable returning one, called only then: e.g. to name the caller's line).
 
     Uses the process group's key-value store (no collective, so it cannot hang). Calls pair up by
     *generation*, not by a per-process call count: a generation ends "done" when the last rank
@@ -87,6 +88,8 @@ def rendezvous(op: str, timeout: float, advice: str = "") -> None:
         break  # aborted: this generation was misused (possibly by another waiting rank giving up)
     present = [r for r in range(world) if store.check([f"{key}/rank{r}"])]
     missing = [r for r in range(world) if r not in present]
+    if callable(advice):
+        advice = advice()
     raise CollectiveMisuseError(
         f"accelerator.{op}() under DeepSpeed ZeRO is a collective, but only rank(s) {present} "
         f"entered it; rank(s) {missing} did not within {timeout:g} s "

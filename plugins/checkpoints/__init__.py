@@ -23,13 +23,12 @@ from accel_npu import environment
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.checkpoints import consolidate, state as checkpointing
+from accel_npu.plugins.checkpoints import consolidate, partitioned, serving, state as checkpointing
 from accel_npu.plugins.checkpoints.streaming import streaming_save_model
 
 log = logging.getLogger("accel_npu")
 
 _SUPPORTS = "accelerate>=1.10,<1.16"
-_in_save_model = False
 
 
 def _arg(args, kwargs, index, name, default=None):
@@ -68,9 +67,8 @@ def _zero3_multi(instance) -> bool:
 def _get_state_dict(wrapped, instance, args, kwargs):
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
-    if _zero3_multi(instance) and not _in_save_model:
-        checkpointing.rendezvous("get_state_dict")
-    state_dict = wrapped(*args, **kwargs)
+    with serving.requesting():  # a rank-0-only call: the idle ranks join its gathers, busy ones fail it in time
+        state_dict = wrapped(*args, **kwargs)
     if isinstance(state_dict, dict) and state_dict:
         model = _arg(args, kwargs, 0, "model")
         for key, value in tower_state_dict(instance.unwrap_model(model)).items():
@@ -79,7 +77,6 @@ def _get_state_dict(wrapped, instance, args, kwargs):
 
 
 def _save_model(wrapped, instance, args, kwargs):
-    global _in_save_model
     if not _zero3_multi(instance):
         return wrapped(*args, **kwargs)
     model = _arg(args, kwargs, 0, "model")
@@ -90,14 +87,28 @@ def _save_model(wrapped, instance, args, kwargs):
         (m for m in instance._models if getattr(m, "module", None) is model), None)
     if engine is None:
         return wrapped(*args, **kwargs)
-    checkpointing.rendezvous("save_model")
     if not engine.zero_gather_16bit_weights_on_model_save():
-        _in_save_model = True
-        try:
-            return wrapped(*args, **kwargs)  # stock raises its explanation
-        finally:
-            _in_save_model = False
-    streaming_save_model(instance, engine, save_directory, max_shard_size, safe)
+        return wrapped(*args, **kwargs)  # stock raises its explanation
+    with serving.requesting():  # a rank-0-only call: the idle ranks join its gathers, busy ones fail it in time
+        streaming_save_model(instance, engine, save_directory, max_shard_size, safe)
+
+
+def _wait_for_everyone(wrapped, instance, args, kwargs):
+    if serving.zero3_multi_rank():
+        serving.idle("wait_for_everyone")
+    return wrapped(*args, **kwargs)
+
+
+def _end_training(wrapped, instance, args, kwargs):
+    if serving.zero3_multi_rank():
+        serving.idle("end_training")
+    return wrapped(*args, **kwargs)
+
+
+def _gathered_enter(wrapped, instance, args, kwargs):
+    if getattr(instance, "enabled", False):
+        serving.before_gather(instance.params, instance.src_rank)
+    return wrapped(*args, **kwargs)
 
 
 def _patch(name, reason, remove_when, wrapper):
@@ -132,9 +143,49 @@ SAVE_MODEL = _patch(
     _save_model)
 
 
+WAIT_FOR_EVERYONE = Patch(
+    target="accelerate.state:PartialState.wait_for_everyone", supports=_SUPPORTS,
+    reason="Under ZeRO-3 a rank waiting for the others is idle while rank 0 saves a partitioned model on its "
+           "own (`if accelerator.is_main_process: save...; accelerator.wait_for_everyone()`): it serves rank 0's "
+           "gathers instead of leaving rank 0 to write shape-[0] tensors.",
+    remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
+    wrapper=_wait_for_everyone)
+END_TRAINING = Patch(
+    target="accelerate.accelerator:Accelerator.end_training", supports=_SUPPORTS,
+    reason="diffusers' scripts save on rank 0 while the other ranks reach end_training() and destroy the process "
+           "group: under ZeRO-3 they serve rank 0's gathers first, so the saved model is whole.",
+    remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
+    wrapper=_end_training)
+GATHERED_ENTER = Patch(
+    target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
+    supports="deepspeed>=0.16,<0.20",
+    reason="A gather made on one rank for a save (save_pretrained, get_state_dict, save_model) is announced to "
+           "the other ranks first: idle ones join it, busy ones make it fail in time instead of hanging.",
+    remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
+    wrapper=_gathered_enter)
+DIFFUSERS_SAVE_PRETRAINED = Patch(
+    target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35,<0.43",
+    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 (diffusers' "
+           "train_text_to_image.py final save): from_pretrained then fails, the trained model is lost.",
+    remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
+    wrapper=partitioned.diffusers_save_pretrained)
+TRANSFORMERS_SAVE_PRETRAINED = Patch(
+    target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.50,<5.30",
+    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0: refused before "
+           "writing, saying how to pass the gathered state dict.",
+    remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
+    wrapper=partitioned.transformers_save_pretrained)
+SAFETENSORS_SAVE_FILE = Patch(
+    target="safetensors.torch:save_file", supports="safetensors>=0.4,<0.9",
+    reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
+    remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
+    wrapper=partitioned.save_file)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL]
+    return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
+            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE]
 
 
 @hookimpl

@@ -22,6 +22,7 @@ from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu.errors import CheckpointError
 
+from accel_npu.plugins.checkpoints import callsite
 from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_path, fsync_tree, is_our_temp,
                                                  old_dir, partial_dir, write_json)
 
@@ -45,7 +46,9 @@ _INSTEAD = {
         "`accel-npu consolidate dir export_dir` afterwards."),
     "save_state": (
         "Call accelerator.save_state(dir) on every rank, not inside `if accelerator.is_main_process:`: "
-        "under DeepSpeed every rank writes its own shard."),
+        "under DeepSpeed every rank writes its own shard of the model and optimizer (DeepSpeed's "
+        "save_checkpoint), and rank 0 cannot write the others' while they run the next step's "
+        "collectives. Nothing was written."),
 }
 
 
@@ -55,8 +58,16 @@ def collective_timeout() -> float:
 
 def rendezvous(op: str, timeout: float | None = None) -> None:
     """Return once every rank has called ``rendezvous(op)``; else a :class:`CollectiveMisuseError`
-    after ``timeout`` (``ACCEL_NPU_COLLECTIVE_TIMEOUT``) saying what to call instead."""
-    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, _INSTEAD.get(op, ""))
+    after ``timeout`` (``ACCEL_NPU_COLLECTIVE_TIMEOUT``) naming the script line that called it, the
+    `if` around it, and what to call instead."""
+    def advice() -> str:
+        call = f"accelerator.{op}()"
+        where = callsite.describe(call)
+        if not where:
+            return _INSTEAD.get(op, "")
+        return f"{where}. {callsite.fix_for(call)} {_INSTEAD.get(op, '')}"
+
+    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, advice)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,10 +179,17 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
     accelerator.wait_for_everyone()
     save_model_func_kwargs.setdefault("save_latest", False)  # `latest` is written last, below
     pc.automatic_checkpoint_naming = False
+    hooks = accelerator._save_model_state_pre_hook
+    saved_hooks = dict(hooks)
+    for handle, hook in saved_hooks.items():
+        hooks[handle] = _with_one_weight_per_model(hook)
     try:
         wrapped(tmp, safe_serialization=safe_serialization, **save_model_func_kwargs)
     finally:
         pc.automatic_checkpoint_naming = automatic
+        for handle, hook in saved_hooks.items():
+            if handle in hooks:
+                hooks[handle] = hook
     accelerator.wait_for_everyone()  # every rank's shards are on disk
     if accelerator.is_main_process:
         tags = [_tag(i) for i in range(len(accelerator._models))]
@@ -191,6 +209,36 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
         _swap_into_place(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+class WeightsSavedByDeepSpeed:
+    """What a save-state hook finds in ``weights`` under DeepSpeed: one per model, like elsewhere.
+
+    accelerate passes an empty ``weights`` list to hooks under DeepSpeed (the engine's
+    ``save_checkpoint`` already wrote the weights), and hooks written for the other paths
+    (diffusers' examples) ``weights.pop()`` once per model: IndexError. Popping is harmless, so
+    it works; reading one as a state dict cannot (there is none) and says so.
+    """
+
+    def _refuse(self, *args, **kwargs):
+        raise CheckpointError(
+            "under DeepSpeed accelerate passes no state dicts to save_state hooks: DeepSpeed's "
+            "save_checkpoint has written the weights. In the hook, save the model with "
+            "model.save_pretrained(...) or call accelerator.get_state_dict(model) on every rank.")
+
+    __getitem__ = __iter__ = __len__ = keys = items = values = _refuse
+
+    def __repr__(self):
+        return "<weights saved by DeepSpeed's save_checkpoint>"
+
+
+def _with_one_weight_per_model(hook):
+    def hook_with_weights(models, weights, output_dir):
+        if not weights and models:
+            weights = [WeightsSavedByDeepSpeed() for _ in models]  # a copy: accelerate's list stays empty
+        return hook(models, weights, output_dir)
+
+    return hook_with_weights
 
 
 def _tag(i: int) -> str:
@@ -272,8 +320,49 @@ def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
         input_dir = old_dir(input_dir)
     if os.path.isdir(input_dir):
         missing = missing_files(input_dir)
+        if missing is None:
+            missing = _missing_deepspeed_files(input_dir)
         if missing:
-            raise CheckpointError(f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}")
+            raise CheckpointError(f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}. "
+                                  f"{_newest_complete_beside(input_dir)}")
     return input_dir
+
+
+def _missing_deepspeed_files(directory: str) -> list[str]:
+    """For a checkpoint without our manifest (stock accelerate wrote it, or left it): what a
+    DeepSpeed checkpoint of model 0 needs and lacks. An empty directory is what a rank-0-only
+    ``save_state`` leaves behind (accelerate creates it before DeepSpeed's save hangs)."""
+    tag = _tag(0)
+    tag_dir = os.path.join(directory, tag)
+    if not os.path.isdir(tag_dir):
+        return [f"{tag}/ (DeepSpeed's model and optimizer shards: the save that made this directory "
+                f"did not finish, e.g. save_state called on one rank only)"]
+    if not any(name.endswith("model_states.pt") for name in os.listdir(tag_dir)):
+        return [f"{tag}/*model_states.pt"]
+    return []
+
+
+def _is_complete(directory: str) -> bool:
+    missing = missing_files(directory)
+    return not (missing if missing is not None else _missing_deepspeed_files(directory))
+
+
+def _newest_complete_beside(directory: str) -> str:
+    """A sentence naming the newest complete checkpoint beside ``directory`` (same name stem, by
+    the number in the name), or saying there is none."""
+    parent, name = os.path.split(os.path.abspath(directory))
+    stem = name.rstrip("0123456789")
+    found = []
+    for other in os.listdir(parent):
+        path = os.path.join(parent, other)
+        if (other != name and other.startswith(stem) and not is_our_temp(other) and _digits(other) is not None
+                and os.path.isdir(path) and _is_complete(path)):
+            found.append((_digits(other), path))
+    if not found:
+        return (f"There is no complete checkpoint beside it in {parent}: remove {directory} to start afresh "
+                f"(`--resume_from_checkpoint latest` picks it by name).")
+    newest = max(found)[1]
+    return (f"The newest complete checkpoint is {newest}: load that one, or remove {directory} "
+            f"(`--resume_from_checkpoint latest` picks the highest number).")
 
 

@@ -73,5 +73,6 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
     if main and n > 1:
         write_json(os.path.join(save_directory, weights + ".index.json"),
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
-    accelerator.wait_for_everyone()
+    # no barrier here (stock save_model has none): called on rank 0 alone, it would pair with the
+    # other ranks' next wait_for_everyone
     del engine

@@ -1,0 +1,72 @@
+"""Where in the user's script a misused collective was called, and the `if` that guards it.
+
+A collective entered by rank 0 alone is nearly always ``if accelerator.is_main_process:`` around
+it (diffusers' train_text_to_image.py around ``accelerator.save_state``, diffusers #2606). The
+error names that line and the `if` so the one-line fix can be given verbatim.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+
+# frames of these packages are library code, never the line a user should change
+_LIBRARIES = ("accel_npu", "accelerate", "wrapt", "deepspeed", "torch", "diffusers", "transformers",
+              "safetensors", "peft", "huggingface_hub", "contextlib", "functools", "importlib")
+
+FIX = "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:"
+
+
+def user_frame():
+    """(filename, line) of the innermost frame outside the libraries, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        if name.split(".")[0] not in _LIBRARIES and os.path.isfile(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def main_process_guard(filename: str, line: int):
+    """(line, source) of the innermost ``if ...is_main_process...:`` whose body holds ``line``, or None."""
+    try:
+        with open(filename, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source, filename)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    best = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or not node.body:
+            continue
+        test = ast.get_source_segment(source, node.test) or ""
+        if "is_main_process" not in test and "is_local_main_process" not in test:
+            continue
+        first, last = node.body[0].lineno, max(getattr(n, "end_lineno", n.lineno) for n in node.body)
+        if first <= line <= last and (best is None or node.lineno > best[0]):
+            best = (node.lineno, f"if {test}:")
+    return best
+
+
+def describe(call: str) -> str:
+    """``"train.py:1089 calls accelerator.save_state() inside `if accelerator.is_main_process:` (line 1067)"``,
+    or "" when the caller is not a file."""
+    site = user_frame()
+    if site is None:
+        return ""
+    filename, line = site
+    guard = main_process_guard(filename, line)
+    where = f"{filename}:{line} calls {call}"
+    if guard is not None:
+        where += f" inside `{guard[1]}` (line {guard[0]})"
+    return where
+
+
+def fix_for(call: str) -> str:
+    """The one-line fix, with the script's line when it can be found."""
+    site = user_frame()
+    guard = main_process_guard(*site) if site is not None else None
+    at = f"{site[0]}:{guard[0]}: " if guard is not None else ""
+    return (f"Fix (one line): {at}`{FIX}` (from accelerate.utils import DistributedType), so every rank calls "
+            f"{call}.")

@@ -1,0 +1,172 @@
+"""``save_pretrained`` / ``safetensors.torch.save_file`` of ZeRO-3 partitioned models (issue 16, item 3).
+
+Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, a model
+``from_pretrained`` refuses. Here:
+
+- diffusers ``ModelMixin.save_pretrained``: ``state_dict()`` answers, for each partitioned
+  parameter, a whole-shape *meta* tensor, so diffusers plans its shards and index by the real
+  sizes and writes its config as always; the ``save_file`` of each shard is then written by
+  :func:`write_streaming`: gathered a group at a time (the idle ranks join, plugins/checkpoints/
+  serving.py), streamed to a hidden file, renamed into place when complete;
+- ``safetensors.torch.save_file`` given partitioned parameters themselves: the same;
+- what cannot be completed fails before anything is written, with the reason: ``torch.save``
+  (pickle) shards, transformers' ``save_pretrained`` (it calls its own alias of save_file), no
+  process group any more (after ``end_training``).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import os
+
+from accel_npu._torch.packing import pack_by_budget
+from accel_npu._torch.safetensors_io import SafetensorsStream
+from accel_npu._torch.zero import whole_shape
+from accel_npu.errors import CheckpointError
+from accel_npu.plugins.checkpoints import serving
+
+GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
+_sources = contextvars.ContextVar("accel_npu_partitioned_sources", default=None)
+
+
+def partitioned(module) -> list:
+    return [p for p in module.parameters() if serving.is_partitioned(p)]
+
+
+def _group_alive() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def refuse(what: str, reason: str, fix: str):
+    raise CheckpointError(f"{what}: the model's parameters are ZeRO-3 partitions (each rank holds a slice; "
+                          f"stock would write shape-[0] tensors that from_pretrained cannot load). {reason} "
+                          f"Nothing was written. {fix}")
+
+
+@contextlib.contextmanager
+def meta_state_dict(module):
+    """Inside, ``module.state_dict()`` gives whole-shape meta tensors for partitioned parameters,
+    and :func:`write_streaming` knows which parameter each such key stands for."""
+    import torch
+
+    original = module.state_dict
+    had_attr = "state_dict" in module.__dict__
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    sources: dict = {}
+    metas: dict = {}
+
+    def state_dict(*args, **kwargs):
+        out = original(*args, **kwargs)
+        prefix = kwargs.get("prefix", "")
+        for key in list(out):
+            param = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
+            if param is not None and serving.is_partitioned(param):
+                if id(param) not in metas:
+                    metas[id(param)] = torch.empty(whole_shape(param), dtype=param.dtype, device="meta")
+                out[key] = metas[id(param)]
+                sources[key] = param
+        return out
+
+    module.state_dict = state_dict
+    token = _sources.set(sources)
+    try:
+        yield sources
+    finally:
+        _sources.reset(token)
+        if had_attr:
+            module.state_dict = original
+        else:
+            del module.state_dict
+
+
+def write_streaming(tensors: dict, sources: dict, filename, metadata=None) -> None:
+    """Write ``tensors`` as safetensors, the entries in ``sources`` (key -> partitioned parameter)
+    gathered a group of at most :data:`GROUP_BYTES` at a time; into a hidden file renamed into place."""
+    import deepspeed
+    import torch.distributed as dist
+
+    def nbytes(key):
+        value = sources.get(key, tensors[key])
+        n = 1
+        for d in whole_shape(value):
+            n *= int(d)
+        return n * value.element_size()
+
+    keys = list(tensors)
+    specs = [(k, sources.get(k, tensors[k]).dtype, whole_shape(sources.get(k, tensors[k]))) for k in keys]
+    filename = os.fspath(filename)
+    rank = dist.get_rank() if _group_alive() else 0
+    parent, name = os.path.split(os.path.abspath(filename))
+    tmp = os.path.join(parent, f".{name}.accel-npu-partial-{rank}")
+    stream = SafetensorsStream(tmp, specs, metadata)
+    try:
+        with serving.requesting():
+            for group in pack_by_budget(keys, nbytes, GROUP_BYTES):
+                params = [sources[k] for k in group if k in sources]
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                    for k in group:
+                        stream.write(k, sources[k] if k in sources else tensors[k])
+        stream.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            stream._f.close()
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, filename)
+
+
+def save_file(wrapped, instance, args, kwargs):
+    """``safetensors.torch.save_file``: partitioned entries are gathered and streamed."""
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)
+    tensors = bound.arguments.get("tensors")
+    if not isinstance(tensors, dict):
+        return wrapped(*args, **kwargs)
+    known = _sources.get() or {}
+    sources = {k: known[k] for k in tensors if k in known}
+    sources.update({k: t for k, t in tensors.items() if k not in sources and serving.is_partitioned(t)})
+    if not sources:
+        return wrapped(*args, **kwargs)
+    if not _group_alive():
+        refuse(f"safetensors save_file({bound.arguments.get('filename')!r})",
+               "The process group is gone (accelerator.end_training() was called), so the slices cannot be gathered.",
+               "Save before accelerator.end_training().")
+    write_streaming(tensors, sources, bound.arguments["filename"], bound.arguments.get("metadata"))
+
+
+def diffusers_save_pretrained(wrapped, instance, args, kwargs):
+    """``ModelMixin.save_pretrained`` of a partitioned model: shards planned by the real sizes,
+    written gathered (see the module docstring)."""
+    if not partitioned(instance):
+        return wrapped(*args, **kwargs)
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # stock raises its own error
+    what = f"{type(instance).__name__}.save_pretrained({bound.arguments.get('save_directory')!r})"
+    if not bound.arguments.get("safe_serialization", True) or bound.arguments.get("use_flashpack"):
+        refuse(what, "Only safetensors shards can be written gathered slice by slice.",
+               "Pass safe_serialization=True (the default).")
+    if not _group_alive():
+        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
+               "be gathered.", "Save before accelerator.end_training().")
+    with meta_state_dict(instance):
+        return wrapped(*args, **kwargs)
+
+
+def transformers_save_pretrained(wrapped, instance, args, kwargs):
+    """``PreTrainedModel.save_pretrained`` of a partitioned model: refused before writing (it
+    writes with its own alias of save_file, which the gathered writer does not see)."""
+    if not partitioned(instance) or kwargs.get("state_dict") is not None:
+        return wrapped(*args, **kwargs)
+    save_directory = args[0] if args else kwargs.get("save_directory")
+    refuse(f"{type(instance).__name__}.save_pretrained({save_directory!r})",
+           "transformers' save_pretrained writes them as they are on this rank.",
+           "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
+           "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
