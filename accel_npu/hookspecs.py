@@ -84,6 +84,18 @@ def accel_npu_add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 @hookspec
+def accel_npu_selftest_checks(backend: Backend) -> list[tuple[str, str]] | None:
+    """Return this plugin's checks for ``accel-npu env --selftest``: ``(title, "module:function")`` pairs.
+
+    Return None unless ``backend`` is yours. Each function runs in a fresh subprocess with the
+    workers' environment and is called with no arguments: it returns a one-line detail (ok),
+    raises ``accel_npu.cli.selftest.CheckSkipped(reason)`` (skipped), or raises anything else
+    (failed, with the exception as the reason). They run before the device checks every backend
+    gets (matmul, autocast, AdamW, GradScaler, bf16 ``.numpy()``).
+    """
+
+
+@hookspec
 def accel_npu_configure_deepspeed(ds_config: MutableMapping[str, Any], source: str) -> None:
     """Adjust a DeepSpeed config dict in place before DeepSpeed sees it.
 

@@ -72,6 +72,8 @@ def _trigger_all():
         "accel_npu_check_launch": lambda: prepare_worker_environment(1, {}),
         "accel_npu_env_report": lambda: collect(import_targets=False),
         "accel_npu_add_commands": build_parser,
+        "accel_npu_selftest_checks": lambda: __import__("accel_npu.cli.selftest", fromlist=["x"]).checks_for(
+            current_backend()),
         "accel_npu_configure_deepspeed": lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}),
     }
 

@@ -129,6 +129,10 @@ def render(report: dict) -> str:
 
 
 def run(args) -> int:
+    if args.selftest:
+        from accel_npu.cli.selftest import run_selftest
+
+        return run_selftest(timeout=args.timeout)
     # Libraries print to stdout while importing (DeepSpeed's accelerator banner); keep
     # stdout for the report alone so --json output parses.
     with contextlib.redirect_stdout(sys.stderr):
@@ -145,4 +149,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-import", action="store_true",
                    help="do not import patch targets (patches of unimported modules show 'not imported')")
+    p.add_argument("--selftest", action="store_true",
+                   help="run the first-run checks on this machine (device, precision, a 2-rank launch, "
+                        "ZeRO-2), one line each; exit status 1 if any fails")
+    p.add_argument("--timeout", type=float, default=110.0,
+                   help="--selftest: seconds the checks may take (default 110)")
     p.set_defaults(func=run)

@@ -18,3 +18,18 @@ def accel_npu_select_backend(env):
         return None
     return Backend(name="cuda", device_type="cuda", dist_backend="nccl",
                    device_count=torch.cuda.device_count(), ds_accelerator=None, plugin="cuda")
+
+
+def check_cuda_devices() -> str:
+    import torch
+
+    names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    return f"{torch.cuda.device_count()} device(s): {', '.join(names)} (CUDA {torch.version.cuda})"
+
+
+@hookimpl
+def accel_npu_selftest_checks(backend):
+    # CUDA is present: accel-npu passes everything through, and the device checks show it
+    if backend.name != "cuda":
+        return None
+    return [("CUDA devices", f"{__name__}:check_cuda_devices")]

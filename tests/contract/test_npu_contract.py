@@ -261,22 +261,45 @@ def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
     assert "Fix: source /usr/local/Ascend/ascend-toolkit/set_env.sh" in default, default
 
 
-# -- item 9: mx_driving patcher --------------------------------------------------------------------
-PROBE_MX = "import torch, torch_npu, mx_driving; print('CALLS', mx_driving.CALLS)"
+# -- issue 13 item 5: mx_driving patcher (DrivingSDK's real module paths) ---------------------------
+MX_PROBE = """
+import torch
+import transformers
+from transformers.models.qwen3 import modeling_qwen3
+import mx_driving
+print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available(),
+      'rms_norm_from': modeling_qwen3.Qwen3RMSNorm.forward.__module__,
+      'transformers_spec_loader': type(transformers.__spec__.loader).__name__}))
+"""
 
 
-@pytest.mark.parametrize("flavour,expected", [
-    ("new", ["default_patcher_builder.build()", "default_patcher_builder.build().__enter__()"]),
-    ("old", ["Patcher().add(TransformersNPU)", "apply()"]),
-])
-def test_mx_driving_patcher_new_api_then_pre_1_0(tmp_path, flavour, expected):
-    site = make_site(tmp_path, mx=flavour)
-    ours = py(PROBE_MX, env_with(site, ACCEL_NPU_MX_DRIVING="1"))
-    assert f"CALLS {expected}" in ours.stdout, ours.stderr[-3000:]
-    if flavour == "new":
-        assert "CALLS []" in py(PROBE_MX, env_with(site)).stdout  # off unless ACCEL_NPU_MX_DRIVING=1 (stock: never)
-        status = npu_report(env_with(site, ACCEL_NPU_MX_DRIVING="1"))["sections"]["NPU"]["mx_driving"]
-        assert status == "applied: mx_driving.tools.patch.patcher.default_patcher_builder.build().__enter__()", status
+def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imported(tmp_path):
+    """patcher 2.0 (DrivingSDK master): default_patcher.add(TransformersNPU).apply(), before the
+    script's `import transformers`; importing mx_driving.patcher brings transfer_to_npu (issue 13 item 5)."""
+    site = make_site(tmp_path, mx="v2")
+    ours = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1")))[0]
+    assert ours["calls"] == ["default_patcher.add(TransformersNPU)",
+                             "default_patcher.apply() [transformers imported before: False]"], ours
+    assert ours["rms_norm_from"] == "mx_driving.patcher.transformers_patch", ours   # TransformersNPU applied
+    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher
+    assert ours["transformers_spec_loader"] != "_AlreadyImported", ours  # transformers ran once, its spec intact
+    off = results(py(MX_PROBE, env_with(site)))[0]    # off unless ACCEL_NPU_MX_DRIVING=1
+    stock = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1", ACCEL_NPU_DISABLE="1")))[0]
+    for other in (off, stock):
+        assert other["calls"] == [] and other["rms_norm_from"] == "transformers.models.qwen3.modeling_qwen3", other
+
+
+def test_mx_driving_patcher_1_0_builder(tmp_path):
+    """patcher 1.0 (DrivingSDK branch_v7.2.RC1 .. branch_v26.0.0): default_patcher_builder.build().__enter__(),
+    whose __enter__ imports transfer_to_npu; no TransformersNPU exists there, and `accel-npu env` says so."""
+    site = make_site(tmp_path, mx="v1")
+    ours = py("import torch, torch_npu, mx_driving; print('CALLS', mx_driving.CALLS)",
+              env_with(site, ACCEL_NPU_MX_DRIVING="1"))
+    assert ("CALLS ['default_patcher_builder.build().__enter__()', 'transfer_to_npu', 'patch index -> torch', "
+            "'patch batch_matmul -> torch']") in ours.stdout, explain(ours)
+    status = npu_report(env_with(site, ACCEL_NPU_MX_DRIVING="1"))["sections"]["NPU"]["mx_driving"]
+    assert status == ("applied: mx_driving.patcher.default_patcher_builder.build().__enter__() "
+                      "(patcher 1.0: no TransformersNPU)"), status
 
 
 # -- item 2, NPU half ------------------------------------------------------------------------------

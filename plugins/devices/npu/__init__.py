@@ -7,6 +7,8 @@ the contract written down in docs/npu-contract.md; :mod:`diagnostics` explains f
 from __future__ import annotations
 
 import glob
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
@@ -17,7 +19,7 @@ from accel_npu.backend import Backend
 from accel_npu.errors import LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
-from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, diagnose_import_error,
+from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, cann_set_env, diagnose_import_error,
                                                       install_import_diagnostics, library_status,
                                                       pairing_problem)
 
@@ -168,10 +170,13 @@ def accel_npu_check_launch(backend, num_processes, env):
 
 
 # -- mx_driving ----------------------------------------------------------------------------------
-_mx_lock = threading.Lock()
+_mx_lock = threading.RLock()
 _mx_state: dict = {"status": "not requested"}
-#: libraries whose import (after torch is fully imported) may apply a deferred mx_driving patcher
-_MX_DEFERRED_TRIGGERS = ("accelerate", "transformers", "diffusers", "deepspeed", "mmcv")
+_MX_PENDING = "pending: applied when torch_npu is imported, or before the first of {} is"
+#: libraries mx_driving's patcher must come before (DrivingSDK docs/zh/features/patcher.md: apply()
+#: before any other import; TransformersNPU patches transformers' Qwen3 modules)
+_MX_BEFORE = ("transformers", "accelerate", "diffusers", "deepspeed", "peft", "mmcv", "mmdet", "mmdet3d",
+              "mmengine")
 
 
 def _torch_initializing() -> bool:
@@ -181,15 +186,15 @@ def _torch_initializing() -> bool:
 
 
 def apply_mx_driving(_module=None) -> None:
-    """Enter mx_driving's patcher once per process (ACCEL_NPU_MX_DRIVING=1). Never raises."""
-    with _mx_lock:
-        if _mx_state.get("patcher") is not None or _mx_state["status"].startswith("failed"):
+    """Apply mx_driving's patcher once per process (ACCEL_NPU_MX_DRIVING=1). Never raises."""
+    with _mx_lock:  # re-entrant: the patcher imports torch_npu, whose post-import hook calls this again
+        if not _mx_state["status"].startswith("pending"):
             return
         if _torch_initializing():
             # torch_npu is imported inside `import torch` (its autoload): mx_driving imports torch,
-            # so wait for the first library the script imports after torch.
-            _mx_state["status"] = "deferred until torch is imported"
+            # so wait for the first library the script imports after torch (_ApplyMxDrivingFirst).
             return
+        _mx_state["status"] = "applying"
         try:
             api, patcher = MxDriving.apply_patcher()
         except Exception as exc:  # noqa: BLE001 - a patcher failure must not stop training
@@ -198,6 +203,48 @@ def apply_mx_driving(_module=None) -> None:
             return
         _mx_state.update(status=f"applied: {api}", patcher=patcher)
         log.info("accel-npu: mx_driving patcher applied (%s)", api)
+
+
+class _AlreadyImported(importlib.abc.Loader):
+    """Loader for a module the patcher imported while the script's own import of it was being
+    looked up: hands back that module instead of running it a second time."""
+
+    def __init__(self, module, spec):
+        self._module, self._spec = module, spec
+
+    def create_module(self, spec):
+        return self._module
+
+    def exec_module(self, module):
+        module.__spec__ = self._spec  # the import system set ours; give the module its own back
+
+
+class _ApplyMxDrivingFirst(importlib.abc.MetaPathFinder):
+    """Applies the pending patcher just *before* the first of ``_MX_BEFORE`` is imported."""
+
+    _busy = threading.local()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if (path is not None or fullname not in _MX_BEFORE or getattr(self._busy, "on", False)
+                or not _mx_state["status"].startswith("pending") or _torch_initializing()):
+            return None
+        self._busy.on = True
+        try:
+            apply_mx_driving()
+        finally:
+            self._busy.on = False
+        module = sys.modules.get(fullname)
+        if module is None:
+            return None
+        # The patcher imported it (TransformersNPU imports transformers' Qwen3 modules). The import
+        # system would now run it again from its own spec (importlib._bootstrap._find_spec returns
+        # sys.modules[name].__spec__): give it a spec whose loader returns the loaded module.
+        own = module.__spec__
+        module.__spec__ = importlib.util.spec_from_loader(fullname, _AlreadyImported(module, own))
+        return module.__spec__
+
+
+_mx_finder = _ApplyMxDrivingFirst()
 
 
 @hookimpl
@@ -217,15 +264,10 @@ def accel_npu_activate(backend_name):
     # what prints field report 000's one-time "Cannot create tensor with internal format" notice
     # (csrc/aten/common/TensorFactories.cpp TORCH_WARN_ONCE): setting it again cannot silence it.
     if environment.flag("ACCEL_NPU_MX_DRIVING") and MxDriving.installed():
-        _mx_state["status"] = "waiting for torch_npu"
+        _mx_state["status"] = _MX_PENDING.format(", ".join(_MX_BEFORE))
         wrapt.register_post_import_hook(apply_mx_driving, "torch_npu")
-
-        def _deferred(_module):
-            if _mx_state["status"].startswith("deferred") and "torch_npu" in sys.modules:
-                apply_mx_driving()
-
-        for name in _MX_DEFERRED_TRIGGERS:
-            wrapt.register_post_import_hook(_deferred, name)
+        if _mx_finder not in sys.meta_path:
+            sys.meta_path.insert(0, _mx_finder)
 
 
 @hookimpl
@@ -258,3 +300,76 @@ def accel_npu_env_report(backend):
                           _mx_state["status"] if environment.flag("ACCEL_NPU_MX_DRIVING") else
                           "installed; patcher off (ACCEL_NPU_MX_DRIVING=1 enables it)")
     return ("NPU", info)
+
+
+# -- accel-npu env --selftest ---------------------------------------------------------------------
+#: CANN's runtime and collective libraries, and the driver's (torch_npu's libtorch_npu.so needs them)
+CANN_LIBRARIES = ("libascendcl.so", "libhccl.so", "libascend_hal.so")
+
+
+def _skipped(reason: str):
+    from accel_npu.cli.selftest import CheckSkipped
+
+    return CheckSkipped(reason)
+
+
+def check_cann_libraries() -> str:
+    import ctypes
+
+    missing = []
+    for name in CANN_LIBRARIES:
+        try:
+            ctypes.CDLL(name)
+        except OSError as exc:
+            missing.append(f"{name} ({exc})")
+    if missing:
+        raise OSError(f"cannot load {'; '.join(missing)}. Fix: source {cann_set_env(os.environ)}")
+    return ", ".join(CANN_LIBRARIES) + " load"
+
+
+def check_import_torch_npu() -> str:
+    try:
+        return f"torch_npu {TorchNpu.version()}"
+    except (ImportError, OSError) as exc:
+        raise ImportError(str(exc) if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)) from exc
+
+
+def check_soc() -> str:
+    return (f"CANN {TorchNpu.cann_version() or 'version unknown'}, SoC {TorchNpu.soc_name()}, bf16 "
+            + ("supported" if TorchNpu.is_bf16_supported() else "NOT supported (autocast bf16 runs float32, "
+                                                                 "AdamW uses foreach)"))
+
+
+def check_visible_devices() -> str:
+    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    count = TorchNpu.device_count()
+    if count == 0:
+        raise RuntimeError(f"torch_npu sees no NPU: {no_device_reason(os.environ)}")
+    if visible is not None and count != len([d for d in visible.split(",") if d.strip()]):
+        raise RuntimeError(f"torch.npu.device_count() is {count} but ASCEND_RT_VISIBLE_DEVICES={visible} lists "
+                           f"{len(visible.split(','))}: ids past the machine's count are dropped "
+                           "(torch_npu/npu/__init__.py _device_count_ascend_hal)")
+    return f"torch.npu.device_count() = {count}" + (f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else
+                                                    " (ASCEND_RT_VISIBLE_DEVICES unset)")
+
+
+def check_mx_driving() -> str:
+    if not environment.flag("ACCEL_NPU_MX_DRIVING"):
+        raise _skipped("ACCEL_NPU_MX_DRIVING is not 1")
+    if not MxDriving.installed():
+        raise RuntimeError("ACCEL_NPU_MX_DRIVING=1 but mx_driving is not installed")
+    apply_mx_driving()
+    status = _mx_state["status"]
+    if not status.startswith("applied"):
+        raise RuntimeError(status)
+    return status
+
+
+@hookimpl
+def accel_npu_selftest_checks(backend):
+    if backend.name != "npu":
+        return None
+    here = __name__
+    return [("CANN libraries", f"{here}:check_cann_libraries"), ("import torch_npu", f"{here}:check_import_torch_npu"),
+            ("CANN / SoC / bf16", f"{here}:check_soc"), ("visible devices", f"{here}:check_visible_devices"),
+            ("mx_driving", f"{here}:check_mx_driving")]

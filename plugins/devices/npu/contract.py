@@ -41,6 +41,30 @@ class TorchNpu:
         return int(torch.npu.device_count())
 
     @staticmethod
+    def soc_name() -> str:
+        """``torch.npu.get_device_name()``: the SoC, e.g. Ascend910B1 (torch_npu/npu/__init__.py)."""
+        import torch
+
+        TorchNpu.module()
+        return str(torch.npu.get_device_name())
+
+    @staticmethod
+    def is_bf16_supported() -> bool:
+        """``torch.npu.is_bf16_supported()`` (torch_npu/npu/utils.py: the SoC decides; 910A has none)."""
+        import torch
+
+        TorchNpu.module()
+        return bool(torch.npu.is_bf16_supported())
+
+    @staticmethod
+    def cann_version() -> str | None:
+        """``torch_npu.npu.utils.get_cann_version()`` (v7.1.0.2 and later; None where absent)."""
+        TorchNpu.module()
+        utils = importlib.import_module("torch_npu.npu.utils")
+        probe = getattr(utils, "get_cann_version", None)
+        return str(probe()) if probe else None
+
+    @staticmethod
     def dist_version() -> str | None:
         """The installed torch_npu distribution's version, from its metadata (no import)."""
         try:
@@ -58,38 +82,57 @@ class TorchNpu:
 
 
 class MxDriving:
-    """The complete list of mx_driving calls accel-npu makes (docs/npu-contract.md)."""
+    """The complete list of mx_driving calls accel-npu makes (docs/npu-contract.md).
 
-    #: module holding ``default_patcher_builder`` (>= 1.0.20260421; DrivingSDK layout), in order
-    BUILDER_MODULES = ("mx_driving.tools.patch.patcher", "mx_driving.patcher")
+    DrivingSDK's patcher lives in ``mx_driving.patcher`` in every release (Ascend/DrivingSDK
+    branch_v7.1.RC1 .. branch_v26.0.0, master); there is no ``mx_driving.tools.patch``. Two APIs:
+
+    - patcher 2.0 (master e667017e and later): ``default_patcher`` (a ``Patcher``), ``.add(...)``,
+      ``.apply()``. ``TransformersNPU`` (``mx_driving/patcher/transformers_patch.py``: Qwen3
+      RMSNorm/RoPE on torch_npu kernels, npu flash attention for transformers 4.51/4.52) is **not**
+      in ``default_patcher`` (``_DEFAULT_PATCH_CLASSES``): it must be added. Importing
+      ``mx_driving.patcher`` imports ``torch_npu.contrib.transfer_to_npu`` (its ``__init__.py``).
+    - patcher 1.0 (branch_v7.2.RC1 .. branch_v26.0.0; still on master as ``legacy.py``):
+      ``default_patcher_builder.build().__enter__()``; ``Patcher.__enter__`` imports
+      ``torch_npu.contrib.transfer_to_npu`` (``patcher.py`` ``transfer_to_npu``). No TransformersNPU.
+    """
+
+    MODULE = "mx_driving.patcher"
 
     @staticmethod
     def installed() -> bool:
         return importlib.util.find_spec("mx_driving") is not None
 
     @staticmethod
-    def apply_patcher():
-        """Enter mx_driving's default patcher; returns (api description, patcher object).
+    def transformers_npu(module):
+        """mx_driving's TransformersNPU patch class, or None where this release has none."""
+        found = getattr(module, "TransformersNPU", None)
+        if found is None and importlib.util.find_spec(f"{MxDriving.MODULE}.transformers_patch") is not None:
+            found = getattr(importlib.import_module(f"{MxDriving.MODULE}.transformers_patch"), "TransformersNPU", None)
+        return found
 
-        New API: ``default_patcher_builder.build().__enter__()``; pre-1.0 fallback:
-        ``Patcher().add(TransformersNPU).apply()`` from ``mx_driving.tools.patch``.
+    @staticmethod
+    def apply_patcher():
+        """Apply mx_driving's default patcher, with TransformersNPU where the release has it.
+
+        Returns (api description, patcher object). Must run before transformers is imported
+        (DrivingSDK docs/zh/features/patcher.md: ``apply()`` before any other import).
         """
-        errors = []
-        for module_name in MxDriving.BUILDER_MODULES:
-            try:
-                module = importlib.import_module(module_name)
-                builder = module.default_patcher_builder
-            except (ImportError, AttributeError) as exc:
-                errors.append(f"{module_name}.default_patcher_builder: {type(exc).__name__}: {exc}")
-                continue
-            patcher = builder.build()
-            patcher.__enter__()
-            return f"{module_name}.default_patcher_builder.build().__enter__()", patcher
-        try:
-            legacy = importlib.import_module("mx_driving.tools.patch")
-            patcher = legacy.Patcher().add(legacy.TransformersNPU)
+        module = importlib.import_module(MxDriving.MODULE)
+        patcher = getattr(module, "default_patcher", None)
+        if patcher is not None:
+            transformers_npu = MxDriving.transformers_npu(module)
+            if transformers_npu is not None:
+                patcher.add(transformers_npu)
             patcher.apply()
-            return "mx_driving.tools.patch.Patcher().add(TransformersNPU).apply()", patcher
-        except (ImportError, AttributeError) as exc:
-            errors.append(f"mx_driving.tools.patch.Patcher/TransformersNPU: {type(exc).__name__}: {exc}")
-        raise ImportError("no known mx_driving patcher API: " + "; ".join(errors))
+            return ("mx_driving.patcher.default_patcher" + (".add(TransformersNPU)" if transformers_npu else "")
+                    + ".apply()" + ("" if transformers_npu else " (this mx_driving has no TransformersNPU)"),
+                    patcher)
+        builder = getattr(module, "default_patcher_builder", None)
+        if builder is None:
+            raise ImportError("mx_driving.patcher has neither default_patcher (patcher 2.0) nor "
+                              "default_patcher_builder (patcher 1.0)")
+        patcher = builder.build()
+        patcher.__enter__()
+        return ("mx_driving.patcher.default_patcher_builder.build().__enter__() (patcher 1.0: no TransformersNPU)",
+                patcher)

@@ -108,6 +108,13 @@ npu.config = _npuConfig()
 # `get_amp_supported_dtype` (bf16 listed only when supported), Ascend/pytorch master 9e73e708a.
 npu.is_bf16_supported = lambda including_emulation=False: not os.environ.get(
     "STANDIN_NPU_SOC", "Ascend910B1").startswith("Ascend910A")
+# Mirrors torch_npu/npu/__init__.py `get_device_name` (the SoC name from the runtime, e.g. Ascend910B1)
+# and torch_npu/npu/utils.py `get_cann_version` (v7.1.0.2-pytorch2.6.0 and later); here STANDIN_NPU_SOC
+# and STANDIN_CANN_VERSION.
+npu.get_device_name = lambda device_name=None: os.environ.get("STANDIN_NPU_SOC", "Ascend910B1")
+npu.utils = types.ModuleType("torch_npu.npu.utils")
+npu.utils.get_cann_version = lambda module="CANN": os.environ.get("STANDIN_CANN_VERSION", "8.2.RC1")
+npu.utils.is_bf16_supported = None  # set below
 npu.get_amp_supported_dtype = lambda: ([torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported()
                                        else [torch.float16, torch.float32])
 # what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend)
@@ -116,5 +123,25 @@ npu.current_device = lambda: 0
 npu.set_device = lambda device: None
 npu.synchronize = lambda device=None: None
 npu.empty_cache = lambda: None
+# Mirrors torch_npu/__init__.py (v7.2.0-pytorch2.7.1: `for name in dir(torch.ops.npu): globals()[name] = ...`):
+# the NPU kernels are attributes of the package, and transformers imports one whenever torch_npu is
+# installed (transformers/integrations/npu_flash_attention.py `from torch_npu import npu_fusion_attention`).
+# The stand-in has no NPU, so calling one raises.
+
+
+def _kernel(name):
+    def kernel(*args, **kwargs):
+        raise RuntimeError(f"stand-in torch_npu: {name} needs an NPU")
+    kernel.__name__ = name
+    return kernel
+
+
+for _name in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul"):
+    globals()[_name] = _kernel(_name)
 torch.utils.rename_privateuse1_backend("npu")
+npu.utils.is_bf16_supported = npu.is_bf16_supported
 torch._register_device_module("npu", npu)
+import sys as _sys  # noqa: E402
+
+_sys.modules["torch_npu.npu"] = npu
+_sys.modules["torch_npu.npu.utils"] = npu.utils

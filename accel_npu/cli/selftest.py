@@ -1,0 +1,278 @@
+"""``accel-npu env --selftest``: the one command to run on a new machine (issue 13 item 11).
+
+Every check runs in a fresh subprocess with the environment launched workers get (the backend's
+launch defaults, accel-npu's bootstrap): one ``python -m accel_npu.cli.selftest`` process for the
+single-process checks, and one real ``torchrun`` launch (which goes through accel-npu's launcher)
+for the distributed ones. Both run at the same time; each check prints one line
+(``ok`` / ``failed: why`` / ``skipped: why``) and any failure makes the exit status non-zero.
+
+Checks come from two places: the active backend's plugin (``accel_npu_selftest_checks``: CANN
+libraries, ``import torch_npu``, SoC and bf16, visible devices, ...) and the device checks below,
+which are the same on every backend (matmul, autocast("cuda"), AdamW fused vs foreach, GradScaler,
+bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the subprocess:
+it returns a one-line detail, raises :class:`CheckSkipped`, or raises anything else (failed).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+#: a check line's marker in the subprocesses' output
+MARK = "ACCEL_NPU_SELFTEST "
+#: wall-clock limit of each of the two subprocesses, which run side by side (`--timeout`); on an
+#: idle machine the whole self-test takes well under a minute
+DEFAULT_TIMEOUT_S = 110
+
+
+class CheckSkipped(Exception):
+    """Raised by a check that does not apply here; the message says why."""
+
+
+# -- the device checks every backend runs (in the single-process subprocess) -------------------------
+def _device():
+    import torch
+
+    from accel_npu.backend import current_backend
+
+    backend = current_backend()
+    return torch, backend, (torch.device(backend.device_type, 0) if backend.device_type != "cpu"
+                            else torch.device("cpu"))
+
+
+def check_matmul() -> str:
+    torch, backend, device = _device()
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=gen)
+    got = (a.to(device) @ a.to(device)).cpu().double()
+    want = a.double() @ a.double()
+    diff = float((got - want).abs().max())
+    if diff > 1e-2:
+        raise AssertionError(f"64x64 float32 matmul on {device} differs from the CPU by {diff:.3g}")
+    defaults = ", ".join(f"{k}={os.environ[k]}" for k in ("TASK_QUEUE_ENABLE", "PYTORCH_NPU_ALLOC_CONF",
+                                                          "CPU_AFFINITY_CONF") if k in os.environ)
+    return f"64x64 float32 on {device} matches the CPU (max diff {diff:.1e})" + (f"; {defaults}" if defaults else "")
+
+
+def _bf16_supported(torch, backend) -> bool:
+    if backend.device_type == "cpu":
+        return True
+    module = getattr(torch, backend.device_type, None)
+    probe = getattr(module, "is_bf16_supported", None)
+    return bool(probe()) if probe else True
+
+
+def check_autocast() -> str:
+    torch, backend, device = _device()
+    layer = torch.nn.Linear(8, 8).to(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(torch.randn(2, 8, device=device))
+    want = torch.bfloat16 if _bf16_supported(torch, backend) else torch.float32
+    if out.device.type != device.type or out.dtype != want:
+        raise AssertionError(f"torch.autocast('cuda', bfloat16) gave {out.dtype} on {out.device}; expected {want} "
+                             f"on {device.type}")
+    return f"torch.autocast('cuda', bfloat16) -> {str(out.dtype).replace('torch.', '')} on {out.device.type}" + (
+        "" if want == torch.bfloat16 else " (this device has no bfloat16: float32 is right)")
+
+
+def check_adamw() -> str:
+    torch, backend, device = _device()
+    gen = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(256, generator=gen), torch.randn(256, generator=gen)
+    results, used = {}, {}
+    for kind in ("fused", "foreach"):
+        p = torch.nn.Parameter(start.clone().to(device))
+        opt = torch.optim.AdamW([p], lr=0.1, **{kind: True})
+        p.grad = grad.clone().to(device)
+        opt.step()
+        results[kind] = p.detach().cpu()
+        used[kind] = bool(opt.param_groups[0].get("fused"))
+    diff = float((results["fused"] - results["foreach"]).abs().max())
+    moved = float((results["foreach"] - start).abs().max())
+    if diff > 1e-5 or not 0.05 < moved < 0.15:
+        raise AssertionError(f"one AdamW step: fused and foreach differ by {diff:.3g} (step size {moved:.3g})")
+    kernel = "fused kernel" if used["fused"] else "fused unavailable here (foreach used)"
+    return f"one step on {device.type}, {kernel} vs foreach: max diff {diff:.1e}"
+
+
+def check_grad_scaler() -> str:
+    torch, backend, device = _device()
+    p = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+    with torch.autocast(device.type, dtype=torch.float16):
+        loss = (p * 2).sum()
+    scaler.scale(loss).backward()
+    p.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    moved = float((p.detach().cpu() - 1).abs().max())
+    if moved != 0 or scaler.get_scale() != 512.0:
+        raise AssertionError(f"a step with an inf gradient was not skipped (weights moved {moved}, "
+                             f"scale {scaler.get_scale()})")
+    return f"float16 GradScaler on {device.type}: the step with an injected inf was skipped, scale 1024 -> 512"
+
+
+def check_bf16_numpy() -> str:
+    import warnings
+
+    torch, backend, device = _device()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        array = torch.full((3,), 1.5, dtype=torch.bfloat16, device=device).cpu().numpy()
+    if array.tolist() != [1.5, 1.5, 1.5]:
+        raise AssertionError(f"bfloat16 .numpy() gave {array!r}")
+    return f"bfloat16 tensor .cpu().numpy() -> {array.dtype} array"
+
+
+DEVICE_CHECKS = (
+    ("matmul", "accel_npu.cli.selftest:check_matmul"),
+    ("autocast('cuda')", "accel_npu.cli.selftest:check_autocast"),
+    ("AdamW fused vs foreach", "accel_npu.cli.selftest:check_adamw"),
+    ("GradScaler inf step", "accel_npu.cli.selftest:check_grad_scaler"),
+    ("bf16 .numpy()", "accel_npu.cli.selftest:check_bf16_numpy"),
+)
+#: what the torchrun launch reports (accel_npu/cli/_selftest_dist.py), in order
+LAUNCH_CHECKS = ("launch (torchrun)", "all_reduce + barrier", "timeout ordering", "get_accelerator()",
+                 "ZeRO-2 step")
+
+
+# -- running checks in the subprocess -------------------------------------------------------------
+def emit(name: str, status: str, detail: str) -> None:
+    print(MARK + json.dumps({"name": name, "status": status, "detail": detail}), flush=True)
+
+
+def run_check(name: str, ref: str) -> None:
+    module_name, _, function = ref.partition(":")
+    try:
+        detail = getattr(importlib.import_module(module_name), function)()
+    except CheckSkipped as exc:
+        emit(name, "skipped", str(exc))
+    except BaseException as exc:  # noqa: BLE001 - one failed line, then the next check
+        emit(name, "failed", f"{type(exc).__name__}: {exc}".strip())
+        if environment_trace():
+            import traceback
+
+            traceback.print_exc()
+    else:
+        emit(name, "ok", str(detail or ""))
+
+
+def environment_trace() -> bool:
+    from accel_npu import environment
+
+    return environment.flag("ACCEL_NPU_TRACE")
+
+
+def _subprocess_main(checks: list[list[str]]) -> int:
+    for name, ref in checks:
+        run_check(name, ref)
+    return 0
+
+
+# -- the command ----------------------------------------------------------------------------------
+def checks_for(backend) -> list[tuple[str, str]]:
+    from accel_npu.manager import get_plugin_manager
+
+    checks: list[tuple[str, str]] = []
+    for result in get_plugin_manager().hook.accel_npu_selftest_checks(backend=backend):
+        checks.extend(tuple(c) for c in result or ())
+    return checks + list(DEVICE_CHECKS)
+
+
+def worker_environment(backend, num_processes: int) -> tuple[dict, str | None]:
+    """What a launcher gives its workers (the plugins' launch defaults where this environment sets
+    nothing, accel-npu's bootstrap first on PYTHONPATH), and why it would refuse (None: it would not)."""
+    import accel_npu.activation._bootstrap as bootstrap
+    from accel_npu.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    env, refused = dict(os.environ), None
+    try:
+        pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(env))
+    except Exception as exc:  # noqa: BLE001 - reported as a failed line; the checks still run
+        refused = str(exc)
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env)):
+        for key, value in (defaults or {}).items():
+            env.setdefault(key, str(value))
+    paths = [os.path.dirname(os.path.abspath(bootstrap.__file__))]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env, refused
+
+
+def _parse(output: str) -> list[dict]:
+    lines = []
+    for line in output.splitlines():
+        if line.startswith(MARK):
+            try:
+                lines.append(json.loads(line[len(MARK):]))
+            except ValueError:
+                continue
+    return lines
+
+
+def _tail(text: str, n: int = 3) -> str:
+    lines = [l for l in (text or "").splitlines() if l.strip()]
+    return " | ".join(lines[-n:])[-600:]
+
+
+def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+    out = out or sys.stdout
+    import torch  # noqa: F401  (activates accel-npu; selects the backend)
+
+    from accel_npu import activation
+    from accel_npu.backend import current_backend
+
+    activation.activate(strict=False)
+    backend = current_backend()
+    started = time.monotonic()
+    checks = checks_for(backend)
+    nproc = 2 if backend.device_type == "cpu" or (backend.device_count or 0) >= 2 else 1
+    env = dict(os.environ)
+    worker_env, refused = worker_environment(backend, 1)
+    print(f"accel-npu self-test: backend {backend.name} ({backend.device_type}, {backend.dist_backend}, "
+          f"{backend.device_count} device(s)); every check in a fresh process with the workers' environment",
+          file=out, flush=True)
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         os.path.join(os.path.dirname(os.path.abspath(__file__)), "_selftest_dist.py")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    single = subprocess.Popen([sys.executable, "-m", "accel_npu.cli.selftest", json.dumps(checks)],
+                              env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results: list[dict] = []
+    if refused:
+        results.append({"name": "worker environment", "status": "failed", "detail": refused})
+    results += _collect(single, [n for n, _ in checks], timeout - (time.monotonic() - started),
+                        "single-process checks")
+    results += _collect(launch, list(LAUNCH_CHECKS), timeout - (time.monotonic() - started),
+                        f"{nproc}-rank torchrun")
+    width = max(len(r["name"]) for r in results)
+    for r in results:
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['detail']}"
+        detail = f" ({r['detail']})" if r["status"] == "ok" and r["detail"] else ""
+        print(f"  {r['name'].ljust(width)}  {status}{detail}", file=out, flush=True)
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    print(f"{len(results) - len(failed)} of {len(results)} checks did not fail"
+          + (f"; FAILED: {', '.join(failed)}" if failed else "") + f" ({time.monotonic() - started:.0f} s)",
+          file=out, flush=True)
+    return 1 if failed else 0
+
+
+def _collect(proc: subprocess.Popen, names: list[str], timeout: float, what: str) -> list[dict]:
+    try:
+        stdout, stderr = proc.communicate(timeout=max(timeout, 5))
+        why = f"{what} exited with status {proc.returncode} before reporting: {_tail(stderr)}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        why = f"{what} did not finish within {timeout:.0f} s: {_tail(stderr)}"
+    got = {r["name"]: r for r in _parse(stdout)}
+    return [got.get(name, {"name": name, "status": "failed", "detail": why}) for name in names] + [
+        r for name, r in got.items() if name not in names]
+
+
+if __name__ == "__main__":
+    sys.exit(_subprocess_main(json.loads(sys.argv[1])))
