@@ -23,6 +23,7 @@ import os
 from accel_npu._torch.markers import DS_CONFIG_SOURCE
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
+from accel_npu.plugins.deepspeed.auto_batch_size import prepare_with_auto_micro_batch_size
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
 
 log = logging.getLogger("accel_npu")
@@ -197,6 +198,20 @@ ZERO3_FETCH = Patch(
 )
 
 
+# -- "auto" micro batch size from a batch_sampler ----------------------------------------------------
+AUTO_MICRO_BATCH_SIZE = Patch(
+    target="accelerate.accelerator:Accelerator.prepare",
+    supports="accelerate>=1.10,<1.16",
+    reason='"train_micro_batch_size_per_gpu": "auto" is read from DataLoader.batch_size only: a DataLoader '
+           "with batch_sampler= (diffusers' bucketing dreambooth LoRA scripts) fails prepare with 'dataloaders "
+           "... has `None` as batch size'. Taken from the batch_sampler; an unresolvable 'auto' is one error "
+           "naming the key and the DeepSpeed file.",
+    remove_when="accelerate reads a DataLoader's batch_sampler.batch_size for the 'auto' micro batch size",
+    wrapper=prepare_with_auto_micro_batch_size,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH]
+    return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH,
+            AUTO_MICRO_BATCH_SIZE]
