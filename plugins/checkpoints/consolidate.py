@@ -1,7 +1,14 @@
 """``accel-npu consolidate CKPT_DIR OUT_DIR``: a sharded ZeRO-2/3 checkpoint (e.g. the directory
 ``accelerator.save_state`` wrote) -> one diffusers-style directory per trained component
 (``OUT_DIR/transformer/config.json`` + safetensors shards + index), loadable with
-``from_pretrained``. Built on ``deepspeed.utils.zero_to_fp32``; streams one shard at a time."""
+``from_pretrained``. Built on ``deepspeed.utils.zero_to_fp32``; streams one shard at a time.
+
+A component trained with a peft LoRA adapter (``add_adapter``: ``base_layer``, ``lora_A.default``)
+becomes its adapter, as peft and diffusers write it: ``adapter_model.safetensors`` (keys
+``transformer.<module>.lora_A.weight``, diffusers' ``lora_adapter_metadata``) + ``adapter_config.json``,
+loadable with a pipeline's ``load_lora_weights(OUT_DIR)``. ``--merge-lora`` also writes the base
+weights with the adapter merged in (W + alpha/r * B @ A) to ``OUT_DIR/merged``, loadable with
+``from_pretrained``."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +20,7 @@ from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_tree, partial_dir, plan_shards,
                                                  write_json)
+from accel_npu.plugins.checkpoints import lora
 from accel_npu.plugins.checkpoints.state import missing_files
 
 
@@ -97,7 +105,8 @@ def _group_keys(keys: list[str], comps: dict) -> dict[str, list[str]]:
 
 
 def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB",
-                tag: str | None = None, progress: bool = True) -> dict[str, list[str]]:
+                tag: str | None = None, progress: bool = True, merge_lora: bool = False,
+                lora_prefix: str | None = None) -> dict[str, list[str]]:
     """Turn a ZeRO-2/3 checkpoint (e.g. what ``save_state`` wrote) into one directory per trained
     component: ``out_dir/<name>/config.json`` + safetensors shards (+ index), loadable with
     ``from_pretrained``. Streams one output shard at a time (ZeRO-3). Returns {component: files}.
@@ -123,6 +132,12 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
     comps = _components(ckpt_dir)
     state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag, lazy_mode=True)
     groups = _group_keys(list(state.keys()), comps)
+    loras = {}
+    for name, keys in groups.items():  # checked before anything is written
+        comp = comps.get(name, {})
+        prefix = comp.get("prefix", f"{name}." if name != "_root" else "")
+        if lora.is_lora(keys):
+            loras[name] = lora.plan(ckpt_dir, keys, prefix, name, comp, lora_prefix, merge_lora)
     tmp = partial_dir(out_dir)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -137,7 +152,18 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
             os.makedirs(sub, exist_ok=True)
             stem = "diffusion_pytorch_model" if lib == "diffusers" else "model"
             prefix = comp.get("prefix", f"{name}." if name != "_root" else "")
-            written[name or "."] = _write_component(state, keys, prefix, sub, stem, torch_dtype, limit, bar)
+            if name in loras:
+                written[name or "."] = lora.write_adapter(state, loras[name], sub, torch_dtype)
+                bar.update(sum(int(torch.Size(state[k].shape).numel()) for k in keys))
+                if not merge_lora:
+                    continue
+                merged = lora.merged_view(state, loras[name])
+                sub = os.path.join(sub, "merged")
+                os.makedirs(sub, exist_ok=True)
+                written[os.path.relpath(sub, tmp)] = _write_component(merged, list(merged), prefix, sub, stem,
+                                                                      torch_dtype, limit, None)
+            else:
+                written[name or "."] = _write_component(state, keys, prefix, sub, stem, torch_dtype, limit, bar)
             if comp.get("config"):
                 shutil.copyfile(os.path.join(ckpt_dir, comp["config"]), os.path.join(sub, "config.json"))
         bar.close()
@@ -177,7 +203,8 @@ def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, b
             stream.write(out_name(key), t)
             weight_map[out_name(key)] = fname
             del t
-            bar.update(int(torch.Size(v.shape).numel()))
+            if bar is not None:
+                bar.update(int(torch.Size(v.shape).numel()))
         stream.close()
         total += stream.total
         files.append(fname)
@@ -199,12 +226,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in `latest`)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: also write the base weights with the adapter merged in, to OUT_DIR/merged")
+    p.add_argument("--lora-prefix", default=None,
+                   help="a LoRA checkpoint: the pipeline attribute its adapter keys start with (default: "
+                        "transformer / unet / text_encoder, from the trained class)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     written = consolidate(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                          tag=args.tag, progress=not args.no_progress)
+                          tag=args.tag, progress=not args.no_progress, merge_lora=args.merge_lora,
+                          lora_prefix=args.lora_prefix)
     for name, files in written.items():
         print(f"{args.out_dir}/{'' if name == '.' else name + '/'}: {len(files)} file(s): {', '.join(files)}")
     return 0

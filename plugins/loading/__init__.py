@@ -73,9 +73,31 @@ ZERO3_INIT_CM = Patch(
 )
 
 
+ZERO3_INIT_FLAG = Patch(
+    target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_deepspeed_weakref",
+    supports="accelerate>=1.10,<1.16",
+    reason="accelerate hands transformers its HfDeepSpeedConfig for every ZeRO-3 config, even with "
+           "zero3_init_flag: false, so transformers builds every from_pretrained under zero.Init: frozen "
+           "towers called outside the engine fail ('Padding_idx must be within num_embeddings'). The "
+           "object is marked with the flag; loads honour it.",
+    remove_when="accelerate sets the weakref only when zero3_init_flag is true",
+    wrapper=frozen.set_deepspeed_weakref,
+)
+
+TRANSFORMERS_FROM_CONFIG = Patch(
+    target="transformers.modeling_utils:PreTrainedModel._from_config",
+    supports="transformers>=4.50,<5.30",
+    reason="AutoModel.from_config builds under zero.Init whenever the HfDeepSpeedConfig weakref is set, "
+           "even with accelerate's zero3_init_flag: false.",
+    remove_when="accelerate sets the weakref only when zero3_init_flag is true",
+    wrapper=frozen.from_config,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM, FSDP2_LOAD_FULL_STATE_DICT]
+    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM, FSDP2_LOAD_FULL_STATE_DICT,
+            ZERO3_INIT_FLAG, TRANSFORMERS_FROM_CONFIG]
 
 
 @hookimpl

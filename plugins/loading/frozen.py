@@ -1,14 +1,23 @@
-"""Loads of frozen towers, kept outside ``zero.Init`` and in their checkpoint dtype.
+"""Loads kept outside ``zero.Init``: frozen towers, and every load when ``zero3_init_flag`` is off.
 
 Inside ``DeepSpeedPlugin.zero3_init_context_manager(enable=False)`` and
 ``DiffusionPipeline.from_pretrained``, transformers' ``HfDeepSpeedConfig`` weakref is cleared, so
 those models are built whole (accelerate #3170).
+
+accelerate sets that weakref for every ZeRO-3 config, whatever ``zero3_init_flag`` says
+(``DeepSpeedPlugin.set_deepspeed_weakref``), and transformers builds under ``zero.Init`` whenever it
+is set. The weakref's config object is marked here with the flag accelerate had when it set it;
+with the flag off, ``from_pretrained`` / ``from_config`` build whole, as the user's config asks.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 
-from accel_npu._torch.zero import outside_zero_init, zero3_weakref_set
+from accel_npu._torch.zero import in_frozen_load, outside_zero_init, zero3_weakref_set
+
+#: attribute set on transformers' HfDeepSpeedConfig object: accelerate's zero3_init_flag when it made it
+ZERO3_INIT_FLAG = "_accel_npu_zero3_init_flag"
 
 
 def pipeline_from_pretrained(wrapped, cls, args, kwargs):
@@ -33,3 +42,37 @@ def zero3_init_context_manager(wrapped, instance, args, kwargs):
                 yield
 
     return _disabled()
+
+
+def set_deepspeed_weakref(wrapped, instance, args, kwargs):
+    """Record ``zero3_init_flag`` on the HfDeepSpeedConfig accelerate hands to transformers."""
+    result = wrapped(*args, **kwargs)
+    dschf = getattr(instance, "dschf", None)
+    if dschf is not None:
+        try:
+            object.__setattr__(dschf, ZERO3_INIT_FLAG, bool(getattr(instance, "zero3_init_flag", True)))
+        except Exception:  # an object that takes no attributes: transformers decides, as stock
+            pass
+    return result
+
+
+def zero3_init_flag_off() -> bool:
+    """transformers' weakref is set (ZeRO-3) by an accelerate DeepSpeedPlugin whose ``zero3_init_flag``
+    is false: models must be built whole."""
+    ds = sys.modules.get("transformers.integrations.deepspeed")
+    ref = getattr(ds, "_hf_deepspeed_config_weak_ref", None) if ds is not None else None
+    config = ref() if ref is not None else None
+    return config is not None and getattr(config, ZERO3_INIT_FLAG, True) is False
+
+
+def whole_when_flag_off():
+    """A context that builds models whole when ``zero3_init_flag`` is off, else does nothing."""
+    if not in_frozen_load() and zero3_init_flag_off():
+        return outside_zero_init()
+    return contextlib.nullcontext()
+
+
+def from_config(wrapped, cls, args, kwargs):
+    """``PreTrainedModel._from_config`` (``AutoModel.from_config``) honours ``zero3_init_flag: false``."""
+    with whole_when_flag_off():
+        return wrapped(*args, **kwargs)

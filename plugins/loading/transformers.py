@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.safetensors_io import TRANSFORMERS_INDEX, read_index
 from accel_npu.errors import LoadError
+from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned
 from accel_npu.plugins.loading import truncation
+from accel_npu.plugins.loading.frozen import whole_when_flag_off
+from accel_npu.plugins.loading.placement.zero3 import attach_rebuild
 from accel_npu.plugins.loading.slots import load_slot
 
 log = logging.getLogger("accel_npu")
@@ -21,9 +24,25 @@ log = logging.getLogger("accel_npu")
 
 def from_pretrained(wrapped, cls, args, kwargs):
     """Stock transformers 5 loading (already lazy per key) plus: ACCEL_NPU_TRUNCATE, a clear error
-    for a depth the checkpoint lacks, load slots, malloc_trim."""
+    for a depth the checkpoint lacks, load slots, malloc_trim; ``zero3_init_flag: false`` builds
+    whole; a model transformers built under zero.Init that is called outside the DeepSpeed engine
+    (a frozen text encoder) is rebuilt whole first."""
     if cls is None or not isinstance(cls, type):
         return wrapped(*args, **kwargs)
+    with whole_when_flag_off():
+        result = _from_pretrained(wrapped, cls, args, kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    if not in_frozen_load() and is_zero_partitioned(model):
+        whole_kwargs = {k: v for k, v in kwargs.items() if k != "output_loading_info"}
+
+        def load_whole():  # what from_pretrained returns outside zero.Init (called inside outside_zero_init)
+            return from_pretrained(wrapped, cls, args, whole_kwargs)
+
+        attach_rebuild(model, load_whole, what="transformers (outside zero.Init)")
+    return result
+
+
+def _from_pretrained(wrapped, cls, args, kwargs):
     kwargs = dict(kwargs)
     truncate_to = truncation.truncation_for(cls)
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")

@@ -62,3 +62,87 @@ def qwen_inputs(batch=2, seed=0, height=4, width=4, text=5):
                 encoder_hidden_states_mask=torch.ones(batch, text, dtype=torch.long),
                 timestep=torch.full((batch,), 0.5), img_shapes=[[(1, height // 1, width // 1)]] * batch,
                 return_dict=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# a whole tiny Qwen-Image pipeline (the real classes), for the upstream DreamBooth LoRA script
+QWEN_IMAGE_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+                      temperal_downsample=[False], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                      latents_std=[1.5, 0.8, 1.2, 1.0])
+QWEN_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=512,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+QWEN_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                      fullatt_block_indexes=[0], patch_size=4, window_size=8)
+_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen_tokenizer(folder):
+    """A byte-level BPE Qwen2Tokenizer over the 256 byte symbols (no merges) plus Qwen's specials."""
+    import json
+    import os
+
+    from transformers import Qwen2Tokenizer
+
+    # GPT-2's byte -> symbol table (every byte a printable character), as byte-level BPE uses it
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in printable]
+    symbols = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
+    vocab = {ch: i for i, ch in enumerate(symbols)}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
+    tok.add_special_tokens({"additional_special_tokens": _SPECIAL[1:]})
+    tok.save_pretrained(folder)
+    return tok
+
+
+def qwen_image_pipeline(folder) -> dict:
+    """Save a tiny Qwen-Image pipeline (transformer, VAE, Qwen2.5-VL text encoder, tokenizer,
+    scheduler) under ``folder`` with ``save_pretrained``; returns {component: model}."""
+    import os
+
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer(os.path.join(folder, "tokenizer"))
+    n = len(tokenizer)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL}
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={**QWEN_VL_TEXT, "vocab_size": n, "pad_token_id": ids["<|endoftext|>"],
+                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
+        vision_config=QWEN_VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False))
+    randomize(text_encoder)
+    torch.manual_seed(0)
+    vae = randomize(AutoencoderKLQwenImage(**QWEN_IMAGE_VAE))
+    with torch.no_grad():  # keep the tiny VAE's latents in a sane range
+        for p in vae.parameters():
+            p.mul_(0.5)
+    transformer = randomize(qwen(joint_attention_dim=QWEN_VL_TEXT["hidden_size"], num_layers=2))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)
+    pipe.save_pretrained(folder)
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
+
+
+def dreambooth_images(folder, count: int = 4, size: int = 32) -> None:
+    """A DreamBooth instance folder: ``count`` small RGB PNGs with different content."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(os.path.join(folder, f"img{i}.png"))

@@ -36,6 +36,7 @@ from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.packing import pack_by_budget
 from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned, on_first_forward, outside_zero_init, param_slots
 from accel_npu.errors import LoadError
+from accel_npu.plugins.loading.frozen import zero3_init_flag_off
 from accel_npu.plugins.loading.lazy import LazyTensors, progress_bar
 
 log = logging.getLogger("accel_npu")
@@ -52,12 +53,12 @@ def switched_on() -> bool:
 def zero3_config() -> dict | None:
     """The DeepSpeed config when a load should go straight into ZeRO-3 partitions, else None.
 
-    That is: transformers' HfDeepSpeedConfig weakref says ZeRO-3 (accelerate sets it for
-    ``zero3_init_flag: true``), the load is not a frozen tower's (``zero3_init_context_manager
+    That is: transformers' HfDeepSpeedConfig weakref says ZeRO-3 and accelerate's ``zero3_init_flag``
+    is not false (accelerate sets the weakref for every ZeRO-3 config), the load is not a frozen tower's (``zero3_init_context_manager
     (enable=False)``, pipeline components), ``ACCEL_NPU_ZERO3_INIT`` is not off, the process
     group is up, and parameters are partitioned over the whole world (not MiCS).
     """
-    if in_frozen_load() or not switched_on():
+    if in_frozen_load() or not switched_on() or zero3_init_flag_off():
         return None
     ds = sys.modules.get("transformers.integrations.deepspeed")
     try:
@@ -181,7 +182,7 @@ def place(job, ds_config: dict) -> float:
                     "read %.1f MB once in %.2f s and broadcast it in %d group(s); each rank keeps 1/%d.",
                     job.cls.__name__, str(done["dtype"]).replace("torch.", ""), dist.get_world_size(),
                     done["bytes_read"] / 2**20, seconds, done["groups"], dist.get_world_size())
-    attach_rebuild(job.model, job.load_whole, done["dtype"])
+    attach_rebuild(job.model, job.load_whole)
     object.__setattr__(job.model, markers.SOURCE, job.folder)
     return seconds
 
@@ -189,10 +190,38 @@ def place(job, ds_config: dict) -> float:
 # ------------------------------------------------------------------------------------------------
 # a partitioned model used without a DeepSpeed engine
 # ------------------------------------------------------------------------------------------------
-def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
-    """Let ``model`` be rebuilt whole (stock result) from its files; guard its first forward."""
+#: instance attribute: the ``_apply`` functions (``.to(dtype)``, ``.half()``, ...) called on the model since it was loaded
+CASTS = "_accel_npu_casts"
+
+
+def record_casts(model) -> None:
+    """Remember every ``model._apply(fn)`` (``.to()``, ``.half()``, ``.bfloat16()``, ``.cuda()``, ...)
+    so a rebuild from the files replays them: the rebuilt model is what stock gives after the same
+    calls (a bound method in the instance: ``copy.deepcopy`` rebinds it to the copy)."""
+    import types
+
+    if CASTS in model.__dict__:
+        return
+    object.__setattr__(model, CASTS, [])
+    object.__setattr__(model, "_apply", types.MethodType(_apply, model))
+
+
+def _apply(self, fn, *args, **kwargs):
+    """The model's ``_apply``, recording ``fn`` (module level: a pickled model pickles it by name)."""
+    self.__dict__.setdefault(CASTS, []).append(fn)
+    return type(self)._apply(self, fn, *args, **kwargs)
+
+
+def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers") -> None:
+    """Let ``model`` be rebuilt whole (stock result) from its files; guard its first forward.
+
+    ``load_whole()`` returns what the stock ``from_pretrained`` returns outside zero.Init; every
+    ``.to()`` / cast the script made on ``model`` since is replayed on it.
+    """
+    record_casts(model)
+
     def rebuild() -> None:
-        rebuild_whole(model, load_whole, zero_dtype)
+        rebuild_whole(model, load_whole)
 
     object.__setattr__(model, markers.REBUILD, rebuild)
 
@@ -201,34 +230,43 @@ def attach_rebuild(model, load_whole: Callable[[], Any], zero_dtype) -> None:
             return  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
         (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
             "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but is called outside the "
-            "DeepSpeed engine; rebuilding it whole from its files (what stock diffusers returns). Load frozen "
-            "models inside `accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to "
-            "skip this.", type(model).__name__)
+            "DeepSpeed engine; rebuilding it whole from its files (what stock %s returns, with the script's "
+            "casts since). Load frozen models inside "
+            "`accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to skip this.",
+            type(model).__name__, what)
         rebuild()
 
     on_first_forward(model, first_call)
 
 
-def rebuild_whole(model, load_whole: Callable[[], Any], zero_dtype) -> None:
+def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
     """Swap ``model``'s partitioned parameters for whole ones loaded as stock would (local, no collective).
 
-    A parameter the user moved or cast after loading keeps that device / dtype.
+    The casts and moves the script made since loading (``.to(dtype)``, ``.half()``, ``.to(device)``)
+    are replayed on the fresh copy; ``requires_grad`` and train/eval mode stay the model's own.
     """
     import torch
 
     with outside_zero_init():
         fresh = load_whole()
+    if isinstance(fresh, tuple):  # output_loading_info
+        fresh = fresh[0]
+    for fn in model.__dict__.get(CASTS, ()):
+        try:
+            type(fresh)._apply(fresh, fn)
+        except Exception as exc:  # a custom function: the files' dtype, the partition's device
+            log.warning("accel-npu: replaying a cast of %s on its whole copy failed (%s); it keeps the dtype of "
+                        "its files", type(model).__name__, exc)
     fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
     for pid, entries in param_slots(model).items():
         module, attr, name = entries[0]
         old = module._parameters[attr]
         if not hasattr(old, "ds_id"):
             continue
-        value = fresh_params[name].data
-        device = old.data.device
-        dtype = old.data.dtype if old.data.dtype != zero_dtype and value.is_floating_point() else value.dtype
-        new = torch.nn.Parameter(value.to(device=device, dtype=dtype), requires_grad=old.requires_grad)
+        new = torch.nn.Parameter(fresh_params[name].data, requires_grad=old.requires_grad)
         for mod, a, _n in entries:
             mod._parameters[a] = new
     del fresh
     object.__setattr__(model, markers.REBUILD, None)
+    model.__dict__.pop(CASTS, None)
+    model.__dict__.pop("_apply", None)
