@@ -28,6 +28,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_ZERO3_INIT", "1", "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0."),
     EnvVar("ACCEL_NPU_FROZEN_MODULES", "", "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained)."),
     EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),
+    EnvVar("ACCEL_NPU_HANG_TIMEOUT", "", "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive are named and the job fails; 0: off (default: just under the process-group timeout)."),
     EnvVar("ACCEL_NPU_DEEPSPEED_SHM_OP", "0", "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training."),
     EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
 )
@@ -106,3 +107,21 @@ def disabled_patches() -> set[str]:
 def forced_backend(env=None) -> str | None:
     """The backend ACCEL_NPU_BACKEND forces ("npu", "cuda", "cpu"), or None to detect one."""
     return get("ACCEL_NPU_BACKEND", env).strip().lower() or None
+
+
+def hang_timeout(env=None) -> float | None:
+    """ACCEL_NPU_HANG_TIMEOUT in seconds: None when unset (derive it from the process-group
+    timeout), 0 when off; anything but a number >= 0 is one ConfigError naming it."""
+    raw = get("ACCEL_NPU_HANG_TIMEOUT", env).strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        from accel_npu.errors import ConfigError
+
+        raise ConfigError(f"accel-npu: ACCEL_NPU_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0 "
+                          "(0 turns hang diagnosis off; unset: just under the process-group timeout)")
+    return value

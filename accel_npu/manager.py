@@ -40,6 +40,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),
     ("launch_settings", "accel_npu.plugins.launch.settings"),
+    ("hang_watch", "accel_npu.plugins.hang_watch"),
 )
 
 #: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.

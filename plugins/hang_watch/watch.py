@@ -1,0 +1,505 @@
+"""Which collective each rank is in, and the watchdog thread that turns a stuck one into a report.
+
+Hot path (every wrapped collective): a counter per process group, a dict entry for the calling
+thread while the call runs, two time stamps. Nothing leaves the process until a rank suspects a
+hang; then the ranks compare their counters through the process group's key-value store (a
+connection of the watchdog's own, so a main thread blocked in a collective or a store wait does
+not block it), which answers even while one rank is stopped.
+
+A rank suspects a hang when it has been inside one collective call for the hang timeout (gloo, and
+any blocking wait), or when it has entered no collective for that long and another rank is behind
+it (on HCCL/NCCL a collective returns once queued and the host blocks later, in ``.item()`` or a
+synchronize). It then asks every rank for its counters (a query round), names the ranks that did
+not arrive, and sets the store's abort key: every rank that can prints its Python stacks (all
+threads) and the collective it is in, and exits with status 1, so the launcher stops the job
+instead of waiting for the process-group timeout.
+"""
+from __future__ import annotations
+
+import atexit
+import inspect
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+from accel_npu import environment
+
+log = logging.getLogger("accel_npu")
+
+EXIT_STATUS = 1
+_PREFIX = "accel_npu/hang"
+_QUERY = f"{_PREFIX}/query"          # counter: one round per suspicion
+_ABORT = f"{_PREFIX}/abort"          # the reporting rank (compare_set: one reporter)
+_REPORTED = f"{_PREFIX}/reported"    # the reporter has printed its summary
+_PRINTED = f"{_PREFIX}/printed"      # counter: ranks that printed their stacks
+
+
+def _answer_key(round_: int, rank: int) -> str:
+    return f"{_PREFIX}/answer/{round_}/{rank}"
+
+
+def _exited_key(rank: int) -> str:
+    return f"{_PREFIX}/exited/{rank}"
+
+
+def default_timeout(group_timeout: float) -> float:
+    """Just under the process-group timeout: a report (timeout + two polls + a query round) is out
+    before torch ends the stuck collective itself."""
+    return group_timeout - min(60.0, group_timeout / 4)
+
+
+def poll_interval(timeout: float) -> float:
+    return min(5.0, max(0.25, timeout / 10))
+
+
+class Calls:
+    """This process's collectives. Written by the wrapped calls, read by the watchdog thread."""
+
+    __slots__ = ("rank", "world", "timeout", "group_timeout", "default_group", "counts", "ops", "inflight", "last",
+                 "changed_at")
+
+    def __init__(self, rank: int, world: int, timeout: float, group_timeout: float | None, default_group) -> None:
+        self.rank, self.world, self.timeout, self.group_timeout = rank, world, timeout, group_timeout
+        self.default_group = default_group  # dist.group.WORLD: counted as None, like group=None
+        self.counts: dict = {}    # group (None: the default one) -> collectives entered on it
+        self.ops: dict = {}       # group -> name of the last collective entered on it
+        self.inflight: dict = {}  # thread id -> (name, group, sequence number, entered at)
+        self.last = None          # (name, group, sequence number) of the last call that returned
+        self.changed_at = time.monotonic()
+
+
+_calls: Calls | None = None
+_off = False  # decided: nothing to watch in this process (one rank, or ACCEL_NPU_HANG_TIMEOUT=0)
+_arm_lock = threading.Lock()
+
+
+def _group_position(function) -> int:
+    try:
+        return list(inspect.signature(function).parameters).index("group")
+    except (TypeError, ValueError):
+        return -1
+
+
+_get_ident = threading.get_ident
+_monotonic = time.monotonic
+
+
+def collective_wrapper(name: str):
+    """The wrapt wrapper for the collective ``name``: records entry and exit, nothing else."""
+    at = -2  # position of the `group` parameter; -2: not looked up yet, -1: none
+
+    def wrapper(wrapped, instance, args, kwargs):
+        nonlocal at
+        calls = _calls
+        if calls is None:
+            if _off or (calls := arm()) is None:
+                return wrapped(*args, **kwargs)
+        inflight = calls.inflight
+        me = _get_ident()
+        if me in inflight:  # e.g. all_gather_object calls all_gather: one collective, counted once
+            return wrapped(*args, **kwargs)
+        if "group" in kwargs:
+            group = kwargs["group"]
+        else:
+            if at == -2:
+                at = _group_position(wrapped)
+            group = args[at] if -1 < at < len(args) else None
+        if group is calls.default_group:
+            group = None
+        counts = calls.counts
+        seq = counts[group] = counts.get(group, 0) + 1
+        calls.ops[group] = name
+        calls.changed_at = entered = _monotonic()
+        inflight[me] = (name, group, seq, entered)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            del inflight[me]
+            calls.last = (name, group, seq)
+            calls.changed_at = _monotonic()
+
+    return wrapper
+
+
+def init_wrapper(wrapped, instance, args, kwargs):
+    """init_process_group: start watching as soon as the group is up, so that a rank stuck before
+    its first collective still answers and prints its stacks."""
+    result = wrapped(*args, **kwargs)
+    if _calls is None and not _off:
+        arm()
+    return result
+
+
+#: CANN's HCCL_EXEC_TIMEOUT when unset or negative (torch_npu v7.3.1-pytorch2.7.1,
+#: csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`); 0 means never.
+CANN_EXEC_TIMEOUT = 1836
+
+
+def _group_timeout_seconds() -> float | None:
+    """When torch ends a stuck collective of the default group: the smallest of the timeout
+    init_process_group was given (the group's store keeps it), its backend's timeout, and on HCCL
+    HCCL_EXEC_TIMEOUT — torch_npu's ProcessGroupHCCL raises its own watchdog timeout to
+    HCCL_EXEC_TIMEOUT + 1800 s at torch's 30-minute default (same file), but the collective itself
+    fails at HCCL_EXEC_TIMEOUT."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    found: list[float] = []
+    try:
+        found.append(c10d._get_default_store().timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a store without a timeout
+        pass
+    try:
+        pg = c10d._get_default_group()
+        for device in getattr(pg, "_device_types", ()):
+            timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
+            if isinstance(timeout, timedelta):
+                found.append(timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private API
+        pass
+    try:
+        if dist.get_backend() == "hccl":
+            exec_timeout = int(os.environ.get("HCCL_EXEC_TIMEOUT", CANN_EXEC_TIMEOUT))
+            exec_timeout = CANN_EXEC_TIMEOUT if exec_timeout < 0 else exec_timeout
+            if exec_timeout > 0:
+                found.append(float(exec_timeout))
+    except (ValueError, RuntimeError):
+        pass
+    found = [t for t in found if 0 < t < 10 ** 9]  # LLONG_MAX milliseconds: no timeout
+    return min(found) if found else None
+
+
+def arm() -> Calls | None:
+    """Start watching when a default process group of more than one rank is up (once per group).
+
+    Returns the bookkeeping, or None while there is nothing to watch. Raises ConfigError for an
+    unreadable ACCEL_NPU_HANG_TIMEOUT (the launcher refuses it before workers start)."""
+    global _calls, _off
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # not yet: torch raises its own error for a collective without a group
+    with _arm_lock:
+        if _calls is not None or _off:
+            return _calls
+        world = dist.get_world_size()
+        configured = environment.hang_timeout()
+        if world < 2 or configured == 0:
+            _off = True
+            return None
+        group_timeout = _group_timeout_seconds()
+        if configured is None and not group_timeout:
+            _off = True
+            return None
+        timeout = configured if configured is not None else default_timeout(group_timeout)
+        if configured is not None and group_timeout and configured >= group_timeout:
+            log.warning("accel-npu: ACCEL_NPU_HANG_TIMEOUT=%g s is not below the process-group timeout (%g s): "
+                        "torch ends a stuck collective first, without the hang report", configured, group_timeout)
+        from torch.distributed import distributed_c10d as c10d
+
+        calls = Calls(dist.get_rank(), world, timeout, group_timeout, c10d._get_default_group())
+        watchdog = Watchdog(calls)
+        _calls = calls
+        watchdog.start()
+        return calls
+
+
+def _disarm() -> None:
+    global _calls
+    with _arm_lock:
+        _calls = None
+
+
+# -- the watchdog --------------------------------------------------------------------------------
+
+def _group_info(group) -> tuple[str, list[int]]:
+    """(name as every rank knows it, global ranks) of a group; None is the default group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = c10d._get_default_group() if group is None else group
+    try:
+        name = c10d._world.pg_names.get(pg) or "?"
+    except Exception:  # noqa: BLE001
+        name = "?"
+    try:
+        ranks = list(c10d.get_process_group_ranks(pg))
+    except Exception:  # noqa: BLE001
+        ranks = []
+    return name, ranks
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, calls: Calls) -> None:
+        super().__init__(name="accel-npu-hang-watch", daemon=True)
+        self.calls = calls
+        self.interval = poll_interval(calls.timeout)
+        self.answer_wait = self.interval + 2.0
+        self.answered = 0
+        self.next_idle_check = 0.0
+        self.store = self._own_store()
+        self.store_failed = False
+        atexit.register(self._mark_exited)
+
+    # -- the store ---------------------------------------------------------------------------
+    def _own_store(self):
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: local reports only
+            return None
+        try:
+            store = store.clone()  # its own connection: not blocked behind the main thread's store calls
+        except Exception:  # noqa: BLE001 - a store without clone(): share it
+            return store
+        try:
+            store.set_timeout(timedelta(seconds=self.answer_wait + 5))
+        except Exception:  # noqa: BLE001
+            pass
+        return store
+
+    def _store(self, op: str, *args):
+        """One store call; None (and local-only reports from then on) when the store is gone."""
+        if self.store is None or self.store_failed:
+            return None
+        try:
+            return getattr(self.store, op)(*args)
+        except Exception as exc:  # noqa: BLE001 - e.g. the store's host process is stopped
+            self.store_failed = True
+            log.warning("accel-npu: hang watch cannot reach the process group's store (%s): a hang report will "
+                        "show this rank only", exc)
+            return None
+
+    def _mark_exited(self) -> None:
+        if self.store is not None and not self.store_failed:
+            try:
+                self.store.set(_exited_key(self.calls.rank), "1")
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            while True:
+                time.sleep(self.interval)
+                if not dist.is_initialized():  # destroy_process_group: this group is over
+                    self._mark_exited()
+                    _disarm()
+                    return
+                self._answer_queries()
+                if self._store("check", [_ABORT]):
+                    self._follow()
+                suspicion = self._suspect(time.monotonic())
+                if suspicion:
+                    self._investigate(*suspicion)
+        except Exception as exc:  # noqa: BLE001 - diagnostics must never take training down
+            log.warning("accel-npu: hang watch stopped: %s: %s", type(exc).__name__, exc)
+
+    def _suspect(self, now: float):
+        calls = self.calls
+        for name, group, seq, entered in list(calls.inflight.values()):
+            if now - entered >= calls.timeout:
+                return ("inside", (name, group, seq), now - entered)
+        idle = now - calls.changed_at
+        if not calls.inflight and calls.last is not None and idle >= calls.timeout and now >= self.next_idle_check:
+            self.next_idle_check = now + calls.timeout
+            return ("after", calls.last, idle)
+        return None
+
+    # -- what a rank tells the others ------------------------------------------------------------
+    def _state(self) -> dict:
+        calls, now = self.calls, time.monotonic()
+        counts: dict = {}
+        for group, n in dict(calls.counts).items():
+            name, _ = _group_info(group)
+            entry = counts.setdefault(name, [0, ""])
+            entry[0] += n  # None and dist.group.WORLD both count on the default group
+            entry[1] = calls.ops.get(group, entry[1])
+        inside = [[n, _group_info(g)[0], s, round(now - t, 1)] for n, g, s, t in list(calls.inflight.values())]
+        last = calls.last
+        return {"counts": counts, "inside": inside,
+                "last": [last[0], _group_info(last[1])[0], last[2]] if last else None,
+                "quiet": round(now - calls.changed_at, 1), "host": socket.gethostname(), "pid": os.getpid()}
+
+    def _answer_queries(self) -> None:
+        latest = self._store("add", _QUERY, 0)
+        if latest and latest > self.answered:
+            state = json.dumps(self._state())
+            # every round not answered yet: two ranks may suspect within one poll of each other
+            for round_ in range(max(self.answered + 1, latest - 7), latest + 1):
+                self._store("set", _answer_key(round_, self.calls.rank), state)
+            self.answered = latest
+
+    # -- a suspicion: ask everyone, decide, report -----------------------------------------------
+    def _investigate(self, kind: str, call, waited: float) -> None:
+        calls = self.calls
+        answers: dict = {}
+        exited: set = set()
+        round_ = self._store("add", _QUERY, 1)
+        if not round_ and kind == "after":
+            return  # no store: nothing says another rank is behind
+        if round_:
+            self._answer_queries()
+            deadline = time.monotonic() + self.answer_wait
+            pending = [r for r in range(calls.world) if r != calls.rank]
+            while pending and time.monotonic() < deadline and not self.store_failed:
+                self._answer_queries()  # another rank may be asking at the same time
+                pending = [r for r in pending if not self._store("check", [_answer_key(round_, r)])]
+                if pending:
+                    time.sleep(0.05)
+            for r in range(calls.world):
+                if r != calls.rank and r not in pending:
+                    raw = self._store("get", _answer_key(round_, r))
+                    if raw is not None:
+                        answers[r] = json.loads(raw)
+            exited = {r for r in pending if self._store("check", [_exited_key(r)])}
+        verdict = self._verdict(kind, call, waited, answers, exited)
+        if verdict is None:
+            return  # idle, and nobody is behind: a long stretch without collectives, not a hang
+        if self.store is not None and not self.store_failed:
+            winner = self._store("compare_set", _ABORT, "", str(calls.rank))
+            if winner is not None and winner.decode() != str(calls.rank):
+                self._follow()  # another rank reports: this one prints its stacks like the rest
+        _write(verdict + "\n" + self._own_report())
+        self._store("set", _REPORTED, "1")
+        self._wait_for_others(expected=1 + len(answers))
+        _exit()
+
+    def _verdict(self, kind: str, call, waited: float, answers: dict, exited: set) -> str | None:
+        calls = self.calls
+        name, group, seq = call
+        gname, members = _group_info(group)
+        store_note = "" if self.store is not None and not self.store_failed else (
+            " (the process group's store cannot be reached: the other ranks' state is unknown)")
+        behind, other = [], []
+        for r in members or range(calls.world):
+            if r == calls.rank:
+                continue
+            if r in exited:
+                behind.append(r)
+                other.append(f"rank {r} has exited")
+            elif r not in answers:
+                behind.append(r)
+                other.append(f"rank {r}: no answer within {self.answer_wait:g} s (stopped, e.g. SIGSTOP, or "
+                             "blocked holding the GIL: it prints no stack)")
+            else:
+                a = answers[r]
+                n, op = a["counts"].get(gname, [0, ""])
+                where = _where(a)
+                if n < seq:
+                    behind.append(r)
+                    other.append(f"rank {r} is at #{n} on that group{where}")
+                elif n == seq and op == name:
+                    continue
+                else:
+                    other.append(f"rank {r} called {op} as #{n} on that group instead (mismatched collectives){where}")
+        title = f"{name} #{seq} of group {gname} ({_ranks_text(members)})" if members else f"{name} #{seq}"
+        timeout = f"ACCEL_NPU_HANG_TIMEOUT={_seconds(calls.timeout)} s"
+        if kind == "inside":
+            head = f"rank {calls.rank} has waited {waited:.1f} s in {title} ({timeout})"
+        else:
+            if not behind:
+                return None
+            head = (f"rank {calls.rank} has entered no collective for {waited:.1f} s since {title} returned "
+                    f"({timeout}; the host blocks elsewhere, e.g. on the device, see its stack)")
+        if behind:
+            line = f"accel-npu hang: rank(s) {behind} did not arrive: {head}. " + "; ".join(other) + "."
+        elif other:
+            line = f"accel-npu hang: every rank arrived, but not at the same collective: {head}. " + "; ".join(other) + "."
+        else:
+            line = (f"accel-npu hang: every rank of the group is in it, yet it does not complete (network, device "
+                    f"or a peer process outside this job): {head}.")
+        limit = f" of {_seconds(calls.group_timeout)} s" if calls.group_timeout else ""
+        return (line + store_note + f" Every rank that can prints its stacks; the job fails (exit {EXIT_STATUS}) "
+                f"instead of waiting for the process-group timeout{limit}.")
+
+    def _follow(self) -> None:
+        """Another rank reported: print this rank's stacks, wait for the report, exit."""
+        _write(self._own_report())
+        self._store("add", _PRINTED, 1)
+        deadline = time.monotonic() + self.answer_wait + 5
+        while time.monotonic() < deadline and not self._store("check", [_REPORTED]) and not self.store_failed:
+            time.sleep(0.05)
+        _exit()
+
+    def _wait_for_others(self, expected: int) -> None:
+        deadline = time.monotonic() + self.answer_wait
+        while time.monotonic() < deadline and not self.store_failed:
+            if (self._store("add", _PRINTED, 0) or 0) >= expected - 1:
+                return
+            time.sleep(0.05)
+
+    def _own_report(self) -> str:
+        calls, now = self.calls, time.monotonic()
+        inside = list(calls.inflight.values())
+        if inside:
+            where = "; ".join(f"in {n} #{s} of group {_group_info(g)[0]} for {now - t:.1f} s" for n, g, s, t in inside)
+        elif calls.last:
+            n, g, s = calls.last
+            where = f"in no collective; the last, {n} #{s} of group {_group_info(g)[0]}, returned {now - calls.changed_at:.1f} s ago"
+        else:
+            where = "in no collective, and has called none yet"
+        return (f"accel-npu hang report, rank {calls.rank} of {calls.world} (pid {os.getpid()}, host "
+                f"{socket.gethostname()}): {where}. Python stacks of its threads (most recent call last):\n"
+                + _stacks())
+
+
+def _where(answer: dict) -> str:
+    if answer.get("inside"):
+        return "".join(f", now in {n} #{s} of group {g} for {t} s" for n, g, s, t in answer["inside"])
+    if answer.get("last"):
+        n, g, s = answer["last"]
+        return f" (last: {n} #{s} of group {g}; in no collective for {answer['quiet']} s)"
+    return " (it has called no collective yet)"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+def _stacks() -> str:
+    """Every thread's Python stack but the watchdog's own, main thread first."""
+    frames = sys._current_frames()
+    me = threading.get_ident()
+    threads = {t.ident: t for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    parts = []
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == me:
+            continue
+        thread = threads.get(ident)
+        label = f"{thread.name}{' (daemon)' if thread.daemon else ''}" if thread else f"thread {ident}"
+        parts.append(f"Thread {label}:\n" + "".join(traceback.format_stack(frames[ident])))
+    return "".join(parts)
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text if text.endswith("\n") else text + "\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - stderr closed or replaced: the raw descriptor still works
+        os.write(2, text.encode(errors="replace"))
+
+
+def _exit() -> None:
+    """End the process now: the main thread is stuck in the collective, so no clean exit can run.
+    The launcher (torchrun, accelerate launch) then stops the other ranks."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(EXIT_STATUS)
