@@ -199,8 +199,9 @@ def arm() -> Calls | None:
             return None
         timeout = configured if configured is not None else default_timeout(group_timeout)
         if configured is not None and group_timeout and configured >= group_timeout:
-            log.warning("accel-npu: ACCEL_NPU_HANG_TIMEOUT=%g s is not below the process-group timeout (%g s): "
-                        "torch ends a stuck collective first, without the hang report", configured, group_timeout)
+            log.warning("accel-npu: ACCEL_NPU_HANG_TIMEOUT=%g s is not below the %g s after which torch ends a stuck "
+                        "collective (the process-group timeout, or HCCL_EXEC_TIMEOUT): it does so first, without the "
+                        "hang report", configured, group_timeout)
         from torch.distributed import distributed_c10d as c10d
 
         calls = Calls(dist.get_rank(), world, timeout, group_timeout, c10d._get_default_group())
