@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from accel_npu import activation
+
+    # Before any command imports torch: torch's backend autoload calls the torch.backends entry
+    # points in the order the files happen to be found, and torch_npu's may run (and fail) before
+    # ours. Active first, accel-npu's import diagnosis is what a failing torch_npu raises.
+    activation.activate(strict=False)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -42,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     except AccelNpuError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        # torch's _import_device_backends wraps an entry point's failure in "Failed to load the backend
+        # extension"; when accel-npu explained the cause (CANN not sourced, a torch/torch_npu mismatch), say that
+        if isinstance(exc.__cause__, AccelNpuError):
+            print(f"error: {exc.__cause__}\n({exc})", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

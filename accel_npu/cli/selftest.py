@@ -152,13 +152,19 @@ def run_check(name: str, ref: str) -> None:
     except CheckSkipped as exc:
         emit(name, "skipped", str(exc))
     except BaseException as exc:  # noqa: BLE001 - one failed line, then the next check
-        emit(name, "failed", f"{type(exc).__name__}: {exc}".strip())
+        emit(name, "failed", one_line(f"{type(exc).__name__}: {exc}"))
         if environment_trace():
             import traceback
 
             traceback.print_exc()
     else:
         emit(name, "ok", str(detail or ""))
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """The first line of an error (torch's dispatcher errors list every kernel), at most ``limit`` chars."""
+    first = (text.strip().splitlines() or [""])[0]
+    return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
 def environment_trace() -> bool:
@@ -168,6 +174,9 @@ def environment_trace() -> bool:
 
 
 def _subprocess_main(checks: list[list[str]]) -> int:
+    from accel_npu import activation
+
+    activation.activate(strict=False)  # before torch: a failing torch_npu gets accel-npu's diagnosis
     for name, ref in checks:
         run_check(name, ref)
     return 0
@@ -183,14 +192,14 @@ def checks_for(backend) -> list[tuple[str, str]]:
     return checks + list(DEVICE_CHECKS)
 
 
-def worker_environment(backend, num_processes: int) -> tuple[dict, str | None]:
+def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str | None]:
     """What a launcher gives its workers (the plugins' launch defaults where this environment sets
     nothing, accel-npu's bootstrap first on PYTHONPATH), and why it would refuse (None: it would not)."""
     import accel_npu.activation._bootstrap as bootstrap
     from accel_npu.manager import get_plugin_manager
 
     pm = get_plugin_manager()
-    env, refused = dict(os.environ), None
+    env, refused = dict(environ), None
     try:
         pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(env))
     except Exception as exc:  # noqa: BLE001 - reported as a failed line; the checks still run
@@ -214,6 +223,12 @@ def _parse(output: str) -> list[dict]:
     return lines
 
 
+def _rank_error(stderr: str) -> str | None:
+    """A launched rank's own one-line reason (accel_npu/cli/_selftest_dist.py prints it)."""
+    lines = [line for line in (stderr or "").splitlines() if line.startswith("accel-npu self-test: rank ")]
+    return one_line(lines[0][len("accel-npu self-test: "):]) if lines else None
+
+
 def _tail(text: str, n: int = 3) -> str:
     lines = [l for l in (text or "").splitlines() if l.strip()]
     return " | ".join(lines[-n:])[-600:]
@@ -221,18 +236,25 @@ def _tail(text: str, n: int = 3) -> str:
 
 def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
     out = out or sys.stdout
-    import torch  # noqa: F401  (activates accel-npu; selects the backend)
-
+    # the environment as the user set it: importing torch_npu leaves TORCH_DEVICE_BACKEND_AUTOLOAD=0
+    # in os.environ (torch_npu/__init__.py), which would switch accel-npu off in the launch below
+    env = dict(os.environ)
     from accel_npu import activation
     from accel_npu.backend import current_backend
 
     activation.activate(strict=False)
+    try:
+        import torch  # noqa: F401
+    except RuntimeError as exc:  # a torch.backends entry point failed (torch_npu without CANN, ...)
+        why = exc.__cause__ if exc.__cause__ is not None else exc
+        print(f"  import torch  failed: {why} ({exc})", file=out, flush=True)
+        return 1
+
     backend = current_backend()
     started = time.monotonic()
     checks = checks_for(backend)
     nproc = 2 if backend.device_type == "cpu" or (backend.device_count or 0) >= 2 else 1
-    env = dict(os.environ)
-    worker_env, refused = worker_environment(backend, 1)
+    worker_env, refused = worker_environment(backend, 1, env)
     print(f"accel-npu self-test: backend {backend.name} ({backend.device_type}, {backend.dist_backend}, "
           f"{backend.device_count} device(s)); every check in a fresh process with the workers' environment",
           file=out, flush=True)
@@ -264,7 +286,7 @@ def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
 def _collect(proc: subprocess.Popen, names: list[str], timeout: float, what: str) -> list[dict]:
     try:
         stdout, stderr = proc.communicate(timeout=max(timeout, 5))
-        why = f"{what} exited with status {proc.returncode} before reporting: {_tail(stderr)}"
+        why = f"{what} exited with status {proc.returncode} before reporting: {_rank_error(stderr) or _tail(stderr)}"
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
@@ -275,4 +297,7 @@ def _collect(proc: subprocess.Popen, names: list[str], timeout: float, what: str
 
 
 if __name__ == "__main__":
-    sys.exit(_subprocess_main(json.loads(sys.argv[1])))
+    # run as the importable module, whose CheckSkipped the plugins' checks raise (not __main__'s copy)
+    from accel_npu.cli import selftest as _selftest
+
+    sys.exit(_selftest._subprocess_main(json.loads(sys.argv[1])))

@@ -28,8 +28,10 @@ TORCH_BASE = torch.__version__.split("+")[0]
 TORCH_LIB = str(Path(torch.__file__).parent / "lib")
 
 
-def make_site(tmp_path: Path, version: str = f"{TORCH_BASE}.post1", mx: str | None = None) -> Path:
-    """A site directory holding the stand-in torch_npu (at ``version``) and optionally mx_driving."""
+def make_site(tmp_path: Path, version: str = f"{TORCH_BASE}.post1", mx: str | None = None,
+              autoload: bool = False) -> Path:
+    """A site directory holding the stand-in torch_npu (at ``version``) and optionally mx_driving;
+    ``autoload``: with torch_npu's ``torch.backends`` entry point, as the real wheel has (setup.py)."""
     site = tmp_path / "site"
     shutil.copytree(STANDIN / "torch_npu" / "torch_npu", site / "torch_npu")
     (site / "torch_npu" / "lib").mkdir()
@@ -37,6 +39,8 @@ def make_site(tmp_path: Path, version: str = f"{TORCH_BASE}.post1", mx: str | No
     info = site / f"torch_npu-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch_npu\nVersion: {version}\n")
+    if autoload:
+        (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
     if mx:
         shutil.copytree(STANDIN / f"mx_driving_{mx}" / "mx_driving", site / "mx_driving")
     return site
@@ -261,6 +265,37 @@ def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
     assert "Fix: source /usr/local/Ascend/ascend-toolkit/set_env.sh" in default, default
 
 
+def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
+    """torch >= 2.5 imports torch_npu inside `import torch` (its torch.backends entry point) and wraps a
+    failure in "Failed to load the backend extension" (torch/__init__.py _import_device_backends).
+    Stock: torch's message over torch_npu's ImportError. Ours: accel-npu's diagnosis is that
+    ImportError, one line with CANN's set_env.sh (issue 13 item 1). Entry points run in the order
+    their distributions are found: here torch_npu is found after accel-npu (appended to sys.path)."""
+    site = make_site(tmp_path, autoload=True)
+    code = f"import sys; sys.path.append({str(site)!r}); import torch"
+    env = base_env(STANDIN_MISSING_CANN_LIB="libhccl.so", ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
+    stock = py(code, dict(env, ACCEL_NPU_DISABLE="1"))
+    assert stock.returncode != 0 and last_line(stock).startswith("RuntimeError: Failed to load the backend "
+                                                                 "extension: torch_npu"), stock.stderr[-2000:]
+    assert "ImportError: libhccl.so: cannot open shared object file" in stock.stderr and "accel-npu" not in stock.stderr
+    ours = py(code, env)
+    assert ours.returncode != 0 and last_line(ours).startswith("RuntimeError: Failed to load the backend extension")
+    diagnosis = [line for line in ours.stderr.splitlines() if line.startswith(
+        "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded")]
+    assert len(diagnosis) == 1 and "libhccl.so is part of CANN" in diagnosis[0], ours.stderr[-3000:]
+    assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in diagnosis[0]
+
+    # found the other way round (torch_npu first on sys.path): its entry point fails before accel-npu's
+    # runs in a bare `python`, but accel-npu's own commands activate before importing torch
+    first = env_with(site, STANDIN_MISSING_CANN_LIB="libhccl.so",
+                     ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
+    proc = subprocess.run([str(BIN / "accel-npu"), "env", "--no-import"], env=first, capture_output=True, text=True,
+                          timeout=180, cwd="/")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: accel-npu: torch_npu cannot be loaded (ImportError: libhccl.so"), proc.stderr
+    assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in proc.stderr.splitlines()[0]
+
+
 # -- issue 13 item 5: mx_driving patcher (DrivingSDK's real module paths) ---------------------------
 MX_PROBE = """
 import torch
@@ -343,3 +378,33 @@ def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
     assert ours["autocast"] == ["npu", "torch.bfloat16", False], ours
     assert proc.stderr.count("has no bfloat16 autocast") == 1 and "runs in float32" in proc.stderr
     assert "runs as torch.autocast('npu'" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
+    """`accel-npu env --selftest` on the npu backend (the stand-in, a 910A, one visible NPU): the npu
+    plugin's checks run against torch_npu; this machine has no CANN libraries and the stand-in no NPU
+    kernels, so those checks fail, each saying why, and the exit status is 1 (issue 13 item 11)."""
+    from ..test_selftest import check_lines, selftest
+
+    site = make_site(tmp_path)
+    proc = selftest(env_with(site, ASCEND_RT_VISIBLE_DEVICES="0", STANDIN_NPU_SOC="Ascend910A",
+                             ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest"), timeout_s=150)
+    lines = check_lines(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.startswith("accel-npu self-test: backend npu (npu, hccl, 1 device(s))"), proc.stdout
+    assert lines["CANN libraries"].startswith("failed: OSError: cannot load libascendcl.so"), lines
+    assert lines["CANN libraries"].endswith("Fix: source /opt/Ascend/ascend-toolkit/set_env.sh"), lines
+    assert lines["import torch_npu"] == f"ok (torch_npu {TORCH_BASE}.post1)", lines
+    assert lines["CANN / SoC / bf16"] == ("ok (CANN 8.2.RC1, SoC Ascend910A, bf16 NOT supported (autocast bf16 runs "
+                                          "float32, AdamW uses foreach))"), lines
+    assert lines["visible devices"] == "ok (torch.npu.device_count() = 1 (ASCEND_RT_VISIBLE_DEVICES=0))", lines
+    assert lines["mx_driving"] == "skipped: ACCEL_NPU_MX_DRIVING is not 1", lines
+    assert lines["matmul"].startswith("failed:"), lines       # the stand-in has no NPU kernels
+    # the launch went through accel-npu's launcher (its worker defaults), though torch_npu, imported by this
+    # process, left TORCH_DEVICE_BACKEND_AUTOLOAD=0 in its environment
+    assert lines["launch (torchrun)"] == "ok (1 rank(s); DS_ACCELERATOR=npu, DEEPSPEED_TIMEOUT=30, HCCL_EXEC_TIMEOUT=1800)"
+    assert lines["ZeRO-2 step"].startswith("failed: 1-rank torchrun exited with status 1 before reporting: rank 0 "
+                                           "failed:"), lines  # DeepSpeed needs more of torch.npu than the stand-in has
+    assert proc.stdout.rstrip().splitlines()[-1].startswith(f"{sum(not s.startswith('failed') for s in lines.values())}"
+                                                            f" of {len(lines)} checks did not fail; FAILED: CANN libraries")

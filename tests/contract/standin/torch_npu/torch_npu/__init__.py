@@ -19,9 +19,16 @@ import importlib.metadata
 import os
 import types
 
-import torch
+# Mirrors torch_npu/__init__.py (v7.2.0-pytorch2.7.1, lines 13-15 and `_autoload`): autoload is switched
+# off while torch_npu imports torch (no circular autoload) and restored by `_autoload`, the function its
+# `torch.backends` entry point names (setup.py: 'torch_npu = torch_npu:_autoload'); make_site(autoload=True)
+# writes that entry point. A failed import leaves the switch at "0", as upstream does.
+ORG_AUTOLOAD = os.getenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
-__version__ = importlib.metadata.version("torch_npu")
+import torch  # noqa: E402
+
+__version__ = importlib.metadata.version("torch_npu")  # upstream: torch_npu/version.py, written at build time
 _LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
 
 
@@ -29,12 +36,16 @@ def _base(v):
     return v.split("+")[0].split(".post")[0]
 
 
+# The two load failures below are the dynamic loader's (dlopen of torch_npu/lib/libtorch_npu.so), not
+# torch_npu code: field report 001 2.2 (torch 2.7.0 with torch_npu 2.7.1: undefined symbol) and 7.3
+# (libc10.so not on the loader path); the stand-in raises the same messages from Python.
 if _base(__version__) != _base(torch.__version__):
     raise ImportError(f"{_LIB}/libtorch_npu.so: undefined symbol: _ZN3c1021throwNullDataPtrErrorEv")
 if os.environ.get("STANDIN_MISSING_CANN_LIB"):
     # Mirrors torch_npu/_init/core/module_loader.py `_check_npu_import` (Ascend/pytorch master
-    # 9e73e708a): a CANN library the loader cannot find (CANN's set_env.sh not sourced), with the hint
-    # torch_npu appends for libhccl.so without ASCEND_OPP_PATH.
+    # 9e73e708a; torch_npu/__init__.py's `import torch_npu.npu` guard in v7.2.0-pytorch2.7.1): a CANN
+    # library the loader cannot find (CANN's set_env.sh not sourced), with the hint torch_npu appends
+    # for libhccl.so without ASCEND_OPP_PATH.
     _lib = os.environ["STANDIN_MISSING_CANN_LIB"]
     raise ImportError(f"{_lib}: cannot open shared object file: No such file or directory. Please check that the "
                       "cann package is installed. Please run 'source set_env.sh' in the CANN installation path.")
@@ -84,6 +95,7 @@ def _device_count():
 
 
 npu = types.ModuleType("torch_npu.npu")
+# Mirrors torch_npu/npu/__init__.py `is_available` (v7.2.0-pytorch2.7.1, master 9e73e708a): device_count() > 0.
 npu.is_available = lambda: _device_count() > 0
 npu.device_count = _device_count
 # Mirrors torch_npu/npu/npu_config.py `_npuConfig` (Ascend/pytorch v7.1.0.2-pytorch2.6.0 and
@@ -103,11 +115,20 @@ class _npuConfig:
 
 
 npu.config = _npuConfig()
-# Mirrors torch_npu/npu/utils.py `is_bf16_supported` (the SoC decides: a 910A has no bf16; here
-# STANDIN_NPU_SOC, default Ascend910B1) and torch_npu/npu/autocast_utils.py
-# `get_amp_supported_dtype` (bf16 listed only when supported), Ascend/pytorch master 9e73e708a.
-npu.is_bf16_supported = lambda including_emulation=False: not os.environ.get(
-    "STANDIN_NPU_SOC", "Ascend910B1").startswith("Ascend910A")
+# Mirrors torch_npu/npu/utils.py `is_bf16_supported` -> csrc/core/npu/NpuVariables.cpp `IsBF16Supported`:
+# `GetSocVersion() >= SocVersion::Ascend910B1`, in the enum order of NpuVariables.h (v7.2.0-pytorch2.7.1;
+# an unknown SoC is UnsupportedSocVersion = -1): 910A/ProA/PremiumA, 910ProB/910B and 310P have no bf16.
+# The SoC here: STANDIN_NPU_SOC (default Ascend910B1). torch_npu/npu/autocast_utils.py
+# `get_amp_supported_dtype` lists bf16 only when supported (master 9e73e708a, mirrored below, adds float32
+# to both lists; v7.2.0-pytorch2.7.1 returns [float16, bfloat16] / [float16]).
+_SOC_VERSION = {"Ascend910PremiumA": 100, "Ascend910ProA": 101, "Ascend910A": 102, "Ascend910ProB": 103,
+                "Ascend910B": 104, "Ascend310P1": 200, "Ascend310P2": 201, "Ascend310P3": 202, "Ascend310P4": 203,
+                "Ascend310P5": 204, "Ascend310P7": 205, "Ascend910B1": 220, "Ascend910B2": 221, "Ascend910B2C": 222,
+                "Ascend910B3": 223, "Ascend910B4": 224, "Ascend910B4-1": 225, "Ascend310B1": 240, "Ascend310B2": 241,
+                "Ascend310B3": 242, "Ascend310B4": 243, "Ascend910_9391": 250, "Ascend910_9392": 251,
+                "Ascend910_9381": 252, "Ascend910_9382": 253, "Ascend910_9372": 254, "Ascend910_9362": 255}
+npu.is_bf16_supported = lambda including_emulation=False: _SOC_VERSION.get(
+    os.environ.get("STANDIN_NPU_SOC", "Ascend910B1"), -1) >= _SOC_VERSION["Ascend910B1"]
 # Mirrors torch_npu/npu/__init__.py `get_device_name` (the SoC name from the runtime, e.g. Ascend910B1)
 # and torch_npu/npu/utils.py `get_cann_version` (v7.1.0.2-pytorch2.6.0 and later); here STANDIN_NPU_SOC
 # and STANDIN_CANN_VERSION.
@@ -117,7 +138,8 @@ npu.utils.get_cann_version = lambda module="CANN": os.environ.get("STANDIN_CANN_
 npu.utils.is_bf16_supported = None  # set below
 npu.get_amp_supported_dtype = lambda: ([torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported()
                                        else [torch.float16, torch.float32])
-# what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend)
+# what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend); upstream:
+# torch_npu/npu/__init__.py and torch_npu/npu/memory.py (no-ops here: there is no device)
 npu.memory_allocated = lambda device=None: 0
 npu.current_device = lambda: 0
 npu.set_device = lambda device: None
@@ -138,6 +160,8 @@ def _kernel(name):
 
 for _name in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul"):
     globals()[_name] = _kernel(_name)
+# Mirrors torch_npu/__init__.py lines 201-203 (v7.2.0-pytorch2.7.1): rename privateuse1 to "npu" and register
+# torch_npu.npu as torch.npu.
 torch.utils.rename_privateuse1_backend("npu")
 npu.utils.is_bf16_supported = npu.is_bf16_supported
 torch._register_device_module("npu", npu)
@@ -145,3 +169,7 @@ import sys as _sys  # noqa: E402
 
 _sys.modules["torch_npu.npu"] = npu
 _sys.modules["torch_npu.npu.utils"] = npu.utils
+
+
+def _autoload():
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = ORG_AUTOLOAD
