@@ -1,16 +1,22 @@
-"""Checkpoint memory under DeepSpeed ZeRO (issue 5). Prints a table.
+"""Checkpoint memory under DeepSpeed ZeRO-3 (issue 5), stock and accel-npu side by side in one run.
 
-1. Rank-0 extra RssAnon while saving under ZeRO-3 with N = 2 ranks (bf16): the sharded path
-   (``save_state``: every rank writes its own partition) and ``save_model`` from all ranks
-   (one output shard gathered at a time) vs stock ``get_state_dict`` (the whole 16-bit model
-   gathered into rank 0). Goal: sharded <= model/N + 10 %.
+Two launches of the same worker (``accelerate launch``, N = 2 CPU ranks, gloo, ZeRO-3 bf16): stock
+(``ACCEL_NPU_DISABLE=1``) and accel-npu. Memory is rank 0's RssAnon above its value just before the
+operation, each operation after ``malloc_trim``.
+
+1. Saving. ``save_state``: under DeepSpeed accelerate's own ``save_state`` already calls
+   ``save_checkpoint`` on every rank (each writes its partition); accel-npu makes it atomic. Goal for
+   ours: <= model/N + 10 %. ``save_model`` (all ranks): stock gathers the whole 16-bit model into
+   rank 0; ours streams one output shard at a time. ``get_state_dict`` (all ranks) is listed for
+   scale only: it is the gather itself (what stock ``save_model`` does), not a save.
 2. Peak RssAnon of ``accel-npu consolidate`` (ZeRO-3 checkpoint, --max-shard-size S) vs
    ``zero_to_fp32`` without sharding, each above the same process baseline. Goal: <= 2 x S.
-3. Per-rank memory of a frozen fp32 tower under ZeRO-3 with item 1 (kept out of the engine:
-   whole, fp32) and without it (ACCEL_NPU_FROZEN_MODULES=none: DeepSpeed partitions and casts it).
+3. A frozen fp32 tower held by the trained model: resident tensors per rank, and rank 0's extra
+   RssAnon while the tower runs a forward (stock: ZeRO-3 partitions it in bf16 and gathers it for
+   each forward; ours keeps it whole, fp32, out of the engine).
 
 Usage: python benchmarks/checkpoint.py [--layers 32] [--tower-layers 16] [--width 1024] [--shard-mb 20]
-Runs real ``accelerate launch`` processes on CPU (gloo); a few minutes on 2 cores.
+Writes benchmarks/results/checkpoint.md. A few minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import Report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -86,6 +95,9 @@ def trim() -> None:
 # ------------------------------------------------------------------------------------------
 # the worker, started by `accelerate launch` on every rank (no accel_npu import, like a user)
 def worker(a) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.hang_s, exit=True)  # a hung collective dies with its traceback
     import torch
     from accelerate import Accelerator
 
@@ -138,23 +150,29 @@ def worker(a) -> None:
                               else tower_params[0].dtype),
            "model_bf16_bytes": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                    for p in model.parameters()) * 2}
-    if a.measure_saves:
-        # freed memory goes back to the OS before each measurement (glibc keeps it otherwise, and a
-        # later allocation reusing it would not show in RssAnon)
-        trim()
-        with Peak() as p:
-            sd = accelerator.get_state_dict(model)  # all ranks: the stock gather into rank 0
-        rec["get_state_dict_extra"] = p.extra
-        del sd
-        trim()
-        with Peak() as p:
-            accelerator.save_state(os.path.join(a.out, "ckpt"))
-        rec["save_state_extra"] = p.extra
-        trim()
-        with Peak() as p:
-            accelerator.save_model(model, os.path.join(a.out, "model"), max_shard_size=f"{a.shard_mb}MB")
-        rec["save_model_extra"] = p.extra
-        trim()
+    # the frozen tower's forward: stock gathers its ZeRO-3 partitions (bf16) for the call
+    tower = getattr(model, "module", model).tower
+    trim()
+    with torch.no_grad(), Peak() as p:
+        tower(x)
+    rec["tower_forward_extra"] = p.extra
+    # freed memory goes back to the OS before each measurement (glibc keeps it otherwise, and a
+    # later allocation reusing it would not show in RssAnon)
+    trim()
+    with Peak() as p:
+        sd = accelerator.get_state_dict(model)  # all ranks: the whole 16-bit model gathered into rank 0
+    rec["get_state_dict_extra"] = p.extra
+    del sd
+    trim()
+    with Peak() as p:
+        accelerator.save_state(os.path.join(a.out, "ckpt"))
+    rec["save_state_extra"] = p.extra
+    trim()
+    with Peak() as p:
+        accelerator.save_model(model, os.path.join(a.out, "model"), max_shard_size=f"{a.shard_mb}MB")
+    rec["save_model_extra"] = p.extra
+    rec["ckpt_bytes"] = sum(f.stat().st_size for f in Path(a.out, "ckpt").rglob("*") if f.is_file())
+    trim()
     sys.stdout.write("RESULT " + json.dumps(rec) + "\n")  # one write: ranks share the pipe
     sys.stdout.flush()
     accelerator.wait_for_everyone()
@@ -162,7 +180,7 @@ def worker(a) -> None:
 
 # ------------------------------------------------------------------------------------------
 # the driver
-def launch(a, tmp: Path, name: str, measure_saves: bool, **env_extra) -> list[dict]:
+def launch(a, tmp: Path, name: str, **env_extra) -> list[dict]:
     ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                 "stage3_gather_16bit_weights_on_model_save": True},
           "bf16": {"enabled": True}, "train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
@@ -179,7 +197,7 @@ def launch(a, tmp: Path, name: str, measure_saves: bool, **env_extra) -> list[di
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(d / "acc.yaml"),
            "--main_process_port", str(_free_port()), __file__, "--worker",
            "--out", str(d), "--width", str(a.width), "--layers", str(a.layers), "--tower-layers",
-           str(a.tower_layers), "--shard-mb", str(a.shard_mb)] + (["--measure-saves"] if measure_saves else [])
+           str(a.tower_layers), "--shard-mb", str(a.shard_mb), "--hang-s", str(a.hang_s)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     recs = [json.loads(line.split("RESULT ", 1)[1]) for line in (p.stdout + p.stderr).splitlines()
             if "RESULT " in line]
@@ -214,8 +232,8 @@ def peak_of(code: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--measure-saves", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hang-s", type=float, default=900, help="a launch still running after this dies with a traceback")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=32, help="trained Linear(width, width) layers")
     ap.add_argument("--tower-layers", type=int, default=16, help="frozen fp32 tower layers")
@@ -224,41 +242,50 @@ def main() -> None:
     if a.worker:
         return worker(a)
 
+    report = Report("checkpoint", "Checkpoint memory under DeepSpeed ZeRO-3: stock vs accel-npu")
     with tempfile.TemporaryDirectory(prefix="accel_npu_ckpt_bench_") as tmpdir:
         tmp = Path(tmpdir)
-        ours = launch(a, tmp, "ours", measure_saves=True)
-        stock_towers = launch(a, tmp, "no_item1", measure_saves=False, ACCEL_NPU_FROZEN_MODULES="none")
+        stock = launch(a, tmp, "stock", ACCEL_NPU_DISABLE="1")
+        ours = launch(a, tmp, "ours")
         ckpt = tmp / "ours" / "ckpt"
         shard = a.shard_mb * MB
         base = "import torch, deepspeed.utils.zero_to_fp32 as z, accel_npu.plugins.checkpoints.consolidate as c; print('BASE', flush=True); "
         ours_peak = peak_of(base + f"c.consolidate({str(ckpt)!r}, {str(tmp / 'cons')!r}, max_shard_size='{a.shard_mb}MB', progress=False)")
         z2f_peak = peak_of(base + f"z.convert_zero_checkpoint_to_state_dict({str(ckpt)!r}, {str(tmp / 'z2f')!r}, max_shard_size=None, safe_serialization=True)")
 
-    r0 = ours[0]
-    model = r0["model_bf16_bytes"]
-    rows = [
-        ("1. rank-0 extra RssAnon while saving, ZeRO-3, N=2", "", ""),
-        ("   model (bf16, all ranks together)", f"{model / MB:8.1f} MB", ""),
-        ("   save_state (sharded, atomic)", f"{r0['save_state_extra'] / MB:8.1f} MB",
-         f"{r0['save_state_extra'] / model:5.2f} x model (goal <= {0.5 + 0.1:.2f})"),
-        (f"   save_model, all ranks ({a.shard_mb} MB shards)", f"{r0['save_model_extra'] / MB:8.1f} MB",
-         f"{r0['save_model_extra'] / model:5.2f} x model"),
-        ("   stock get_state_dict gather", f"{r0['get_state_dict_extra'] / MB:8.1f} MB",
-         f"{r0['get_state_dict_extra'] / model:5.2f} x model"),
-        (f"2. consolidation peak above baseline, ZeRO-3 ckpt ({a.shard_mb} MB shards)", "", ""),
-        ("   accel-npu consolidate", f"{ours_peak / MB:8.1f} MB", f"{ours_peak / shard:5.2f} x shard (goal <= 2)"),
-        ("   zero_to_fp32, unsharded", f"{z2f_peak / MB:8.1f} MB", f"{z2f_peak / shard:5.2f} x shard"),
-        ("3. frozen fp32 tower, per rank, ZeRO-3 N=2", "", ""),
-    ]
-    for label, recs in (("with item 1 (kept out of the engine)", ours),
-                        ("without (ACCEL_NPU_FROZEN_MODULES=none)", stock_towers)):
-        r = recs[0]
-        rows.append((f"   {label}: resident tower tensors", f"{r['tower_bytes'] / MB:8.1f} MB",
-                     f"{r['tower_dtype']}; rank RssAnon after 1 step {r['rss_after_step'] / MB:.0f} MB"))
-    width = max(len(r[0]) for r in rows)
-    print(f"params: trained {a.layers} x {a.width}^2 (+bias), frozen tower {a.tower_layers} x {a.width}^2 fp32")
-    for label, value, note in rows:
-        print(f"{label:<{width}}  {value:>11}  {note}")
+    s0, o0 = stock[0], ours[0]
+    model = o0["model_bf16_bytes"]
+    n = len(ours)
+
+    def extra(r, key):
+        return f"{r[key] / MB:.1f} MB = {r[key] / model:.2f}× model"
+
+    report.text(f"Model: {a.layers} trained `Linear({a.width}, {a.width})` (+bias; {model / MB:.1f} MB in bf16) and a "
+                f"frozen fp32 tower of {a.tower_layers} `Linear({a.width}, {a.width})`; ZeRO-3 bf16, N = {n} CPU ranks "
+                "(gloo), `accelerate launch`. Memory: rank 0's RssAnon above its value just before the operation, "
+                "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`.")
+    report.table(["operation (all ranks call it)", "stock", "accel-npu", "goal (accel-npu)"], [
+        ["`save_state`", extra(s0, "save_state_extra"), extra(o0, "save_state_extra"),
+         f"≤ model/N + 10 % = {1 / n + 0.1:.2f}× model"],
+        [f"`save_model`, {a.shard_mb} MB shards", extra(s0, "save_model_extra"), extra(o0, "save_model_extra"), ""],
+        ["`get_state_dict` (the gather itself, for scale; not a save)", extra(s0, "get_state_dict_extra"),
+         extra(o0, "get_state_dict_extra"), ""],
+    ], caption="1. Saving: rank 0's extra RssAnon")
+    report.table(["tool", "peak above baseline", "goal"], [
+        [f"`accel-npu consolidate`, {a.shard_mb} MB shards", f"{ours_peak / MB:.1f} MB = {ours_peak / shard:.2f}× shard",
+         "≤ 2× shard"],
+        ["`zero_to_fp32`, unsharded", f"{z2f_peak / MB:.1f} MB = {z2f_peak / shard:.2f}× shard", ""],
+    ], caption=f"2. Consolidating the accel-npu run's ZeRO-3 checkpoint ({o0['ckpt_bytes'] / MB:.1f} MB on disk)")
+    report.table(["per rank", "stock", "accel-npu"], [
+        ["resident tower tensors", f"{s0['tower_bytes'] / MB:.1f} MB ({s0['tower_dtype']})",
+         f"{o0['tower_bytes'] / MB:.1f} MB ({o0['tower_dtype']})"],
+        ["rank 0 extra RssAnon during a tower forward", f"{s0['tower_forward_extra'] / MB:.1f} MB",
+         f"{o0['tower_forward_extra'] / MB:.1f} MB"],
+        ["rank 0 RssAnon after one training step", f"{s0['rss_after_step'] / MB:,.0f} MB",
+         f"{o0['rss_after_step'] / MB:,.0f} MB"],
+    ], caption="3. The frozen fp32 tower")
+    print(report.render())
+    report.write()
 
 
 if __name__ == "__main__":

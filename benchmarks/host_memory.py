@@ -11,33 +11,39 @@ Cases (each launched with ``torchrun --nproc_per_node N``, N = 1, 2, 3):
   (d) (b) with accel-npu
 ZeRO-3 (an Accelerator with a ZeRO-3 bf16 DeepSpeedPlugin, ``zero3_init_flag=True``, created first,
 then the whole 60-block ``from_pretrained(path)`` without torch_dtype):
-  (e) whole model on every rank, as stock diffusers loads it (``ACCEL_NPU_ZERO3_INIT=0``; stock
-      accelerate itself refuses DeepSpeed on CPU)
+  (e) stock (``ACCEL_NPU_DISABLE=1``): diffusers ignores zero3_init_flag, every rank builds the whole model
   (f) accel-npu: straight into ZeRO-3 partitions, rank 0 reads the checkpoint once
-  Their baseline is a rank that creates the same Accelerator and loads nothing.
+  Their baseline is a rank that creates the same Accelerator and loads nothing (stock's for (e)).
 FSDP2 with ``fsdp_cpu_ram_efficient_loading`` (an FSDP Accelerator from accelerate's launch
 environment, then ``from_pretrained(path, torch_dtype=bfloat16)`` and ``accelerator.prepare``; N >= 2):
   (g) every rank reads the whole checkpoint, as stock diffusers does (accel-npu's loading plugin
       blocked; the cpu plugin still runs FSDP on gloo ranks)
   (h) accel-npu: rank 0 reads, the other ranks get rank 0's weights at prepare
   (i), (j): (g), (h) without torch_dtype (fp32 models, the field report's call)
+  (k) (j) without the ``prepare`` patch (``ACCEL_NPU_DISABLED_PATCHES=`` accelerate's
+      ``fsdp2_load_full_state_dict``): rank 0 keeps its whole model until every shard is built
   Peaks include ``prepare`` (accelerate broadcasts rank 0's weights into the shards there).
 Node peak = max over time of the *sum* of RssAnon of all rank processes (sampled from
 /proc/<pid>/status every 20 ms). Page cache (file-backed) is not counted. A case whose predicted
 peak does not fit in this node's MemAvailable is not run (it would be OOM-killed, which is the
 point of (a)); the table says so and gives the estimate from N=1.
 
-Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h,i,j] [--cache DIR]
+Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h,i,j,k] [--cache DIR]
+Writes benchmarks/results/host_memory.md (``--results NAME``: results/NAME.md, for partial runs).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import Report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -264,13 +270,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+FSDP2_PREPARE_PATCH = "accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict"
 CASES = {
     "a": ("stock: full from_pretrained (no torch_dtype), slice 2", "full_then_slice", False, {}),
     "b": ("stock: from_pretrained(num_layers=2)", "num_layers", False, {}),
     "c": ("accel-npu: (a) + ACCEL_NPU_TRUNCATE=...:2", "full_then_slice", True,
           {"ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"}),
     "d": ("accel-npu: (b)", "num_layers", True, {}),
-    "e": ("ZeRO-3, whole per rank (stock diffusers' way)", "zero3_full", True, {"ACCEL_NPU_ZERO3_INIT": "0"}),
+    "e": ("ZeRO-3, stock (ACCEL_NPU_DISABLE=1): whole model per rank", "zero3_full", False, {}),
     "f": ("ZeRO-3, accel-npu: partitions, read once", "zero3_full", True, {}),
     "g": ("FSDP2 efficient loading, every rank reads (stock diffusers)", "fsdp2", True,
           {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
@@ -278,6 +285,8 @@ CASES = {
     "i": ("(g) without torch_dtype (fp32), every rank reads", "fsdp2_fp32", True,
           {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
     "j": ("(h) without torch_dtype (fp32), accel-npu: rank 0 reads", "fsdp2_fp32", True, {}),
+    "k": ("(j) without the prepare patch (ACCEL_NPU_DISABLED_PATCHES=" + FSDP2_PREPARE_PATCH + ")", "fsdp2_fp32",
+          True, {"ACCEL_NPU_DISABLED_PATCHES": FSDP2_PREPARE_PATCH}),
 }
 _DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
 _FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
@@ -288,7 +297,8 @@ _FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_E
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", default="1,2,3")
-    ap.add_argument("--cases", default="a,b,c,d,e,f,g,h,i,j")
+    ap.add_argument("--cases", default="a,b,c,d,e,f,g,h,i,j,k")
+    ap.add_argument("--results", default="host_memory", help="results file name (benchmarks/results/NAME.md)")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
     ap.add_argument("--cgroup-gib", type=float, default=4.0,
@@ -299,9 +309,19 @@ def main(argv=None) -> int:
     print(f"checkpoint cache: {cache}", flush=True)
     ckpt = build_checkpoint(cache)
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    worker = cache / "host_memory_worker.py"
-    worker.write_text(WORKER)
+    # a worker file per content: another run of an older version of this script may be using its own
+    worker = cache / f"host_memory_worker_{hashlib.sha1(WORKER.encode()).hexdigest()[:10]}.py"
+    if not worker.exists():
+        worker.write_text(WORKER)
     print(f"checkpoint: {ckpt} ({ckpt_bytes / GB:.2f} GB bf16, 60 blocks)", flush=True)
+
+    report = Report(a.results, "Host memory of loading a deep DiT (node peak of summed RssAnon)")
+    summary: list[str] = []
+
+    def out(line: str = "", record: bool = True) -> None:
+        print(line)
+        if line.strip() and record:
+            summary.append(line.strip())
 
     base = run_case(worker, "baseline", ckpt, 1, True, {})
     baseline = base["peak"]
@@ -311,26 +331,32 @@ def main(argv=None) -> int:
         label, mode, accel, env = CASES[case]
         if case in "ef":
             env = {**env, **_DS_ENV}
-        if case in "ghij":
+        if case in "ghijk":
             env = {**env, **_FSDP_ENV}
         for n in ns:
-            if case in "ef" and f"z{n}" not in zero3_base:
-                zero3_base[f"z{n}"] = run_case(worker, "zero3_baseline", ckpt, n, True, _DS_ENV)["peak"]
+            zkey = f"zs{n}" if case == "e" else f"z{n}"  # stock's own baseline for the stock case
+            if case in "ef" and zkey not in zero3_base:
+                zero3_base[zkey] = run_case(worker, "zero3_baseline", ckpt, n, case == "f", _DS_ENV)["peak"]
                 measured["zero3_baseline"] = zero3_base
-            if case in "ghij":
+            if case in "ghijk":
                 if n < 2:
                     continue  # one rank: nothing to shard
                 if f"s{n}" not in zero3_base:
                     zero3_base[f"s{n}"] = run_case(worker, "fsdp2_baseline", ckpt, n, True, _FSDP_ENV)["peak"]
                     measured["fsdp2_baseline"] = {k: v for k, v in zero3_base.items() if k.startswith("s")}
             per_rank = per_rank_a if case == "a" else per_rank_e if case == "e" else None
+            formula = f"{n} × N=1"
             if case == "i":  # every rank a whole fp32 model, plus the shards made at prepare
                 per_rank = 2 * ckpt_bytes * (n + 1) / n + baseline
+                formula = "N × (fp32 model × (N+1)/N + baseline)"
+            if case == "k":  # rank 0's whole fp32 model + all fp32 shards + the other ranks' buffers
+                per_rank = (2 * ckpt_bytes * (1 + 1 + (n - 1) / n)) / n + baseline
+                formula = "fp32 model × (2 + (N-1)/N) + N × baseline"
             if per_rank is not None:
                 need = n * per_rank
                 if need > 0.85 * mem_available():
                     rows.append((case, n, label, None, f"not run: needs ~{need / GB:.1f} GiB "
-                                 f"(est. {n} x N=1), {mem_available() / GB:.1f} GiB available", None))
+                                 f"(estimate: {formula}), {mem_available() / GB:.1f} GiB available", None))
                     measured["cases"][f"{case}{n}"] = {"estimate": need}
                     continue
             r = run_case(worker, mode, ckpt, n, accel, env)
@@ -349,34 +375,38 @@ def main(argv=None) -> int:
                 measured["truncated_bytes"] = params
             print(f"  ({case}) N={n}: {r['peak'] / MB:,.0f} MB  {secs:.1f} s  {note[:80]}", flush=True)
 
-    raw = run_case(worker, "raw", ckpt, 1, False, {})  # a fresh process, like the ranks
-    raw_s, raw_b = raw["results"][0]["seconds"], raw["results"][0]["param_bytes"]
-    raw32 = run_case(worker, "raw_fp32", ckpt, 1, False, {})
-    raw32_s = raw32["results"][0]["seconds"]
-    measured["raw_read"] = {"seconds": raw_s, "bytes": raw_b}
-    print()
-    print(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
-          f"{ckpt_bytes / GB:.2f} GB bf16")
-    print(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  {'log KB':>7}  description / note")
+    out()
+    out(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
+        f"{ckpt_bytes / GB:.2f} GB bf16", record=False)
+    table = []
+    out(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  {'log KB':>7}  description / note", record=False)
     for case, n, label, peak, note, secs in rows:
         p = f"{peak / MB:>10,.0f}" if peak is not None else f"{'-':>10}"
         s = f"{secs:>7.1f}" if secs is not None else f"{'-':>7}"
         logkb = measured["cases"].get(f"{case}{n}", {}).get("stderr_bytes")
         lk = f"{logkb / 1024:>7.0f}" if logkb is not None else f"{'-':>7}"
-        print(f"({case}) {n:>3}  {p}  {s}  {lk}  {label}" + ("" if note == "OK" else f"  [{note}]"))
+        out(f"({case}) {n:>3}  {p}  {s}  {lk}  {label}" + ("" if note == "OK" else f"  [{note}]"), record=False)
+        table.append([f"({case})", str(n), f"{peak / MB:,.0f} MB" if peak is not None else "-",
+                      f"{secs:.1f} s" if secs is not None else "-", f"{lk.strip()} KB", label,
+                      "" if note == "OK" else note])
+    report.text(f"Checkpoint: {ckpt.name}, {ckpt_bytes / GB:.2f} GB bf16 (60 blocks, 9 shards). Node peak = max "
+                f"over time of the summed RssAnon of all rank processes (20 ms samples); process baseline "
+                f"{baseline / MB:,.0f} MB; {mem_available() / GB:.1f} GiB available at the end.")
+    report.table(["case", "N", "node peak", "load", "stderr", "description", "note"], table)
+    report.text("Derived:")
     trunc = measured.get("truncated_bytes")
-    print()
+    out()
     for n in ns:
         c, a_, b_, d_ = (measured["cases"].get(f"{x}{n}", {}) for x in "cabd")
         a_peak = a_.get("peak") or a_.get("estimate")
         if c.get("peak") and a_peak:
-            print(f"N={n}: (a)/(c) = {a_peak / c['peak']:.1f}x (goal >= 10x at N=3)"
+            out(f"N={n}: (a)/(c) = {a_peak / c['peak']:.1f}x (goal >= 10x at N=3)"
                   + (" [a estimated]" if "estimate" in a_ else ""))
         if d_.get("peak") and b_.get("peak"):
-            print(f"N={n}: (d)/(b) = {d_['peak'] / b_['peak']:.2f} (goal <= 1.0)")
+            out(f"N={n}: (d)/(b) = {d_['peak'] / b_['peak']:.2f} (goal <= 1.0)")
         if d_.get("peak") and trunc:
             bound = 1.2 * (n * (trunc + baseline))
-            print(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
+            out(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
                   f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}")
     for n in ns:
         e_, f_ = (measured["cases"].get(f"{x}{n}", {}) for x in "ef")
@@ -384,7 +414,7 @@ def main(argv=None) -> int:
         if f_.get("peak") and zb:
             bound = 1.2 * ckpt_bytes + zb
             e_peak = e_.get("peak") or e_.get("estimate")
-            print(f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
+            out(f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
                   f"{1.2 * ckpt_bytes / MB:,.0f} + {zb / MB:,.0f} = {bound / MB:,.0f} MB -> "
                   f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
                   + (f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
@@ -395,44 +425,35 @@ def main(argv=None) -> int:
             sb = zero3_base.get(f"s{n}")
             if h_.get("peak") and sb:
                 g_peak = g_.get("peak") or g_.get("estimate")
-                print(f"N={n}: FSDP2 ({ours}) {h_['peak'] / MB:,.0f} MB, above baseline "
+                out(f"N={n}: FSDP2 ({ours}) {h_['peak'] / MB:,.0f} MB, above baseline "
                       f"{(h_['peak'] - sb) / ckpt_bytes:.2f} x bf16 model"
                       + (f"; ({stock}) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x; ({stock})/({ours}) = "
                          f"{g_peak / h_['peak']:.1f}x" + (f" [{stock} estimated]" if "estimate" in g_ else "")
                          if g_peak else ""))
-    c1 = measured["cases"].get("c1", {})
-    if c1.get("summary"):
-        import re
-
-        m = re.search(r"\(([\d.]+) MB in ([\d.]+) s\)", c1["summary"][0])
-        if m:
-            mat = float(m.group(2))
-            print(f"load throughput: (c) N=1 materialized {float(m.group(1)):,.0f} MB in {mat:.2f} s "
-                  f"({float(m.group(1)) / max(mat, 1e-9):,.0f} MB/s, incl. bf16->fp32 cast) vs raw safe_open read "
-                  f"(fresh process, get_tensor + copy) of the same {raw_b / MB:,.0f} MB: {raw_s:.2f} s ({raw_b / MB / raw_s:,.0f} MB/s) -> ratio "
-                  f"{raw_s / max(mat, 1e-9):.2f} (goal >= 0.8); vs the same read cast to fp32: {raw32_s:.2f} s -> "
-                  f"ratio {raw32_s / max(mat, 1e-9):.2f}; whole from_pretrained call {c1['seconds']:.2f} s")
-    for key in ("c1", "d1", *(f"f{n}" for n in ns)):
+    # load throughput: benchmarks/load_throughput.py (whole calls, same threads, warm and cold)
+    for key in ("c1", "d1", *(f"f{n}" for n in ns), *(f"h{n}" for n in ns)):
         if measured["cases"].get(key, {}).get("summary"):
-            print(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
+            out(f"({key[0]}) log line: {measured['cases'][key]['summary'][0].strip()}")
     if a.cgroup_gib:
         limit = int(a.cgroup_gib * GB)
         cg = make_memory_cgroup(limit)
         if cg is None:
-            print("memory cgroup: cannot create one here (cgroup v1 memory controller not writable); skipped")
+            out("memory cgroup: cannot create one here (cgroup v1 memory controller not writable); skipped")
         else:
-            print(f"\nN=2 inside a {a.cgroup_gib:g} GiB memory cgroup (page cache counted, reclaimable):")
+            out(f"\nN=2 inside a {a.cgroup_gib:g} GiB memory cgroup (page cache counted, reclaimable):")
             try:
                 for case in ("a", "c"):
                     label, mode, accel, env = CASES[case]
                     r = run_case(worker, mode, ckpt, 2, accel, env, cgroup=cg)
                     killed = "OOM-killed" if "Signal 9" in r["stderr"] or "-9" in r["stderr"] else ""
                     status = "completed" if r["rc"] == 0 else f"FAILED rc={r['rc']} {killed}".strip()
-                    print(f"  ({case}) {label}: {status}, node peak {r['peak'] / MB:,.0f} MB")
+                    out(f"  ({case}) {label}: {status}, node peak {r['peak'] / MB:,.0f} MB")
                     measured["cgroup"] = {**measured.get("cgroup", {}), case: {"rc": r["rc"], "peak": r["peak"],
                                                                              "status": status}}
             finally:
                 remove_cgroup(cg)
+    report.text("\n".join(f"- {line}" for line in summary))
+    report.write()
     if a.json:
         Path(a.json).write_text(json.dumps(measured, indent=2))
     return 0

@@ -1,29 +1,34 @@
-"""Load throughput of a truncated load vs a raw ``safe_open`` read of the same bytes (issue 4). Prints a table.
+"""Load throughput, end to end: the wall time of the whole ``from_pretrained`` call vs a raw
+``safe_open`` read of the same bytes with the same number of threads (issue 4, issue 14 item 6).
 
-The checkpoint is ``benchmarks/host_memory.py``'s (60-block QwenImage, 4.24 GB bf16, 9 shards;
-built once into the cache). Every measurement is a fresh process (one thread, like one rank of
-many), interleaved, ``--repeat`` times; the table gives medians. Three readers of the same kept
-tensors (the first ``--keep`` blocks + the rest, what ``ACCEL_NPU_TRUNCATE=...:2`` keeps):
+The checkpoint is ``benchmarks/host_memory.py``'s (60-block QwenImage, 9 shards; built once into
+the cache). The loaded model keeps the first ``--keep`` blocks. Every measurement is a fresh
+process; the clock runs from just before the call to just after it (imports excluded, model
+construction, key planning, validation and reading included). Readers, all with ``--threads`` T:
 
-  raw       safe_open + get_tensor + clone (bf16 in, bf16 out: the yardstick)
-  raw_fp32  safe_open + get_tensor + .to(float32) (what loading without torch_dtype must produce)
-  accel     the field report's call, ``from_pretrained(path)`` with ACCEL_NPU_TRUNCATE: the time
-            accel-npu reports for reading + materializing (its log line), and the whole call;
-            it reads and casts in this node's cores / loading ranks threads (2 here, at N = 1)
-  accel_1t  the same with ACCEL_NPU_LOAD_THREADS=1
+  raw     safe_open + get_tensor + clone (no cast) / + .to(float32) (cast) of exactly the tensors the
+          truncated model holds, T reader threads over the tensors (torch: 1 thread each)
+  accel   accel-npu, the field report's call: ``from_pretrained(path)`` with
+          ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:<keep>``, ``ACCEL_NPU_LOAD_THREADS=T``
+  stock   ``ACCEL_NPU_DISABLE=1``, ``from_pretrained(path, num_layers=<keep>)`` (stock's way to the same
+          model; it has no reader threads of its own, so torch gets T threads)
 
-Both page-cache states are measured: "warm" (the files are in the page cache) and "cold"
-(``/proc/sys/vm/drop_caches`` before every run; needs root, else skipped), the state a job's first
-load meets. Throughput = kept checkpoint bytes / seconds.
+"no cast" loads with ``torch_dtype=torch.bfloat16`` (as stored); "cast" loads without torch_dtype
+(fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
+before); "cold": before every run ``/proc/sys/vm/drop_caches`` when writable (root), otherwise
+``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file (drops clean, unmapped pages only: a
+page another process maps stays cached). Runs are interleaved, ``--repeat`` times; the table gives
+median (min-max) seconds and the median throughput = kept checkpoint bytes / seconds.
 
-Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2] [--cache DIR]
+Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2] [--threads 2] [--cache DIR]
+Writes benchmarks/results/load_throughput.md.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -31,37 +36,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_memory  # noqa: E402  (the checkpoint and its cache)
+from _results import Report, median_spread  # noqa: E402
 
 MB = 1024 ** 2
 
 WORKER = r'''
 import json, os, sys, time
 import torch
-torch.set_num_threads(1)
-mode, path, keep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(threads if reader == "stock" else 1)
 from diffusers import QwenImageTransformer2DModel
-if mode.startswith("accel"):
+dtype = None if cast else torch.bfloat16
+if reader in ("accel", "stock"):
+    kwargs = {} if reader == "accel" else {"num_layers": keep}
     t = time.perf_counter()
-    model = QwenImageTransformer2DModel.from_pretrained(path)
-    print("RESULT " + json.dumps({"call": time.perf_counter() - t}), flush=True)
+    model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
+    secs = time.perf_counter() - t
+    assert len(model.transformer_blocks) == keep, len(model.transformer_blocks)
+    nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    print("RESULT " + json.dumps({"seconds": secs, "model_bytes": nbytes}), flush=True)
     sys.exit(0)
 import accelerate
+from concurrent.futures import ThreadPoolExecutor
 from safetensors import safe_open
 cfg = {k: v for k, v in json.load(open(os.path.join(path, "config.json"))).items() if not k.startswith("_")}
 cfg["num_layers"] = keep
 with accelerate.init_empty_weights():
     keys = list(QwenImageTransformer2DModel(**cfg).state_dict())
 wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
+keys = [k for k in keys if k in wm]
 t = time.perf_counter()
-got, nbytes = [], 0
-for name in sorted(set(wm[k] for k in keys)):
-    with safe_open(os.path.join(path, name), framework="pt") as f:
-        for k in keys:
-            if wm[k] == name:
-                x = f.get_tensor(k)
-                nbytes += x.numel() * x.element_size()
-                got.append(x.clone() if mode == "raw" else x.to(torch.float32))
-print("RESULT " + json.dumps({"seconds": time.perf_counter() - t, "bytes": nbytes}), flush=True)
+handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
+def read(k):
+    x = handles[wm[k]].get_tensor(k)
+    return x.to(torch.float32) if cast else x.clone()
+with ThreadPoolExecutor(threads) as pool:
+    got = list(pool.map(read, keys))
+secs = time.perf_counter() - t
+print("RESULT " + json.dumps({"seconds": secs, "model_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
 '''
 
 
@@ -75,63 +87,99 @@ def drop_caches() -> bool:
         return False
 
 
-def run(worker: Path, mode: str, ckpt: Path, keep: int) -> dict:
+def fadvise_dontneed(ckpt: Path) -> None:
+    for f in ckpt.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def kept_checkpoint_bytes(ckpt: Path, keep: int) -> int:
+    """Bytes of the checkpoint tensors a ``keep``-block model holds (from the shard headers)."""
+    import struct
+
+    index = json.loads((ckpt / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
+    total = 0
+    for name in sorted(set(index.values())):
+        with open(ckpt / name, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            if key.startswith("transformer_blocks.") and int(key.split(".")[1]) >= keep:
+                continue
+            start, end = meta["data_offsets"]
+            total += end - start
+    return total
+
+
+def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
-    accel = mode.startswith("accel")
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", ACCEL_NPU_DISABLE="0" if accel else "1")
-    if accel:
-        env["ACCEL_NPU_TRUNCATE"] = f"QwenImageTransformer2DModel:{keep}"
-    if mode == "accel_1t":
-        env["ACCEL_NPU_LOAD_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, str(worker), mode, str(ckpt), str(keep)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    res = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    if accel:
-        m = re.search(r"read \d+ tensors \(([\d.]+) MB in ([\d.]+) s\)", proc.stderr)
-        if not m:
-            raise SystemExit(f"no accel-npu summary line:\n{proc.stderr[-3000:]}")
-        res.update(seconds=float(m.group(2)), bytes=float(m.group(1)) * MB)
-    return res
+    env.update(OMP_NUM_THREADS=str(threads if reader == "stock" else 1), HF_HUB_OFFLINE="1",
+               ACCEL_NPU_DISABLE="0" if reader == "accel" else "1")
+    if reader == "accel":
+        env.update(ACCEL_NPU_TRUNCATE=f"QwenImageTransformer2DModel:{keep}", ACCEL_NPU_LOAD_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, str(worker), reader, "cast" if cast else "nocast", str(ckpt), str(keep),
+                           str(threads)], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or "RESULT " not in proc.stdout:
+        raise SystemExit(f"{reader} ({'cast' if cast else 'no cast'}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cache", default=str(host_memory.default_cache()))
-    ap.add_argument("--keep", type=int, default=2, help="blocks kept (the issue's case (c) keeps 2)")
+    ap.add_argument("--keep", type=int, default=2, help="blocks kept (host_memory.py's case (c) keeps 2)")
+    ap.add_argument("--threads", type=int, default=2, help="reader threads, the same for raw, accel-npu and stock")
+    ap.add_argument("--states", default="warm,cold")
     a = ap.parse_args(argv)
+    report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
     cache = Path(a.cache)
     ckpt = host_memory.build_checkpoint(cache)
-    worker = cache / "load_throughput_worker.py"
-    worker.write_text(WORKER)
-    states = ["warm"] + (["cold"] if drop_caches() else [])
-    modes = ("raw", "raw_fp32", "accel_1t", "accel")
-    got: dict = {(s, m): [] for s in states for m in modes}
+    # a worker file per content: another run of an older version of this script may be using its own
+    worker = cache / f"load_throughput_worker_{hashlib.sha1(WORKER.encode()).hexdigest()[:10]}.py"
+    if not worker.exists():
+        worker.write_text(WORKER)
+    states = a.states.split(",")
+    cold_how = "drop_caches" if drop_caches() else "posix_fadvise(POSIX_FADV_DONTNEED) on each shard (not root)"
+    readers = ("raw", "accel", "stock")
+    casts = (False, True)
+    got: dict = {(s, c, r): [] for s in states for c in casts for r in readers}
     for s in states:
         if s == "warm":
-            run(worker, "raw", ckpt, a.keep)  # fill the page cache
-        for _ in range(a.repeat):
-            for m in modes:
-                if s == "cold":
-                    drop_caches()
-                got[(s, m)].append(run(worker, m, ckpt, a.keep))
-    print(f"\nkept bytes: {got[(states[0], 'raw')][0]['bytes'] / MB:,.1f} MB (bf16) of {ckpt}; "
-          f"medians of {a.repeat} fresh processes, 1 thread each")
-    print(f"{'cache':<6}{'reader':<10}{'seconds':>9}{'MB/s':>9}{'vs raw':>8}  note")
+            run(worker, "stock", False, ckpt, a.keep, a.threads)  # fill the page cache (stock maps every shard)
+        for i in range(a.repeat):
+            for c in casts:
+                for r in readers:
+                    if s == "cold" and not drop_caches():
+                        fadvise_dontneed(ckpt)
+                    got[(s, c, r)].append(run(worker, r, c, ckpt, a.keep, a.threads))
+                    print(f"  {s} {'cast' if c else 'no cast'} {r} #{i + 1}: {got[(s, c, r)][-1]['seconds']:.3f} s",
+                          flush=True)
+    kept = kept_checkpoint_bytes(ckpt, a.keep)
+    ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    report.text(f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards); the model keeps {a.keep} of 60 "
+                f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). {a.threads} threads for every reader. "
+                f"Seconds: median (min-max) of {a.repeat} fresh processes, interleaved; MB/s = kept bytes / median "
+                f"seconds; vs raw = raw's median seconds / this reader's. Cold cache: {cold_how}.")
+    rows = []
     for s in states:
-        raw_s = statistics.median(r["seconds"] for r in got[(s, "raw")])
-        for m in modes:
-            rs = got[(s, m)]
-            sec = statistics.median(r["seconds"] for r in rs)
-            mbps = rs[0]["bytes"] / MB / sec
-            note = ""
-            if m.startswith("accel"):
-                note = f"whole from_pretrained call {statistics.median(r['call'] for r in rs):.2f} s"
-            print(f"{s:<6}{m:<10}{sec:>9.3f}{mbps:>9,.0f}{raw_s / sec:>8.2f}  {note}")
-    if "cold" not in states:
-        print("cold cache: not measured (cannot write /proc/sys/vm/drop_caches here)")
+        for c in casts:
+            raw_med = statistics.median(x["seconds"] for x in got[(s, c, "raw")])
+            for r in readers:
+                secs = [x["seconds"] for x in got[(s, c, r)]]
+                med = statistics.median(secs)
+                label = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
+                         "stock": "stock `from_pretrained` (whole call)"}[r]
+                rows.append([s, "fp32 (cast)" if c else "bf16 (no cast)", label, median_spread(secs, "{:.3f}", " s"),
+                             f"{kept / MB / med:,.0f} MB/s", f"{raw_med / med:.2f}×"])
+    report.table(["cache", "load", "reader", "seconds", "throughput", "vs raw"], rows)
+    print(report.render())
+    report.write()
     return 0
 
 

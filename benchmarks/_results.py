@@ -1,0 +1,127 @@
+"""Where benchmark tables go: ``benchmarks/results/<name>.md``, plain markdown.
+
+Each file starts with the one command that reproduces it, the date, and the machine (CPU, cores,
+memory, library versions, load average before and after: the CI box is shared, so the spread of
+repeated runs is part of the result). docs/ quote these files; tests/test_docs_figures.py checks
+that every figure a doc quotes from one appears in it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MB = 1024 ** 2
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as typed from the repository root: ``python benchmarks/x.py args``."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0]).resolve()
+    try:
+        script = script.relative_to(RESULTS.parents[1])
+    except ValueError:
+        pass
+    return "python " + " ".join(shlex.quote(x) for x in [str(script), *argv[1:]])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _mem_total_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for dist in ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "safetensors"):
+        try:
+            out.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def load_average() -> str:
+    try:
+        return "/".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+class Report:
+    """Collects a benchmark's tables and writes them, with how they were made, to results/<name>.md."""
+
+    def __init__(self, name: str, title: str, argv: list[str] | None = None):
+        self.name, self.title = name, title
+        self.command = command_line(argv)
+        self.started = datetime.datetime.now(datetime.timezone.utc)
+        self.load_before = load_average()
+        self.parts: list[str] = []
+
+    def table(self, header: list[str], rows: list[list[str]], caption: str = "") -> None:
+        lines = ([caption, ""] if caption else []) + ["| " + " | ".join(header) + " |",
+                                                      "|" + "|".join("---" for _ in header) + "|"]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        self.parts.append("\n".join(lines))
+
+    def text(self, text: str) -> None:
+        self.parts.append(text.strip("\n"))
+
+    def render(self) -> str:
+        head = [
+            f"# {self.title}",
+            "",
+            f"Reproduce: `{self.command}`",
+            "",
+            f"- Date: {self.started:%Y-%m-%d %H:%M} UTC",
+            f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {_mem_total_gib():.1f} GiB RAM, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}; {_versions()}",
+            f"- Load average (1/5/15 min) before {self.load_before}, after {load_average()}: the machine was "
+            "shared with other jobs, so timings carry their spread",
+            "",
+        ]
+        return "\n".join(head + ["\n\n".join(self.parts), ""])
+
+    def write(self) -> Path:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"{self.name}.md"
+        tmp = path.with_suffix(".md.partial")
+        tmp.write_text(self.render())
+        tmp.replace(path)
+        print(f"\nwrote {path}")
+        return path
+
+
+def mb(nbytes: float, digits: int = 0) -> str:
+    return f"{nbytes / MB:,.{digits}f} MB"
+
+
+def median_spread(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
+    """``median (min-max)``: the spread of repeated runs on a shared machine."""
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med) + unit
+    return f"{fmt.format(med)}{unit} ({fmt.format(min(values))}-{fmt.format(max(values))})"
