@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("deepspeed_setup", "accel_npu.plugins.deepspeed"),
     ("video", "accel_npu.plugins.video"),
     ("torchvision_compat", "accel_npu.plugins.torchvision_compat"),
+    ("ddp", "accel_npu.plugins.ddp"),
     ("loading", "accel_npu.plugins.loading"),
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),

@@ -1,0 +1,81 @@
+"""DDP on models with structurally unused parameters (issue 15 item 4).
+
+A DiT whose last block still has a text stream (``QwenImageTransformer2DModel``: the last
+block's ``txt_mod``/``txt_mlp``/... feed an encoder stream nothing reads) leaves those parameters
+without a gradient in every step. Stock DDP (``find_unused_parameters=False``, its default and
+accelerate's) then waits for them forever and step 2 dies with "Expected to have finished
+reduction in the prior iteration before starting a new one"; ``find_unused_parameters=True``
+trains but searches the autograd graph in every step.
+
+Here, before a DDP module's first training forward, a meta-device probe (``unused.py``) asks
+which trainable parameters the forward leaves out of the graph. Only when some are — on any
+rank — DDP is told its graph is static (``_set_static_graph``, what ``static_graph=True`` calls):
+it records the unused parameters in the first iteration and marks them ready itself from then
+on, with no per-step search, and their gradients stay None as on one process. One line says
+which and why. A DDP built with ``find_unused_parameters`` or ``static_graph`` given explicitly
+is left as the script asked; so is a probe that cannot run on meta.
+"""
+from __future__ import annotations
+
+import logging
+
+from accel_npu._torch.dist import all_ranks_agree
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+from accel_npu.plugins.ddp.unused import unused_parameters
+
+log = logging.getLogger("accel_npu")
+
+_EXPLICIT = ("find_unused_parameters", "static_graph")
+
+
+def _before_first_training_forward(ddp, args, kwargs):
+    import torch
+
+    if not (torch.is_grad_enabled() and ddp.training):
+        return None  # an eval forward first: wait for the first one that trains
+    ddp._accel_npu_probe_handle.remove()
+    if ddp.static_graph or ddp.find_unused_parameters:
+        return None
+    unused = unused_parameters(ddp.module, args, kwargs)
+    # Every rank must decide alike (the reducers pair up): static graph if any rank saw unused ones.
+    if all_ranks_agree(not unused):
+        return None
+    ddp._set_static_graph()
+    shown = ", ".join(unused[:4]) + (f", ... ({len(unused)} in all)" if len(unused) > 4 else "")
+    log.warning("accel-npu: DDP: %s of %s get no gradient in its forward (%s): static_graph on, so DDP "
+                "skips them from step 2 instead of failing with 'Expected to have finished reduction' "
+                "(find_unused_parameters=True would search the graph every step)",
+                f"{len(unused)} parameter(s)" if unused else "parameters on another rank",
+                type(ddp.module).__name__, shown or "see that rank")
+    return None
+
+
+def _ddp_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    if any(key in kwargs for key in _EXPLICIT):
+        return  # the script chose; positional use of these (arguments 8+) is not seen in practice
+    if instance.static_graph or instance.find_unused_parameters:
+        return
+    if not any(p.requires_grad for p in instance.module.parameters()):
+        return
+    instance._accel_npu_probe_handle = instance.register_forward_pre_hook(_before_first_training_forward,
+                                                                        with_kwargs=True)
+
+
+DDP_UNUSED_PARAMETERS = Patch(
+    target="torch.nn.parallel.distributed:DistributedDataParallel.__init__",
+    supports="torch>=2.4,<2.15",
+    reason="DDP on a DiT with structurally unused parameters (QwenImageTransformer2DModel's last text "
+           "stream) dies at step 2 with 'Expected to have finished reduction in the prior iteration'; "
+           "find_unused_parameters=True trains at a per-step cost. A meta-device probe before the first "
+           "training forward finds them, and only then DDP is told its graph is static.",
+    remove_when="DDP detects parameters that never get a gradient by itself, or accelerate sets static_graph "
+                "for such models",
+    wrapper=_ddp_init,
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [DDP_UNUSED_PARAMETERS]
