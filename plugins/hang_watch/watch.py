@@ -284,8 +284,10 @@ class Watchdog(threading.Thread):
             return None
 
     def _mark_exited(self) -> None:
+        """Tell a rank that later idles (a long save on rank 0) that this one left, not stalled."""
         if self.store is not None and not self.store_failed:
             try:
+                self.store.set_timeout(timedelta(seconds=2))  # never hold up the process's exit
                 self.store.set(_exited_key(self.calls.rank), "1")
             except Exception:  # noqa: BLE001
                 pass
@@ -391,8 +393,9 @@ class Watchdog(threading.Thread):
             if r == calls.rank:
                 continue
             if r in exited:
-                behind.append(r)
-                other.append(f"rank {r} has exited")
+                if kind == "inside":  # an idle rank is not waiting for a rank that finished
+                    behind.append(r)
+                    other.append(f"rank {r} has exited")
             elif r not in answers:
                 behind.append(r)
                 other.append(f"rank {r}: no answer within {self.answer_wait:g} s (stopped, e.g. SIGSTOP, or "
