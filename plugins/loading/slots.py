@@ -42,8 +42,12 @@ def slot_count(nbytes: int) -> int | None:
 
 
 def _slot_dir() -> str:
-    job = (os.environ.get("TORCHELASTIC_RUN_ID") or
-           f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}")
+    # torchrun's default run id is "none" for every job (accelerate launch passes no --rdzv_id): the
+    # rendezvous address tells this job's ranks from another job's on the same node
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or ""
+    job = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    if run_id and run_id != "none":
+        job = f"{run_id}-{job}"
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", job)
     base = os.environ.get("TMPDIR") or "/tmp"
     path = os.path.join(base, f"accel-npu-load-slots-{os.getuid()}", job)

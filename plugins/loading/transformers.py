@@ -68,6 +68,8 @@ def _from_pretrained(wrapped, cls, args, kwargs):
         else:
             kwargs["pretrained_model_name_or_path"] = view.dir
     nbytes = view.kept_bytes if view is not None else _local_checkpoint_bytes(path, kwargs.get("subfolder"))
+    if _under_zero_init():  # a collective (rank 0 reads, zero.Init broadcasts): a per-rank slot would deadlock
+        nbytes = None
     quiet = _quiet("transformers.modeling_utils") if depth_asked is not None else contextlib.nullcontext()
     try:
         with load_slot(nbytes or 0, what=f"{cls.__name__} from {path}") if nbytes else contextlib.nullcontext():
@@ -99,6 +101,17 @@ def _from_pretrained(wrapped, cls, args, kwargs):
                     "(not read).", cls.__name__, depth_asked[0], depth_asked[1], shards, len(unexpected),
                     truncation.ranges(layers) or "-")
     return (model, info) if user_info else model
+
+
+def _under_zero_init() -> bool:
+    """transformers will build this load under deepspeed.zero.Init (every rank takes part)."""
+    import sys
+
+    ds = sys.modules.get("transformers.integrations.deepspeed")
+    try:
+        return bool(ds is not None and ds.is_deepspeed_zero3_enabled())
+    except Exception:
+        return False
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
