@@ -197,11 +197,12 @@ def test_swap_keeps_the_users_other_files_and_replaces_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["save_state", "save_model"])
+@pytest.mark.parametrize("mode", ["save_state", "save_model_busy"])
 def test_rank0_only_save_under_zero3_fails_in_time_saying_what_to_do(mode, tmp_path):
-    """save_state / save_model inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks: the
-    main process gets CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT, nothing is written.
-    (No stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
+    """save_state / save_model inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks while
+    the other rank is not idle: the main process gets CollectiveMisuseError within
+    ACCEL_NPU_COLLECTIVE_TIMEOUT naming the script line, nothing is written.
+    (No ACCEL_NPU_DISABLE stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
     from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
         zero_config
 
@@ -213,7 +214,36 @@ def test_rank0_only_save_under_zero3_fails_in_time_saying_what_to_do(mode, tmp_p
     rec = results(proc)
     assert len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(proc)
     assert 5 <= rec[0]["seconds"] < 20, rec
-    assert f"accelerator.{mode}() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
-           "rank(s) [1] did not within 5 s" in rec[0]["message"]
-    assert "on every rank" in rec[0]["message"]
+    line = next(i for i, text in enumerate((SCRIPTS / "rank0_only_save.py").read_text().splitlines(), 1)
+                if ("save_state(out_dir)" if mode == "save_state" else "save_model(model, out_dir)") in text)
+    assert f"rank0_only_save.py:{line}" in rec[0]["message"], rec[0]["message"]
+    if mode == "save_state":
+        assert "accelerator.save_state() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
+               "rank(s) [1] did not within 5 s" in rec[0]["message"]
+        assert "on every rank" in rec[0]["message"]
+    else:
+        assert "rank(s) [1] did not reach an idle point (wait_for_everyone, end_training) within 5 s" \
+               in rec[0]["message"]
     assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
+
+
+@pytest.mark.slow
+def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_path):
+    """The same save_model with the other rank idle in wait_for_everyone: it joins rank 0's gathers
+    (each parameter a ZeRO-3 partition: threshold 0) and the file holds the whole model, equal to
+    get_state_dict gathered on every rank afterwards."""
+    from safetensors.torch import load_file
+
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
+        zero_config
+
+    cfg = write_deepspeed_config(tmp_path, zero_config(3))
+    out = tmp_path / "out"
+    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model", str(out)],
+                             env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    rec = results(proc)
+    assert len(rec) == 1 and rec[0]["result"] == "saved", explain(proc)
+    saved = load_file(str(out / "model.safetensors"))
+    assert {k: v.float().sum().item() for k, v in saved.items()} == rec[0]["reference"]
+    assert saved["0.weight"].shape == (32, 16)

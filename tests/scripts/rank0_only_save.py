@@ -1,9 +1,15 @@
 """A script that saves inside ``if accelerator.is_main_process:`` under DeepSpeed ZeRO-3 (a common
-mistake: DiT4DiT, diffusers #2606). usage: rank0_only_save.py save_state|save_model OUT_DIR
+mistake: DiT4DiT, diffusers #2606). usage: rank0_only_save.py MODE OUT_DIR
 
-Prints ``RESULT {json}`` from the main process: the exception it got, or "saved".
+MODE: save_state | save_model | save_model_busy. With ``_busy`` the other ranks are not idle while
+rank 0 saves (they sleep ACCEL_NPU_COLLECTIVE_TIMEOUT + 5 s first, as a rank training on would be
+elsewhere); otherwise they wait in ``accelerator.wait_for_everyone()``.
+
+Prints ``RESULT {json}`` from the main process: the exception it got, or "saved" with the sum of
+every parameter (gathered on every rank afterwards, the documented way) to compare with the file.
 """
 import json
+import os
 import sys
 import time
 
@@ -12,6 +18,7 @@ from accelerate import Accelerator
 
 mode, out_dir = sys.argv[1], sys.argv[2]
 accelerator = Accelerator()
+torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 4)),
@@ -20,6 +27,9 @@ model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 x, y = next(iter(loader))
 accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
 optimizer.step()
+if mode.endswith("_busy") and not accelerator.is_main_process:
+    time.sleep(float(os.environ.get("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30")) + 5)
+outcome = None
 if accelerator.is_main_process:
     started = time.monotonic()
     try:
@@ -31,7 +41,11 @@ if accelerator.is_main_process:
     except Exception as exc:  # noqa: BLE001 - reported, then re-raised
         outcome = {"error": type(exc).__name__, "message": str(exc)}
     outcome["seconds"] = time.monotonic() - started
-    print("RESULT " + json.dumps({"rank": 0, **outcome}), flush=True)
     if "error" in outcome:
+        print("RESULT " + json.dumps({"rank": 0, **outcome}), flush=True)
         raise SystemExit(1)
 accelerator.wait_for_everyone()
+state = accelerator.get_state_dict(model)  # every rank: the reference
+if accelerator.is_main_process:
+    outcome["reference"] = {k: v.float().sum().item() for k, v in state.items()}
+    print("RESULT " + json.dumps({"rank": 0, **outcome}), flush=True)

@@ -5,7 +5,8 @@ usage: python tiny_sd.py MODEL_DIR DATA_DIR
 MODEL_DIR gets what diffusers' train_text_to_image.py loads with --pretrained_model_name_or_path
 (scheduler/, tokenizer/, text_encoder/, vae/, unet/, model_index.json via
 StableDiffusionPipeline.save_pretrained); DATA_DIR gets a few 32x32 PNGs and metadata.jsonl with a
-"text" column (datasets' imagefolder: --train_data_dir, --caption_column text). Never imports accel_npu.
+"text" column (datasets' imagefolder: --train_data_dir, --caption_column text); --resolution 16.
+Never imports accel_npu.
 """
 from __future__ import annotations
 
@@ -53,17 +54,17 @@ def build(model_dir: str, seed: int = 0):
     tokenizer, vocab_size = write_tokenizer(tok_dir)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
-    vae = AutoencoderKL(block_out_channels=(16, 32), in_channels=3, out_channels=3, latent_channels=4,
+        block_out_channels=(16,), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8, time_embedding_dim=32)
+    vae = AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4,
                         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=8, sample_size=32)
+                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=tokenizer.model_max_length, bos_token_id=0, eos_token_id=1, pad_token_id=1,
         projection_dim=32))
-    scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="linear")
+    scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="linear", clip_sample=False)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
@@ -71,7 +72,7 @@ def build(model_dir: str, seed: int = 0):
     return pipe
 
 
-def write_dataset(data_dir: str, n: int = 8, size: int = 32):
+def write_dataset(data_dir: str, n: int = 8, size: int = 16):
     import numpy as np
     from PIL import Image
 

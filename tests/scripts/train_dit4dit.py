@@ -147,7 +147,8 @@ def main():
             t0 = time.time()
             try:
                 sd = accelerator.get_state_dict(model)
-                emit(kind="rank0_gsd", rank=rank, ok=True, seconds=time.time() - t0)
+                emit(kind="rank0_gsd", rank=rank, ok=True, seconds=time.time() - t0,
+                     sums={k: v.float().sum().item() for k, v in sd.items()})
             except Exception as exc:
                 emit(kind="rank0_gsd", rank=rank, ok=False, seconds=time.time() - t0,
                      error=f"{type(exc).__name__}: {exc}")
