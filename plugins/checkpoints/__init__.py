@@ -1,19 +1,26 @@
-"""Atomic sharded checkpoints, collective-misuse guard, consolidation (issue 5, items 2-4).
+"""Atomic sharded checkpoints, collective-misuse guard, rank-0-only saves of ZeRO-3 models, consolidation
+(issue 5 items 2-4, issue 16 items 2-3).
 
 Under DeepSpeed:
 - ``save_state`` writes into a hidden sibling directory and renames it into place (``latest``
   and a manifest last): a SIGKILL mid-save leaves the previous checkpoint loadable;
 - ``load_state`` refuses an incomplete checkpoint with the list of missing files;
-- ``get_state_dict`` / ``save_model`` under ZeRO-3 first check, within
-  ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds, that every rank called them (field report 7.9:
-  DiT4DiT calls ``get_state_dict`` inside ``if accelerator.is_main_process``), and
-  ``save_model`` gathers one output shard at a time instead of the whole model on rank 0;
+- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606)
+  fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds naming the script line, its ``if`` and the
+  one-line fix, before anything is created; save hooks get one ``weights`` entry per model;
+- ``save_model`` gathers one output shard at a time instead of the whole model on rank 0;
+- ZeRO-3 partitioned models saved on rank 0 alone (``save_pretrained``, ``get_state_dict``,
+  ``save_model``, ``safetensors.torch.save_file`` of parameters) are gathered a group at a time
+  with the other ranks joining from ``wait_for_everyone`` / ``end_training`` (``serving.py``,
+  ``partitioned.py``); a rank that is busy elsewhere makes it fail in time, nothing written;
 - frozen towers kept out of the engine (plugins/frozen_towers) are added back to
   ``get_state_dict`` results in their own dtype;
 - ``accel-npu consolidate`` (a command this plugin adds) turns a checkpoint into
   ``from_pretrained`` directories.
 Beside this module: ``state.py`` (atomic save_state, load checks, rendezvous), ``streaming.py``
-(save_model one shard at a time), ``consolidate.py``, ``files.py``.
+(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather),
+``partitioned.py`` (save_pretrained / save_file of partitions), ``callsite.py`` (the script line of
+a misuse), ``consolidate.py``, ``files.py``.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from accel_npu import environment
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.checkpoints import consolidate, partitioned, serving, state as checkpointing
+from accel_npu.plugins.checkpoints import consolidate, lora, partitioned, serving, state as checkpointing
 from accel_npu.plugins.checkpoints.streaming import streaming_save_model
 
 log = logging.getLogger("accel_npu")
@@ -182,10 +189,21 @@ SAFETENSORS_SAVE_FILE = Patch(
     wrapper=partitioned.save_file)
 
 
+PEFT_STATE_DICT = Patch(
+    target="peft.utils.save_and_load:get_peft_model_state_dict",
+    supports="peft>=0.13,<0.22",
+    reason="Under ZeRO-3 the adapter's parameters are partitioned: get_peft_model_state_dict gives their "
+           "empty state_dict() copies and save_lora_weights writes shape-[0] tensors (exit 0, a LoRA "
+           "load_lora_weights refuses). It hands back the partitioned parameters, which save_file gathers.",
+    remove_when="peft gathers ZeRO-3 parameters in get_peft_model_state_dict",
+    wrapper=lora.peft_state_dict,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE]
+            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT]
 
 
 @hookimpl

@@ -208,3 +208,25 @@ def merged_view(state, plan_: LoraPlan) -> dict[str, Any]:
         else:
             out[key] = state[key]
     return out
+
+
+def peft_state_dict(wrapped, instance, args, kwargs):
+    """peft's ``get_peft_model_state_dict`` of a ZeRO-3 partitioned model hands back the adapter's
+    partitioned parameters themselves (not their empty ``state_dict()`` copies), so the
+    ``save_file`` that follows (diffusers' ``save_lora_weights``) gathers them whole
+    (plugins/checkpoints/partitioned.py) instead of writing shape-[0] tensors."""
+    model = args[0] if args else kwargs.get("model")
+    if model is None or kwargs.get("state_dict") is not None or len(args) > 1:
+        return wrapped(*args, **kwargs)
+    try:
+        from accel_npu.plugins.checkpoints import serving
+
+        if not any(serving.is_partitioned(p) for p in model.parameters()):
+            return wrapped(*args, **kwargs)
+        full = model.state_dict()
+        for key, value in model.state_dict(keep_vars=True).items():
+            if serving.is_partitioned(value):
+                full[key] = value  # the Parameter itself: gathered when written
+    except Exception:
+        return wrapped(*args, **kwargs)
+    return wrapped(model, *args[1:], state_dict=full, **kwargs)
