@@ -144,7 +144,7 @@ def worker(a) -> None:
         t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
         return t.numel() * t.element_size()
 
-    rec = {"rank": rank, "rss_after_step": rss_anon(), "rss_before_prepare": before_prepare,
+    rec = {"rank": rank, "rss_after_step": rss_anon(), "accelerate_num_processes": accelerator.num_processes, "rss_before_prepare": before_prepare,
            "tower_bytes": sum(resident(p) for p in tower_params),
            "tower_dtype": str(tower_params[0].ds_tensor.dtype if hasattr(tower_params[0], "ds_tensor")
                               else tower_params[0].dtype),
@@ -263,7 +263,11 @@ def main() -> None:
     report.text(f"Model: {a.layers} trained `Linear({a.width}, {a.width})` (+bias; {model / MB:.1f} MB in bf16) and a "
                 f"frozen fp32 tower of {a.tower_layers} `Linear({a.width}, {a.width})`; ZeRO-3 bf16, N = {n} CPU ranks "
                 "(gloo), `accelerate launch`. Memory: rank 0's RssAnon above its value just before the operation, "
-                "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`.")
+                "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`. "
+                f"accelerate's own view of the job: {s0['accelerate_num_processes']} process(es) stock, "
+                f"{o0['accelerate_num_processes']} with accel-npu (stock accelerate does not see gloo ranks as a "
+                "multi-process DeepSpeed job, while DeepSpeed itself partitions over all ranks: the stock column is "
+                "what stock does on CPU ranks).")
     report.table(["operation (all ranks call it)", "stock", "accel-npu", "goal (accel-npu)"], [
         ["`save_state`", extra(s0, "save_state_extra"), extra(o0, "save_state_extra"),
          f"≤ model/N + 10 % = {1 / n + 0.1:.2f}× model"],
