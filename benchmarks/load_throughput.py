@@ -45,9 +45,9 @@ import json, os, sys, time
 import torch
 reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads if reader == "stock" else 1)
-from diffusers import QwenImageTransformer2DModel
 dtype = None if cast else torch.bfloat16
 if reader in ("accel", "stock"):
+    from diffusers import QwenImageTransformer2DModel
     kwargs = {} if reader == "accel" else {"num_layers": keep}
     t = time.perf_counter()
     model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
@@ -56,15 +56,10 @@ if reader in ("accel", "stock"):
     nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     print("RESULT " + json.dumps({"seconds": secs, "model_bytes": nbytes}), flush=True)
     sys.exit(0)
-import accelerate
 from concurrent.futures import ThreadPoolExecutor
 from safetensors import safe_open
-cfg = {k: v for k, v in json.load(open(os.path.join(path, "config.json"))).items() if not k.startswith("_")}
-cfg["num_layers"] = keep
-with accelerate.init_empty_weights():
-    keys = list(QwenImageTransformer2DModel(**cfg).state_dict())
 wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
-keys = [k for k in keys if k in wm]
+keys = json.load(open(sys.argv[6]))  # the truncated model's checkpoint keys (the driver's kept_keys)
 t = time.perf_counter()
 handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
 def read(k):
@@ -87,8 +82,8 @@ def drop_caches() -> bool:
         return False
 
 
-def fadvise_dontneed(ckpt: Path) -> None:
-    for f in ckpt.glob("*.safetensors"):
+def fadvise_dontneed(files: list[Path]) -> None:
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -97,12 +92,13 @@ def fadvise_dontneed(ckpt: Path) -> None:
             os.close(fd)
 
 
-def kept_checkpoint_bytes(ckpt: Path, keep: int) -> int:
-    """Bytes of the checkpoint tensors a ``keep``-block model holds (from the shard headers)."""
+def kept_tensors(ckpt: Path, keep: int) -> tuple[list[str], int, list[Path]]:
+    """The checkpoint keys a ``keep``-block model holds, their bytes, and the shards holding them
+    (from the shard headers; blocks are ``transformer_blocks.<i>.``)."""
     import struct
 
     index = json.loads((ckpt / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"]
-    total = 0
+    keys, total, shards = [], 0, set()
     for name in sorted(set(index.values())):
         with open(ckpt / name, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
@@ -111,61 +107,41 @@ def kept_checkpoint_bytes(ckpt: Path, keep: int) -> int:
                 continue
             if key.startswith("transformer_blocks.") and int(key.split(".")[1]) >= keep:
                 continue
+            keys.append(key)
             start, end = meta["data_offsets"]
             total += end - start
-    return total
+            shards.add(ckpt / name)
+    return keys, total, sorted(shards)
 
 
-def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int) -> dict:
+def fill_cache(files: list[Path]) -> None:
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 * MB):
+                pass
+
+
+def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int, keys_file: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update(OMP_NUM_THREADS=str(threads if reader == "stock" else 1), HF_HUB_OFFLINE="1",
                ACCEL_NPU_DISABLE="0" if reader == "accel" else "1")
     if reader == "accel":
         env.update(ACCEL_NPU_TRUNCATE=f"QwenImageTransformer2DModel:{keep}", ACCEL_NPU_LOAD_THREADS=str(threads))
     proc = subprocess.run([sys.executable, str(worker), reader, "cast" if cast else "nocast", str(ckpt), str(keep),
-                           str(threads)], env=env, capture_output=True, text=True, timeout=900)
+                           str(threads), str(keys_file)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise SystemExit(f"{reader} ({'cast' if cast else 'no cast'}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--cache", default=str(host_memory.default_cache()))
-    ap.add_argument("--keep", type=int, default=2, help="blocks kept (host_memory.py's case (c) keeps 2)")
-    ap.add_argument("--threads", type=int, default=2, help="reader threads, the same for raw, accel-npu and stock")
-    ap.add_argument("--states", default="warm,cold")
-    a = ap.parse_args(argv)
+def write_report(a, ckpt, ckpt_bytes, kept, states, casts, readers, got, cold_how, rounds) -> None:
     report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
-    cache = Path(a.cache)
-    ckpt = host_memory.build_checkpoint(cache)
-    # a worker file per content: another run of an older version of this script may be using its own
-    worker = cache / f"load_throughput_worker_{hashlib.sha1(WORKER.encode()).hexdigest()[:10]}.py"
-    if not worker.exists():
-        worker.write_text(WORKER)
-    states = a.states.split(",")
-    cold_how = "drop_caches" if drop_caches() else "posix_fadvise(POSIX_FADV_DONTNEED) on each shard (not root)"
-    readers = ("raw", "accel", "stock")
-    casts = (False, True)
-    got: dict = {(s, c, r): [] for s in states for c in casts for r in readers}
-    for s in states:
-        if s == "warm":
-            run(worker, "stock", False, ckpt, a.keep, a.threads)  # fill the page cache (stock maps every shard)
-        for i in range(a.repeat):
-            for c in casts:
-                for r in readers:
-                    if s == "cold" and not drop_caches():
-                        fadvise_dontneed(ckpt)
-                    got[(s, c, r)].append(run(worker, r, c, ckpt, a.keep, a.threads))
-                    print(f"  {s} {'cast' if c else 'no cast'} {r} #{i + 1}: {got[(s, c, r)][-1]['seconds']:.3f} s",
-                          flush=True)
-    kept = kept_checkpoint_bytes(ckpt, a.keep)
-    ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     report.text(f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards); the model keeps {a.keep} of 60 "
                 f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). {a.threads} threads for every reader. "
-                f"Seconds: median (min-max) of {a.repeat} fresh processes, interleaved; MB/s = kept bytes / median "
-                f"seconds; vs raw = raw's median seconds / this reader's. Cold cache: {cold_how}.")
+                f"Seconds: median (min-max) of {rounds} fresh process(es) per cell ({rounds} of {a.repeat} rounds "
+                f"done), interleaved; MB/s = kept bytes / median seconds; vs raw = raw's median seconds / this "
+                f"reader's (same cache state, same cast). Warm: the shards holding the kept tensors read just before; "
+                f"cold: {cold_how} just before.")
     rows = []
     for s in states:
         for c in casts:
@@ -180,6 +156,43 @@ def main(argv=None) -> int:
     report.table(["cache", "load", "reader", "seconds", "throughput", "vs raw"], rows)
     print(report.render())
     report.write()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cache", default=str(host_memory.default_cache()))
+    ap.add_argument("--keep", type=int, default=2, help="blocks kept (host_memory.py's case (c) keeps 2)")
+    ap.add_argument("--threads", type=int, default=2, help="reader threads, the same for raw, accel-npu and stock")
+    ap.add_argument("--states", default="warm,cold")
+    a = ap.parse_args(argv)
+    cache = Path(a.cache)
+    ckpt = host_memory.build_checkpoint(cache)
+    # a worker file per content: another run of an older version of this script may be using its own
+    worker = cache / f"load_throughput_worker_{hashlib.sha1(WORKER.encode()).hexdigest()[:10]}.py"
+    if not worker.exists():
+        worker.write_text(WORKER)
+    states = a.states.split(",")
+    keys, kept, shards = kept_tensors(ckpt, a.keep)
+    keys_file = cache / f"load_throughput_keys_{a.keep}.json"
+    keys_file.write_text(json.dumps(keys))
+    ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    cold_how = "drop_caches" if drop_caches() else "posix_fadvise(POSIX_FADV_DONTNEED) on each shard (not root)"
+    readers = ("raw", "accel", "stock")
+    casts = (False, True)
+    got: dict = {(s, c, r): [] for s in states for c in casts for r in readers}
+    for i in range(a.repeat):  # rounds: the results file is rewritten after each, so a cut-short run still reports
+        for s in states:
+            for c in casts:
+                for r in readers:
+                    if s == "warm":
+                        fill_cache(shards)
+                    elif not drop_caches():
+                        fadvise_dontneed(shards)
+                    got[(s, c, r)].append(run(worker, r, c, ckpt, a.keep, a.threads, keys_file))
+                    print(f"  {s} {'cast' if c else 'no cast'} {r} #{i + 1}: {got[(s, c, r)][-1]['seconds']:.3f} s",
+                          flush=True)
+        write_report(a, ckpt, ckpt_bytes, kept, states, casts, readers, got, cold_how, i + 1)
     return 0
 
 
