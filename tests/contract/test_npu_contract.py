@@ -394,7 +394,7 @@ def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.startswith("accel-npu self-test: backend npu (npu, hccl, 1 device(s))"), proc.stdout
     assert lines["CANN libraries"].startswith("failed: OSError: cannot load libascendcl.so"), lines
-    assert lines["CANN libraries"].endswith("Fix: source /opt/Ascend/ascend-toolkit/set_env.sh"), lines
+    assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in lines["CANN libraries"], lines
     assert lines["import torch_npu"] == f"ok (torch_npu {TORCH_BASE}.post1)", lines
     assert lines["CANN / SoC / bf16"] == ("ok (CANN 8.2.RC1, SoC Ascend910A, bf16 NOT supported (autocast bf16 runs "
                                           "float32, AdamW uses foreach))"), lines

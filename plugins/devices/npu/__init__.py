@@ -303,8 +303,10 @@ def accel_npu_env_report(backend):
 
 
 # -- accel-npu env --selftest ---------------------------------------------------------------------
-#: CANN's runtime and collective libraries, and the driver's (torch_npu's libtorch_npu.so needs them)
-CANN_LIBRARIES = ("libascendcl.so", "libhccl.so", "libascend_hal.so")
+#: CANN libraries libtorch_npu.so links (torch_npu setup.py `cann_dependencies`, v7.2.0-pytorch2.7.1: the
+#: runtime, collectives, op compiler, graph engine), and the driver's, which torch_npu opens to count devices
+#: (torch_npu/npu/__init__.py `_raw_device_count_ascend_hal`)
+CANN_LIBRARIES = ("libascendcl.so", "libhccl.so", "libacl_op_compiler.so", "libge_runner.so", "libascend_hal.so")
 
 
 def _skipped(reason: str):
@@ -316,14 +318,18 @@ def _skipped(reason: str):
 def check_cann_libraries() -> str:
     import ctypes
 
-    missing = []
+    missing, first_error = [], None
     for name in CANN_LIBRARIES:
         try:
             ctypes.CDLL(name)
         except OSError as exc:
-            missing.append(f"{name} ({exc})")
+            missing.append(name)
+            first_error = first_error or str(exc)
     if missing:
-        raise OSError(f"cannot load {'; '.join(missing)}. Fix: source {cann_set_env(os.environ)}")
+        driver = (" (libascend_hal.so is the NPU driver's: /usr/local/Ascend/driver/lib64/driver belongs on "
+                  "LD_LIBRARY_PATH)" if "libascend_hal.so" in missing else "")
+        raise OSError(f"cannot load {', '.join(missing)} ({first_error}). Fix: source "
+                      f"{cann_set_env(os.environ)}{driver}")
     return ", ".join(CANN_LIBRARIES) + " load"
 
 
