@@ -20,12 +20,22 @@ import pytest
 import yaml
 
 from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port
+from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
 
 SCRIPT = (REPO.parent / "shared" / "upstream" / "diffusers-v0.40.0" / "examples" / "dreambooth"
           / "train_dreambooth_lora_qwen_image.py")
 PROMPT = "a photo of sks dog"
+DOC = REPO / "docs" / "compatibility.md"
+
+
+def _doc_row(config: str) -> str:
+    """docs/compatibility.md's row for this script under ``config`` (its second cell)."""
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| `train_dreambooth_lora_qwen_image.py`")]
+    found = [row for row in rows if row.strip("|").split("|")[1].strip() == config]
+    assert len(found) == 1, rows
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +192,8 @@ def _train(config, pipe, images, out, steps: int, *extra: str):
             "--resolution", "16", "--train_batch_size", "1", "--max_train_steps", str(steps),
             "--checkpointing_steps", "2", "--rank", "4", "--lora_alpha", "8", "--max_sequence_length", "16",
             "--seed", "0", "--learning_rate", "1e-2", "--skip_final_inference", *extra]
-    return accelerate_launch(args, env=base_env(), timeout=400, cwd=out.parent)
+    # the script imports torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
+    return accelerate_launch(args, env=with_torchvision(base_env()), timeout=400, cwd=out.parent)
 
 
 def _master_lora(ckpt) -> dict:
@@ -243,6 +254,8 @@ def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_p
     assert loaded.keys() == saved.keys()
     for k, v in loaded.items():
         assert torch.equal(v, saved[k].to(v.dtype)), k
+    row = _doc_row({2: "cpu_zero2 / npu_zero2", 3: "ZeRO-3, threshold 0, `zero3_init_flag: false`"}[stage])
+    assert "trains, checkpoints, resumes from `latest`; the final LoRA loads" in row
 
 
 # ------------------------------------------------------------------------------------------------
