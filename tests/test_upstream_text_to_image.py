@@ -46,6 +46,7 @@ UPSTREAM = REPO.parent / "shared" / "upstream" / "diffusers-v0.40.0" / "examples
     "train_text_to_image.py"
 DOC = REPO / "docs" / "compatibility.md"
 STEPS = 4
+MISUSE_TIMEOUT_S = 15
 # the patches whose absence is "stock" for each half
 STOCK_SAVE_STATE = "accelerate.accelerator:Accelerator.save_state"
 STOCK_FINAL_SAVE = ",".join([
@@ -104,6 +105,8 @@ class Run:
                 break
             buf += chunk
             self.text.append(chunk)
+            if "CollectiveMisuseError: " in buf and not hasattr(self, "error_seen"):
+                self.error_seen = time.monotonic()
             for n in map(int, re.findall(rf"\| (\d+)/{self.steps} \[", buf[-2000:])):
                 self.step_seen.setdefault(n, time.monotonic())
             buf = buf[-4000:]
@@ -162,8 +165,11 @@ def runs(tmp_path_factory):
     results = {}
     t0 = time.monotonic()
     # wave 1: the misuse (ours) and the stock hang
-    misuse = Run(cfg["zero3_t0"], work / "misuse", ["--checkpointing_steps", "2"], env, work)
-    misuse_z2 = Run(cfg["zero2"], work / "misuse_z2", ["--checkpointing_steps", "2"], env, work)
+    # the misuse bound at 15 s instead of the default 30 s: rank teardown on a loaded 2-core CI machine
+    # takes tens of seconds, and the claim is "every rank ended within 60 s of the checkpoint"
+    quick = dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S))
+    misuse = Run(cfg["zero3_t0"], work / "misuse", ["--checkpointing_steps", "2"], quick, work)
+    misuse_z2 = Run(cfg["zero2"], work / "misuse_z2", ["--checkpointing_steps", "2"], quick, work)
     hang = Run(cfg["zero2"], work / "stock_hang", ["--checkpointing_steps", "2"], stock["save_state"], work)
     deadline = time.monotonic() + 600
     leftover = work / "stock_hang" / "checkpoint-2"
@@ -211,9 +217,13 @@ def test_rank0_only_save_state_fails_in_time_naming_the_line_and_the_fix(runs, l
     run = runs[label]["run"]
     assert run.proc.returncode not in (0, None), run.explain()
     assert 2 in run.step_seen, run.explain()
-    assert run.exited - run.step_seen[2] < 60, (run.exited - run.step_seen[2], run.explain())
+    error_after, ended_after = run.error_seen - run.step_seen[2], run.exited - run.step_seen[2]
+    print(f"{label}: error {error_after:.0f} s, every rank ended {ended_after:.0f} s after step 2")
+    assert MISUSE_TIMEOUT_S <= error_after < MISUSE_TIMEOUT_S + 20, (error_after, run.explain())
+    assert ended_after < 60, (ended_after, run.explain())
     line, guard = _line_of("accelerator.save_state(save_path)"), _line_of("if global_step % args.checkpointing_steps == 0:") + 1
     text = run.output
+    assert f"did not within {MISUSE_TIMEOUT_S} s (ACCEL_NPU_COLLECTIVE_TIMEOUT)" in text, run.explain()
     assert f"{UPSTREAM}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` " \
            f"(line {guard})" in text, run.explain()
     assert "`if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`" in text
