@@ -30,12 +30,20 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
     n = len(plan)
     main = accelerator.is_main_process
     weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    if main:
+    prepared = []
+
+    def prepare():
+        # only once the first gather succeeded: a rank-0-only call that fails (the others are busy)
+        # must leave nothing on disk, not even the directory
+        if prepared:
+            return
+        prepared.append(True)
         os.makedirs(save_directory, exist_ok=True)
         stem, ext = weights.rsplit(".", 1)
         for name in os.listdir(save_directory):
             if name == weights or name == weights + ".index.json" or (name.startswith(stem + "-") and name.endswith("." + ext)):
                 os.remove(os.path.join(save_directory, name))
+
     weight_map = {}
     total = 0
 
@@ -47,8 +55,6 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
         fname = weights if n == 1 else weights.replace(".", f"-{i + 1:05d}-of-{n:05d}.", 1)
         path = os.path.join(save_directory, fname)
         stream = None
-        if main and safe_serialization:
-            stream = SafetensorsStream(path, [(k, entries[k].dtype, whole_shape(entries[k])) for k in keys])
         bin_shard = {}
         # gather a quarter of a shard at a time: the gather's own buffers stay small too
         groups = pack_by_budget(keys, nbytes, max(limit // 4, 1))
@@ -56,12 +62,18 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
             params = [entries[k] for k in group if hasattr(entries[k], "ds_id")]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 if main:
+                    prepare()
+                    if stream is None and safe_serialization:
+                        stream = SafetensorsStream(path, [(k, entries[k].dtype, whole_shape(entries[k])) for k in keys])
                     for k in group:
                         if stream is not None:
                             stream.write(k, entries[k])
                         else:
                             bin_shard[k] = entries[k].detach().cpu().clone()
         if main:
+            prepare()
+            if stream is None and safe_serialization:  # a shard with no tensors
+                stream = SafetensorsStream(path, [])
             if stream is not None:
                 stream.close()
             else:
