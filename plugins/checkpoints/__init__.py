@@ -30,8 +30,10 @@ from accel_npu import environment
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.checkpoints import consolidate, lora, partitioned, serving, state as checkpointing
-from accel_npu.plugins.checkpoints.streaming import streaming_save_model
+
+# The modules beside this one are imported by the wrappers when first called (or named by path in
+# `wrapper=`), not here: this module is imported inside `import torch` and must stay cheap.
+_PKG = "accel_npu.plugins.checkpoints"
 
 log = logging.getLogger("accel_npu")
 
@@ -45,6 +47,8 @@ def _arg(args, kwargs, index, name, default=None):
 
 
 def _save_state(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import state as checkpointing
+
     if not checkpointing.is_deepspeed(instance) or any(
             getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models):
         return wrapped(*args, **kwargs)  # node-local storage: each node's rank 0 publishes its own
@@ -57,6 +61,8 @@ def _save_state(wrapped, instance, args, kwargs):
 
 
 def _load_state(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import state as checkpointing
+
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
     kwargs = dict(kwargs)
@@ -67,11 +73,15 @@ def _load_state(wrapped, instance, args, kwargs):
 
 
 def _zero3_multi(instance) -> bool:
+    from accel_npu.plugins.checkpoints import state as checkpointing
+
     return (checkpointing.is_deepspeed(instance) and checkpointing.zero_stage(instance) == 3
             and instance.num_processes > 1)
 
 
 def _get_state_dict(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import serving, state as checkpointing
+
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
     with serving.requesting():  # a rank-0-only call: the idle ranks join its gathers, busy ones fail it in time
@@ -84,6 +94,9 @@ def _get_state_dict(wrapped, instance, args, kwargs):
 
 
 def _save_model(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import serving
+    from accel_npu.plugins.checkpoints.streaming import streaming_save_model
+
     if not _zero3_multi(instance):
         return wrapped(*args, **kwargs)
     model = _arg(args, kwargs, 0, "model")
@@ -101,18 +114,24 @@ def _save_model(wrapped, instance, args, kwargs):
 
 
 def _wait_for_everyone(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import serving
+
     if serving.zero3_multi_rank():
         serving.idle("wait_for_everyone")
     return wrapped(*args, **kwargs)
 
 
 def _end_training(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import serving
+
     if serving.zero3_multi_rank():
         serving.idle("end_training")
     return wrapped(*args, **kwargs)
 
 
 def _gathered_enter(wrapped, instance, args, kwargs):
+    from accel_npu.plugins.checkpoints import serving
+
     if getattr(instance, "enabled", False):
         serving.before_gather(instance.params, instance.src_rank)
     return wrapped(*args, **kwargs)
@@ -175,18 +194,18 @@ DIFFUSERS_SAVE_PRETRAINED = Patch(
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 (diffusers' "
            "train_text_to_image.py final save): from_pretrained then fails, the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=partitioned.diffusers_save_pretrained)
+    wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained")
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
     target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.50,<5.30",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0: refused before "
            "writing, saying how to pass the gathered state dict.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=partitioned.transformers_save_pretrained)
+    wrapper=f"{_PKG}.partitioned:transformers_save_pretrained")
 SAFETENSORS_SAVE_FILE = Patch(
     target="safetensors.torch:save_file", supports="safetensors>=0.4,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
-    wrapper=partitioned.save_file)
+    wrapper=f"{_PKG}.partitioned:save_file")
 
 
 PEFT_STATE_DICT = Patch(
@@ -196,7 +215,7 @@ PEFT_STATE_DICT = Patch(
            "empty state_dict() copies and save_lora_weights writes shape-[0] tensors (exit 0, a LoRA "
            "load_lora_weights refuses). It hands back the partitioned parameters, which save_file gathers.",
     remove_when="peft gathers ZeRO-3 parameters in get_peft_model_state_dict",
-    wrapper=lora.peft_state_dict,
+    wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
 
@@ -216,4 +235,6 @@ def accel_npu_env_report(backend):
 
 @hookimpl
 def accel_npu_add_commands(subparsers):
+    from accel_npu.plugins.checkpoints import consolidate
+
     consolidate.add_parser(subparsers)

@@ -15,9 +15,10 @@ from accel_npu.environment import get as env_get
 from accel_npu.errors import ConfigError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.loading import diffusers, frozen, transformers, truncation
-from accel_npu.plugins.loading.placement import fsdp, zero3
-from accel_npu.plugins.loading.slots import load_threads
+
+# The machinery beside this module is named by path in `wrapper=` and imported when a patch is
+# applied (its library imported), not here: this module is imported inside `import torch`.
+_PKG = "accel_npu.plugins.loading"
 
 
 
@@ -30,7 +31,7 @@ DIFFUSERS_MODEL = Patch(
            "ignores zero3_init_flag under ZeRO-3 (every rank builds the whole model before prepare).",
     remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
                 "staggers ranks and builds under zero.Init (not as of 0.42)",
-    wrapper=diffusers.from_pretrained,
+    wrapper=f"{_PKG}.diffusers:from_pretrained",
 )
 
 TRANSFORMERS_MODEL = Patch(
@@ -39,7 +40,7 @@ TRANSFORMERS_MODEL = Patch(
     reason="ACCEL_NPU_TRUNCATE for transformers classes, a clear error instead of random init when the "
            "requested depth exceeds the checkpoint, node-level load slots and malloc_trim.",
     remove_when="never for ACCEL_NPU_TRUNCATE; slots: when transformers staggers per-node loading",
-    wrapper=transformers.from_pretrained,
+    wrapper=f"{_PKG}.transformers:from_pretrained",
 )
 
 DIFFUSERS_PIPELINE = Patch(
@@ -48,7 +49,7 @@ DIFFUSERS_PIPELINE = Patch(
     reason="Pipeline components (VAE, text encoders) are inference towers: under ZeRO-3 transformers "
            "builds them inside zero.Init (partitioned, cast) — accelerate #3170, diffusers #10743.",
     remove_when="transformers/accelerate stop using zero.Init for pipeline components",
-    wrapper=frozen.pipeline_from_pretrained,
+    wrapper=f"{_PKG}.frozen:pipeline_from_pretrained",
 )
 
 FSDP2_LOAD_FULL_STATE_DICT = Patch(
@@ -60,7 +61,7 @@ FSDP2_LOAD_FULL_STATE_DICT = Patch(
            "all shards + ~half a model per other rank. Each tensor can go from rank 0 straight into "
            "the shards, and be freed once scattered.",
     remove_when="accelerate scatters rank 0's tensors into the shards and releases original_sd entries as it goes",
-    wrapper=fsdp.load_full_state_dict_streaming,
+    wrapper=f"{_PKG}.placement.fsdp:load_full_state_dict_streaming",
 )
 
 ZERO3_INIT_CM = Patch(
@@ -69,7 +70,7 @@ ZERO3_INIT_CM = Patch(
     reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig weakref set, "
            "so frozen towers are still built under zero.Init (accelerate #3170, diffusers #10743).",
     remove_when="accelerate clears the weakref when zero.Init is disabled",
-    wrapper=frozen.zero3_init_context_manager,
+    wrapper=f"{_PKG}.frozen:zero3_init_context_manager",
 )
 
 
@@ -81,7 +82,7 @@ ZERO3_INIT_FLAG = Patch(
            "towers called outside the engine fail ('Padding_idx must be within num_embeddings'). The "
            "object is marked with the flag; loads honour it.",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
-    wrapper=frozen.set_deepspeed_weakref,
+    wrapper=f"{_PKG}.frozen:set_deepspeed_weakref",
 )
 
 TRANSFORMERS_FROM_CONFIG = Patch(
@@ -90,7 +91,7 @@ TRANSFORMERS_FROM_CONFIG = Patch(
     reason="AutoModel.from_config builds under zero.Init whenever the HfDeepSpeedConfig weakref is set, "
            "even with accelerate's zero3_init_flag: false.",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
-    wrapper=frozen.from_config,
+    wrapper=f"{_PKG}.frozen:from_config",
 )
 
 
@@ -107,6 +108,10 @@ def accel_npu_env_report(backend):
 
 def loading_report() -> dict:
     """The loading section of ``accel-npu env`` (never raises)."""
+    from accel_npu.plugins.loading import truncation
+    from accel_npu.plugins.loading.placement import fsdp, zero3
+    from accel_npu.plugins.loading.slots import load_threads
+
     info: dict = {}
     try:
         wanted = truncation.truncation_map()
