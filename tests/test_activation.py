@@ -134,3 +134,43 @@ def test_disabled_patches_leave_one_function_stock():
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
     assert "accelerate.utils.dataclasses:DeepSpeedPlugin.__post_init__" in result["applied"]  # the rest stays on
     assert "ACCEL_NPU_DISABLED_PATCHES names nope:x, which no plugin declares" in proc.stderr
+
+
+LAZY_PROBE = r'''
+import json, sys
+import torch
+import accel_npu
+print("RESULT " + json.dumps({"active": accel_npu.is_active(),
+      "modules": sorted(m for m in sys.modules if m.startswith("accel_npu.plugins."))}))
+'''
+
+
+def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
+    """Issue 15 item 3: inside `import torch` only the plugins' declarations load; the machinery
+    named by path in `wrapper=` waits until its target library is imported."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=base_env(), capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert result["active"]
+    assert "accel_npu.plugins.loading" in result["modules"] and "accel_npu.plugins.checkpoints" in result["modules"]
+    eager = [m for m in result["modules"]
+             if m.startswith(("accel_npu.plugins.loading.", "accel_npu.plugins.checkpoints."))]
+    assert eager == []
+
+
+def test_wrappers_named_by_path_resolve_inside_their_own_plugin():
+    from accel_npu.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    checked = 0
+    for impl in pm.hook.accel_npu_register_patches.get_hookimpls():
+        package = impl.plugin.__name__
+        for patch in impl.function() or ():
+            path = patch._wrapper if isinstance(patch._wrapper, str) else None
+            if path is None:
+                continue
+            assert path.startswith(package + "."), (patch.target, path, package)
+            assert callable(patch.wrapper), patch.target
+            checked += 1
+    assert checked >= 10
