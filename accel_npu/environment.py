@@ -79,15 +79,20 @@ def whole_number(name: str) -> int:
     return n
 
 
-def seconds(name: str) -> float:
-    """A variable that must be a number of seconds (else one ConfigError naming it)."""
-    raw = get(name)
+def seconds(name: str, env=None, *, at_least: float | None = None, note: str = "") -> float:
+    """A variable that must be a number of seconds (``at_least``: and finite, not below it), else
+    one ConfigError naming it (``note``: what the variable's special values mean)."""
+    raw = get(name, env)
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = None
+    if value is None or (at_least is not None and not at_least <= value < float("inf")):
         from accel_npu.errors import ConfigError
 
-        raise ConfigError(f"accel-npu: {name}={raw!r} is not a number of seconds") from None
+        bound = f" >= {at_least:g}" if at_least is not None else ""
+        raise ConfigError(f"accel-npu: {name}={raw!r} is not a number of seconds{bound}{note}") from None
+    return value
 
 
 def disabled() -> bool:
@@ -112,16 +117,7 @@ def forced_backend(env=None) -> str | None:
 def hang_timeout(env=None) -> float | None:
     """ACCEL_NPU_HANG_TIMEOUT in seconds: None when unset (derive it from the process-group
     timeout), 0 when off; anything but a number >= 0 is one ConfigError naming it."""
-    raw = get("ACCEL_NPU_HANG_TIMEOUT", env).strip()
-    if not raw:
+    if not get("ACCEL_NPU_HANG_TIMEOUT", env).strip():
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        from accel_npu.errors import ConfigError
-
-        raise ConfigError(f"accel-npu: ACCEL_NPU_HANG_TIMEOUT={raw!r} is not a number of seconds >= 0 "
-                          "(0 turns hang diagnosis off; unset: just under the process-group timeout)")
-    return value
+    return seconds("ACCEL_NPU_HANG_TIMEOUT", env, at_least=0,
+                   note=" (0 turns hang diagnosis off; unset: just under the process-group timeout)")
