@@ -33,9 +33,9 @@ import time
 import weakref
 from datetime import timedelta
 
-from accel_npu import environment
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu.plugins.checkpoints import callsite
+from accel_npu.plugins.checkpoints.state import collective_timeout
 
 log = logging.getLogger("accel_npu")
 
@@ -71,10 +71,6 @@ def _session():
     except Exception:  # noqa: BLE001 - no store, no protocol (stock behaviour)
         return None
     return store, dist.get_world_size(), dist.get_rank(), _logs.setdefault(id(group), _Log())
-
-
-def _timeout() -> float:
-    return environment.seconds("ACCEL_NPU_COLLECTIVE_TIMEOUT")
 
 
 def _wait(store, keys, seconds: float) -> bool:
@@ -183,7 +179,7 @@ def before_gather(params, modifier_rank=None) -> None:
         if hasattr(p, "ds_id"):
             _params_by_id[p.ds_id] = p
     seq = _append(store, {"kind": "gather", "rank": rank, "ids": ids, "modifier": modifier_rank})
-    timeout = _timeout()
+    timeout = collective_timeout()
     # events before mine: another rank making the same request first (every rank saves together)
     while lg.cursor < seq:
         i = lg.cursor
