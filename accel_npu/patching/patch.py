@@ -32,8 +32,8 @@ class Patch:
     dataclass's generated methods cost an ``exec`` per class there.
     """
 
-    __slots__ = ("target", "supports", "reason", "remove_when", "_wrapper", "plugin", "status", "_parent",
-                 "_attribute", "_original", "_had_own_attribute", "_installed")
+    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "status",
+                 "_parent", "_attribute", "_original", "_had_own_attribute", "_installed")
 
     def __init__(self, target: str, supports: str, reason: str, remove_when: str,
                  wrapper: Union[Wrapper, str], plugin: str = "") -> None:
@@ -42,6 +42,8 @@ class Patch:
         if isinstance(wrapper, str) and ":" not in wrapper:
             raise ValueError(f"Patch wrapper {wrapper!r} must be a callable or 'module:function'")
         self.target, self.supports, self.reason, self.remove_when = target, supports, reason, remove_when
+        # The declared path stays readable after the wrapper is resolved (accel-npu env, tests).
+        self.wrapper_path = wrapper if isinstance(wrapper, str) else ""
         self._wrapper, self.plugin = wrapper, plugin
         # ledger-owned state
         self.status = NOT_IMPORTED
@@ -58,7 +60,7 @@ class Patch:
     def wrapper(self) -> Wrapper:
         """The wrapper function (importing its module the first time, when given as a path)."""
         if isinstance(self._wrapper, str):
-            module, _, name = self._wrapper.partition(":")
+            module, _, name = self.wrapper_path.partition(":")
             obj: Any = importlib.import_module(module)
             for part in name.split("."):
                 obj = getattr(obj, part)
