@@ -64,8 +64,10 @@ def zero3_weakref_set() -> bool:
 def on_first_forward(model, callback: Callable[[Any], None]) -> None:
     """Call ``callback(submodule)`` once, before the first forward of any of ``model``'s submodules.
 
-    Any submodule counts (``vae.decode()`` never calls ``vae.forward()``); the hooks are removed
-    at that first call.
+    Any submodule counts (``vae.decode()`` never calls ``vae.forward()``), including those without
+    parameters of their own: CLIP's text embeddings read ``position_embedding.weight.shape`` before
+    calling it (issue 16: SD3/Flux text encoders saw ``max_position_embeddings: 0``). The hooks are
+    removed at that first call.
     """
     handles = []
 
@@ -77,5 +79,4 @@ def on_first_forward(model, callback: Callable[[Any], None]) -> None:
         return None
 
     for sub in model.modules():
-        if sub._parameters:
-            handles.append(sub.register_forward_pre_hook(first_call))
+        handles.append(sub.register_forward_pre_hook(first_call))
