@@ -69,7 +69,8 @@ def _load_state(wrapped, instance, args, kwargs):
     input_dir = kwargs.pop("input_dir", args[0] if args else None)
     rest = args[1:]
     resolved = checkpointing.resolve_load_dir(input_dir, instance)
-    return wrapped(resolved if resolved is not None else input_dir, *rest, **kwargs)
+    with checkpointing.load_hooks_see_models(instance):
+        return wrapped(resolved if resolved is not None else input_dir, *rest, **kwargs)
 
 
 def _zero3_multi(instance) -> bool:
@@ -145,13 +146,15 @@ def _patch(name, reason, remove_when, wrapper):
 SAVE_STATE = _patch(
     "save_state",
     "A crash or SIGKILL during a DeepSpeed save_state leaves a half-written checkpoint in place of the "
-    "previous one (or beside it, looking complete); consolidation needs the trained components' configs.",
+    "previous one (or beside it, looking complete); consolidation needs the trained components' configs. "
+    "Save hooks get DeepSpeed engines and no weights: hooks written for DDP fail ('unexpected save model').",
     "accelerate/DeepSpeed write checkpoints to a temporary directory and publish them atomically",
     _save_state)
 LOAD_STATE = _patch(
     "load_state",
     "Resume must refuse an incomplete checkpoint with the missing files named, skip interrupted saves "
-    "and recover a checkpoint set aside by an interrupted atomic swap.",
+    "and recover a checkpoint set aside by an interrupted atomic swap. Load hooks get an empty models "
+    "list under DeepSpeed: hooks written for DDP (diffusers' Sana/SDXL LoRA scripts) fail on None.",
     "accelerate validates DeepSpeed checkpoints before loading them",
     _load_state)
 GET_STATE_DICT = _patch(

@@ -236,9 +236,99 @@ def _with_one_weight_per_model(hook):
     def hook_with_weights(models, weights, output_dir):
         if not weights and models:
             weights = [WeightsSavedByDeepSpeed() for _ in models]  # a copy: accelerate's list stays empty
-        return hook(models, weights, output_dir)
+        return hook(models_as_prepared(models), weights, output_dir)
 
     return hook_with_weights
+
+
+def models_as_prepared(models: list) -> list:
+    """The models a save/load hook sees: each DeepSpeed engine's module, as hooks get the model itself
+    under DDP (accelerate keeps the model, not its DDP wrapper, in ``_models``). Hooks written for
+    that path (diffusers' Sana/SDXL DreamBooth LoRA scripts) test ``isinstance(model, type(unet))``
+    and raise "unexpected save model: DeepSpeedEngine" on the engine. A new list: accelerate's
+    ``_models`` keeps the engines."""
+    from deepspeed import DeepSpeedEngine
+
+    return [m.module if isinstance(m, DeepSpeedEngine) else m for m in models]
+
+
+def load_hooks_see_models(accelerator):
+    """For the duration of ``load_state`` under DeepSpeed, load hooks get the prepared models.
+
+    accelerate hands load hooks an empty ``models`` list under DeepSpeed (the engines loaded
+    themselves); hooks written for the other paths pop the model from it and load the LoRA or
+    weights the save hook wrote (diffusers' Sana/SDXL DreamBooth LoRA scripts then call
+    ``set_peft_model_state_dict(None, ...)``: AttributeError, on GPUs too). They get each engine's
+    module in a list of their own (accelerate's stays empty, so it loads nothing twice); what
+    they load is what the engine has just restored. Under ZeRO-3 a ``load_state_dict`` they make
+    into the partitioned model gathers one submodule's parameters at a time, as transformers'
+    ZeRO-3 loader does (every rank runs load_state, so every rank joins each gather).
+    """
+    import contextlib
+
+    hooks = accelerator._load_model_state_pre_hook
+    saved = dict(hooks)
+
+    def wrap(hook):
+        def hook_with_models(models, input_dir):
+            prepared = models_as_prepared(accelerator._models)
+            with contextlib.ExitStack() as stack:
+                for model in prepared:
+                    stack.enter_context(_zero3_loadable(model))
+                return hook(models or prepared, input_dir)
+
+        return hook_with_models
+
+    @contextlib.contextmanager
+    def swapped():
+        for handle, hook in saved.items():
+            hooks[handle] = wrap(hook)
+        try:
+            yield
+        finally:
+            for handle, hook in saved.items():
+                if handle in hooks:
+                    hooks[handle] = hook
+
+    return swapped()
+
+
+def _zero3_loadable(model):
+    """While active, ``_load_from_state_dict`` of each submodule of ``model`` holding ZeRO-3 partitions
+    gathers the direct parameters the state dict names (modifier rank 0: every rank loads the same
+    file), loads, and re-partitions on exit."""
+    import contextlib
+
+    import torch
+
+    owners = [m for m in model.modules() if any(hasattr(p, "ds_id") for p in m._parameters.values() if p is not None)]
+    if not owners:
+        return contextlib.nullcontext()
+
+    def gathering_load(module):
+        def _load_from_state_dict(state_dict, prefix, *args, **kwargs):
+            import deepspeed
+
+            wanted = [p for n, p in module._parameters.items()
+                      if p is not None and hasattr(p, "ds_id") and prefix + n in state_dict]
+            if not wanted:
+                return type(module)._load_from_state_dict(module, state_dict, prefix, *args, **kwargs)
+            with deepspeed.zero.GatheredParameters(wanted, modifier_rank=0), torch.no_grad():
+                return type(module)._load_from_state_dict(module, state_dict, prefix, *args, **kwargs)
+
+        return _load_from_state_dict
+
+    @contextlib.contextmanager
+    def active():
+        for m in owners:
+            object.__setattr__(m, "_load_from_state_dict", gathering_load(m))
+        try:
+            yield
+        finally:
+            for m in owners:
+                m.__dict__.pop("_load_from_state_dict", None)
+
+    return active()
 
 
 def _tag(i: int) -> str:
