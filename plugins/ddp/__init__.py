@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import logging
 
-from accel_npu._torch.dist import all_ranks_agree
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.ddp.unused import unused_parameters
 
 log = logging.getLogger("accel_npu")
 
@@ -31,6 +29,10 @@ _EXPLICIT = ("find_unused_parameters", "static_graph")
 
 def _before_first_training_forward(ddp, args, kwargs):
     import torch
+
+    # imported here, not at module level: this plugin is loaded inside `import torch` (issue 15 item 3)
+    from accel_npu._torch.dist import all_ranks_agree
+    from accel_npu.plugins.ddp.unused import unused_parameters
 
     if not (torch.is_grad_enabled() and ddp.training):
         return None  # an eval forward first: wait for the first one that trains

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.torchvision_compat.mismatch import ops_missing, warn_once
 
 _NAMESPACE = "torchvision::"
 
@@ -31,10 +30,19 @@ def _operator_exists(qualname: str) -> bool:
     return hasattr(torch.ops.torchvision, name)
 
 
+def _ops_missing_with_warning(op: str) -> bool:
+    # imported on torchvision's first register_fake, not inside `import torch` (issue 15 item 3)
+    from accel_npu.plugins.torchvision_compat.mismatch import ops_missing, warn_once
+
+    if ops_missing() and not _operator_exists(op):
+        warn_once()
+        return True
+    return False
+
+
 def _skip_fake_impl_of_missing_torchvision_op(wrapped, instance, args, kwargs):
     op = args[0] if args else kwargs.get("op")
-    if isinstance(op, str) and op.startswith(_NAMESPACE) and ops_missing() and not _operator_exists(op):
-        warn_once()
+    if isinstance(op, str) and op.startswith(_NAMESPACE) and _ops_missing_with_warning(op):
         if len(args) > 1 and args[1] is not None:  # register_fake(op, func)
             return args[1]
         return lambda func: func  # @register_fake(op): leave the function as it is
