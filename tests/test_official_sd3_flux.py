@@ -110,3 +110,302 @@ def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_
         got = te(ids, output_hidden_states=True).hidden_states[-2]
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert not any(hasattr(p, "ds_id") or p.requires_grad for p in te.parameters())
+
+
+
+def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_whole(tmp_path, one_rank_zero3):
+    """SD3's load_model_hook under DeepSpeed: ``SD3Transformer2DModel.from_pretrained`` (accel-npu loads it
+    into ZeRO-3 partitions), ``add_adapter``, then peft reads its state_dict outside any engine. The rebuild
+    from the files must find ``x.base_layer.weight`` under ``x.weight`` (was: KeyError)."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from accel_npu._torch import markers
+
+    torch.manual_seed(0)
+    SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+                          num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=16,
+                          pooled_projection_dim=16, out_channels=4).save_pretrained(str(tmp_path / "transformer"))
+    model = SD3Transformer2DModel.from_pretrained(str(tmp_path), subfolder="transformer")
+    assert any(hasattr(p, "ds_id") for p in model.parameters())  # loaded into partitions
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                 target_modules=["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"]))
+    getattr(model, markers.REBUILD)()  # what its first use outside an engine does
+    files = load_file(str(tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"))
+    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    assert state.keys() == files.keys()
+    for k, v in files.items():
+        assert torch.equal(state[k], v), k
+    assert not any(hasattr(p, "ds_id") for p in model.parameters())
+    assert sum(".lora_" in k for k, _ in model.named_parameters()) == 8  # the adapter kept (4 layers, A and B)
+
+
+# ------------------------------------------------------------------------------------------------
+# launched: the scripts unchanged from DIFFUSERS_EXAMPLES_DIR (issue 16, items 1-3 and 5)
+# ------------------------------------------------------------------------------------------------
+PROMPT = "a photo of sks dog"
+STOCK_LOADS = ",".join(["transformers.modeling_utils:PreTrainedModel.from_pretrained",
+                        "diffusers.models.modeling_utils:ModelMixin.from_pretrained"])
+MISUSE_TIMEOUT_S = 15
+
+
+def _script(family: str) -> Path:
+    return Path(EXAMPLES) / "dreambooth" / f"train_dreambooth_lora_{family}.py"
+
+
+def _line_of(path: Path, text: str, after: int = 0) -> int:
+    lines = path.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
+
+
+def _configs(directory: Path) -> dict:
+    """The shipped cpu_zero2 config as it is, and cpu_zero3 with stage3_param_persistence_threshold 0
+    (zero3_init_flag true, as shipped): what tests/test_upstream_text_to_image.py launches."""
+    import json
+
+    import yaml
+
+    from tests.launch_utils import REPO
+
+    out = {}
+    for label, base, threshold0 in (("zero2", "cpu_zero2", False), ("zero3_t0", "cpu_zero3", True)):
+        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
+        if threshold0:
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        (directory / f"{label}.deepspeed.json").write_text(json.dumps(ds, indent=2))
+        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
+        cfg["deepspeed_config"]["deepspeed_config_file"] = str(directory / f"{label}.deepspeed.json")
+        out[label] = directory / f"{label}.yaml"
+        out[label].write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def _fixed_flux(directory: Path) -> Path:
+    """The Flux script with the one-line fix accel-npu's error gives (and its import), written to a
+    temporary directory: what a user does after reading the error (item 1 needs a checkpoint)."""
+    src = _script("flux")
+    lines = src.read_text().splitlines(keepends=True)
+    guard = _line_of(src, "if global_step % args.checkpointing_steps == 0:") - 2  # the `if` above it
+    assert lines[guard].strip() == "if accelerator.is_main_process:"
+    indent = lines[guard][:len(lines[guard]) - len(lines[guard].lstrip())]
+    lines[guard] = indent + "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:\n"
+    imports = _line_of(src, "from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed") - 1
+    lines[imports] = "from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed\n"
+    path = directory / "train_dreambooth_lora_flux_fixed.py"
+    path.write_text("".join(lines))
+    return path
+
+
+class Launch:
+    """One ``accelerate launch`` of a DreamBooth LoRA script, started now; ``wait()`` collects it."""
+
+    def __init__(self, cfg, script, pipe, images, out, steps, env, *extra):
+        import subprocess
+        import time
+
+        from tests.launch_utils import BIN
+
+        self.out = Path(out)
+        args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
+                str(cfg), str(script), "--pretrained_model_name_or_path", str(pipe), "--instance_data_dir",
+                str(images), "--instance_prompt", PROMPT, "--output_dir", str(out), "--resolution", "16",
+                "--train_batch_size", "1", "--max_train_steps", str(steps), "--rank", "4",
+                "--max_sequence_length", "16", "--seed", "0", "--learning_rate", "1e-2",
+                "--dataloader_num_workers", "0", *extra]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(args, env=env, cwd=Path(out).parent, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def wait(self, timeout: float = 900):
+        import os as _os
+        import signal
+        import subprocess
+        import time
+
+        try:
+            self.output, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _os.killpg(self.proc.pid, signal.SIGKILL)
+            self.output, _ = self.proc.communicate()
+        self.seconds = time.monotonic() - self.started
+        self.returncode = self.proc.returncode
+        return self
+
+    def explain(self) -> str:
+        return f"exit {self.returncode} after {self.seconds:.0f} s\n{self.output[-6000:]}"
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) if out.exists() else []
+
+
+def _master_lora(ckpt: Path) -> dict:
+    """DeepSpeed's own reading of a checkpoint: {peft name without adapter: fp32 master weight}."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    return {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k}
+
+
+def _saved_lora(out: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(out / "pytorch_lora_weights.safetensors"), framework="pt") as f:
+        return {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+
+
+def _loaded_lora(family: str, pipe: Path, lora_dir: Path) -> dict:
+    """The adapter as diffusers loads it: {module.lora_X.weight: tensor} of the pipeline's transformer."""
+    import torch
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[family]
+    pipeline = cls.from_pretrained(str(pipe), torch_dtype=torch.float32)
+    pipeline.load_lora_weights(str(lora_dir))
+    out = {}
+    for k, v in pipeline.transformer.state_dict().items():
+        if ".lora_" in k:
+            module, kind, _adapter, rest = k.rsplit(".", 3)
+            out[f"{module}.{kind}.{rest}"] = v
+    return out
+
+
+def _assert_final_lora_is(family, pipe, out, master):
+    """The final LoRA file holds every trained tensor whole, equal to ``master`` (in the file's bf16),
+    and diffusers' load_lora_weights gives exactly those tensors."""
+    import torch
+
+    saved = _saved_lora(out)
+    assert saved.keys() == master.keys() and len(saved) > 0
+    for k, v in saved.items():
+        assert v.shape == master[k].shape and torch.equal(v, master[k].to(v.dtype)), k
+    loaded = _loaded_lora(family, pipe, out)
+    assert loaded.keys() == saved.keys()
+    for k, v in loaded.items():
+        assert torch.equal(v, saved[k].to(v.dtype)), k
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in saved.items())  # trained (B starts at 0)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    import subprocess
+
+    from tests.launch_utils import base_env
+    from tests.torchvision_site import with_torchvision
+
+    root = tmp_path_factory.mktemp("sd3_flux")
+    for family in ("sd3", "flux"):
+        subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd3_flux.py"), family, str(root / family),
+                        str(root / "images")], check=True, capture_output=True, timeout=300, env=base_env())
+    # the scripts import torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
+    return root, _configs(root), with_torchvision(base_env())
+
+
+@needs_examples
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lora_that_loads(work):
+    """Both configs: train 4 steps (checkpoints 2, 4), resume ``latest`` to 6, final LoRA == DeepSpeed's
+    master weights of checkpoint-6 and loads with load_lora_weights. Stock under ZeRO-3: the frozen CLIP
+    text encoders are built partitioned and the first call fails (issue 16's table)."""
+    import torch
+
+    root, cfg, env = work
+    script = _script("sd3")
+    pipe, images = root / "sd3", root / "images"
+    outs = {c: root / f"sd3_{c}" for c in cfg}
+    for o in outs.values():
+        o.mkdir()
+    stock_out = root / "sd3_stock_zero3_t0"
+    stock_out.mkdir()
+    first = {c: Launch(cfg[c], script, pipe, images, outs[c], 4, env, "--checkpointing_steps", "2") for c in cfg}
+    stock = Launch(cfg["zero3_t0"], script, pipe, images, stock_out, 4,
+                   dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS), "--checkpointing_steps", "2")
+    for run in (*first.values(), stock):
+        run.wait()
+    assert stock.returncode != 0 and "max_position_embeddings: 0" in stock.output, stock.explain()
+    assert _checkpoints(stock_out) == []
+    at4 = {}
+    for c, run in first.items():
+        assert run.returncode == 0, run.explain()
+        assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
+        at4[c] = _master_lora(outs[c] / "checkpoint-4")
+        _assert_final_lora_is("sd3", pipe, outs[c], at4[c])
+    second = {c: Launch(cfg[c], script, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
+                        "--resume_from_checkpoint", "latest") for c in cfg}
+    for c, run in second.items():
+        run.wait()
+        assert run.returncode == 0, run.explain()
+        assert "Resuming from checkpoint checkpoint-4" in run.output  # the script's own print
+        assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], c
+        final = _master_lora(outs[c] / "checkpoint-6")
+        assert final.keys() == at4[c].keys() and any(not torch.equal(final[k], at4[c][k]) for k in final)
+        _assert_final_lora_is("sd3", pipe, outs[c], final)
+    _check_doc_rows("train_dreambooth_lora_sd3.py")
+
+
+@needs_examples
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
+    """Unchanged: ``accelerator.save_state`` inside ``if accelerator.is_main_process:`` (line 1866/1889)
+    fails on every rank with the line and the fix, nothing written (ZeRO-2); with checkpointing off the
+    ZeRO-3 (threshold 0) final LoRA is whole, loads, and equals the one-line-fixed run's checkpoint-4
+    master weights (same seed, same steps). With the fix, both configs: checkpoints, resume from
+    ``latest``, final LoRA == checkpoint-6's master weights, loads with load_lora_weights."""
+    import torch
+
+    root, cfg, env = work
+    script = _script("flux")
+    pipe, images = root / "flux", root / "images"
+    fixed = _fixed_flux(root)
+    misuse_out, plain_out = root / "flux_misuse_zero2", root / "flux_plain_zero3_t0"
+    outs = {c: root / f"flux_fixed_{c}" for c in cfg}
+    for o in (misuse_out, plain_out, *outs.values()):
+        o.mkdir()
+    quick = dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S))
+    misuse = Launch(cfg["zero2"], script, pipe, images, misuse_out, 4, quick, "--checkpointing_steps", "2")
+    plain = Launch(cfg["zero3_t0"], script, pipe, images, plain_out, 4, env, "--checkpointing_steps", "100")
+    misuse.wait()
+    plain.wait()
+    save_line = _line_of(script, "accelerator.save_state(save_path)")
+    guard_line = _line_of(script, "if global_step % args.checkpointing_steps == 0:") - 1
+    assert misuse.returncode != 0, misuse.explain()
+    assert "CollectiveMisuseError" in misuse.output and f"train_dreambooth_lora_flux.py:{save_line}" in misuse.output
+    assert f"(line {guard_line})" in misuse.output
+    assert "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:" in \
+        misuse.output
+    assert _checkpoints(misuse_out) == [] and not any(misuse_out.iterdir()), list(misuse_out.iterdir())
+    assert plain.returncode == 0, plain.explain()
+
+    first = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 4, env, "--checkpointing_steps", "2") for c in cfg}
+    for c, run in first.items():
+        run.wait()
+        assert run.returncode == 0, run.explain()
+        assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
+    at4 = {c: _master_lora(outs[c] / "checkpoint-4") for c in cfg}
+    _assert_final_lora_is("flux", pipe, plain_out, at4["zero3_t0"])  # the unchanged script's final save
+    second = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
+                        "--resume_from_checkpoint", "latest") for c in cfg}
+    for c, run in second.items():
+        run.wait()
+        assert run.returncode == 0, run.explain()
+        assert "Resuming from checkpoint checkpoint-4" in run.output
+        assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], c
+        final = _master_lora(outs[c] / "checkpoint-6")
+        assert any(not torch.equal(final[k], at4[c][k]) for k in final)
+        _assert_final_lora_is("flux", pipe, outs[c], final)
+    _check_doc_rows("train_dreambooth_lora_flux.py")
+
+
+def _check_doc_rows(script_name: str) -> None:
+    """docs/compatibility.md has this script's rows in the further-official-scripts table, naming this test."""
+    from tests.launch_utils import REPO
+
+    text = (REPO / "docs" / "compatibility.md").read_text()
+    section = text.split("## Further official scripts", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith(f"| `{script_name}`")]
+    assert len(rows) >= 2 and all("test_official_sd3_flux.py" in r for r in rows), rows

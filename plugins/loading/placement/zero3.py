@@ -263,7 +263,13 @@ def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
         old = module._parameters[attr]
         if not hasattr(old, "ds_id"):
             continue
-        new = torch.nn.Parameter(fresh_params[name].data, requires_grad=old.requires_grad)
+        # a peft adapter added since loading wraps the layer: its partitioned base weight is
+        # `x.base_layer.weight` here, `x.weight` in the files (SD3's load_model_hook: from_pretrained,
+        # add_adapter, then set_peft_model_state_dict reads state_dict())
+        source = fresh_params.get(name)
+        if source is None:
+            source = fresh_params[name.replace(".base_layer.", ".")]
+        new = torch.nn.Parameter(source.data, requires_grad=old.requires_grad)
         for mod, a, _n in entries:
             mod._parameters[a] = new
     del fresh
