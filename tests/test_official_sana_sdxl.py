@@ -28,16 +28,18 @@ DOC = REPO / "docs" / "compatibility.md"
 # ------------------------------------------------------------------------------------------------
 # unit: save/load hooks written for DDP see the model under DeepSpeed (ZeRO-3 partitions loadable)
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def zero3_engine(monkeypatch):
-    """A real DeepSpeed ZeRO-3 engine (every parameter partitioned) on a 1-rank gloo group."""
+@pytest.fixture(scope="module")
+def zero3_engine():
+    """A real DeepSpeed ZeRO-3 engine (every parameter partitioned) on a 1-rank gloo group (one per module:
+    DeepSpeed's comm layer keeps the first group it saw)."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
+    mp = pytest.MonkeyPatch()
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
                  "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(k, v)
+        mp.setenv(k, v)
     dist.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.comm.init_distributed(dist_backend="gloo")
     try:
@@ -50,6 +52,7 @@ def zero3_engine(monkeypatch):
         yield engine
     finally:
         dist.destroy_process_group()
+        mp.undo()
 
 
 def test_hooks_written_for_ddp_see_the_model_and_load_into_zero3_partitions(zero3_engine, tmp_path):
@@ -104,6 +107,49 @@ def test_hooks_written_for_ddp_see_the_model_and_load_into_zero3_partitions(zero
         got = {k: v.clone() for k, v in module.state_dict().items()}
     assert torch.equal(got["0.weight"], new["0.weight"]) and torch.equal(got["1.bias"], new["1.bias"])
     assert got["1.weight"].shape == (4, 8) and got["1.weight"].abs().sum() > 0  # untouched, still there
+
+
+def test_models_loaded_while_a_deepspeed_engine_lives_are_built_whole(zero3_engine, tmp_path):
+    """After ``prepare`` a loaded model can only be used outside the engine, and diffusers' scripts load
+    their final pipeline's VAE on rank 0 alone (train_dreambooth_lora_sdxl.py: a partitioned load there
+    waits for the other rank forever). With zero3_init_flag true, loads before the engine exists go into
+    partitions; while an engine lives they are built whole, diffusers' and transformers' alike."""
+    import torch
+    from accelerate.utils import DeepSpeedPlugin
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    from accel_npu._torch import zero
+
+    torch.manual_seed(0)
+    AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4).save_pretrained(tmp_path / "vae")
+    CLIPTextModel(CLIPTextConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=8)).save_pretrained(tmp_path / "te")
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                           "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
+                             zero3_init_flag=True)
+    plugin.set_deepspeed_weakref()  # what DeepSpeedPlugin.select() does
+
+    def partitioned():
+        vae = AutoencoderKL.from_pretrained(tmp_path / "vae")
+        te = CLIPTextModel.from_pretrained(tmp_path / "te")
+        return [any(hasattr(p, "ds_id") for p in m.parameters()) for m in (vae, te)], vae
+
+    try:
+        assert not zero.engine_built()
+        assert partitioned()[0] == [True, True]  # before prepare: into partitions, as the flag asks
+        zero.note_engine_built(zero3_engine)
+        got, vae = partitioned()
+        assert got == [False, False]
+        from safetensors.torch import load_file
+
+        files = load_file(str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+        assert all(torch.equal(v, files[k]) for k, v in vae.state_dict().items())
+    finally:
+        zero._engines.discard(zero3_engine)
+        unset_hf_deepspeed_config()
+        del plugin
 
 
 # ------------------------------------------------------------------------------------------------

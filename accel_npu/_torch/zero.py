@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import weakref
 from typing import Any, Callable, Iterator
 
 
@@ -47,6 +48,20 @@ def outside_zero_init() -> Iterator[None]:
         if ds is not None and saved is not None:
             ds._hf_deepspeed_config_weak_ref = saved
         _frozen.reset(token)
+
+
+_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def note_engine_built(engine) -> None:
+    """``engine`` (a DeepSpeed engine ``accelerator.prepare`` returned) now holds the trained model."""
+    _engines.add(engine)
+
+
+def engine_built() -> bool:
+    """A DeepSpeed engine is alive: a model loaded now can only be used outside it (a frozen tower,
+    the final pipeline a script builds on rank 0 alone)."""
+    return len(_engines) > 0
 
 
 def in_frozen_load() -> bool:

@@ -7,12 +7,15 @@ and, under ZeRO-3, partitioned and hooked although nobody trains it. At
 ``deepspeed.initialize`` and kept as plain attributes (towers.py; towers built under zero.Init
 are made whole first: rematerialize.py).
 ``ACCEL_NPU_FROZEN_MODULES`` names them explicitly ("none" turns this off).
+The engines it returns are noted (``accel_npu._torch.zero.note_engine_built``): while one lives, the
+loading plugin builds models whole (they can only be used outside it).
 """
 from __future__ import annotations
 
 import logging
 
 from accel_npu import environment
+from accel_npu._torch import zero
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.plugins.frozen_towers import towers
@@ -21,6 +24,16 @@ log = logging.getLogger("accel_npu")
 
 
 def _prepare_deepspeed(wrapped, instance, args, kwargs):
+    from deepspeed import DeepSpeedEngine
+
+    result = _prepare_with_towers_hidden(wrapped, instance, args, kwargs)
+    for engine in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(engine, DeepSpeedEngine):
+            zero.note_engine_built(engine)  # models loaded while it lives are used outside it (loading plugin)
+    return result
+
+
+def _prepare_with_towers_hidden(wrapped, instance, args, kwargs):
     import torch
 
     models = [a for a in args if isinstance(a, torch.nn.Module)]

@@ -30,6 +30,7 @@ from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of, open_checkpoi
 from accel_npu.environment import truthy
 from accel_npu.errors import LoadError
 from accel_npu.plugins.loading import truncation
+from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.job import LoadJob
 from accel_npu.plugins.loading.placement import fsdp, local, zero3
 
@@ -286,13 +287,14 @@ def from_pretrained(wrapped, cls, args, kwargs):
     """Wrapper of ``ModelMixin.from_pretrained``: falls back to stock before anything is read."""
     if cls is None or not isinstance(cls, type):
         return wrapped(*args, **kwargs)
-    plan = plan_load(cls, args, kwargs)
-    if plan is None:
-        return _stock(wrapped, args, kwargs)
-    try:
-        return load(cls, plan)
-    except _Fallback:
-        return _stock(wrapped, args, kwargs)
+    with whole_unless_partitioning():  # zero3_init_flag false, or after prepare: no ZeRO-3 placement
+        plan = plan_load(cls, args, kwargs)
+        if plan is None:
+            return _stock(wrapped, args, kwargs)
+        try:
+            return load(cls, plan)
+        except _Fallback:
+            return _stock(wrapped, args, kwargs)
 
 
 def _stock(wrapped, args, kwargs):

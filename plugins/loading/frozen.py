@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from accel_npu._torch.zero import in_frozen_load, outside_zero_init, zero3_weakref_set
+from accel_npu._torch.zero import engine_built, in_frozen_load, outside_zero_init, zero3_weakref_set
 
 #: attribute set on transformers' HfDeepSpeedConfig object: accelerate's zero3_init_flag when it made it
 ZERO3_INIT_FLAG = "_accel_npu_zero3_init_flag"
@@ -65,14 +65,19 @@ def zero3_init_flag_off() -> bool:
     return config is not None and getattr(config, ZERO3_INIT_FLAG, True) is False
 
 
-def whole_when_flag_off():
-    """A context that builds models whole when ``zero3_init_flag`` is off, else does nothing."""
-    if not in_frozen_load() and zero3_init_flag_off():
+def whole_unless_partitioning():
+    """A context that builds models whole when ``zero3_init_flag`` is off, or once a DeepSpeed engine
+    exists, else does nothing. A model loaded after ``prepare`` can only be used outside the engine,
+    where a partitioned one is rebuilt whole anyway; and scripts load it on rank 0 alone (diffusers'
+    DreamBooth LoRA scripts' final pipeline: ``AutoencoderKL.from_pretrained`` inside
+    ``if accelerator.is_main_process:``), where a partitioned load's collectives wait for ranks that
+    never come (train_dreambooth_lora_sdxl.py hung there under ZeRO-3). Stock diffusers loads whole."""
+    if not in_frozen_load() and (zero3_init_flag_off() or engine_built()):
         return outside_zero_init()
     return contextlib.nullcontext()
 
 
 def from_config(wrapped, cls, args, kwargs):
     """``PreTrainedModel._from_config`` (``AutoModel.from_config``) honours ``zero3_init_flag: false``."""
-    with whole_when_flag_off():
+    with whole_unless_partitioning():
         return wrapped(*args, **kwargs)

@@ -15,7 +15,7 @@ from accel_npu._torch.safetensors_io import TRANSFORMERS_INDEX, read_index
 from accel_npu.errors import LoadError
 from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned
 from accel_npu.plugins.loading import truncation
-from accel_npu.plugins.loading.frozen import whole_when_flag_off
+from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.placement.zero3 import attach_rebuild
 from accel_npu.plugins.loading.slots import load_slot
 
@@ -29,7 +29,7 @@ def from_pretrained(wrapped, cls, args, kwargs):
     (a frozen text encoder) is rebuilt whole first."""
     if cls is None or not isinstance(cls, type):
         return wrapped(*args, **kwargs)
-    with whole_when_flag_off():
+    with whole_unless_partitioning():
         result = _from_pretrained(wrapped, cls, args, kwargs)
     model = result[0] if isinstance(result, tuple) else result
     if not in_frozen_load() and is_zero_partitioned(model):
