@@ -97,6 +97,9 @@ def write_streaming(tensors: dict, sources: dict, filename, metadata=None) -> No
 
     keys = list(tensors)
     specs = [(k, sources.get(k, tensors[k]).dtype, whole_shape(sources.get(k, tensors[k]))) for k in keys]
+    # a partitioned parameter's dtype is the one the script asked for (`unet.to(torch.float32)` before
+    # saving, train_dreambooth_lora.py), but DeepSpeed gathers it in its partition's dtype (bf16)
+    dtypes = {k: dtype for k, dtype, _shape in specs}
     filename = os.fspath(filename)
     rank = dist.get_rank() if _group_alive() else 0
     parent, name = os.path.split(os.path.abspath(filename))
@@ -108,7 +111,7 @@ def write_streaming(tensors: dict, sources: dict, filename, metadata=None) -> No
                 params = [sources[k] for k in group if k in sources]
                 with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                     for k in group:
-                        stream.write(k, sources[k] if k in sources else tensors[k])
+                        stream.write(k, sources[k].to(dtypes[k]) if k in sources else tensors[k])
         stream.close()
     except BaseException:
         with contextlib.suppress(Exception):

@@ -34,6 +34,17 @@ DIFFUSERS_MODEL = Patch(
     wrapper=f"{_PKG}.diffusers:from_pretrained",
 )
 
+DIFFUSERS_DTYPE = Patch(
+    target="diffusers.models.modeling_utils:get_parameter_dtype",
+    supports="diffusers>=0.35,<0.43",
+    reason="A diffusers model loaded into ZeRO-3 partitions (zero3_init_flag) reports zero.Init's bf16 "
+           "through ModelMixin.dtype before prepare, where stock has it whole in fp32: train_dreambooth.py "
+           "and train_controlnet.py refuse to train ('Unet loaded as datatype torch.bfloat16'). Read "
+           "outside an engine, the model is made whole first (issue 16).",
+    remove_when="diffusers builds models under zero.Init itself (then its dtype is zero.Init's, as stock)",
+    wrapper=f"{_PKG}.placement.zero3:parameter_dtype",
+)
+
 TRANSFORMERS_MODEL = Patch(
     target="transformers.modeling_utils:PreTrainedModel.from_pretrained",
     supports="transformers>=4.50,<5.30",
@@ -97,8 +108,8 @@ TRANSFORMERS_FROM_CONFIG = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [DIFFUSERS_MODEL, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM, FSDP2_LOAD_FULL_STATE_DICT,
-            ZERO3_INIT_FLAG, TRANSFORMERS_FROM_CONFIG]
+    return [DIFFUSERS_MODEL, DIFFUSERS_DTYPE, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM,
+            FSDP2_LOAD_FULL_STATE_DICT, ZERO3_INIT_FLAG, TRANSFORMERS_FROM_CONFIG]
 
 
 @hookimpl

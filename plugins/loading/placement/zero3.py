@@ -213,30 +213,61 @@ def _apply(self, fn, *args, **kwargs):
 
 
 def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers") -> None:
-    """Let ``model`` be rebuilt whole (stock result) from its files; guard its first forward.
+    """Let ``model`` be rebuilt whole (stock result) from its files; guard its first use outside an engine.
 
     ``load_whole()`` returns what the stock ``from_pretrained`` returns outside zero.Init; every
-    ``.to()`` / cast the script made on ``model`` since is replayed on it.
+    ``.to()`` / cast the script made on ``model`` since is replayed on it. Uses that rebuild it while
+    no DeepSpeed engine holds it: a forward of any submodule, a ``state_dict()`` of any submodule
+    (``ControlNetModel.from_unet(unet)`` copies the UNet's blocks' state dicts), and diffusers'
+    ``model.dtype`` (dreambooth/controlnet scripts refuse a trainable model that is not fp32 before
+    ``prepare``: stock loads it whole in fp32; :func:`parameter_dtype`).
     """
     record_casts(model)
+    handles = []
 
     def rebuild() -> None:
+        for h in handles:
+            h.remove()
+        handles.clear()
         rebuild_whole(model, load_whole)
 
     object.__setattr__(model, markers.REBUILD, rebuild)
 
     def first_call(module) -> None:
-        if hasattr(model, "ds_id") or hasattr(module, "ds_id") or not is_zero_partitioned(model):
-            return  # a DeepSpeed engine gathers it (ds_id: set by the engine), or already whole
-        (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
-            "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but is called outside the "
-            "DeepSpeed engine; rebuilding it whole from its files (what stock %s returns, with the script's "
-            "casts since). Load frozen models inside "
-            "`accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to skip this.",
-            type(model).__name__, what)
-        rebuild()
+        made_whole_outside_engine(model, module, "is called", what)
+
+    def before_state_dict(module, prefix, keep_vars) -> None:
+        made_whole_outside_engine(model, module, "has its state_dict() read", what)
 
     on_first_forward(model, first_call)
+    for sub in model.modules():
+        handles.append(sub.register_state_dict_pre_hook(before_state_dict))
+
+
+def made_whole_outside_engine(model, module, use: str, what: str = "diffusers") -> None:
+    """Rebuild ``model`` whole if it is still partitioned, has a rebuild attached and no DeepSpeed engine
+    holds it (``ds_id``: set on every module by the engine's ZeRO-3 hooks)."""
+    rebuild = model.__dict__.get(markers.REBUILD)
+    if rebuild is None or hasattr(model, "ds_id") or hasattr(module, "ds_id") or not is_zero_partitioned(model):
+        return
+    (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
+        "accel-npu: %s was loaded into ZeRO-3 partitions (zero3_init_flag) but %s outside the "
+        "DeepSpeed engine; rebuilding it whole from its files (what stock %s returns, with the script's "
+        "casts since). Load frozen models inside "
+        "`accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to skip this.",
+        type(model).__name__, use, what)
+    rebuild()
+
+
+def parameter_dtype(wrapped, instance, args, kwargs):
+    """diffusers' ``get_parameter_dtype(model)`` (``ModelMixin.dtype``): a model this plugin loaded into
+    ZeRO-3 partitions and not yet in an engine is made whole first, so the dtype is stock's (the
+    files' fp32, not zero.Init's bf16): train_dreambooth.py / train_controlnet.py raise "Unet loaded as
+    datatype torch.bfloat16" otherwise."""
+    model = args[0] if args else kwargs.get("parameter")
+    if model is not None and getattr(model, "__dict__", {}).get(markers.REBUILD) is not None:
+        made_whole_outside_engine(model, model, "has its dtype read")
+    return wrapped(*args, **kwargs)
 
 
 def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:

@@ -1,0 +1,83 @@
+"""Tiny inputs for diffusers' Stable Diffusion family of official examples (dreambooth, dreambooth
+LoRA, controlnet), from the real classes, no hub.
+
+usage: python tiny_sd_family.py MODEL_DIR INSTANCE_DIR CONTROLNET_DATA_DIR
+
+MODEL_DIR: tiny_sd.py's pipeline, but with a 4-block VAE (3 downsamplings, the x8 of a real SD VAE):
+  train_controlnet.py builds its ControlNet with ``ControlNetModel.from_unet(unet)``, whose
+  conditioning embedding always downsamples the conditioning image x8, so the latents must be
+  resolution/8 too (--resolution 32 -> 4x4 latents).
+INSTANCE_DIR: a DreamBooth instance folder (a few 32x32 PNGs; --instance_data_dir).
+CONTROLNET_DATA_DIR: a parquet file with image / text / conditioning_image columns (datasets Image
+  features), which train_controlnet.py's ``load_dataset(--train_data_dir)`` reads with the columns
+  in its default order.
+Never imports accel_npu.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_sd import write_tokenizer  # noqa: E402
+
+CAPTIONS = ["a red square", "a blue circle", "a photo of the dog", "a green cat"]
+
+
+def build(model_dir: str, seed: int = 0):
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tokenizer, vocab_size = write_tokenizer(os.path.join(model_dir, "tokenizer"))
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        block_out_channels=(16,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)  # default time embedding: from_unet copies it
+    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        norm_num_groups=4, sample_size=32)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=tokenizer.model_max_length, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        projection_dim=32))
+    scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="linear", clip_sample=False)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(model_dir)
+    return pipe
+
+
+def _images(n: int, size: int, seed: int):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def write_instance_images(folder: str, n: int = 4, size: int = 32) -> None:
+    os.makedirs(folder, exist_ok=True)
+    for i, image in enumerate(_images(n, size, seed=1)):
+        image.save(os.path.join(folder, f"img{i}.png"))
+
+
+def write_controlnet_dataset(folder: str, n: int = 4, size: int = 32) -> None:
+    import datasets
+
+    os.makedirs(folder, exist_ok=True)
+    features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string"),
+                                  "conditioning_image": datasets.Image()})
+    data = datasets.Dataset.from_dict({"image": _images(n, size, seed=2),
+                                       "text": [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
+                                       "conditioning_image": _images(n, size, seed=3)}, features=features)
+    data.to_parquet(os.path.join(folder, "train.parquet"))
+
+
+if __name__ == "__main__":
+    build(sys.argv[1])
+    write_instance_images(sys.argv[2])
+    write_controlnet_dataset(sys.argv[3])
