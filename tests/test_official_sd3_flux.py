@@ -5,8 +5,12 @@ Tiny pipelines from the real classes (tests/scripts/tiny_sd3_flux.py), 4 DreamBo
 cpu_zero2 config and cpu_zero3 with ``stage3_param_persistence_threshold: 0`` (zero3_init_flag true, as
 shipped), built as tests/test_upstream_text_to_image.py builds them.
 
-The in-process test runs always (fast); the launched ones are skipped unless DIFFUSERS_EXAMPLES_DIR
-is set. Witnesses: DeepSpeed's own zero_to_fp32 reading of the checkpoints, safetensors files opened
+The two in-process tests run always (~40 s together, most of it importing DeepSpeed); the launched ones
+are skipped unless DIFFUSERS_EXAMPLES_DIR is set: SD3 5 launches (both configs train + resume, the stock
+ZeRO-3 launch), Flux 7 (unchanged: misuse, final save, stock; with the one-line fix: both configs train +
+resume, the stock hook failure), up to 3 at a time. The whole file took 24.6 min on the 2-core machine
+under a load average of ~11 (other helpers' launches): SD3 7.0 min + 6.3 min building the tiny pipelines
+and torchvision's site, Flux 8.8 min. Witnesses: DeepSpeed's own zero_to_fp32 reading of the checkpoints, safetensors files opened
 here, diffusers' ``load_lora_weights`` -- never accel-npu's log lines.
 """
 from __future__ import annotations
@@ -148,6 +152,7 @@ def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_wh
 PROMPT = "a photo of sks dog"
 STOCK_LOADS = ",".join(["transformers.modeling_utils:PreTrainedModel.from_pretrained",
                         "diffusers.models.modeling_utils:ModelMixin.from_pretrained"])
+STOCK_HOOKS = "accelerate.accelerator:Accelerator.save_state,accelerate.accelerator:Accelerator.load_state"
 MISUSE_TIMEOUT_S = 15
 
 
@@ -352,7 +357,8 @@ def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lo
 @pytest.mark.timeout(3600)
 def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     """Unchanged: ``accelerator.save_state`` inside ``if accelerator.is_main_process:`` (line 1866/1889)
-    fails on every rank with the line and the fix, nothing written (ZeRO-2); with checkpointing off the
+    fails on every rank with the line and the fix, nothing written (ZeRO-2); stock under ZeRO-3 fails at
+    the frozen CLIP text encoder (built partitioned); with checkpointing off the
     ZeRO-3 (threshold 0) final LoRA is whole, loads, and equals the one-line-fixed run's checkpoint-4
     master weights (same seed, same steps). With the fix, both configs: checkpoints, resume from
     ``latest``, final LoRA == checkpoint-6's master weights, loads with load_lora_weights."""
@@ -367,10 +373,17 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     for o in (misuse_out, plain_out, *outs.values()):
         o.mkdir()
     quick = dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S))
+    stock_out = root / "flux_stock_zero3_t0"
+    stock_out.mkdir()
     misuse = Launch(cfg["zero2"], script, pipe, images, misuse_out, 4, quick, "--checkpointing_steps", "2")
     plain = Launch(cfg["zero3_t0"], script, pipe, images, plain_out, 4, env, "--checkpointing_steps", "100")
-    misuse.wait()
-    plain.wait()
+    stock = Launch(cfg["zero3_t0"], script, pipe, images, stock_out, 4,
+                   dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS), "--checkpointing_steps", "100")
+    for run in (misuse, plain, stock):
+        run.wait()
+    # stock: the frozen CLIP text encoder is built in partitions and fails at its first call
+    assert stock.returncode != 0 and "max_position_embeddings: 0" in stock.output, stock.explain()
+    assert not (stock_out / "pytorch_lora_weights.safetensors").exists()
     save_line = _line_of(script, "accelerator.save_state(save_path)")
     guard_line = _line_of(script, "if global_step % args.checkpointing_steps == 0:") - 1
     assert misuse.returncode != 0, misuse.explain()
@@ -381,7 +394,17 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     assert _checkpoints(misuse_out) == [] and not any(misuse_out.iterdir()), list(misuse_out.iterdir())
     assert plain.returncode == 0, plain.explain()
 
+    fixed_stock_out = root / "flux_fixed_stock_zero2"
+    fixed_stock_out.mkdir()
     first = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 4, env, "--checkpointing_steps", "2") for c in cfg}
+    # stock, with the fix: accelerate hands the save hook DeepSpeed's engine, which is no
+    # FluxTransformer2DModel, so it falls through to `text_encoder_one` (deleted once the prompts were encoded)
+    fixed_stock = Launch(cfg["zero2"], fixed, pipe, images, fixed_stock_out, 4,
+                         dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_HOOKS), "--checkpointing_steps", "2")
+    fixed_stock.wait()
+    assert fixed_stock.returncode != 0 and "in save_model_hook" in fixed_stock.output, fixed_stock.explain()
+    assert "NameError: cannot access free variable 'text_encoder_one'" in fixed_stock.output
+    assert not (fixed_stock_out / "checkpoint-2" / "pytorch_lora_weights.safetensors").exists()
     for c, run in first.items():
         run.wait()
         assert run.returncode == 0, run.explain()
