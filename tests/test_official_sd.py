@@ -245,6 +245,7 @@ def test_dreambooth_full_final_save_loads_and_equals(runs):
     initial = UNet2DConditionModel.from_pretrained(str(runs["work"] / "model"), subfolder="unet").state_dict()
     assert set(got) == set(witness) == set(initial)
     _assert_close_to_witness(got, witness, initial)
+    StableDiffusionPipeline.from_pretrained(str(z2["out"]))
     pipe = StableDiffusionPipeline.from_pretrained(str(z3["out"]))
     loaded = pipe.unet.state_dict()  # diffusers loads the saved bf16 in fp32 (no torch_dtype): exact
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in got.items())
@@ -269,6 +270,7 @@ def test_controlnet_final_save_loads_and_equals(runs):
     copied = [k for k in got if k.startswith(("conv_in.", "time_embedding.", "down_blocks.", "mid_block."))]
     _assert_close_to_witness({k: got[k] for k in copied}, {k: witness[k] for k in copied},
                              {k: initial[k] for k in copied}, min_identical=0.3, fraction=5)
+    ControlNetModel.from_pretrained(str(z2["out"]))
     loaded = ControlNetModel.from_pretrained(str(z3["out"])).state_dict()  # bf16 saved, fp32 loaded
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in got.items())
 
