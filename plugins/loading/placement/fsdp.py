@@ -113,9 +113,11 @@ def attach_fill(model, load_whole: Callable[[], Any]) -> None:
     on_first_forward(model, first_call)
 
 
-#: rank 0 gives freed full tensors back to the OS every this many bytes (``malloc_trim``): they were
-#: allocated by load threads, in glibc arenas that keep freed blocks otherwise.
-TRIM_BYTES = 256 << 20
+#: every rank gives freed memory back to the OS every this many bytes of parameters scattered
+#: (``malloc_trim``): rank 0's full tensors were allocated by load threads, in glibc arenas that keep
+#: freed blocks otherwise, and on every rank ``distribute_tensor`` allocates and frees padded chunks
+#: and scatter outputs in the main heap (measured: ~40 % of a shard left in it by the end).
+TRIM_BYTES = 128 << 20
 
 
 def load_full_state_dict_streaming(wrapped, instance, args, kwargs):
@@ -172,8 +174,9 @@ def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = Fa
                     f"Full state dict has {len(full_sd)} keys, sharded has {len(meta_sharded_sd)} keys.")
     source = dict(full_sd)  # the only reference left: each entry is freed as it is scattered
     full_sd.clear()
+    owners = _owning_slots(model, meta_sharded_sd)
     receive = _ReceiveBuffer()
-    sharded_sd, released = {}, 0
+    sharded_sd, processed = {}, 0
     for name, sharded_param in meta_sharded_sd.items():
         mesh = sharded_param.device_mesh
         only_shards = all(isinstance(p, Shard) for p in sharded_param.placements)
@@ -181,13 +184,13 @@ def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = Fa
             full = source.pop(name).detach().to(mesh.device_type)
             if isinstance(full, DTensor):  # after prepare_tp (accelerate >= 1.12)
                 full = full.to_local()
-            released += full.numel() * full.element_size()
         else:
             source.pop(name, None)
             # distribute_tensor reads only rank 0's data (it scatters from rank 0) and returns fresh
             # shards; a Replicate placement returns its input itself, so that one gets its own tensor
             full = (receive.view(sharded_param.size(), sharded_param.dtype, mesh.device_type) if only_shards
                     else torch.empty(sharded_param.size(), device=mesh.device_type, dtype=sharded_param.dtype))
+        processed += sharded_param.numel() * sharded_param.element_size()
         sharded = distribute_tensor(full, mesh, sharded_param.placements)
         to_contiguous, casting_dtype = _infer_parameter_dtype(model, name, full)
         del full
@@ -197,14 +200,40 @@ def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = Fa
             sharded = sharded.contiguous()
         if cpu_offload:  # FSDP2's lazy_init expects parameters on CPU with CPU offloading
             sharded = sharded.to("cpu")
-        sharded_sd[name] = sharded
-        if released >= TRIM_BYTES:
-            released = 0
+        if owners is None:
+            sharded_sd[name] = sharded
+        else:
+            # into the model now: FSDP2's load post-hook copies an unevenly split shard into a padded
+            # one (reset_sharded_param); done for all parameters at the end, every such rank would
+            # briefly hold its whole shard twice
+            module, local_name = owners[name]
+            module.load_state_dict({local_name: sharded}, strict=False, assign=True)
+        del sharded
+        if processed >= TRIM_BYTES:
+            # every rank: distribute_tensor's padded chunks and scatter outputs are freed into the heap
+            processed = 0
             malloc_trim()
     del receive
-    # assign=True: the parameters are on meta
-    model.load_state_dict(sharded_sd, assign=True)
+    if owners is None:
+        # assign=True: the parameters are on meta
+        model.load_state_dict(sharded_sd, assign=True)
     return model
+
+
+def _owning_slots(model, names) -> dict | None:
+    """{state-dict name: (module, attribute)} when every name is a parameter or buffer held directly by
+    its module (loaded one by one as it is scattered); None otherwise (loaded at the end, as stock)."""
+    owners = {}
+    for name in names:
+        base, _, local_name = name.rpartition(".")
+        try:
+            module = model.get_submodule(base) if base else model
+        except AttributeError:
+            return None
+        if local_name not in module._parameters and local_name not in module._buffers:
+            return None
+        owners[name] = (module, local_name)
+    return owners
 
 
 def _infer_parameter_dtype(model, name: str, full):
