@@ -92,8 +92,8 @@ import accelerate
 from accelerate.utils import fsdp_utils
 
 torch.manual_seed(0)
-# Linear(32, 30): 30 rows do not split evenly over 4 ranks either (padding in distribute_tensor)
-model = torch.nn.Sequential(*[torch.nn.Linear(32, 30 if i % 2 else 32) for i in range(4)])
+# Linear(32, 31): 31 rows do not split evenly over 2 ranks (padding in distribute_tensor and FSDP2)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 31 if i % 2 else 32) for i in range(4)])
 reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
 original_sd = model.state_dict()                   # what accelerate's prepare keeps of rank 0's weights
 refs = [weakref.ref(v) for v in original_sd.values()]
@@ -102,7 +102,7 @@ mesh = init_device_mesh("cpu", (world,))
 for layer in model:
     fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
-alive_at_scatter, full_inputs = [], []
+alive_at_scatter, full_inputs, uneven_shards, uneven_alive = [], [], [], []
 real_distribute = dtensor.distribute_tensor
 
 def recording_distribute(tensor, *args, **kwargs):
@@ -110,7 +110,12 @@ def recording_distribute(tensor, *args, **kwargs):
     gc.collect()
     alive_at_scatter.append(sum(r() is not None for r in refs))
     full_inputs.append(tensor.untyped_storage())   # kept alive: distinct storages stay distinct
-    return real_distribute(tensor, *args, **kwargs)
+    # shorter-than-padded shards that FSDP2 copies into padded ones when loaded: still held?
+    uneven_alive.append(sum(r() is not None for r in uneven_shards))
+    out = real_distribute(tensor, *args, **kwargs)
+    if out._local_tensor.size(0) * world < tensor.size(0):
+        uneven_shards.append(weakref.ref(out._local_tensor))
+    return out
 
 dtensor.distribute_tensor = recording_distribute
 class Acc:
@@ -123,6 +128,7 @@ same = all(torch.equal(model.state_dict()[k].full_tensor(), v) for k, v in refer
 print("RESULT " + json.dumps({"accelerate": accelerate.__version__, "alive": alive_at_scatter, "same": same,
                               "after": sum(r() is not None for r in refs), "rank": rank,
                               "input_storages": len(storages), "input_bytes": sum(storages.values()),
+                              "uneven_alive": uneven_alive,
                               "model_bytes": sum(v.numel() * v.element_size() for v in reference.values()),
                               "largest_bytes": max(v.numel() * v.element_size() for v in reference.values())}))
 dist.destroy_process_group()
@@ -163,13 +169,19 @@ def test_fsdp2_full_state_dict_is_released_tensor_by_tensor(tmp_path):
 def test_fsdp2_other_ranks_receive_into_their_shards_only(tmp_path):
     """2 ranks (installed accelerate): stock's rank 1 allocates a full-size receive buffer for every
     parameter (8 storages, the whole model); ours hands distribute_tensor views of one buffer the
-    size of the largest parameter. Every rank's shards equal the original weights, both ways."""
+    size of the largest parameter, and holds no unevenly split shard twice. Every rank's shards
+    equal the original weights, both ways."""
     ours = _load_full_state_dict(tmp_path, world=2)
     stock = _load_full_state_dict(tmp_path, world=2, ACCEL_NPU_DISABLE="1")
     assert all(r["same"] for r in ours + stock), (ours, stock)
     assert stock[1]["input_storages"] == 8 and stock[1]["input_bytes"] >= stock[1]["model_bytes"], stock[1]
     assert ours[1]["input_storages"] == 1 and ours[1]["input_bytes"] == ours[1]["largest_bytes"], ours[1]
     assert ours[0]["alive"] == [7, 6, 5, 4, 3, 2, 1, 0] and stock[0]["alive"] == [8] * 8, (ours[0], stock[0])
+    # rank 1's 15-of-16-row shards (weight, bias of both Linear(32, 31)): stock keeps each until the
+    # model's final load_state_dict, where FSDP2 copies it into a padded one (its whole shard twice);
+    # ours loads each as it is scattered, so the unpadded one is gone before the next scatter
+    assert stock[1]["uneven_alive"] == [0, 0, 0, 1, 2, 2, 2, 3], stock[1]
+    assert ours[1]["uneven_alive"] == [0] * 8, ours[1]
 
 
 @pytest.mark.slow
