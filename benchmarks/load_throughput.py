@@ -7,7 +7,8 @@ process; the clock runs from just before the call to just after it (imports excl
 construction, key planning, validation and reading included). Readers, all with ``--threads`` T:
 
   raw     safe_open + get_tensor + clone (no cast) / + .to(float32) (cast) of exactly the tensors the
-          truncated model holds, T reader threads over the tensors (torch: 1 thread each)
+          truncated model holds, T reader threads over the tensors (torch: 1 thread each), then the
+          shard files closed (their munmap is part of a read; from_pretrained pays it inside the call)
   accel   accel-npu, the field report's call: ``from_pretrained(path)`` with
           ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:<keep>``, ``ACCEL_NPU_LOAD_THREADS=T``
   stock   ``ACCEL_NPU_DISABLE=1``, ``from_pretrained(path, num_layers=<keep>)`` (stock's way to the same
@@ -67,6 +68,8 @@ def read(k):
     return x.to(torch.float32) if cast else x.clone()
 with ThreadPoolExecutor(threads) as pool:
     got = list(pool.map(read, keys))
+for handle in handles.values():  # closing (munmap) is part of reading, as in from_pretrained
+    handle.__exit__(None, None, None)
 secs = time.perf_counter() - t
 print("RESULT " + json.dumps({"seconds": secs, "model_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
 '''

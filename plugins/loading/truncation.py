@@ -53,12 +53,16 @@ def short_list(keys, n=8) -> str:
     return ", ".join(keys[:n]) + more
 
 
+_FIRST_INDEX = re.compile(r"\.(\d+)\.")
+
+
 def layer_indices(keys) -> list[int]:
+    """The first numeric path component of each key (``transformer_blocks.7.attn...`` -> 7)."""
     found = set()
     for k in keys:
-        for m in re.finditer(r"\.(\d+)\.", f".{k}"):
+        m = _FIRST_INDEX.search("." + k)  # compiled once: this runs over every skipped key of a load
+        if m is not None:
             found.add(int(m.group(1)))
-            break
     return sorted(found)
 
 
