@@ -1,6 +1,7 @@
 """Helpers to run real `accelerate launch` / torchrun processes from tests (no mocks)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -51,6 +52,65 @@ def write_deepspeed_config(directory: Path, ds_config: dict, name: str = "ds_con
     yaml_path = directory / (Path(name).stem + ".yaml")
     yaml_path.write_text(yaml.safe_dump(cfg))
     return yaml_path
+
+
+@contextlib.contextmanager
+def one_rank_deepspeed_group(monkeypatch):
+    """A 1-rank gloo group with DeepSpeed's comm layer on it, as `accelerate launch` gives one
+    (deepspeed.zero.Init needs LOCAL_RANK), for in-process tests. On leaving: any HF DeepSpeed config
+    selected inside is unset and the group destroyed."""
+    import torch.distributed as dist
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        import deepspeed
+
+        # DeepSpeed's comm backend set up now, with accel-npu active (no shm op build); stock halves reuse it
+        deepspeed.comm.init_distributed(dist_backend="gloo")
+        yield
+    finally:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        dist.destroy_process_group()
+
+
+#: ZeRO-3 bf16, every parameter partitioned: what accelerate's plugin hands transformers/diffusers in tests
+#: that select it in-process (``select_zero3_plugin``)
+ZERO3_BF16_T0 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                 "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+
+
+def select_zero3_plugin():
+    """accelerate's ZeRO-3 plugin (zero3_init_flag true) selected, as ``Accelerator()`` leaves it at launch.
+    Returns (config, plugin); the caller keeps the plugin alive (transformers holds a weak reference)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    config = json.loads(json.dumps(ZERO3_BF16_T0))  # a copy: DeepSpeed fills in its config
+    plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=True)
+    plugin.set_deepspeed_weakref()
+    return config, plugin
+
+
+def shipped_zero_configs(directory: Path) -> dict[str, Path]:
+    """The configs the upstream-script tests launch: ``zero2`` = the shipped cpu_zero2 as it is;
+    ``zero3_t0`` = the shipped cpu_zero3 (zero3_init_flag true) with stage3_param_persistence_threshold
+    0, every parameter partitioned as a real-size UNet is. Written into ``directory``."""
+    out = {}
+    for label, base, threshold0 in (("zero2", "cpu_zero2", False), ("zero3_t0", "cpu_zero3", True)):
+        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
+        if threshold0:
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds_path = directory / f"{label}.deepspeed.json"
+        ds_path.write_text(json.dumps(ds, indent=2))
+        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
+        cfg["deepspeed_config"]["deepspeed_config_file"] = str(ds_path)
+        out[label] = directory / f"{label}.yaml"
+        out[label].write_text(yaml.safe_dump(cfg))
+    return out
 
 
 def zero_config(stage: int, bf16: bool = False, **zero_extra) -> dict:

@@ -15,7 +15,6 @@ pipeline's ``load_lora_weights``. Stock halves use ACCEL_NPU_DISABLED_PATCHES, a
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,9 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port
+from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port, one_rank_deepspeed_group, shipped_zero_configs
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -42,24 +40,18 @@ def zero3_engine():
     DeepSpeed's comm layer keeps the first group it saw)."""
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     mp = pytest.MonkeyPatch()
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
-        mp.setenv(k, v)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    deepspeed.comm.init_distributed(dist_backend="gloo")
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-        config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                  "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        yield engine
+        with one_rank_deepspeed_group(mp):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+            config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                      "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            yield engine
     finally:
-        dist.destroy_process_group()
         mp.undo()
 
 
@@ -199,22 +191,6 @@ def _fixed_script(name: str, directory: Path) -> Path:
     return path
 
 
-def _configs(directory: Path) -> dict[str, Path]:
-    """The shipped cpu_zero2 config as it is, and cpu_zero3 (zero3_init_flag true) with threshold 0."""
-    out = {}
-    for label, base, threshold0 in (("zero2", "cpu_zero2", False), ("zero3_t0", "cpu_zero3", True)):
-        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
-        if threshold0:
-            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        ds_path = directory / f"{label}.deepspeed.json"
-        ds_path.write_text(json.dumps(ds, indent=2))
-        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
-        cfg["deepspeed_config"]["deepspeed_config_file"] = str(ds_path)
-        out[label] = directory / f"{label}.yaml"
-        out[label].write_text(yaml.safe_dump(cfg))
-    return out
-
-
 class Launch:
     """One ``accelerate launch`` of a script, output collected, the time each step showed."""
 
@@ -278,7 +254,7 @@ def runs(tmp_path_factory):
                        capture_output=True, timeout=300, env=base_env(), cwd=SCRIPTS)
     subprocess.run([sys.executable, "-c", f"import tiny_models; tiny_models.dreambooth_images({str(work / 'images')!r})"],
                    check=True, capture_output=True, timeout=120, env=base_env(), cwd=SCRIPTS)
-    cfg = _configs(work)
+    cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env())
     fixed = {name: _fixed_script(name, work) for name in SCRIPTS_RUN}
     t0 = time.monotonic()

@@ -31,7 +31,6 @@ fp32 (train_dreambooth_lora.py's final save).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -40,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port
+from tests.launch_utils import (BIN, REPO, SCRIPTS, base_env, free_port, one_rank_deepspeed_group,
+                                select_zero3_plugin, shipped_zero_configs)
 
 EXAMPLES = os.environ.get("DIFFUSERS_EXAMPLES_DIR", "")
 DOC = REPO / "docs" / "compatibility.md"
@@ -81,21 +80,6 @@ def _line_of(kind: str, text: str, after: int = 0) -> int:
     return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
 
 
-def _configs(directory: Path) -> dict[str, Path]:
-    """The shipped cpu_zero2 config as it is, and cpu_zero3 with stage3_param_persistence_threshold 0."""
-    out = {}
-    for label, base in (("zero2", "cpu_zero2"), ("zero3_t0", "cpu_zero3")):
-        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
-        if label == "zero3_t0":
-            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        (directory / f"{label}.deepspeed.json").write_text(json.dumps(ds, indent=2))
-        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
-        cfg["deepspeed_config"]["deepspeed_config_file"] = str(directory / f"{label}.deepspeed.json")
-        out[label] = directory / f"{label}.yaml"
-        out[label].write_text(yaml.safe_dump(cfg))
-    return out
-
-
 def _launch(work: Path, kind: str, cfg: Path, out: Path, extra: list[str], env: dict) -> dict:
     data = (["--train_data_dir", str(work / "controlnet_data")] if kind == "controlnet" else
             ["--instance_data_dir", str(work / "instance"), "--instance_prompt", "a photo of sks dog"])
@@ -125,7 +109,7 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("official_sd")
     subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd_family.py"), str(work / "model"), str(work / "instance"),
                     str(work / "controlnet_data")], check=True, capture_output=True, timeout=300, env=base_env())
-    cfg = _configs(work)
+    cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(work / "datasets-cache")))
     plan = {}
     for kind in SCRIPT:
@@ -305,26 +289,8 @@ def test_compatibility_doc_rows_are_true(runs):
 @pytest.fixture()
 def one_rank_zero3(monkeypatch):
     """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected as at launch."""
-    import torch.distributed as dist
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    import deepspeed
-
-    deepspeed.comm.init_distributed(dist_backend="gloo")
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
-    try:
-        plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=True)
-        plugin.set_deepspeed_weakref()
-        yield config, plugin
-    finally:
-        unset_hf_deepspeed_config()
-        dist.destroy_process_group()
+    with one_rank_deepspeed_group(monkeypatch):
+        yield select_zero3_plugin()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import SCRIPTS, free_port
+from tests.launch_utils import SCRIPTS, free_port, one_rank_deepspeed_group, select_zero3_plugin, shipped_zero_configs
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -39,31 +39,16 @@ needs_examples = pytest.mark.skipif(
 def one_rank_zero3(monkeypatch):
     """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected, as
     ``accelerate launch`` + ``Accelerator()`` leave them before the script loads its text encoders."""
-    import torch.distributed as dist
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers.integrations import unset_hf_deepspeed_config
+    with one_rank_deepspeed_group(monkeypatch):
+        _config, plugin = select_zero3_plugin()
+        try:
+            yield
+        finally:
+            from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
+            import torch
 
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    import deepspeed
-
-    deepspeed.comm.init_distributed(dist_backend="gloo")
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
-    plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=True)
-    plugin.set_deepspeed_weakref()
-    try:
-        yield
-    finally:
-        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
-        import torch
-
-        torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
-        unset_hf_deepspeed_config()
-        dist.destroy_process_group()
-        del plugin
+            torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
+            del plugin
 
 
 def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_a_shape(tmp_path, one_rank_zero3):
@@ -163,28 +148,6 @@ def _script(family: str) -> Path:
 def _line_of(path: Path, text: str, after: int = 0) -> int:
     lines = path.read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
-
-
-def _configs(directory: Path) -> dict:
-    """The shipped cpu_zero2 config as it is, and cpu_zero3 with stage3_param_persistence_threshold 0
-    (zero3_init_flag true, as shipped): what tests/test_upstream_text_to_image.py launches."""
-    import json
-
-    import yaml
-
-    from tests.launch_utils import REPO
-
-    out = {}
-    for label, base, threshold0 in (("zero2", "cpu_zero2", False), ("zero3_t0", "cpu_zero3", True)):
-        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
-        if threshold0:
-            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        (directory / f"{label}.deepspeed.json").write_text(json.dumps(ds, indent=2))
-        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
-        cfg["deepspeed_config"]["deepspeed_config_file"] = str(directory / f"{label}.deepspeed.json")
-        out[label] = directory / f"{label}.yaml"
-        out[label].write_text(yaml.safe_dump(cfg))
-    return out
 
 
 def _fixed_flux(directory: Path) -> Path:
@@ -306,7 +269,7 @@ def work(tmp_path_factory):
         subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd3_flux.py"), family, str(root / family),
                         str(root / "images")], check=True, capture_output=True, timeout=300, env=base_env())
     # the scripts import torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
-    return root, _configs(root), with_torchvision(base_env())
+    return root, shipped_zero_configs(root), with_torchvision(base_env())
 
 
 @needs_examples

@@ -19,7 +19,7 @@ import sys
 import pytest
 import yaml
 
-from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port
+from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
@@ -55,22 +55,8 @@ def qwen_pipe(tmp_path_factory):
 @pytest.fixture()
 def one_rank_group(monkeypatch):
     """A 1-rank gloo group as `accelerate launch` gives one (deepspeed.zero.Init needs LOCAL_RANK)."""
-    import torch.distributed as dist
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    import deepspeed
-
-    # DeepSpeed's comm backend set up now, by accel-npu (no shm op build): stock halves below reuse it
-    deepspeed.comm.init_distributed(dist_backend="gloo")
-    try:
+    with one_rank_deepspeed_group(monkeypatch):
         yield
-    finally:
-        unset_hf_deepspeed_config()
-        dist.destroy_process_group()
 
 
 def _zero3_plugin(flag: bool):

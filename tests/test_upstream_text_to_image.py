@@ -24,7 +24,6 @@ of 1 (stock accelerate starts no gloo group without an accelerator), so neither 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -35,9 +34,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port
+from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port, shipped_zero_configs
 from tests.torchvision_site import with_torchvision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -58,22 +56,6 @@ STOCK_FINAL_SAVE = ",".join([
 def _line_of(text: str) -> int:
     lines = UPSTREAM.read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if line.strip() == text)
-
-
-def _configs(directory: Path) -> dict[str, Path]:
-    """The shipped cpu_zero2 config as it is, and cpu_zero3 with stage3_param_persistence_threshold 0."""
-    out = {}
-    for label, base, threshold0 in (("zero2", "cpu_zero2", False), ("zero3_t0", "cpu_zero3", True)):
-        ds = json.loads((REPO / "launch_configs" / f"{base}.deepspeed.json").read_text())
-        if threshold0:
-            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        ds_path = directory / f"{label}.deepspeed.json"
-        ds_path.write_text(json.dumps(ds, indent=2))
-        cfg = yaml.safe_load((REPO / "launch_configs" / f"{base}.yaml").read_text())
-        cfg["deepspeed_config"]["deepspeed_config_file"] = str(ds_path)
-        out[label] = directory / f"{label}.yaml"
-        out[label].write_text(yaml.safe_dump(cfg))
-    return out
 
 
 class Run:
@@ -158,7 +140,7 @@ def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("t2i")
     subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd.py"), str(work / "model"), str(work / "data")],
                    check=True, capture_output=True, timeout=300, env=base_env())
-    cfg = _configs(work)
+    cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(work / "datasets-cache")))
     stock = {"save_state": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_SAVE_STATE),
              "final": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_FINAL_SAVE)}
