@@ -47,8 +47,7 @@ def write_tokenizer(directory: str, max_length: int = 16):
 
 def build(model_dir: str, seed: int = 0):
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
 
     tok_dir = os.path.join(model_dir, "tokenizer")
     tokenizer, vocab_size = write_tokenizer(tok_dir)
@@ -60,6 +59,15 @@ def build(model_dir: str, seed: int = 0):
     vae = AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4,
                         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
                         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
+    return save_pipeline(model_dir, tokenizer, vocab_size, unet, vae)
+
+
+def save_pipeline(model_dir: str, tokenizer, vocab_size: int, unet, vae):
+    """The rest of a tiny StableDiffusionPipeline around ``unet`` and ``vae`` (a 2-layer CLIP text encoder,
+    DDPM scheduler), saved to ``model_dir``; weights drawn from torch's current random state."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel
+
     text_encoder = CLIPTextModel(CLIPTextConfig(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=tokenizer.model_max_length, bos_token_id=0, eos_token_id=1, pad_token_id=1,

@@ -20,15 +20,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sd import write_tokenizer  # noqa: E402
+from tiny_sd import save_pipeline, write_tokenizer  # noqa: E402
 
 CAPTIONS = ["a red square", "a blue circle", "a photo of the dog", "a green cat"]
 
 
 def build(model_dir: str, seed: int = 0):
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
 
     tokenizer, vocab_size = write_tokenizer(os.path.join(model_dir, "tokenizer"))
     torch.manual_seed(seed)
@@ -39,16 +38,7 @@ def build(model_dir: str, seed: int = 0):
     vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4,
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         norm_num_groups=4, sample_size=32)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=tokenizer.model_max_length, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-        projection_dim=32))
-    scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="linear", clip_sample=False)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
-    pipe.save_pretrained(model_dir)
-    return pipe
+    return save_pipeline(model_dir, tokenizer, vocab_size, unet, vae)
 
 
 def _images(n: int, size: int, seed: int):
