@@ -247,7 +247,7 @@ def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers"
 def made_whole_outside_engine(model, module, use: str, what: str = "diffusers") -> None:
     """Rebuild ``model`` whole if it is still partitioned, has a rebuild attached and no DeepSpeed engine
     holds it (``ds_id``: set on every module by the engine's ZeRO-3 hooks)."""
-    rebuild = model.__dict__.get(markers.REBUILD)
+    rebuild = getattr(model, "__dict__", {}).get(markers.REBUILD)
     if rebuild is None or hasattr(model, "ds_id") or hasattr(module, "ds_id") or not is_zero_partitioned(model):
         return
     (log.warning if os.environ.get("RANK", "0") == "0" else log.info)(
@@ -265,7 +265,7 @@ def parameter_dtype(wrapped, instance, args, kwargs):
     files' fp32, not zero.Init's bf16): train_dreambooth.py / train_controlnet.py raise "Unet loaded as
     datatype torch.bfloat16" otherwise."""
     model = args[0] if args else kwargs.get("parameter")
-    if model is not None and getattr(model, "__dict__", {}).get(markers.REBUILD) is not None:
+    if model is not None:  # returns at once unless this plugin attached a rebuild to it
         made_whole_outside_engine(model, model, "has its dtype read")
     return wrapped(*args, **kwargs)
 
