@@ -92,3 +92,33 @@ def worker_import_problem(pythonpath: str, script_dir: str | None = None) -> str
     return (f"workers would import accel_npu from {shadow} (first on their sys.path through {via}), "
             f"a copy that cannot load accel-npu's built-in plugins, instead of {imported_package_dir()}. "
             f"Remove it from PYTHONPATH or launch from another directory, or update that checkout")
+
+
+#: The startup hook: setup.py installs STARTUP_PTH into site-packages; its line imports STARTUP_MODULE.
+STARTUP_PTH = "accel_npu_startup.pth"
+STARTUP_MODULE = "_accel_npu_startup"
+
+
+def startup_hook_state() -> str:
+    """Whether the startup hook (which explains a failed ``import torch_npu`` before accel-npu is
+    active) runs in this process, and from where."""
+    import sys
+
+    module = sys.modules.get(STARTUP_MODULE)
+    if module is None and sys.flags.no_site:
+        return "not loaded: python -S runs no .pth file"
+    if module is None:
+        import site
+
+        dirs = [*(site.getsitepackages() if hasattr(site, "getsitepackages") else []), site.getusersitepackages()]
+        found = next((os.path.join(d, STARTUP_PTH) for d in dirs if os.path.isfile(os.path.join(d, STARTUP_PTH))), None)
+        if found:
+            return f"not loaded in this process, though {found} is installed"
+        return (f"not installed: no {STARTUP_PTH} in this interpreter's site-packages (accel-npu installed with "
+                "--target or found through PYTHONPATH; reinstall it with pip). A failed `import torch_npu` "
+                "is then explained only once accel-npu is active")
+    hooks = [f for f in sys.meta_path if type(f).__name__ == "ExplainTorchNpuImport"]
+    where = getattr(module, "__file__", STARTUP_MODULE)
+    if not hooks:
+        return f"{where}: off (ACCEL_NPU_DISABLE=1 at interpreter start)"
+    return f"{where}: {'waiting for' if hooks[0].waiting else 'done with'} the first import of torch_npu"

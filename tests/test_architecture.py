@@ -138,13 +138,45 @@ def test_wrapt_style_wrappers_live_in_plugins():
 ENV_READ = re.compile(r"""(environ|env)(\.get\(|\[|\.setdefault\(|\.pop\()\s*["']ACCEL_NPU_|getenv\(\s*["']ACCEL_NPU_""")
 
 
+#: The startup hook accel_npu_startup.pth imports in every Python process (setup.py), beside the package.
+STARTUP_HOOK = REPO / "_accel_npu_startup.py"
+
+
 def test_one_reader_per_environment_variable():
-    """ACCEL_NPU_* variables are read through accel_npu.environment only (the worker bootstrap keeps
-    one stdlib-only copy of the ACCEL_NPU_DISABLE check: it runs before accel_npu is imported)."""
-    allowed = {"accel_npu.environment", "accel_npu.activation._bootstrap.sitecustomize"}
-    readers = {name for name, path in MODULES.items() if ENV_READ.search(path.read_text())}
+    """ACCEL_NPU_* variables are read through accel_npu.environment only (the worker bootstrap and the
+    startup hook keep one stdlib-only copy each of the ACCEL_NPU_DISABLE check: they run before
+    accel_npu is imported, in processes that may never import it)."""
+    allowed = {"accel_npu.environment", "accel_npu.activation._bootstrap.sitecustomize", "_accel_npu_startup"}
+    readers = {name for name, path in [*MODULES.items(), ("_accel_npu_startup", STARTUP_HOOK)]
+               if ENV_READ.search(path.read_text())}
     assert readers <= allowed, sorted(readers - allowed)
     assert ENV_READ.search('os.environ.get("ACCEL_NPU_X")') and ENV_READ.search("env.get('ACCEL_NPU_BACKEND', '')")
+    copies = re.findall(r"""environ\.get\(\s*["'](ACCEL_NPU_\w+)""", STARTUP_HOOK.read_text())
+    assert copies == ["ACCEL_NPU_DISABLE"], copies
+
+
+def test_the_startup_hook_imports_nothing_at_startup():
+    """Module level: the standard library modules every interpreter has loaded before site runs .pth
+    files. accel_npu only inside the finder, once torch_npu is being imported: the environment and
+    the npu plugin's diagnostics (the one plugin module it names, as manager.py names every plugin)."""
+    tree = ast.parse(STARTUP_HOOK.read_text())
+    top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert top <= {"_thread", "os", "sys"}, top
+    lazy = {(node.module or "") + ":" + alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for alias in node.names}
+    assert lazy == {"accel_npu:environment",
+                    "accel_npu.plugins.devices.npu.diagnostics:install_import_diagnostics"}, lazy
+
+
+def test_the_startup_hook_reads_accel_npu_disable_as_environment_does(monkeypatch):
+    import _accel_npu_startup
+
+    from accel_npu import environment
+
+    for value in ("1", "true", " Yes ", "on", "0", "", "no", "2", "off"):
+        monkeypatch.setenv("ACCEL_NPU_DISABLE", value)
+        assert _accel_npu_startup._disabled() == environment.disabled(), value
 
 
 def test_setup_cfg_lists_every_package():

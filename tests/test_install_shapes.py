@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,64 @@ def wheel_target(tmp_path_factory):
     assert (target / "accel_npu" / "plugins" / "__init__.py").is_file()
     assert not (target / "plugins").exists(), "the wheel must not install a top-level 'plugins' package"
     return target
+
+
+STARTUP_PTH = "accel_npu_startup.pth"
+# -S: no site-packages of this interpreter (whose own install has the hook), only the directory given
+STARTUP_PROBE = ("import site, sys; site.addsitedir(sys.argv[1]); m = sys.modules.get('_accel_npu_startup'); "
+                 "print('RESULT', m and m.__file__, [repr(f) for f in sys.meta_path "
+                 "if type(f).__name__ == 'ExplainTorchNpuImport'])")
+
+
+def startup_hook_in(site_dir: Path, **env) -> tuple[str, str]:
+    """(the file _accel_npu_startup was imported from, the hooks on sys.meta_path) in a process
+    whose only site directory is ``site_dir``."""
+    proc = subprocess.run([sys.executable, "-S", "-c", STARTUP_PROBE, str(site_dir)], env=base_env(**env),
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0 and not proc.stderr, explain(proc)
+    return next(l for l in proc.stdout.splitlines() if l.startswith("RESULT")).split(" ", 2)[1:]
+
+
+def test_every_install_shape_ships_the_startup_hook(wheel_target, tmp_path):
+    """accel_npu_startup.pth (written by setup.py) reaches site-packages from a wheel / `pip install .`
+    and from `pip install -e .`, and there puts the torch_npu startup hook on sys.meta_path (not
+    under ACCEL_NPU_DISABLE=1). Its effect on a failing torch_npu: tests/contract/test_npu_contract.py."""
+    # the wheel, installed: the .pth and its module at the top, where site-packages would have them
+    assert "import _accel_npu_startup" in (wheel_target / STARTUP_PTH).read_text()
+    module, hooks = startup_hook_in(wheel_target)
+    assert Path(module) == wheel_target / "_accel_npu_startup.py"
+    assert hooks == "['<accel-npu startup hook: waiting for the first import of torch_npu>']", hooks
+    assert startup_hook_in(wheel_target, ACCEL_NPU_DISABLE="1") == [module, "[]"]
+
+    # the editable wheel `pip install -e .` installs (PEP 660, built from the same tree): the .pth
+    # sorts after the editable finder's (site runs .pth files in name order), which serves the module
+    src = wheel_target.parent / "src"
+    out = tmp_path / "editable"
+    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
+                           "print('WHEEL', build_meta.build_editable(sys.argv[1]))", str(out)],
+                          cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    site_dir = tmp_path / "editable-site"
+    with zipfile.ZipFile(next(out.glob("*.whl"))) as whl:
+        pth_files = sorted(n for n in whl.namelist() if n.endswith(".pth"))
+        assert len(pth_files) == 2 and pth_files[0].startswith("__editable__") and pth_files[1] == STARTUP_PTH, \
+            pth_files
+        whl.extractall(site_dir)  # what an installer does with a pure wheel's top level
+    module, hooks = startup_hook_in(site_dir)
+    assert Path(module) == src / "_accel_npu_startup.py", module
+    assert hooks == "['<accel-npu startup hook: waiting for the first import of torch_npu>']", hooks
+
+
+def test_accel_npu_env_says_whether_the_startup_hook_runs(monkeypatch):
+    """`accel-npu env` (Installation -> startup hook): this interpreter's install has the hook."""
+    from accel_npu import install
+
+    import _accel_npu_startup
+
+    state = install.startup_hook_state()
+    assert state.startswith(f"{_accel_npu_startup.__file__}: ") and state.endswith("the first import of torch_npu"), state
+    monkeypatch.delitem(sys.modules, "_accel_npu_startup")
+    assert install.startup_hook_state().startswith("not loaded in this process, though "), install.startup_hook_state()
 
 
 def check_workers(proc, expect_dir: Path):

@@ -79,7 +79,8 @@ def _installation() -> dict:
 
     return {"imported from": install.imported_package_dir(),
             "installed distribution": install.installed_package_dir() or "none (not installed)",
-            "shadowed": install.shadowing_note() or "no"}
+            "shadowed": install.shadowing_note() or "no",
+            "startup hook": install.startup_hook_state()}
 
 
 def _unexpected_origin(record) -> str | None:

@@ -265,30 +265,57 @@ def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
     assert "Fix: source /usr/local/Ascend/ascend-toolkit/set_env.sh" in default, default
 
 
+def backend_entry_points(env: dict, code: str = "") -> list[str]:
+    """The ``torch.backends`` entry points in the order torch will call them (what
+    torch/__init__.py ``_import_device_backends`` iterates), in a process started like ``py``."""
+    probe = py(code + "from importlib.metadata import entry_points; "
+               "print('ORDER', [e.name for e in entry_points(group='torch.backends')])", env)
+    return eval(next(l for l in probe.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER "):])
+
+
 def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     """torch >= 2.5 imports torch_npu inside `import torch` (its torch.backends entry point) and wraps a
     failure in "Failed to load the backend extension" (torch/__init__.py _import_device_backends).
     Stock: torch's message over torch_npu's ImportError. Ours: accel-npu's diagnosis is that
-    ImportError, one line with CANN's set_env.sh (issue 13 item 1). Entry points run in the order
-    their distributions are found: here torch_npu is found after accel-npu (appended to sys.path)."""
+    ImportError, one line with CANN's set_env.sh (issue 13 item 1) -- in either entry-point order."""
     site = make_site(tmp_path, autoload=True)
-    code = f"import sys; sys.path.append({str(site)!r}); import torch"
-    env = base_env(STANDIN_MISSING_CANN_LIB="libhccl.so", ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
-    stock = py(code, dict(env, ACCEL_NPU_DISABLE="1"))
-    assert stock.returncode != 0 and last_line(stock).startswith("RuntimeError: Failed to load the backend "
-                                                                 "extension: torch_npu"), stock.stderr[-2000:]
-    assert "ImportError: libhccl.so: cannot open shared object file" in stock.stderr and "accel-npu" not in stock.stderr
-    ours = py(code, env)
-    assert ours.returncode != 0 and last_line(ours).startswith("RuntimeError: Failed to load the backend extension")
-    diagnosis = [line for line in ours.stderr.splitlines() if line.startswith(
-        "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded")]
-    assert len(diagnosis) == 1 and "libhccl.so is part of CANN" in diagnosis[0], ours.stderr[-3000:]
-    assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in diagnosis[0]
+    cann = dict(STANDIN_MISSING_CANN_LIB="libhccl.so", ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
 
-    # found the other way round (torch_npu first on sys.path): its entry point fails before accel-npu's
-    # runs in a bare `python`, but accel-npu's own commands activate before importing torch
-    first = env_with(site, STANDIN_MISSING_CANN_LIB="libhccl.so",
-                     ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
+    def diagnosis(proc) -> str:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith(
+            "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded")]
+        assert len(lines) == 1 and "libhccl.so is part of CANN" in lines[0], proc.stderr[-3000:]
+        assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in lines[0]
+        return lines[0]
+
+    def stock_shows_torch_and_torch_npu_only(stock):
+        assert stock.returncode != 0 and last_line(stock).startswith("RuntimeError: Failed to load the backend "
+                                                                     "extension: torch_npu"), stock.stderr[-2000:]
+        assert "ImportError: libhccl.so: cannot open shared object file" in stock.stderr
+        assert "accel-npu" not in stock.stderr and "accel_npu" not in stock.stderr, stock.stderr[-2000:]
+
+    # stock, ACCEL_NPU_DISABLE=1: accel-npu's entry point and startup hook do nothing, so the order
+    # below does not matter to it (one run for both)
+    first = env_with(site, **cann)
+    stock_shows_torch_and_torch_npu_only(py("import torch", dict(first, ACCEL_NPU_DISABLE="1")))
+
+    # torch_npu found after accel-npu (appended to sys.path): accel-npu's entry point runs first
+    append = f"import sys; sys.path.append({str(site)!r}); "
+    env = base_env(**cann)
+    assert backend_entry_points(env, append)[-1] == "torch_npu"
+    ours = py(append + "import torch", env)
+    assert ours.returncode != 0 and last_line(ours).startswith("RuntimeError: Failed to load the backend extension")
+    diagnosis(ours)
+
+    # found the other way round (torch_npu first on sys.path, through PYTHONPATH): its entry point
+    # runs, and fails, before accel-npu's. The startup hook (accel_npu_startup.pth, which every install
+    # shape puts in site-packages: tests/test_install_shapes.py) diagnoses the import in a bare `python`
+    assert backend_entry_points(first)[0] == "torch_npu"
+    bare = py("import torch", first)
+    assert bare.returncode != 0 and last_line(bare).startswith("RuntimeError: Failed to load the backend "
+                                                               "extension: torch_npu"), bare.stderr[-3000:]
+    diagnosis(bare)
+    # accel-npu's own command says it as one line
     proc = subprocess.run([str(BIN / "accel-npu"), "env", "--no-import"], env=first, capture_output=True, text=True,
                           timeout=180, cwd="/")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -178,6 +178,9 @@ class _ClearErrorsLoader(importlib.abc.Loader):
 _finder = _ClearTorchNpuImportErrors()
 
 
-def install_import_diagnostics() -> None:
+def install_import_diagnostics() -> _ClearTorchNpuImportErrors:
+    """Put the finder first on ``sys.meta_path`` (once); returns it. Called by the npu plugin's
+    activation and by the startup hook (_accel_npu_startup.py) at the first lookup of torch_npu."""
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+    return _finder
