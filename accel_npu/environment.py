@@ -5,14 +5,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class EnvVar:
-    name: str
-    default: str
-    meaning: str
+    """One declared variable. A plain class: this module is imported inside ``import torch``, where
+    a dataclass's generated methods would cost an ``exec`` each."""
+
+    __slots__ = ("name", "default", "meaning")
+
+    def __init__(self, name: str, default: str, meaning: str) -> None:
+        self.name, self.default, self.meaning = name, default, meaning
+
+    def __repr__(self) -> str:
+        return f"EnvVar({self.name!r}, {self.default!r})"
 
 
 VARIABLES: tuple[EnvVar, ...] = (

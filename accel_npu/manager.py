@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import pluggy
 
 from accel_npu import environment, hookspecs
+from accel_npu.activation.triggers import PLUGIN_ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from accel_npu.hookspecs import PROJECT_NAME
 
 log = logging.getLogger("accel_npu")
 
-ENTRY_POINT_GROUP = "accel_npu"
 BUILTIN_PACKAGE = "accel_npu.plugins"
 
 #: Built-in plugins: (name, module). Order does not decide backend priority (tryfirst/trylast do).

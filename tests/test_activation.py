@@ -31,10 +31,59 @@ def probe(**env):
     return json.loads(line[7:]), proc
 
 
-def test_import_torch_alone_activates():
+def test_importing_the_patched_stack_activates():
     result, _ = probe()
     assert result["active"] and result["prepare_backend_wrapped"]
     assert "accelerate.state:PartialState._prepare_backend" in result["applied"]
+
+
+DEFERRED = r'''
+import inspect, json, sys
+import torch
+wrapped = lambda: type(inspect.getattr_static(torch.autocast, "__init__")).__name__ == "FunctionWrapper"
+deferred = {"pluggy": "pluggy" in sys.modules, "wrapt": "wrapt" in sys.modules,
+            "plugins": sorted(m for m in sys.modules if m.startswith("accel_npu.plugins")),
+            "autocast_wrapped": wrapped()}
+import accelerate
+deferred["after_accelerate"] = wrapped()
+print("RESULT " + json.dumps(deferred))
+'''
+
+
+@pytest.mark.parametrize("environ, at_import_torch", [({}, False), ({"LOCAL_RANK": "0"}, True)],
+                         ids=["plain-process", "launched-rank"])
+def test_import_torch_alone_waits_for_the_patched_stack_except_in_a_launched_rank(environ, at_import_torch):
+    """`import torch` in a process that uses nothing accel-npu patches (a compile worker, a quick
+    `python -c`) loads no plugin, not even pluggy or wrapt; the first trigger import (here accelerate)
+    activates, before its body runs, and the torch patches come with it. A launched rank (LOCAL_RANK)
+    activates inside `import torch`, as on an Ascend machine (issue 15 item 3)."""
+    proc = subprocess.run([sys.executable, "-c", DEFERRED], env=base_env(**environ), capture_output=True,
+                          text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert result["after_accelerate"], result
+    if at_import_torch:
+        assert result["pluggy"] and result["wrapt"] and result["plugins"] and result["autocast_wrapped"], result
+    else:
+        assert result == {"pluggy": False, "wrapt": False, "plugins": [], "autocast_wrapped": False,
+                          "after_accelerate": True}, result
+
+
+def test_every_declared_patch_is_reached_by_a_trigger():
+    """A patch applies only once activation has run: its module must be a trigger module (or inside
+    one), or torch's own (applied with the first trigger, or inside `import torch` in a launched
+    rank). No patch may target a trigger module itself: activation runs while that module is found."""
+    import accel_npu
+    from accel_npu.activation.triggers import TRIGGER_MODULES
+    from accel_npu.patching import get_ledger
+
+    accel_npu.patch()
+    modules = {p.module for p in get_ledger().patches}
+    assert len(modules) > 20
+    for module in modules:
+        inside = [t for t in TRIGGER_MODULES if module.startswith(t + ".")]
+        assert inside or module.split(".")[0] == "torch", f"{module}: no trigger module imports it"
+        assert module not in TRIGGER_MODULES, module
 
 
 def test_disable_activates_nothing():
@@ -66,12 +115,13 @@ def test_trace_logs_patch_applications():
 
 
 def test_activation_never_breaks_import_torch(tmp_path):
-    # A broken accel-npu core (here: pluggy made unimportable) must leave `import torch` working.
+    # A broken accel-npu core (here: pluggy made unimportable) must leave `import torch` working, and
+    # the import that activates (accelerate's).
     (tmp_path / "pluggy.py").write_text("raise ImportError('pluggy is broken')\n")
     env = base_env(PYTHONPATH=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", "import torch; print('torch ok', torch.ones(1).item())"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd="/")
-    assert proc.returncode == 0 and "torch ok 1.0" in proc.stdout, proc.stderr
+    code = "import torch; print('torch ok', torch.ones(1).item()); import accelerate; print('accelerate ok')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0 and "torch ok 1.0\naccelerate ok" in proc.stdout, proc.stderr
     assert "accel-npu: disabled in this process" in proc.stderr
 
 
@@ -146,9 +196,10 @@ print("RESULT " + json.dumps({"active": accel_npu.is_active(),
 
 
 def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
-    """Issue 15 item 3: inside `import torch` only the plugins' declarations load; the machinery
-    named by path in `wrapper=` waits until its target library is imported."""
-    proc = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=base_env(), capture_output=True, text=True,
+    """Issue 15 item 3: where `import torch` activates (here a launched rank), only the plugins'
+    declarations load; the machinery named by path in `wrapper=` waits until its target library is
+    imported."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=base_env(LOCAL_RANK="0"), capture_output=True, text=True,
                           timeout=120, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])

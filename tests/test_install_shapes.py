@@ -185,7 +185,8 @@ AS_NON_EDITABLE = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
 
 def test_a_shadowing_copy_that_cannot_load_plugins_is_named_once_per_process(tmp_path):
     stale = stale_checkout(tmp_path / "old")
-    proc = subprocess.run([sys.executable, "-c", AS_NON_EDITABLE + "import torch"], cwd=tmp_path,
+    # accelerate: the import that activates outside a launched rank (accel_npu/activation/triggers.py)
+    proc = subprocess.run([sys.executable, "-c", AS_NON_EDITABLE + "import torch, accelerate"], cwd=tmp_path,
                           env=base_env(PYTHONPATH=str(stale)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, explain(proc)
     lines = plugin_loading_lines(proc.stderr)

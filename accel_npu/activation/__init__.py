@@ -31,6 +31,9 @@ def activate(strict: bool = False) -> bool:
         try:
             _activate()
             _activated = True
+            from accel_npu.activation import triggers
+
+            triggers.stop_waiting()  # activated: a later trigger import must not re-arm after unpatch()
         except Exception as exc:
             if strict:
                 raise

@@ -1,6 +1,7 @@
 """The ``torch.backends`` entry point: torch calls :func:`activate_from_torch` inside ``import torch``.
 
-Rules: cheap, and never raises — an exception here would break ``import torch`` itself.
+Rules: cheap, and never raises — an exception here would break ``import torch`` itself. Where
+nothing accel-npu patches is in use yet, activation waits for it (:mod:`.triggers`).
 """
 
 
@@ -10,9 +11,12 @@ def activate_from_torch() -> None:
 
         if environment.disabled():
             return
-        from accel_npu.activation import activate
+        from accel_npu.activation import activate, triggers
 
-        activate(strict=False)
+        if triggers.activate_now():
+            activate(strict=False)
+        else:
+            triggers.activate_on_first_trigger(lambda: activate(strict=False))
     except BaseException as exc:  # noqa: BLE001 - must not break `import torch`, even on SystemExit
         try:
             import sys

@@ -20,11 +20,15 @@ def _version(dist: str) -> str:
 
 def collect(import_targets: bool = True) -> dict:
     from accel_npu import activation, environment
+    from accel_npu.activation import triggers
     from accel_npu._version import __version__
     from accel_npu.backend import current_backend
     from accel_npu.manager import get_plugin_manager
     from accel_npu.patching import get_ledger
 
+    # In training processes (launched ranks, an Ascend machine) the entry point activates inside
+    # `import torch`; elsewhere it waits for a trigger import. Say which, before activating here.
+    at_import_torch = triggers.activate_now()
     import torch  # noqa: F401  (activates through the entry point unless disabled)
 
     disabled = environment.disabled()
@@ -50,6 +54,9 @@ def collect(import_targets: bool = True) -> dict:
         "activation": {
             "disabled (ACCEL_NPU_DISABLE)": disabled,
             "active in this process": activation.is_active(),
+            "`python script.py` here activates": "inside `import torch`" if at_import_torch else
+            "at its first import of " + ", ".join(sorted(triggers.TRIGGER_MODULES))
+            + " (launched ranks: inside `import torch`; docs/activation.md)",
             "TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset> (on)"),
         },
         "backend": {"name": backend.name, "selected by": backend.plugin, "device type": backend.device_type,
