@@ -310,6 +310,8 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     # found the other way round (torch_npu first on sys.path, through PYTHONPATH): its entry point
     # runs, and fails, before accel-npu's. The startup hook (accel_npu_startup.pth, which every install
     # shape puts in site-packages: tests/test_install_shapes.py) diagnoses the import in a bare `python`
+    assert "_accel_npu_startup" in sys.modules, ("accel_npu_startup.pth did not run in this interpreter: an "
+                                                 "install from before setup.py wrote it? pip install -e . again")
     assert backend_entry_points(first)[0] == "torch_npu"
     bare = py("import torch", first)
     assert bare.returncode != 0 and last_line(bare).startswith("RuntimeError: Failed to load the backend "
