@@ -255,22 +255,29 @@ def test_missing_libraries_on_loader_path(tmp_path):
 @pytest.mark.parametrize("lib", ["libhccl.so", "libascendcl.so"])
 def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
     """A CANN library missing from the loader path: the fix is CANN's set_env.sh (issue 13 item 1),
-    found beside ASCEND_TOOLKIT_HOME; torch's own libraries keep the LD_LIBRARY_PATH fix (above)."""
+    found beside ASCEND_TOOLKIT_HOME; torch's own libraries keep the LD_LIBRARY_PATH fix (above).
+    Also when the script imports torch_npu before torch: torch_npu turns autoload off while it
+    imports torch, so none of accel-npu's entry point runs, and the startup hook diagnoses it (stock,
+    torch_npu's own ImportError: test_cann_not_sourced_under_torch_backend_autoload)."""
     site = make_site(tmp_path)
     env = env_with(site, STANDIN_MISSING_CANN_LIB=lib, ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
     line = last_line(py("import torch, torch_npu", env))
     assert "NpuEnvironmentError" in line and f"{lib} is part of CANN" in line, line
     assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in line and "LD_LIBRARY_PATH" not in line, line
-    default = last_line(py("import torch, torch_npu", env_with(site, STANDIN_MISSING_CANN_LIB=lib)))
+    default = last_line(py("import torch_npu", env_with(site, STANDIN_MISSING_CANN_LIB=lib)))
+    assert "NpuEnvironmentError" in default and f"{lib} is part of CANN" in default, default
     assert "Fix: source /usr/local/Ascend/ascend-toolkit/set_env.sh" in default, default
 
 
-def backend_entry_points(env: dict, code: str = "") -> list[str]:
-    """The ``torch.backends`` entry points in the order torch will call them (what
-    torch/__init__.py ``_import_device_backends`` iterates), in a process started like ``py``."""
-    probe = py(code + "from importlib.metadata import entry_points; "
-               "print('ORDER', [e.name for e in entry_points(group='torch.backends')])", env)
-    return eval(next(l for l in probe.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER "):])
+#: prints the ``torch.backends`` entry points in the order torch is about to call them (what
+#: torch/__init__.py ``_import_device_backends`` iterates), then imports torch
+ORDER_THEN_IMPORT_TORCH = ("from importlib.metadata import entry_points; "
+                           "print('ORDER', [e.name for e in entry_points(group='torch.backends')], flush=True); "
+                           "import torch")
+
+
+def backend_entry_points(proc) -> list[str]:
+    return eval(next(l for l in proc.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER "):])
 
 
 def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
@@ -301,9 +308,8 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
 
     # torch_npu found after accel-npu (appended to sys.path): accel-npu's entry point runs first
     append = f"import sys; sys.path.append({str(site)!r}); "
-    env = base_env(**cann)
-    assert backend_entry_points(env, append)[-1] == "torch_npu"
-    ours = py(append + "import torch", env)
+    ours = py(append + ORDER_THEN_IMPORT_TORCH, base_env(**cann))
+    assert backend_entry_points(ours)[-1] == "torch_npu", ours.stdout
     assert ours.returncode != 0 and last_line(ours).startswith("RuntimeError: Failed to load the backend extension")
     diagnosis(ours)
 
@@ -312,8 +318,8 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     # shape puts in site-packages: tests/test_install_shapes.py) diagnoses the import in a bare `python`
     assert "_accel_npu_startup" in sys.modules, ("accel_npu_startup.pth did not run in this interpreter: an "
                                                  "install from before setup.py wrote it? pip install -e . again")
-    assert backend_entry_points(first)[0] == "torch_npu"
-    bare = py("import torch", first)
+    bare = py(ORDER_THEN_IMPORT_TORCH, first)
+    assert backend_entry_points(bare)[0] == "torch_npu", bare.stdout
     assert bare.returncode != 0 and last_line(bare).startswith("RuntimeError: Failed to load the backend "
                                                                "extension: torch_npu"), bare.stderr[-3000:]
     diagnosis(bare)
