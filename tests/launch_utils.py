@@ -137,6 +137,31 @@ def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeou
     return subprocess.run(cmd, env=env or base_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def run_concurrently(*calls):
+    """Call each function in its own thread and return their results in order: independent
+    launches overlap (a launch leaves a core idle while its launcher starts and its ranks exit).
+    Only for launches whose assertions do not time anything. The first exception is re-raised."""
+    import threading
+
+    out, errors = [None] * len(calls), [None] * len(calls)
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return out
+
+
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
     """The `RESULT {json}` lines printed by test scripts, sorted by rank."""
     out = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, zero_config
+from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, zero_config
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -29,12 +29,14 @@ def test_two_ranks_train_with_the_loss_of_one_rank(deep_qwen):
     """Field report 000's expectation, quick variant (benchmarks/loss_equality.py runs 100 steps):
     the unchanged script loads the whole model without torch_dtype and slices 2 blocks itself;
     ACCEL_NPU_TRUNCATE makes the load read only those 2 blocks and the slicing a no-op."""
-    runs = {}
-    for n in (1, 2):
-        proc = accelerate_launch(
+    def launch(n):
+        return accelerate_launch(
             ["--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
              str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "8"],
             env=base_env(ACCEL_NPU_TRUNCATE="QwenImageTransformer2DModel:2"), timeout=600)
+
+    runs = {}
+    for n, proc in zip((1, 2), run_concurrently(lambda: launch(1), lambda: launch(2))):
         assert proc.returncode == 0, explain(proc)
         res = results(proc)
         assert len(res) == n and all(r["world"] == n for r in res), explain(proc)
@@ -113,11 +115,13 @@ def test_zero3_loads_straight_into_partitions_read_once(tmp_path, deep_qwen, tin
     prepare) is rebuilt whole, fp32, as stock. What each rank read is counted by the script itself
     (the tensors it takes out of the shards), not by accel-npu."""
     config = _zero3_launch_config(tmp_path)
+    args = ["--config_file", str(config), "--num_processes", "2", str(SCRIPTS / "train_qwen_truncated.py"),
+            str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)] + (["--vae-child"] if vae_child else [])
+    labels = ("partitioned", {}), ("stock", {"ACCEL_NPU_DISABLED_PATCHES": DIFFUSERS_FROM_PRETRAINED})
+    procs = run_concurrently(*(lambda env=env: accelerate_launch(args, env=base_env(**env), timeout=600)
+                               for _, env in labels))
     runs = {}
-    for label, env in (("partitioned", {}), ("stock", {"ACCEL_NPU_DISABLED_PATCHES": DIFFUSERS_FROM_PRETRAINED})):
-        args = ["--config_file", str(config), "--num_processes", "2", str(SCRIPTS / "train_qwen_truncated.py"),
-                str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)] + (["--vae-child"] if vae_child else [])
-        proc = accelerate_launch(args, env=base_env(**env), timeout=600)
+    for (label, _), proc in zip(labels, procs):
         assert proc.returncode == 0, explain(proc)
         res = results(proc)
         assert [r["rank"] for r in res] == [0, 1], explain(proc)
@@ -181,21 +185,27 @@ def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen
     alone (stock: both ranks read) and rank 1 gets rank 0's weights at prepare: losses
     bit-identical to every rank reading.
     The frozen VAE used without prepare reads its files on rank 1 at its first call: same output."""
-    runs = {}
-    for efficient in (True, False):
-        args = ["--config_file", str(_fsdp2_launch_config(tmp_path, efficient)),
+    configs = {efficient: _fsdp2_launch_config(tmp_path, efficient) for efficient in (True, False)}
+
+    def launch(efficient):
+        args = ["--config_file", str(configs[efficient]),
                 str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)]
-        proc = accelerate_launch(args, timeout=600)
+        return accelerate_launch(args, timeout=600)
+
+    # stock diffusers ignores the setting: rank 1 reads the checkpoint too
+    stock_launch = lambda: accelerate_launch(  # noqa: E731
+        ["--config_file", str(configs[True]), str(SCRIPTS / "train_qwen_truncated.py"),
+         str(deep_qwen), "--steps", "1"], env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED),
+        timeout=600)
+    efficient_run, every_run, stock = run_concurrently(lambda: launch(True), lambda: launch(False), stock_launch)
+    runs = {}
+    for efficient, proc in ((True, efficient_run), (False, every_run)):
         assert proc.returncode == 0, explain(proc)
         res = results(proc)
         assert [r["rank"] for r in res] == [0, 1] and all(r["world"] == 2 for r in res), explain(proc)
         runs[efficient] = (proc, res)
     proc, ours = runs[True]
     _, every = runs[False]
-    # stock diffusers ignores the setting: rank 1 reads the checkpoint too
-    stock = accelerate_launch(["--config_file", str(_fsdp2_launch_config(tmp_path, True)),
-                               str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "1"],
-                              env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED), timeout=600)
     assert stock.returncode == 0, explain(stock)
     assert [r["shards_opened"] > 0 for r in results(stock)] == [True, True], explain(stock)
     log = proc.stdout + proc.stderr
