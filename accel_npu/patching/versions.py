@@ -52,6 +52,12 @@ def version_satisfies(installed: str, clauses: list[tuple[str, str]]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def installed_version(dist: str) -> str | None:
+    # A patch is checked when its module is imported, so the distribution's package usually is too:
+    # its __version__ is the metadata's version without a scan of every site-packages directory.
+    module = sys.modules.get(dist.replace("-", "_"))
+    version = getattr(module, "__version__", None)
+    if isinstance(version, str) and version[:1].isdigit():
+        return version
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
