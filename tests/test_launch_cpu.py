@@ -2,9 +2,11 @@
 
 Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from tests.launch_utils import (SCRIPTS, accelerate_launch, base_env, explain, results,
+from tests.launch_utils import (SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
                                 write_deepspeed_config, zero_config)
 
 pytestmark = pytest.mark.slow
@@ -20,20 +22,35 @@ def _assert_two_distinct_ranks(res, proc, distributed_type):
     assert res[0]["first_inputs"] != res[1]["first_inputs"]
 
 
-@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)], ids=["zero2", "zero3-bf16"])
-def test_deepspeed_two_cpu_ranks_train_save_and_resume(tmp_path, stage, bf16):
-    cfg = write_deepspeed_config(tmp_path, zero_config(stage, bf16=bf16))
-    ckpt = tmp_path / "ckpt"
+def _train_then_resume(directory, stage, bf16):
+    """Train 3 steps saving after step 0, then resume from that checkpoint for 1 step: (ckpt, first, resumed)."""
+    cfg = write_deepspeed_config(directory, zero_config(stage, bf16=bf16))
+    ckpt = directory / "ckpt"
     proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "3",
                               "--save_at", "0", "--save_dir", str(ckpt)])
+    resumed = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1",
+                                 "--resume", str(ckpt), "--start", "1"])
+    return ckpt, proc, resumed
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """Both stages' train-then-resume pairs, started together when the first of them is asked for
+    (the two pairs are independent; each pair is sequential)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {stage: pool.submit(_train_then_resume, tmp_path_factory.mktemp(f"zero{stage}"), stage, bf16)
+               for stage, bf16 in ((2, False), (3, True))}
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3-bf16"])
+def test_deepspeed_two_cpu_ranks_train_save_and_resume(deepspeed_runs, stage):
+    ckpt, proc, resumed = deepspeed_runs[stage].result()
     res = results(proc)
     assert proc.returncode == 0 and len(res) == 2, explain(proc)
     _assert_two_distinct_ranks(res, proc, "DEEPSPEED")
     assert (ckpt / "pytorch_model" / "latest").exists() or (ckpt / "latest").exists() or \
         any(ckpt.rglob("latest")), explain(proc)
 
-    resumed = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1",
-                                 "--resume", str(ckpt), "--start", "1"])
     res2 = results(resumed)
     assert resumed.returncode == 0 and len(res2) == 2, explain(resumed)
     for before, after in zip(res, res2):
@@ -120,20 +137,22 @@ def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_pat
         "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
                         "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
         "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
-    stock = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path,
-                              env=base_env(ACCEL_NPU_DISABLE="1"))
+    args = ["--config_file", str(cfg), TRAIN, "--steps", "2"]
+    # the three launches are independent: run side by side
+    cpu_backend_only = base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:AcceleratorState.__init__")
+    stock, ddp, proc = run_concurrently(
+        lambda: accelerate_launch(args, cwd=tmp_path, env=base_env(ACCEL_NPU_DISABLE="1")),
+        lambda: accelerate_launch(args, cwd=tmp_path, env=cpu_backend_only),  # FSDP_ON_CPU switched off
+        lambda: accelerate_launch(args, cwd=tmp_path))
     assert stock.returncode == 0, explain(stock)
     assert [(r["rank"], r["num_processes"], r["distributed_type"]) for r in results(stock)] == [(0, 1, "NO")] * 2
 
     # the cpu backend alone (FSDP_ON_CPU switched off): two real ranks, but plain DDP, whole replicas
-    ddp = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path,
-                            env=base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:AcceleratorState.__init__"))
     res = results(ddp)
     assert ddp.returncode == 0 and len(res) == 2, explain(ddp)
     _assert_two_distinct_ranks(res, ddp, "MULTI_CPU")
     assert all(r["param_type"] == "Parameter" for r in res), res  # whole replicas, not DTensor shards
 
-    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "2"], cwd=tmp_path)
     res = results(proc)
     assert proc.returncode == 0 and len(res) == 2, explain(proc)
     _assert_two_distinct_ranks(res, proc, "FSDP")
