@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO, base_env
+from tests.launch_utils import REPO, base_env, run_concurrently
 
 PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
 
@@ -151,7 +151,16 @@ def env_json(target, **env):
 
 
 def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
-    report, proc = env_json(installed_test_plugin)
+    run = [sys.executable, "-c", "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))"]
+    # four independent processes (one core each): side by side
+    (report, proc), fixed, (blocked, _), unfixed = run_concurrently(
+        lambda: env_json(installed_test_plugin),
+        lambda: subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin)), capture_output=True,
+                               text=True, timeout=120, cwd="/"),
+        lambda: env_json(installed_test_plugin, ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
+        lambda: subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin),
+                                                 ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
+                               capture_output=True, text=True, timeout=120, cwd="/"))
     plugins = {p["name"]: p for p in report["plugins"]}
     assert plugins["testplugin"]["status"] == "loaded"
     assert plugins["testplugin"]["source"] == "entry point (accel-npu-testplugin)"
@@ -163,18 +172,11 @@ def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
     assert plugins["brokenplugin"]["status"].startswith("failed: RuntimeError: this plugin is broken")
     assert "plugin 'brokenplugin'" in proc.stderr
 
-    run = [sys.executable, "-c", "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))"]
-    fixed = subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin)), capture_output=True,
-                           text=True, timeout=120, cwd="/")
     assert fixed.stdout.strip() == "8", fixed.stderr
 
-    blocked, _ = env_json(installed_test_plugin, ACCEL_NPU_DISABLED_PLUGINS="testplugin")
     plugins = {p["name"]: p for p in blocked["plugins"]}
     assert plugins["testplugin"]["status"] == "blocked"
     assert not any(p["target"].startswith("accel_npu_testplugin") for p in blocked["patches"])
-    unfixed = subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin),
-                                               ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
-                             capture_output=True, text=True, timeout=120, cwd="/")
     assert unfixed.stdout.strip() == "16", unfixed.stderr
 
 
