@@ -6,7 +6,7 @@ Model: a small diffusers CosmosTransformer3DModel (trained) + a small frozen fp3
 from_pretrained after the Accelerator exists (under ZeRO-3 transformers builds T5 under zero.Init)
 and frozen afterwards (tests/scripts/train_dit4dit.py, which never imports accel_npu).
 
-Launches (each ~20-40 s here), assertions combined:
+Launches (each ~20-40 s here; all but Z3 run B side by side, B right after A), assertions combined:
   Z2 ours   towers fp32 + bit-identical, transformer bf16 and changed; save_state; gathered weights
   Z2 stock  ACCEL_NPU_DISABLE=1: "Input type (float) and bias type (c10::BFloat16)"
   Z3 stock  ACCEL_NPU_DISABLE=1: T5 left partitioned in bf16, transformer not cast to bf16
@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import subprocess
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,18 +71,32 @@ def _launch(work: Path, stage: int, name: str, *args: str, disable: bool = False
                               "--pretrained", str(work / "pretrained"), *args], env=env, timeout=600)
 
 
-def _parallel(*calls):
-    out = [None] * len(calls)
+def _zero3_runs_a_then_b(work: Path):
+    """Z3 run A (save at step 2, rank 1 killed in the next save into the same directory), then run B
+    resuming from what survived: save every way, then DiT4DiT's rank-0-only get_state_dict."""
+    ckpt = work / "ckpt_z3"
+    run_a = _launch(work, 3, "z3a", "--steps", "4", "--save-at", "2", "--save-at", "4",
+                    "--save-dir", str(ckpt), "--kill-in-save", "2")
+    run_b = _launch(work, 3, "z3b", "--resume", str(ckpt), "--start-step", "2", "--steps", "2",
+                    "--towers-out", str(work / "towers_z3.pt"), "--final-save", str(work / "ckpt_z3b"),
+                    "--gathered", str(work / "gathered_z3.pt"), "--save-model", str(work / "model_z3"),
+                    "--rank0-get-state-dict")
+    return run_a, run_b
 
-    def run(i, fn):
-        out[i] = fn()
 
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+@pytest.fixture(scope="module")
+def launches(work):
+    """Every launch, started when the module's first test asks: Z2 ours, Z2 stock, Z3 stock side by side
+    with Z3 run A, and run B right after run A; the ZeRO-3 ones run while the ZeRO-2 test checks its
+    own. Each test takes the results of its launches (futures)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        yield {
+            "z2": pool.submit(_launch, work, 2, "z2", "--steps", "3", "--towers-out", str(work / "towers_z2.pt"),
+                              "--final-save", str(work / "ckpt_z2"), "--gathered", str(work / "gathered_z2.pt")),
+            "z2_stock": pool.submit(_launch, work, 2, "z2_stock", "--steps", "1", disable=True),
+            "z3_a_then_b": pool.submit(_zero3_runs_a_then_b, work),
+            "z3_stock": pool.submit(_launch, work, 3, "z3_stock", "--steps", "1", disable=True),
+        }
 
 
 def _results(proc) -> list[dict]:
@@ -179,13 +193,10 @@ def _assert_consolidated_matches(capfd, work: Path, ckpt: Path, gathered_file: P
     return live
 
 
-def test_zero2_towers_stay_fp32_and_stock_fails(work, capfd):
+def test_zero2_towers_stay_fp32_and_stock_fails(work, launches, capfd):
     import torch
 
-    ours, stock = _parallel(
-        lambda: _launch(work, 2, "z2", "--steps", "3", "--towers-out", str(work / "towers_z2.pt"),
-                        "--final-save", str(work / "ckpt_z2"), "--gathered", str(work / "gathered_z2.pt")),
-        lambda: _launch(work, 2, "z2_stock", "--steps", "1", disable=True))
+    ours, stock = launches["z2"].result(), launches["z2_stock"].result()
     assert ours.returncode == 0, explain(ours)
     _assert_towers(ours, work, work / "towers_z2.pt")
     # the stock half: DeepSpeed cast the fp32 VAE to bf16
@@ -197,14 +208,11 @@ def test_zero2_towers_stay_fp32_and_stock_fails(work, capfd):
     assert any(not torch.equal(before[k].to(torch.bfloat16), v) for k, v in live.items())  # it trained
 
 
-def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, capfd):
+def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, launches, capfd):
     import torch
 
     ckpt = work / "ckpt_z3"
-    run_a, stock = _parallel(
-        lambda: _launch(work, 3, "z3a", "--steps", "4", "--save-at", "2", "--save-at", "4",
-                        "--save-dir", str(ckpt), "--kill-in-save", "2"),
-        lambda: _launch(work, 3, "z3_stock", "--steps", "1", disable=True))
+    (run_a, run_b), stock = launches["z3_a_then_b"].result(), launches["z3_stock"].result()
 
     # stock ZeRO-3: T5, built under zero.Init before it was frozen, stays partitioned in bf16 (not
     # its checkpoint's fp32), and the engine skips the bf16 cast of everything else
@@ -225,10 +233,6 @@ def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, capfd):
 
     # run B: resume from the checkpoint that survived, then save every way, then DiT4DiT's
     # rank-0-only get_state_dict
-    run_b = _launch(work, 3, "z3b", "--resume", str(ckpt), "--start-step", "2", "--steps", "2",
-                    "--towers-out", str(work / "towers_z3.pt"), "--final-save", str(work / "ckpt_z3b"),
-                    "--gathered", str(work / "gathered_z3.pt"), "--save-model", str(work / "model_z3"),
-                    "--rank0-get-state-dict")
     losses_b = {(r["rank"], r["step"]): r["loss"] for r in _kind(run_b, "step")}
     assert set(losses_b) == {(0, 3), (0, 4), (1, 3), (1, 4)}, explain(run_b)
     for key, loss in losses_b.items():
