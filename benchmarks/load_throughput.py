@@ -21,7 +21,9 @@ before); "cold": before every run ``/proc/sys/vm/drop_caches`` when writable (ro
 page another process maps stays cached). Runs are interleaved, ``--repeat`` times; the table gives
 median (min-max) seconds and the median throughput = kept checkpoint bytes / seconds.
 
-Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2] [--threads 2] [--cache DIR]
+``--threads 1,2`` measures each thread count (a table row group per count).
+
+Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2] [--threads 1,2] [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
 """
 from __future__ import annotations
@@ -137,26 +139,28 @@ def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: i
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
-def write_report(a, ckpt, ckpt_bytes, kept, states, casts, readers, got, cold_how, rounds) -> None:
+def write_report(a, ckpt, ckpt_bytes, kept, threads, states, casts, readers, got, cold_how, rounds) -> None:
     report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
     report.text(f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards); the model keeps {a.keep} of 60 "
-                f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). {a.threads} threads for every reader. "
+                f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). The same thread count for every reader. "
                 f"Seconds: median (min-max) of {rounds} fresh process(es) per cell ({rounds} of {a.repeat} rounds "
                 f"done), interleaved; MB/s = kept bytes / median seconds; vs raw = raw's median seconds / this "
                 f"reader's (same cache state, same cast). Warm: the shards holding the kept tensors read just before; "
                 f"cold: {cold_how} just before.")
     rows = []
-    for s in states:
-        for c in casts:
-            raw_med = statistics.median(x["seconds"] for x in got[(s, c, "raw")])
-            for r in readers:
-                secs = [x["seconds"] for x in got[(s, c, r)]]
-                med = statistics.median(secs)
-                label = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
-                         "stock": "stock `from_pretrained` (whole call)"}[r]
-                rows.append([s, "fp32 (cast)" if c else "bf16 (no cast)", label, median_spread(secs, "{:.3f}", " s"),
-                             f"{kept / MB / med:,.0f} MB/s", f"{raw_med / med:.2f}×"])
-    report.table(["cache", "load", "reader", "seconds", "throughput", "vs raw"], rows)
+    for t in threads:
+        for s in states:
+            for c in casts:
+                raw_med = statistics.median(x["seconds"] for x in got[(t, s, c, "raw")])
+                for r in readers:
+                    secs = [x["seconds"] for x in got[(t, s, c, r)]]
+                    med = statistics.median(secs)
+                    label = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
+                             "stock": "stock `from_pretrained` (whole call)"}[r]
+                    rows.append([str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", label,
+                                 median_spread(secs, "{:.3f}", " s"), f"{kept / MB / med:,.0f} MB/s",
+                                 f"{raw_med / med:.2f}×"])
+    report.table(["threads", "cache", "load", "reader", "seconds", "throughput", "vs raw"], rows)
     print(report.render())
     report.write()
 
@@ -166,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cache", default=str(host_memory.default_cache()))
     ap.add_argument("--keep", type=int, default=2, help="blocks kept (host_memory.py's case (c) keeps 2)")
-    ap.add_argument("--threads", type=int, default=2, help="reader threads, the same for raw, accel-npu and stock")
+    ap.add_argument("--threads", default="2", help="reader threads, the same for raw, accel-npu and stock; "
+                                                   "a list (1,2) measures each")
     ap.add_argument("--states", default="warm,cold")
     a = ap.parse_args(argv)
     cache = Path(a.cache)
@@ -176,6 +181,7 @@ def main(argv=None) -> int:
     if not worker.exists():
         worker.write_text(WORKER)
     states = a.states.split(",")
+    threads = [int(t) for t in str(a.threads).split(",")]
     keys, kept, shards = kept_tensors(ckpt, a.keep)
     keys_file = cache / f"load_throughput_keys_{a.keep}.json"
     keys_file.write_text(json.dumps(keys))
@@ -183,19 +189,20 @@ def main(argv=None) -> int:
     cold_how = "drop_caches" if drop_caches() else "posix_fadvise(POSIX_FADV_DONTNEED) on each shard (not root)"
     readers = ("raw", "accel", "stock")
     casts = (False, True)
-    got: dict = {(s, c, r): [] for s in states for c in casts for r in readers}
+    got: dict = {(t, s, c, r): [] for t in threads for s in states for c in casts for r in readers}
     for i in range(a.repeat):  # rounds: the results file is rewritten after each, so a cut-short run still reports
-        for s in states:
-            for c in casts:
-                for r in readers:
-                    if s == "warm":
-                        fill_cache(shards)
-                    elif not drop_caches():
-                        fadvise_dontneed(shards)
-                    got[(s, c, r)].append(run(worker, r, c, ckpt, a.keep, a.threads, keys_file))
-                    print(f"  {s} {'cast' if c else 'no cast'} {r} #{i + 1}: {got[(s, c, r)][-1]['seconds']:.3f} s",
-                          flush=True)
-        write_report(a, ckpt, ckpt_bytes, kept, states, casts, readers, got, cold_how, i + 1)
+        for t in threads:
+            for s in states:
+                for c in casts:
+                    for r in readers:
+                        if s == "warm":
+                            fill_cache(shards)
+                        elif not drop_caches():
+                            fadvise_dontneed(shards)
+                        got[(t, s, c, r)].append(run(worker, r, c, ckpt, a.keep, t, keys_file))
+                        print(f"  {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
+                              f"{got[(t, s, c, r)][-1]['seconds']:.3f} s", flush=True)
+        write_report(a, ckpt, ckpt_bytes, kept, threads, states, casts, readers, got, cold_how, i + 1)
     return 0
 
 

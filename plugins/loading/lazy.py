@@ -8,36 +8,71 @@ from accel_npu._torch.safetensors_io import Checkpoint
 from accel_npu.errors import LoadError
 
 
-def readahead(ckpt: Checkpoint, files: dict[str, list[str]]) -> None:
-    """Ask the kernel to start reading the byte ranges of these tensors now (POSIX_FADV_WILLNEED).
+#: bytes of the checkpoint asked of the kernel (POSIX_FADV_WILLNEED) ahead of the tensor being read
+READAHEAD_BYTES = 256 << 20
 
-    The reads then overlap with casting the tensors before them instead of stalling each
-    page fault on storage; only the ranges of the listed tensors are requested. Best effort.
+
+class Readahead:
+    """Ask the kernel for the byte ranges of the tensors about to be read, in read order.
+
+    Storage then streams the next tensors while the ones before them are cast, instead of each
+    page fault of the cast stalling on a read; ranges are requested at most ``window`` bytes
+    ahead of the tensor being read (a checkpoint larger than memory must not evict what it has
+    just read), and only the listed tensors' ranges. Best effort: a failure requests nothing.
     """
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for name, keys in files.items():
-        header = ckpt.headers.get(name)
-        if header is None:
-            continue
-        ranges = sorted(header[k][2:4] for k in keys if k in header)
-        merged: list[list[int]] = []
-        for begin, end in ranges:  # adjacent tensors: one request
-            if merged and begin <= merged[-1][1] + (1 << 20):
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([begin, end])
-        try:
-            fd = os.open(ckpt.path(name), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            for begin, end in merged:
+
+    def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES):
+        self.ckpt, self.window = ckpt, window
+        self.ranges: list[tuple[str, int, int]] = []  # (file, begin, end) in read order, adjacent ones merged
+        self.starts: dict[str, int] = {}  # key -> bytes of the ranges before it (its position in the stream)
+        total = 0
+        for name, keys in files.items():
+            header = ckpt.headers.get(name, {})
+            for k in keys:
+                if k not in header:
+                    continue
+                begin, end = header[k][2:4]
+                last = self.ranges[-1] if self.ranges else None
+                if last is not None and last[0] == name and last[2] <= begin <= last[2] + (1 << 20):
+                    self.starts[k] = total + begin - last[2]  # a small gap: read through it, one request
+                    self.ranges[-1] = (name, last[1], max(end, last[2]))
+                    total += max(end, last[2]) - last[2]
+                else:
+                    self.starts[k] = total
+                    self.ranges.append((name, begin, end))
+                    total += end - begin
+        self.next = 0       # the first range not yet requested
+        self.requested = 0  # stream bytes requested so far
+        self.fds: dict[str, int] = {}
+        self.enabled = hasattr(os, "posix_fadvise")
+
+    def start(self) -> None:
+        """Request the first ``window`` bytes."""
+        if self.starts:
+            self.reached(next(iter(self.starts)))
+
+    def reached(self, key: str) -> None:
+        """``key`` is about to be read: request the ranges up to ``window`` bytes past its start."""
+        start = self.starts.get(key)
+        if start is None or not self.enabled:
+            return
+        while self.next < len(self.ranges) and self.requested < start + self.window:
+            name, begin, end = self.ranges[self.next]
+            self.next += 1
+            self.requested += end - begin
+            try:
+                fd = self.fds.get(name)
+                if fd is None:
+                    fd = self.fds[name] = os.open(self.ckpt.path(name), os.O_RDONLY)
                 os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
+            except OSError:
+                self.enabled = False
+                return
+
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
+        self.fds.clear()
 
 
 #: the progress bar advances every this many bytes, not per tensor
@@ -66,22 +101,31 @@ class LazyTensors:
     def __contains__(self, key):
         return key in self.keys
 
-    def _by_file(self, only=None) -> dict[str, list[str]]:
+    def files(self, only=None) -> dict[str, list[str]]:
+        """Keys by shard, shards in name order, each shard's keys in file order (where the header
+        is known): storage then reads forward, as its readahead and the kernel's expect."""
         by_file: dict[str, list[str]] = {}
         for k in self.keys:
             if only is None or k in only:
                 by_file.setdefault(self.ckpt.weight_map[k], []).append(k)
-        return {name: by_file[name] for name in sorted(by_file)}
+        out = {}
+        for name in sorted(by_file):
+            header = self.ckpt.headers.get(name)
+            keys = by_file[name]
+            if header is not None and all(k in header for k in keys):
+                keys = sorted(keys, key=lambda k: header[k][2])
+            out[name] = keys
+        return out
 
     def order(self) -> list[str]:
         """The keys in the order :meth:`items` reads them (shard by shard)."""
-        return [k for keys in self._by_file().values() for k in keys]
+        return [k for keys in self.files().values() for k in keys]
 
     def items(self, only=None):
         from safetensors import safe_open
 
-        files = self._by_file(only)
-        readahead(self.ckpt, files)
+        files = self.files(only)
+        ahead = Readahead(self.ckpt, files)
         pool = None
         if self.convert is not None and self.threads > 1:
             from concurrent.futures import ThreadPoolExecutor
@@ -95,13 +139,14 @@ class LazyTensors:
                 except Exception as exc:
                     raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
                 with handle as f:
-                    yield from self._read_file(f, path, keys, pool)
+                    yield from self._read_file(f, path, keys, pool, ahead)
             if self.progress is not None and self._unshown:
                 self.progress.update(self._unshown)
                 self._unshown = 0
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            ahead.close()
 
     def _get(self, f, path: str, key: str):
         try:
@@ -109,17 +154,18 @@ class LazyTensors:
         except Exception as exc:
             raise LoadError(f"accel-npu: reading {key!r} from {path} failed: {exc}") from exc
 
-    def _read_file(self, f, path: str, keys: list[str], pool):
+    def _read_file(self, f, path: str, keys: list[str], pool, ahead: Readahead):
         import collections
 
         pending: collections.deque = collections.deque()
-        ahead = 2 * self.threads
+        depth = 2 * self.threads  # tensors in the pool at once
         todo = iter(keys)
         while True:
-            while pool is not None and len(pending) < ahead:
+            while pool is not None and len(pending) < depth:
                 k = next(todo, None)
                 if k is None:
                     break
+                ahead.reached(k)
                 pending.append((k, pool.submit(self.convert, k, self._get(f, path, k))))
             if pool is not None:
                 if not pending:
@@ -130,6 +176,7 @@ class LazyTensors:
                 k = next(todo, None)
                 if k is None:
                     return
+                ahead.reached(k)
                 tensor = self._get(f, path, k)
                 if self.convert is not None:
                     tensor = self.convert(k, tensor)
