@@ -69,6 +69,27 @@ def test_import_torch_alone_waits_for_the_patched_stack_except_in_a_launched_ran
                           "after_accelerate": True}, result
 
 
+EXPLICIT_WHILE_WAITING = r'''
+import inspect, json
+import torch                 # a plain process: activation waits for a trigger import
+import accel_npu
+accel_npu.patch()            # explicit activation meanwhile (the npu plugin looks up torch_npu, a trigger)
+active = accel_npu.is_active()
+accel_npu.unpatch()
+import accelerate.state as st  # the first trigger import after unpatch() must not re-arm
+wrapped = type(inspect.getattr_static(st.PartialState, "_prepare_backend")).__name__ == "FunctionWrapper"
+print("RESULT " + json.dumps({"active": active, "after_unpatch": accel_npu.is_active(), "wrapped": wrapped}))
+'''
+
+
+def test_explicit_activation_while_waiting_neither_deadlocks_nor_rearms_later():
+    proc = subprocess.run([sys.executable, "-c", EXPLICIT_WHILE_WAITING], env=base_env(), capture_output=True,
+                          text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert result == {"active": True, "after_unpatch": False, "wrapped": False}, result
+
+
 def test_every_declared_patch_is_reached_by_a_trigger():
     """A patch applies only once activation has run: its module must be a trigger module (or inside
     one), or torch's own (applied with the first trigger, or inside `import torch` in a launched

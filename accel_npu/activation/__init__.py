@@ -28,12 +28,14 @@ def activate(strict: bool = False) -> bool:
 
             get_ledger().arm()  # re-arm after an explicit unpatch()
             return True
+        from accel_npu.activation import triggers
+
+        # Before activating: the plugins' own imports (the npu plugin looks up torch_npu, a trigger)
+        # must not re-enter here, and a later trigger import must not re-arm after unpatch().
+        triggers.stop_waiting()
         try:
             _activate()
             _activated = True
-            from accel_npu.activation import triggers
-
-            triggers.stop_waiting()  # activated: a later trigger import must not re-arm after unpatch()
         except Exception as exc:
             if strict:
                 raise
