@@ -90,6 +90,19 @@ def test_explicit_activation_while_waiting_neither_deadlocks_nor_rearms_later():
     assert result == {"active": True, "after_unpatch": False, "wrapped": False}, result
 
 
+def test_when_import_torch_activates_at_once():
+    from accel_npu.activation.triggers import activate_now
+
+    no, yes = (lambda: False), (lambda: True)
+    plain = dict(modules={"torch": object()}, environ={}, npu_installed=no, third_party_plugins=no)
+    assert not activate_now(**plain)
+    assert activate_now(**dict(plain, modules={"torch": object(), "accelerate": object()}))  # accelerate first
+    assert activate_now(**dict(plain, environ={"LOCAL_RANK": "1"}))  # a launched rank
+    assert not activate_now(**dict(plain, environ={"LOCAL_RANK": ""}))
+    assert activate_now(**dict(plain, npu_installed=yes))  # an Ascend machine
+    assert activate_now(**dict(plain, third_party_plugins=yes))  # a plugin may patch anything
+
+
 def test_every_declared_patch_is_reached_by_a_trigger():
     """A patch applies only once activation has run: its module must be a trigger module (or inside
     one), or torch's own (applied with the first trigger, or inside `import torch` in a launched
