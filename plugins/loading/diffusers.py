@@ -32,7 +32,6 @@ from accel_npu.errors import LoadError
 from accel_npu.plugins.loading import truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.job import LoadJob
-from accel_npu.plugins.loading.lazy import LazyTensors, Readahead
 from accel_npu.plugins.loading.placement import fsdp, local, zero3
 
 log = logging.getLogger("accel_npu")
@@ -118,9 +117,8 @@ class _Depth:
     requested: Any           # what this call asks for (None: as the checkpoint)
 
 
-def build_on_meta(cls, plan: _Plan, prefetch: bool = False):
-    """(model on meta, depth) exactly as stock constructs it; nothing is read (with ``prefetch``,
-    storage is asked for the first tensors before the construction: :func:`start_reading`)."""
+def build_on_meta(cls, plan: _Plan):
+    """(model on meta, depth) exactly as stock constructs it; nothing is read."""
     import accelerate
     import torch
     from diffusers.models import modeling_utils as mu
@@ -145,8 +143,6 @@ def build_on_meta(cls, plan: _Plan, prefetch: bool = False):
         unused_kwargs[dkey] = truncate_to
     depth = _Depth(dkey, config.get(dkey) if dkey else None, unused_kwargs.get(dkey) if dkey else None)
 
-    if prefetch:
-        start_reading(plan, depth)
     torch_dtype = plan.torch_dtype
     dtype_orig = cls._set_default_torch_dtype(torch_dtype) if torch_dtype is not None else None
     try:
@@ -158,28 +154,6 @@ def build_on_meta(cls, plan: _Plan, prefetch: bool = False):
     if plan.ckpt.index_file is None and _has_deprecated_attention_keys(model, plan.ckpt):
         raise _Fallback()
     return model, depth
-
-
-def start_reading(plan: _Plan, depth: _Depth) -> None:
-    """Ask storage for the first tensors this rank will read before the model is built, so that
-    the construction and the checks after it overlap the first reads from a cold page cache.
-
-    Only a hint, from the index and the depth alone: every checkpoint key, less the layers a depth
-    override drops (the read takes the model's keys: a few more or fewer change nothing but what
-    is read ahead). Any problem (a missing or corrupt shard) is left for :func:`check_job` to name.
-    """
-    keys = list(plan.ckpt.weight_map)
-    if depth.requested is not None and depth.in_checkpoint is not None and depth.requested < depth.in_checkpoint:
-        keys = [k for k in keys if all(i < depth.requested for i in truncation.layer_indices([k]))]
-    try:
-        validate(plan.ckpt, keys)  # reads the needed shards' headers (kept for check_job)
-    except (LoadError, OSError):
-        return
-    ahead = Readahead(plan.ckpt, LazyTensors(plan.ckpt, keys).files())
-    try:
-        ahead.start()
-    finally:
-        ahead.close()
 
 
 def _keep_in_fp32(cls) -> list[str]:
@@ -241,15 +215,6 @@ def place(job: LoadJob, ds_config: dict | None) -> float:
     return local.place(job)
 
 
-def reads_here(ds_config: dict | None) -> bool:
-    """Whether this rank reads the weights (not when another rank reads for it)."""
-    import torch.distributed as dist
-
-    if ds_config is not None:
-        return dist.get_rank() == 0
-    return not fsdp.reads_elsewhere()
-
-
 def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
     """Nothing left on meta; one line for the checkpoint tensors that were not read."""
     cls = job.cls
@@ -278,7 +243,7 @@ def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
 def load(cls, plan: _Plan):
     """The whole load: build on meta, check, place, finish. Returns what stock returns."""
     ds_config = zero3.zero3_config()
-    model, depth = build_on_meta(cls, plan, prefetch=reads_here(ds_config))
+    model, depth = build_on_meta(cls, plan)
     job, missing, on_meta = check_job(cls, plan, model, depth)
     seconds = place(job, ds_config)
     malloc_trim()
