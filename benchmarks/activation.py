@@ -112,6 +112,22 @@ print((time.perf_counter() - t0))
 '''
 
 
+DEFERRED = r'''
+import time, torch          # autoload off: accel-npu's entry point has not run yet
+t0 = time.perf_counter()
+from accel_npu.activation.autoload import activate_from_torch
+activate_from_torch()       # exactly what the torch.backends entry point runs; in a plain process it waits
+print((time.perf_counter() - t0))
+'''
+
+
+def deferred_time() -> float:
+    """accel-npu's share of `import torch` in a plain process (the entry point decides to wait)."""
+    out = subprocess.run([sys.executable, "-c", DEFERRED], env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def activation_time() -> float:
     """accel-npu's own share of `import torch`, timed inside one process (no process-start noise)."""
     out = subprocess.run([sys.executable, "-c", ACTIVATE], env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
@@ -139,6 +155,7 @@ def main() -> None:
             samples[label][0].append(time_import(False, code, **extra))
             samples[label][1].append(time_import(True, code, **extra))
     act = [activation_time() for _ in range(a.runs)]
+    waits = [deferred_time() for _ in range(a.runs)]
     s_on, s_off = [], []
     for _ in range(a.loops):
         s_on.append(step_time(False))
@@ -162,6 +179,8 @@ def main() -> None:
         [f"{IMPORTS[0][0]}: wall time, {a.runs} runs", median_spread([x * 1e3 for x in wall_on], ms, " ms"),
          median_spread([x * 1e3 for x in wall_off], ms, " ms"),
          f"{statistics.median(wall_on) / statistics.median(wall_off):.3f}", ""],
+        [f"accel-npu's share of `import torch` in a plain process (in-process: the entry point waits), {a.runs} runs",
+         median_spread([x * 1e3 for x in waits], "{:.2f}", " ms"), "-", "-", ""],
         [f"accel-npu's activation alone (in-process), {a.runs} runs",
          median_spread([x * 1e3 for x in act], "{:.1f}", " ms"), "-", "-", ""],
         [f"train step (autocast, foreach AdamW, .numpy(); patches applied), median of {a.loops}",
