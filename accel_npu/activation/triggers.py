@@ -115,7 +115,7 @@ def _finders() -> list:
 
 
 def pending() -> bool:
-    """True while activation waits for a trigger import (``accel-npu env`` says so)."""
+    """True while activation waits for a trigger import (a finder is on ``sys.meta_path``, not yet fired)."""
     return any(finder.waiting for finder in _finders())
 
 
