@@ -145,7 +145,7 @@ def write_report(a, ckpt, ckpt_bytes, kept, threads, states, casts, readers, got
                 f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). The same thread count for every reader. "
                 f"Seconds: median (min-max) of {rounds} fresh process(es) per cell ({rounds} of {a.repeat} rounds "
                 f"done), interleaved; MB/s = kept bytes / median seconds; vs raw = raw's median seconds / this "
-                f"reader's (same cache state, same cast). Warm: the shards holding the kept tensors read just before; "
+                f"reader's (same cache state, same cast). Warm: the files the call reads (config, index, the shards holding the kept tensors) read just before; "
                 f"cold: {cold_how} just before.")
     rows = []
     for t in threads:
@@ -195,8 +195,9 @@ def main(argv=None) -> int:
             for s in states:
                 for c in casts:
                     for r in readers:
-                        if s == "warm":
-                            fill_cache(shards)
+                        if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
+                            fill_cache([ckpt / "config.json", ckpt / "diffusion_pytorch_model.safetensors.index.json",
+                                        *shards])
                         elif not drop_caches():
                             fadvise_dontneed(shards)
                         got[(t, s, c, r)].append(run(worker, r, c, ckpt, a.keep, t, keys_file))

@@ -407,3 +407,50 @@ def test_load_threads_share_the_nodes_cores_among_loading_ranks(monkeypatch):
     monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", "many")
     with pytest.raises(ConfigError, match="ACCEL_NPU_LOAD_THREADS='many'"):
         load_threads(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boundaries(ckpts, threads,
+                                                                                      monkeypatch):
+    """Witness: safetensors' own safe_open, wrapped to record opens and closes. With a pool the
+    next tensors are cast ahead across a shard boundary (no thread idles on a shard's last
+    tensor), so two shards may be open at once, never more; each is opened once, all are closed."""
+    import safetensors
+
+    from accel_npu._torch.safetensors_io import open_checkpoint
+    from accel_npu.plugins.loading.lazy import LazyTensors
+
+    real, opened, live, peak = safetensors.safe_open, [], set(), [0]
+
+    class Recorded:
+        def __init__(self, path, **kwargs):
+            self.path, self.inner = path, real(path, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            opened.append(self.path)
+            live.add(self.path)
+            peak[0] = max(peak[0], len(live))
+            return self
+
+        def __exit__(self, *exc):
+            live.discard(self.path)
+            return self.inner.__exit__(*exc)
+
+        def get_tensor(self, key):
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recorded)
+    ckpt = open_checkpoint(str(ckpts["qwen"]))
+    keys = sorted(ckpt.weight_map)
+    lazy = LazyTensors(ckpt, keys, convert=lambda k, t: t.float(), threads=threads)
+    got = list(lazy.items())
+    shards = sorted(set(ckpt.weight_map.values()))
+    assert len(shards) > 3
+    assert [k for k, _ in got] == lazy.order() and sorted(k for k, _ in got) == keys
+    assert sorted(opened) == sorted(ckpt.path(s) for s in shards) and not live
+    assert peak[0] == (2 if threads > 1 else 1)
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    for k, t in got:
+        with real(ckpt.path(ckpt.weight_map[k]), framework="pt") as f:
+            assert torch.equal(t, f.get_tensor(k).float()), k

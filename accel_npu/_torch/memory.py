@@ -12,10 +12,18 @@ def malloc_trim() -> bool:
     global _libc
     try:
         if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc = _load_libc()
         return bool(_libc.malloc_trim(0))
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         return False
+
+
+def _load_libc():
+    # glibc's soname first: find_library("c") runs `ldconfig -p` in a subprocess (~3 ms a load)
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
 
 
 def available_memory() -> int | None:

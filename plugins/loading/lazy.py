@@ -82,7 +82,8 @@ PROGRESS_BYTES = 64 << 20
 class LazyTensors:
     """A read-once mapping: ``items()`` reads each kept tensor from its shard as it is consumed.
 
-    Shards are visited in order, one open at a time; only the listed keys are read. With
+    Shards are visited in order, each open from its first tensor read to its last one consumed
+    (two at most at a shard boundary); only the listed keys are read. With
     ``convert`` (key, tensor -> tensor in its final dtype) and ``threads`` > 1, the reads and
     casts of the next few tensors run in a small thread pool while the caller assigns the
     current one (the cast to fp32 is what bounds loading; torch releases the GIL while casting).
@@ -122,73 +123,100 @@ class LazyTensors:
         return [k for keys in self.files().values() for k in keys]
 
     def items(self, only=None):
-        from safetensors import safe_open
-
         files = self.files(only)
+        order = [(name, k) for name, keys in files.items() for k in keys]
+        left = {name: len(keys) for name, keys in files.items()}  # tensors of each shard not yet yielded
         ahead = Readahead(self.ckpt, files)
+        shards = _OpenShards(self.ckpt)
         pool = None
         if self.convert is not None and self.threads > 1:
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(self.threads, thread_name_prefix="accel-npu-load")
         try:
-            for name, keys in files.items():
-                path = self.ckpt.path(name)
-                try:
-                    handle = safe_open(path, framework="pt", device="cpu")
-                except Exception as exc:
-                    raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
-                with handle as f:
-                    yield from self._read_file(f, path, keys, pool, ahead)
+            for name, k, tensor in self._read(order, shards, pool, ahead):
+                left[name] -= 1
+                if not left[name]:
+                    shards.close(name)  # its tensors are read (cast) or hold their own mapping
+                size = _file_bytes(self.ckpt, name, k, tensor)
+                self.read += size
+                if self.progress is not None:
+                    self._unshown += size
+                    if self._unshown >= PROGRESS_BYTES:  # tqdm per tensor: ~6 % of a 1-thread fp32 load
+                        self.progress.update(self._unshown)
+                        self._unshown = 0
+                yield k, tensor
+                del tensor
             if self.progress is not None and self._unshown:
                 self.progress.update(self._unshown)
                 self._unshown = 0
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            shards.close_all()
             ahead.close()
 
-    def _get(self, f, path: str, key: str):
+    def _read(self, order: list[tuple[str, str]], shards: "_OpenShards", pool, ahead: Readahead):
+        """(shard, key, tensor) in ``order``. With a pool, the next ``2 * threads`` tensors are read
+        and cast ahead — across shard boundaries, so no thread idles while the last (large) tensor
+        of a shard is cast."""
+        import collections
+
+        todo = iter(order)
+        if pool is None:
+            for name, k in todo:
+                ahead.reached(k)
+                tensor = shards.get(name, k)
+                yield name, k, (tensor if self.convert is None else self.convert(k, tensor))
+            return
+        pending: collections.deque = collections.deque()
+        depth = 2 * self.threads
+        while True:
+            while len(pending) < depth:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                name, k = nxt
+                ahead.reached(k)
+                pending.append((name, k, pool.submit(self.convert, k, shards.get(name, k))))
+            if not pending:
+                return
+            name, k, fut = pending.popleft()
+            yield name, k, fut.result()
+
+
+class _OpenShards:
+    """The checkpoint's shards opened with ``safe_open`` when first read, closed when done."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.handles: dict = {}
+
+    def get(self, name: str, key: str):
+        """``key`` from shard ``name``: a view of the file's mmap (nothing is read yet)."""
+        path = self.ckpt.path(name)
+        handle = self.handles.get(name)
+        if handle is None:
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(path, framework="pt", device="cpu").__enter__()
+            except Exception as exc:
+                raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
+            self.handles[name] = handle
         try:
-            return f.get_tensor(key)  # a view of the file's mmap: nothing is read yet
+            return handle.get_tensor(key)
         except Exception as exc:
             raise LoadError(f"accel-npu: reading {key!r} from {path} failed: {exc}") from exc
 
-    def _read_file(self, f, path: str, keys: list[str], pool, ahead: Readahead):
-        import collections
+    def close(self, name: str) -> None:
+        handle = self.handles.pop(name, None)
+        if handle is not None:
+            handle.__exit__(None, None, None)
 
-        pending: collections.deque = collections.deque()
-        depth = 2 * self.threads  # tensors in the pool at once
-        todo = iter(keys)
-        while True:
-            while pool is not None and len(pending) < depth:
-                k = next(todo, None)
-                if k is None:
-                    break
-                ahead.reached(k)
-                pending.append((k, pool.submit(self.convert, k, self._get(f, path, k))))
-            if pool is not None:
-                if not pending:
-                    return
-                k, fut = pending.popleft()
-                tensor = fut.result()
-            else:
-                k = next(todo, None)
-                if k is None:
-                    return
-                ahead.reached(k)
-                tensor = self._get(f, path, k)
-                if self.convert is not None:
-                    tensor = self.convert(k, tensor)
-            size = _file_bytes(self.ckpt, self.ckpt.weight_map[k], k, tensor)
-            self.read += size
-            if self.progress is not None:
-                self._unshown += size
-                if self._unshown >= PROGRESS_BYTES:  # tqdm per tensor: ~6 % of a 1-thread fp32 load
-                    self.progress.update(self._unshown)
-                    self._unshown = 0
-            yield k, tensor
-            del tensor
+    def close_all(self) -> None:
+        for name in list(self.handles):
+            self.close(name)
 
 
 def _file_bytes(ckpt: Checkpoint, name: str, key: str, tensor) -> int:

@@ -2,7 +2,6 @@
 ``ACCEL_NPU_TRUNCATE=Class:2``), and the one-line summaries of what was skipped."""
 from __future__ import annotations
 
-import re
 
 from accel_npu import environment
 from accel_npu.errors import ConfigError
@@ -53,16 +52,14 @@ def short_list(keys, n=8) -> str:
     return ", ".join(keys[:n]) + more
 
 
-_FIRST_INDEX = re.compile(r"\.(\d+)\.")
-
-
 def layer_indices(keys) -> list[int]:
     """The first numeric path component of each key (``transformer_blocks.7.attn...`` -> 7)."""
     found = set()
-    for k in keys:
-        m = _FIRST_INDEX.search("." + k)  # compiled once: this runs over every skipped key of a load
-        if m is not None:
-            found.add(int(m.group(1)))
+    for k in keys:  # every skipped key of a load: string methods, no regex
+        for part in k.split(".")[:-1]:
+            if part.isdecimal():
+                found.add(int(part))
+                break
     return sorted(found)
 
 
