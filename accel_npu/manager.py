@@ -20,6 +20,7 @@ import pluggy
 
 from accel_npu import environment, hookspecs
 from accel_npu.activation.triggers import PLUGIN_ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from accel_npu.activation.triggers import third_party_plugins_declared
 from accel_npu.hookspecs import PROJECT_NAME
 
 log = logging.getLogger("accel_npu")
@@ -119,6 +120,8 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         self._load_entry_points()
 
     def _load_entry_points(self) -> None:
+        if not third_party_plugins_declared():  # the usual case: skip parsing every distribution's entry points
+            return
         from importlib.metadata import entry_points
 
         try:

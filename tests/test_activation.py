@@ -103,6 +103,28 @@ def test_when_import_torch_activates_at_once():
     assert activate_now(**dict(plain, third_party_plugins=yes))  # a plugin may patch anything
 
 
+def test_third_party_plugins_declared_reads_what_importlib_metadata_parses(tmp_path, monkeypatch):
+    """The quick check (a substring of each entry_points.txt) agrees with importlib.metadata's own
+    parse of the group, for a distribution on sys.path that declares it and for one that does not."""
+    from importlib.metadata import entry_points
+
+    from accel_npu.activation.triggers import PLUGIN_ENTRY_POINT_GROUP, third_party_plugins_declared
+
+    assert third_party_plugins_declared() is bool(entry_points(group=PLUGIN_ENTRY_POINT_GROUP)) is False
+    site = tmp_path / "site"
+    other = site / "other_pkg-1.0.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: other-pkg\nVersion: 1.0\n")
+    (other / "entry_points.txt").write_text("[console_scripts]\nother = other_pkg:main\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert third_party_plugins_declared() is bool(entry_points(group=PLUGIN_ENTRY_POINT_GROUP)) is False
+    plugin = site / "my_plugin-0.1.dist-info"
+    plugin.mkdir()
+    (plugin / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 0.1\n")
+    (plugin / "entry_points.txt").write_text(f"[{PLUGIN_ENTRY_POINT_GROUP}]\nmine = my_plugin.hooks\n")
+    assert third_party_plugins_declared() is bool(entry_points(group=PLUGIN_ENTRY_POINT_GROUP)) is True
+
+
 def test_every_declared_patch_is_reached_by_a_trigger():
     """A patch applies only once activation has run: its module must be a trigger module (or inside
     one), or torch's own (applied with the first trigger, or inside `import torch` in a launched

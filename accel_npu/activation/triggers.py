@@ -12,7 +12,7 @@ torchrun are used, or on an Ascend machine. So ``import torch`` activates at onc
 - the process is a launched rank (``LOCAL_RANK`` set by torchrun / ``accelerate launch`` /
   the DeepSpeed launcher): a training worker, whatever it imports, or
 - a third-party plugin is installed (entry-point group ``accel_npu``): it may patch anything, so
-  its targets cannot wait for ours (the lookup costs one entry-point scan, a few ms);
+  its targets cannot wait for ours (the lookup reads each distribution's entry_points.txt, ~1 ms);
 
 and otherwise puts :class:`_ActivateOnImport` on ``sys.meta_path``: the first import of a trigger
 module activates — before that module's body runs, so its patches (and the torch ones) are in
@@ -67,12 +67,28 @@ def _torch_npu_installed() -> bool:
 
 
 def _third_party_plugins_installed() -> bool:
-    from importlib.metadata import entry_points
+    return third_party_plugins_declared()
 
+
+def third_party_plugins_declared() -> bool:
+    """Does any installed distribution declare the :data:`PLUGIN_ENTRY_POINT_GROUP` group?
+
+    A substring check of each distribution's ``entry_points.txt`` (~1 ms): parsing every
+    distribution's entry points (``importlib.metadata.entry_points``) costs several times that,
+    and the group is empty almost everywhere. The plugin manager parses them only when this says
+    yes. Unreadable metadata counts as yes (the parse then reports it).
+    """
+    from importlib.metadata import distributions
+
+    header = f"[{PLUGIN_ENTRY_POINT_GROUP}]"  # a section header, as importlib.metadata reads it
     try:
-        return bool(entry_points(group=PLUGIN_ENTRY_POINT_GROUP))
-    except Exception:  # noqa: BLE001 - unreadable metadata of some distribution: be safe, activate
+        for dist in distributions():
+            text = dist.read_text("entry_points.txt")
+            if text and header in text:
+                return True
+    except Exception:  # noqa: BLE001 - broken metadata of some distribution
         return True
+    return False
 
 
 class _ActivateOnImport:
