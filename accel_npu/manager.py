@@ -23,6 +23,9 @@ from accel_npu.activation.triggers import PLUGIN_ENTRY_POINT_GROUP as ENTRY_POIN
 from accel_npu.activation.triggers import third_party_plugins_declared
 from accel_npu.hookspecs import PROJECT_NAME
 
+#: the name every hook (and so every hook implementation) starts with
+HOOK_PREFIX = f"{PROJECT_NAME}_"
+
 log = logging.getLogger("accel_npu")
 
 BUILTIN_PACKAGE = "accel_npu.plugins"
@@ -68,6 +71,14 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self.records: list[PluginRecord] = []
         self._loaded = False
+
+    def parse_hookimpl_opts(self, plugin, name: str):
+        # Every hook is named accel_npu_*. pluggy inspects every attribute of a plugin module (each
+        # name it imports, too: ~470 in the built-ins, a third of the plugin manager's start-up);
+        # like pytest with "pytest_", other names are not hook implementations.
+        if not name.startswith(HOOK_PREFIX):
+            return None
+        return super().parse_hookimpl_opts(plugin, name)
 
     # -- loading -----------------------------------------------------------------------------
     def _blocked(self, name: str) -> bool:

@@ -61,6 +61,39 @@ def test_builtin_plugins_are_loaded_by_name(fresh_pm):
         assert pm.get_plugin(name).__name__ == module
 
 
+def test_only_accel_npu_names_are_inspected_for_hook_implementations(fresh_pm, monkeypatch):
+    """Like pytest with "pytest_": the manager looks only at attributes named accel_npu_*, so a
+    plugin module's other names (everything it imports) are never inspected. Witness: pluggy's own
+    ``PluginManager.parse_hookimpl_opts``, recording the names it is asked about."""
+    import types
+
+    import pluggy
+
+    from accel_npu.manager import HOOK_PREFIX, get_plugin_manager
+
+    pm = get_plugin_manager()
+    asked = []
+    base = pluggy.PluginManager.parse_hookimpl_opts
+
+    def recording(self, plugin, name):
+        asked.append(name)
+        return base(self, plugin, name)
+
+    monkeypatch.setattr(pluggy.PluginManager, "parse_hookimpl_opts", recording)
+    module = types.ModuleType("a_plugin")
+    module.os, module.helper, module.CONSTANT = __import__("os"), (lambda: None), 3
+
+    @hookimpl
+    def accel_npu_env_report(backend):
+        return ("Prefixed", {})
+
+    module.accel_npu_env_report = accel_npu_env_report
+    pm.register(module, name="prefixed")
+    assert "prefixed" in [impl.plugin_name for impl in pm.hook.accel_npu_env_report.get_hookimpls()]
+    assert asked == ["accel_npu_env_report"], asked
+    assert HOOK_PREFIX == "accel_npu_"
+
+
 def test_blocked_and_broken_builtin_plugins(fresh_pm, monkeypatch):
     from accel_npu import manager
 
