@@ -53,7 +53,7 @@ def activate_now(modules=None, environ=None, npu_installed: Callable[[], bool] |
         return True
     if (npu_installed or _torch_npu_installed)():
         return True
-    return (third_party_plugins or _third_party_plugins_installed)()
+    return (third_party_plugins or third_party_plugins_declared)()
 
 
 def _torch_npu_installed() -> bool:
@@ -64,10 +64,6 @@ def _torch_npu_installed() -> bool:
         return importlib.util.find_spec("torch_npu") is not None
     except (ImportError, ValueError):
         return False
-
-
-def _third_party_plugins_installed() -> bool:
-    return third_party_plugins_declared()
 
 
 def third_party_plugins_declared() -> bool:

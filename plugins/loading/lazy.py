@@ -46,11 +46,6 @@ class Readahead:
         self.fds: dict[str, int] = {}
         self.enabled = hasattr(os, "posix_fadvise")
 
-    def start(self) -> None:
-        """Request the first ``window`` bytes."""
-        if self.starts:
-            self.reached(next(iter(self.starts)))
-
     def reached(self, key: str) -> None:
         """``key`` is about to be read: request the ranges up to ``window`` bytes past its start."""
         start = self.starts.get(key)

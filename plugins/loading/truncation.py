@@ -2,7 +2,6 @@
 ``ACCEL_NPU_TRUNCATE=Class:2``), and the one-line summaries of what was skipped."""
 from __future__ import annotations
 
-
 from accel_npu import environment
 from accel_npu.errors import ConfigError
 
