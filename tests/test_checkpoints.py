@@ -49,6 +49,10 @@ def _worker(rank, port, queue):
                 queue.put((rank, n, "ok", time.monotonic() - t0))
             except CollectiveMisuseError as exc:
                 queue.put((rank, n, str(exc), time.monotonic() - t0))
+        # Rank 0 hosts the store and finishes round 4 last: without this it could exit while rank 1,
+        # woken but descheduled (CI load), still reads round 4's outcome from the store. In use a
+        # collective always follows the rendezvous, so the store's host never leaves that early.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
