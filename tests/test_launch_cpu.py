@@ -2,11 +2,12 @@
 
 Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
 """
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch_utils import (SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
+from tests.launch_utils import (REPO, SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
                                 write_deepspeed_config, zero_config)
 
 pytestmark = pytest.mark.slow
@@ -96,33 +97,42 @@ def test_workers_activate_when_script_imports_autoload_disabler_before_torch(tmp
     _assert_two_distinct_ranks(res, proc, "MULTI_CPU")
 
 
-def _teardown_lines(proc) -> dict[str, str]:
+def _teardown_lines(proc) -> dict[str, tuple[str, int]]:
+    """rank -> (default group still open, gloo worker threads alive) in the last atexit handler."""
     out = {}
     for line in proc.stdout.splitlines():
         if line.startswith("GROUP_AT_TEARDOWN"):
             fields = dict(kv.split("=") for kv in line.split()[1:])
-            out[fields["rank"]] = fields["open"]
+            out[fields["rank"]] = (fields["open"], int(fields["gloo_threads"]))
     return out
 
 
 def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
     """Scripts rarely call destroy_process_group(); gloo left to interpreter teardown can abort
-    a finished run ('terminate called without an active exception', exit -6). accel-npu closes
-    the group at exit, unless the script did (no-op) or failed (a peer may be mid-collective)."""
+    a finished run ('terminate called without an active exception', exit -6: a gloo worker
+    dropping its last work needs the GIL while Python finalizes). accel-npu closes the group at
+    exit, unless the script did (no-op) or failed (a peer may be mid-collective). Closed means
+    freed: gloo's worker threads are gone before teardown, also with a DeepSpeed config and with
+    the hang watch armed (it once held the group, so its threads outlived end_training())."""
     script = str(SCRIPTS / "group_at_teardown.py")
-    proc = accelerate_launch(["--num_processes", "2", script, "plain,end_training"], cwd=tmp_path)
-    assert proc.returncode == 0, explain(proc)
-    assert "REDUCED rank=0 3.0" in proc.stdout and "REDUCED rank=1 3.0" in proc.stdout, explain(proc)
-    assert _teardown_lines(proc) == {"0": "False", "1": "False"}, explain(proc)
+    for name in ("cpu_zero2.yaml", "cpu_zero2.deepspeed.json", "cpu_zero2.accel-npu.yaml"):
+        shutil.copy(REPO / "launch_configs" / name, tmp_path / name)
+    plain, deepspeed, failed = run_concurrently(
+        lambda: accelerate_launch(["--num_processes", "2", script, "plain,end_training"], cwd=tmp_path),
+        lambda: accelerate_launch(["--config_file", "cpu_zero2.yaml", script, "end_training,plain"], cwd=tmp_path),
+        lambda: accelerate_launch(["--num_processes", "2", script, "raise,plain"], cwd=tmp_path))
+    for proc in (plain, deepspeed):
+        assert proc.returncode == 0, explain(proc)
+        assert "REDUCED rank=0 3.0" in proc.stdout and "REDUCED rank=1 3.0" in proc.stdout, explain(proc)
+        assert _teardown_lines(proc) == {"0": ("False", 0), "1": ("False", 0)}, explain(proc)
 
-    failed = accelerate_launch(["--num_processes", "2", script, "raise,plain"], cwd=tmp_path)
     assert failed.returncode != 0, explain(failed)
     assert "the script failed after training" in failed.stderr, explain(failed)
     # The failing rank leaves its group to teardown; the clean one still closes its own.
-    assert _teardown_lines(failed).get("1") == "False", explain(failed)
+    assert _teardown_lines(failed).get("1") == ("False", 0), explain(failed)
     # The failing rank runs its atexit handlers before it exits (the agent sees the exit after them):
     # accel-npu's handler left its group open for the traceback, as intended.
-    assert _teardown_lines(failed).get("0") == "True", explain(failed)
+    assert _teardown_lines(failed).get("0", ("?",))[0] == "True", explain(failed)
 
 
 def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_path):

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 from accel_npu import environment
@@ -59,19 +60,44 @@ def poll_interval(timeout: float) -> float:
 
 
 class Calls:
-    """This process's collectives. Written by the wrapped calls, read by the watchdog thread."""
+    """This process's collectives. Written by the wrapped calls, read by the watchdog thread.
+
+    Groups are held by key (see ``group_key``), never by a strong reference: destroy_process_group
+    must still free a gloo group, whose destructor joins its worker threads. A group kept alive
+    past it is freed only in interpreter teardown, where a worker still dropping its last work
+    needs the GIL and aborts the process (exit -6 after training finished)."""
 
     __slots__ = ("rank", "world", "timeout", "group_timeout", "default_group", "counts", "ops", "inflight", "last",
                  "changed_at")
 
     def __init__(self, rank: int, world: int, timeout: float, group_timeout: float | None, default_group) -> None:
         self.rank, self.world, self.timeout, self.group_timeout = rank, world, timeout, group_timeout
-        self.default_group = default_group  # dist.group.WORLD: counted as None, like group=None
-        self.counts: dict = {}    # group (None: the default one) -> collectives entered on it
-        self.ops: dict = {}       # group -> name of the last collective entered on it
-        self.inflight: dict = {}  # thread id -> (name, group, sequence number, entered at)
-        self.last = None          # (name, group, sequence number) of the last call that returned
+        self.default_group = weakref.ref(default_group)  # dist.group.WORLD: counted as None, like group=None
+        self.counts: dict = {}    # group key -> collectives entered on that group
+        self.ops: dict = {}       # group key -> name of the last collective entered on it
+        self.inflight: dict = {}  # thread id -> (name, group key, sequence number, entered at)
+        self.last = None          # (name, group key, sequence number) of the last call that returned
         self.changed_at = time.monotonic()
+
+
+def group_key(group):
+    """How Calls refers to a group: None for the default one, else a weak reference (equal for the
+    same live group). A group object that cannot be weakly referenced is kept as it is."""
+    if group is None:
+        return None
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return group
+
+
+def _group_of(key):
+    """The group a key refers to; None once it has been freed."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if key is None:
+        return c10d._get_default_group()
+    return key() if isinstance(key, weakref.ref) else key
 
 
 _calls: Calls | None = None
@@ -110,8 +136,7 @@ def collective_wrapper(name: str):
             if at == -2:
                 at = _group_position(wrapped)
             group = args[at] if -1 < at < len(args) else None
-        if group is calls.default_group:
-            group = None
+        group = None if group is None or group is calls.default_group() else group_key(group)
         counts = calls.counts
         seq = counts[group] = counts.get(group, 0) + 1
         calls.ops[group] = name
@@ -219,11 +244,13 @@ def _disarm() -> None:
 
 # -- the watchdog --------------------------------------------------------------------------------
 
-def _group_info(group) -> tuple[str, list[int]]:
-    """(name as every rank knows it, global ranks) of a group; None is the default group."""
+def _group_info(key) -> tuple[str, list[int]]:
+    """(name as every rank knows it, global ranks) of a group, given its key (see ``group_key``)."""
     from torch.distributed import distributed_c10d as c10d
 
-    pg = c10d._get_default_group() if group is None else group
+    pg = _group_of(key)
+    if pg is None:
+        return "?", []
     try:
         name = c10d._world.pg_names.get(pg) or "?"
     except Exception:  # noqa: BLE001

@@ -1,4 +1,8 @@
-"""Says, from the last atexit handler to run, whether the default process group was still open.
+"""Says, from the last atexit handler to run, whether the default process group was still open
+and how many of gloo's worker threads were still alive (the OS thread names that torch's
+ProcessGroupGloo::runLoop sets, "pt_gloo_runloop", read from /proc/self/task/*/comm). A gloo
+group still alive here is freed in interpreter teardown, where a worker dropping its last work
+needs the GIL and aborts the process.
 
 usage: group_at_teardown.py MODE_RANK0,MODE_RANK1 — each rank, after one all_reduce:
   plain         ends like most training scripts: no end_training(), no destroy_process_group()
@@ -13,9 +17,21 @@ import torch
 import torch.distributed as dist
 
 
+def _gloo_worker_threads() -> int:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
 def _report():
     # Registered before Accelerator() exists, so it runs after every handler registered later.
-    sys.stdout.write(f"GROUP_AT_TEARDOWN rank={os.environ['RANK']} open={dist.is_initialized()}\n")
+    sys.stdout.write(f"GROUP_AT_TEARDOWN rank={os.environ['RANK']} open={dist.is_initialized()} "
+                     f"gloo_threads={_gloo_worker_threads()}\n")
     sys.stdout.flush()
 
 
