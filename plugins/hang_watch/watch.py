@@ -136,7 +136,7 @@ def collective_wrapper(name: str):
             if at == -2:
                 at = _group_position(wrapped)
             group = args[at] if -1 < at < len(args) else None
-        group = None if group is None or group is calls.default_group() else group_key(group)
+        group = None if group is calls.default_group() else group_key(group)
         counts = calls.counts
         seq = counts[group] = counts.get(group, 0) + 1
         calls.ops[group] = name
