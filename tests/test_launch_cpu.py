@@ -2,12 +2,13 @@
 
 Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
 """
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch_utils import (REPO, SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
-                                write_deepspeed_config, zero_config)
+from tests.launch_utils import (BIN, REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port, results,
+                                run_concurrently, write_deepspeed_config, zero_config)
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +132,33 @@ def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
     # The failing rank runs its atexit handlers before it exits (the agent sees the exit after them):
     # accel-npu's handler left its group open for the traceback, as intended.
     assert _teardown_lines(failed).get("0", ("?",))[0] == "True", explain(failed)
+
+
+def test_gloo_worker_still_finishing_a_work_at_exit_does_not_abort_the_finished_run(tmp_path):
+    """A gloo worker drops each work after the caller's wait() returned; if a busy machine
+    deschedules it until Python finalizes, its GIL request ends the thread inside a noexcept frame
+    and a finished run exits -6 (CI saw it three times). Freeing the group joins its workers, but
+    DeepSpeed holds its groups to the end. The script makes the worker late and finalization long
+    on purpose (see its docstring): stock aborts every time, and so did accel-npu before its exit
+    handler waited for idle workers. Both halves launch with torchrun, stock's 2-rank CPU launcher."""
+    script = str(SCRIPTS / "gloo_work_late_at_exit.py")
+
+    def torchrun(env):
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), script]
+        return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    stock, ours = run_concurrently(lambda: torchrun(base_env(ACCEL_NPU_DISABLE="1")), lambda: torchrun(base_env()))
+    for proc in (stock, ours):  # both ranks finished the script body
+        assert "RESULT rank=0" in proc.stdout and "RESULT rank=1" in proc.stdout, explain(proc)
+    # torchrun's agent reports a rank killed by SIGABRT ("terminate called without an active
+    # exception" is printed too, unless the agent stops the process group first).
+    assert stock.returncode != 0 and "(exitcode: -6)" in stock.stderr, explain(stock)
+    assert "CALLBACK_DONE" not in stock.stderr, explain(stock)  # its worker died waiting for the GIL
+
+    assert ours.returncode == 0, explain(ours)
+    assert "exitcode: -6" not in ours.stderr and "terminate called" not in ours.stderr, explain(ours)
+    # accel-npu's exit handler waited for the late workers: their callbacks ran to the end.
+    assert "CALLBACK_DONE rank=0" in ours.stderr and "CALLBACK_DONE rank=1" in ours.stderr, explain(ours)
 
 
 def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_path):

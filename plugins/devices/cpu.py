@@ -21,6 +21,7 @@ from accel_npu import environment
 from accel_npu.backend import Backend, current_backend, is_distributed_launch
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
+from . import gloo_workers
 
 log = logging.getLogger("accel_npu")
 
@@ -90,11 +91,18 @@ def _fsdp_on_cpu(wrapped, instance, args, kwargs):
                  instance.num_processes)
 
 
-def _close_gloo_group_at_exit() -> None:
-    """atexit: destroy the default gloo group a script left open, while Python is still alive.
+# Long enough for a worker descheduled on a loaded machine; short enough not to hide a stuck peer.
+_GLOO_DRAIN_TIMEOUT_S = 10.0
 
-    Skipped after an unhandled exception (``sys.last_value`` is set): a peer may still be inside
-    a collective with this rank, and shutting gloo down would wait for it.
+
+def _close_gloo_group_at_exit() -> None:
+    """atexit: close gloo while Python is still alive, so no gloo thread needs it in teardown.
+
+    Destroys the default group a script left open (freeing it joins its worker threads), then
+    waits until the workers of groups still referenced (DeepSpeed keeps its own to the end) have
+    put down their last work: see ``gloo_workers``. Skipped after an unhandled exception
+    (``sys.last_value`` is set): a peer may still be inside a collective with this rank, and
+    neither would return until it times out.
     """
     if not CLOSE_GLOO_AT_EXIT.applied or getattr(sys, "last_value", None) is not None:
         return
@@ -105,6 +113,11 @@ def _close_gloo_group_at_exit() -> None:
             dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 — at exit: say it, never raise
         log.debug("accel-npu: could not close the gloo group at exit: %s", exc)
+    busy = gloo_workers.wait_until_idle(timeout_s=_GLOO_DRAIN_TIMEOUT_S)
+    if busy:
+        log.warning("accel-npu: %d gloo worker thread(s) still busy %.0f s after the script ended (%s); "
+                    "exiting anyway. A collective started without wait() may still be running.",
+                    len(busy), _GLOO_DRAIN_TIMEOUT_S, "; ".join(busy.values()))
 
 
 def _register_close_at_exit(wrapped, instance, args, kwargs):
@@ -148,10 +161,11 @@ FSDP_ON_CPU = Patch(
 CLOSE_GLOO_AT_EXIT = Patch(
     target="accelerate.state:PartialState.__init__",
     supports="accelerate>=1.10,<1.16",
-    reason="A script that ends without accelerator.end_training() leaves its gloo group to "
-           "interpreter teardown, where gloo's threads still hold work of DeepSpeed's async "
-           "collectives: 'terminate called without an active exception', SIGABRT, exit -6 after "
-           "training finished (pytorch#190489; the atexit fix pytorch#179291 was abandoned).",
+    reason="A gloo worker that drops its last work (its tensors) after Python starts finalizing "
+           "needs the GIL and aborts the process: 'terminate called without an active exception', "
+           "SIGABRT, exit -6 after training finished (pytorch#190489; the atexit fix pytorch#179291 "
+           "was abandoned). At exit: destroy the default group a script left open, then wait "
+           "until the workers of groups still referenced (DeepSpeed's) are idle.",
     remove_when="torch destroys the default process group at exit by itself",
     wrapper=_register_close_at_exit,
 )
