@@ -166,7 +166,8 @@ CLOSE_GLOO_AT_EXIT = Patch(
            "SIGABRT, exit -6 after training finished (pytorch#190489; the atexit fix pytorch#179291 "
            "was abandoned). At exit: destroy the default group a script left open, then wait "
            "until the workers of groups still referenced (DeepSpeed's) are idle.",
-    remove_when="torch destroys the default process group at exit by itself",
+    remove_when="torch joins or quiesces gloo's worker threads before Python finalizes (an atexit "
+                "hook in torch.distributed)",
     wrapper=_register_close_at_exit,
 )
 
