@@ -137,6 +137,16 @@ def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeou
     return subprocess.run(cmd, env=env or base_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
+                    cwd: Path | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node NPROC ARGS` on the environment's MASTER_PORT (``base_env``
+    picks a free one); returns the finished process (text output). Stock accelerate starts one
+    process on a CPU-only machine, so this is how a stock half gets its ranks."""
+    env = env or base_env()
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", env["MASTER_PORT"], *args]
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
 def run_concurrently(*calls):
     """Call each function in its own thread and return their results in order: independent
     launches overlap (a launch leaves a core idle while its launcher starts and its ranks exit).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 
 import pytest
 
@@ -18,8 +17,8 @@ from tests.inprocess import stock
 from accel_npu.errors import ConfigError
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
 
-from .launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
-    zero_config
+from .launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, torchrun_launch, \
+    write_deepspeed_config, zero_config
 
 
 @pytest.fixture(autouse=True)
@@ -144,10 +143,7 @@ def test_contradiction_refused_in_launcher_before_workers(tmp_path):
 def test_zero3_inference_mode_eval_between_steps(tmp_path):
     """Pitfall 7.8 with plain DeepSpeed under torchrun, 2 CPU ranks."""
     def run(**extra):
-        env = base_env(DS_ACCELERATOR="cpu", **extra)
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", env["MASTER_PORT"],
-               str(SCRIPTS / "zero3_inference_eval.py")]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return torchrun_launch([str(SCRIPTS / "zero3_inference_eval.py")], env=base_env(DS_ACCELERATOR="cpu", **extra))
 
     theirs = run(ACCEL_NPU_DISABLE="1")
     assert theirs.returncode != 0

@@ -2,13 +2,12 @@
 
 Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
 """
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch_utils import (BIN, REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port, results,
-                                run_concurrently, write_deepspeed_config, zero_config)
+from tests.launch_utils import (REPO, SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
+                                torchrun_launch, write_deepspeed_config, zero_config)
 
 pytestmark = pytest.mark.slow
 
@@ -141,13 +140,10 @@ def test_gloo_worker_still_finishing_a_work_at_exit_does_not_abort_the_finished_
     DeepSpeed holds its groups to the end. The script makes the worker late and finalization long
     on purpose (see its docstring): stock aborts every time, and so did accel-npu before its exit
     handler waited for idle workers. Both halves launch with torchrun, stock's 2-rank CPU launcher."""
-    script = str(SCRIPTS / "gloo_work_late_at_exit.py")
-
-    def torchrun(env):
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), script]
-        return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-
-    stock, ours = run_concurrently(lambda: torchrun(base_env(ACCEL_NPU_DISABLE="1")), lambda: torchrun(base_env()))
+    script = [str(SCRIPTS / "gloo_work_late_at_exit.py")]
+    stock, ours = run_concurrently(
+        lambda: torchrun_launch(script, env=base_env(ACCEL_NPU_DISABLE="1"), cwd=tmp_path),
+        lambda: torchrun_launch(script, cwd=tmp_path))
     for proc in (stock, ours):  # both ranks finished the script body
         assert "RESULT rank=0" in proc.stdout and "RESULT rank=1" in proc.stdout, explain(proc)
     # torchrun's agent reports a rank killed by SIGABRT ("terminate called without an active

@@ -152,15 +152,11 @@ def test_zero3_read_failure_on_rank0_fails_every_rank_clearly(tmp_path, deep_qwe
     """Rank 0 reads for everyone: if a shard breaks under it, the other ranks, waiting in the
     broadcast, get a LoadError too instead of hanging until the process-group timeout."""
     import shutil
-    import subprocess
-
-    from tests.launch_utils import BIN
+    from tests.launch_utils import torchrun_launch
 
     ckpt = shutil.copytree(deep_qwen, tmp_path / "qwen6")
-    env = base_env(ACCELERATE_USE_DEEPSPEED="true")
-    proc = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", env["MASTER_PORT"],
-                           str(SCRIPTS / "zero3_read_failure.py"), str(ckpt)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = torchrun_launch([str(SCRIPTS / "zero3_read_failure.py"), str(ckpt)],
+                           env=base_env(ACCELERATE_USE_DEEPSPEED="true"))
     res = results(proc)
     assert [r["rank"] for r in res] == [0, 1], explain(proc)
     assert not res[0]["ok"] and "cannot open" in res[0]["error"] and str(ckpt) in res[0]["error"], res[0]
