@@ -13,6 +13,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+# diffusers v0.40.0's training scripts, vendored byte for byte (tests/upstream/README.md)
+UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "examples"
 BIN = Path(sys.executable).parent
 
 

@@ -1,5 +1,5 @@
-"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, byte for byte, read from
-``../shared/upstream/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
+"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, byte for byte, vendored
+in ``tests/upstream/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
 
 A tiny Qwen-Image pipeline from the real classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage,
 Qwen2.5-VL text encoder, a byte-level Qwen2Tokenizer written locally, FlowMatchEulerDiscreteScheduler)
@@ -19,13 +19,12 @@ import sys
 import pytest
 import yaml
 
-from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group
+from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, explain, one_rank_deepspeed_group
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
 
-SCRIPT = (REPO.parent / "shared" / "upstream" / "diffusers-v0.40.0" / "examples" / "dreambooth"
-          / "train_dreambooth_lora_qwen_image.py")
+SCRIPT = UPSTREAM_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
 PROMPT = "a photo of sks dog"
 DOC = REPO / "docs" / "compatibility.md"
 

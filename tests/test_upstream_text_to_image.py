@@ -1,4 +1,4 @@
-"""diffusers' train_text_to_image.py (v0.40.0, byte for byte, read from ../shared/upstream/ and run
+"""diffusers' train_text_to_image.py (v0.40.0, byte for byte, vendored in tests/upstream/ and run
 unchanged) on 2 CPU ranks, under the shipped cpu_zero2 config and a cpu_zero3 variant with real
 partitioning (stage3_param_persistence_threshold 0, as any real-size UNet is). Issue 16, items 1-3;
 docs/compatibility.md's rows for this script are asserted here.
@@ -36,13 +36,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, base_env, free_port, shipped_zero_configs
+from tests.launch_utils import BIN, REPO, SCRIPTS, UPSTREAM_EXAMPLES, base_env, free_port, shipped_zero_configs
 from tests.torchvision_site import with_torchvision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-UPSTREAM = REPO.parent / "shared" / "upstream" / "diffusers-v0.40.0" / "examples" / "text_to_image" / \
-    "train_text_to_image.py"
+UPSTREAM = UPSTREAM_EXAMPLES / "text_to_image" / "train_text_to_image.py"
 DOC = REPO / "docs" / "compatibility.md"
 STEPS = 4
 MISUSE_TIMEOUT_S = 15
