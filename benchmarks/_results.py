@@ -1,6 +1,6 @@
 """Where benchmark tables go: ``benchmarks/results/<name>.md``, plain markdown.
 
-Each file starts with the one command that reproduces it, the date, and the machine (CPU, cores,
+Each file starts with the one command that reproduces it, the date, the commit it ran on, and the machine (CPU, cores,
 memory, library versions, load average before and after: the CI box is shared, so the spread of
 repeated runs is part of the result). docs/ quote these files; tests/test_docs_figures.py checks
 that every figure a doc quotes from one appears in it.
@@ -62,6 +62,21 @@ def _versions() -> str:
     return ", ".join(out)
 
 
+def git_commit() -> str:
+    """The commit the benchmark ran on, "+ uncommitted changes" when the tree differs from it."""
+    import subprocess
+
+    root = RESULTS.parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return sha + (" + uncommitted changes" if dirty else "")
+
+
 def load_average() -> str:
     try:
         return "/".join(f"{x:.2f}" for x in os.getloadavg())
@@ -77,6 +92,7 @@ class Report:
         self.command = command_line(argv)
         self.started = datetime.datetime.now(datetime.timezone.utc)
         self.load_before = load_average()
+        self.commit = git_commit()
         self.parts: list[str] = []
 
     def table(self, header: list[str], rows: list[list[str]], caption: str = "") -> None:
@@ -95,6 +111,7 @@ class Report:
             f"Reproduce: `{self.command}`",
             "",
             f"- Date: {self.started:%Y-%m-%d %H:%M} UTC",
+            f"- Commit: {self.commit}",
             f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {_mem_total_gib():.1f} GiB RAM, "
             f"{platform.system()} {platform.release()}, Python {platform.python_version()}; {_versions()}",
             f"- Load average (1/5/15 min) before {self.load_before}, after {load_average()}: the machine was "

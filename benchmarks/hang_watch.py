@@ -124,22 +124,23 @@ def main() -> None:
     r = json.loads(proc.stdout.split("BENCH ", 1)[1].splitlines()[0])
     one = single(a.calls, a.rounds)
     added = r["noop watched"] - r["noop bare"]
-    load = os.getloadavg()[0]
-    print(f"hang watch, fastest of {a.rounds} rounds per call (2 gloo ranks, OMP_NUM_THREADS=1; "
-          f"{os.cpu_count()} cores, load average {load:.1f})\n")
-    print("| call | µs per call |")
-    print("|---|---|")
-    print(f"| no-op, bare | {r['noop bare']:.2f} |")
-    print(f"| no-op, through a pass-through wrapt wrapper | {r['noop passthrough']:.2f} |")
-    print(f"| no-op, through the hang-watch wrapper (2 ranks: watching) | {r['noop watched']:.2f} |")
-    print(f"| no-op, through the wrapper (1 rank: off) | {one:.2f} |")
-    print(f"| **added per collective** | **{added:.2f}** |")
-    print(f"| gloo all_reduce of 1 float, stock function | {r['all_reduce stock']:.1f} |")
-    print(f"| gloo all_reduce of 1 float, patched | {r['all_reduce watched']:.1f} |")
-    print(f"| one store round trip (`add`), per collective if published eagerly | {r['store add']:.1f} |")
-    print(f"\nadded / smallest gloo all_reduce: {added / r['all_reduce stock']:.2%}; the bookkeeping beyond "
-          f"any patch's wrapper: {r['noop watched'] - r['noop passthrough']:.2f} µs")
+    from _results import Report
 
+    report = Report("hang_watch", "What the hang watch adds to each collective")
+    report.table(["call", "µs per call"], [
+        ["no-op, bare", f"{r['noop bare']:.2f}"],
+        ["no-op, through a pass-through wrapt wrapper", f"{r['noop passthrough']:.2f}"],
+        ["no-op, through the hang-watch wrapper (2 ranks: watching)", f"{r['noop watched']:.2f}"],
+        ["no-op, through the wrapper (1 rank: off)", f"{one:.2f}"],
+        ["**added per collective**", f"**{added:.2f}**"],
+        ["gloo all_reduce of 1 float, stock function", f"{r['all_reduce stock']:.1f}"],
+        ["gloo all_reduce of 1 float, patched", f"{r['all_reduce watched']:.1f}"],
+        ["one store round trip (`add`), per collective if published eagerly", f"{r['store add']:.1f}"],
+    ], caption=f"Fastest of {a.rounds} rounds of {a.calls} calls per figure (2 gloo ranks, OMP_NUM_THREADS=1).")
+    report.text(f"added / smallest gloo all_reduce: {added / r['all_reduce stock']:.2%}; the bookkeeping beyond "
+                f"any patch's wrapper: {r['noop watched'] - r['noop passthrough']:.2f} µs")
+    print(report.render())
+    report.write()
 
 if __name__ == "__main__":
     main()
