@@ -13,7 +13,7 @@ from accel_npu import environment
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-from .watch import CANN_EXEC_TIMEOUT, collective_wrapper, default_timeout, init_wrapper
+from .watch import collective_wrapper, default_timeout, first_timeout, hccl_exec_timeout, init_wrapper
 
 #: The collectives of torch.distributed (p2p send/recv and monitored_barrier, which has its own
 #: timeout and report, are left alone).
@@ -92,17 +92,16 @@ def accel_npu_env_report(backend):
         for defaults in get_plugin_manager().hook.accel_npu_launch_env(backend=backend, env=dict(os.environ)):
             for key, value in (defaults or {}).items():
                 workers.setdefault(key, str(value))
-        try:
-            group = float(workers.get("DEEPSPEED_TIMEOUT", "10")) * 60
+        try:  # deepspeed/constants.py: int(os.getenv("DEEPSPEED_TIMEOUT", 10)) minutes
+            group = int(workers.get("DEEPSPEED_TIMEOUT", "10")) * 60
         except ValueError:
-            group = 600.0
+            info["DEEPSPEED_TIMEOUT"] = (f"PROBLEM: {workers['DEEPSPEED_TIMEOUT']!r} is not a whole number of "
+                                         "minutes: `import deepspeed` fails on it (deepspeed/constants.py int())")
+            return ("Hang diagnosis", info)
         source = f"DeepSpeed's process-group timeout, DEEPSPEED_TIMEOUT={group / 60:g} min"
         if backend.dist_backend == "hccl":
-            try:
-                exec_timeout = float(workers.get("HCCL_EXEC_TIMEOUT", CANN_EXEC_TIMEOUT))
-            except ValueError:
-                exec_timeout = float(CANN_EXEC_TIMEOUT)
-            if 0 < exec_timeout < group:
+            exec_timeout = hccl_exec_timeout(workers)
+            if first_timeout([group, exec_timeout]) != group:
                 group, source = exec_timeout, f"HCCL_EXEC_TIMEOUT={exec_timeout:g} s, below the group timeout"
         info["ACCEL_NPU_HANG_TIMEOUT"] = ("<unset>: just under each run's process-group timeout "
                                           "(min(60 s, a quarter) below it)")

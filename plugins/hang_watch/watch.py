@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -166,6 +167,26 @@ def init_wrapper(wrapped, instance, args, kwargs):
 CANN_EXEC_TIMEOUT = 1836
 
 
+def hccl_exec_timeout(env) -> int | None:
+    """Seconds after which HCCL ends a stuck collective, read from ``env`` as torch_npu reads it
+    (csrc/core/npu/register/OptionsManager.cpp ``GetHCCLExecTimeout``: ``strtol``, so "90.5" is 90 and
+    "abc" is 0; negative or unset is CANN's default); None for 0, which never times out."""
+    raw = env.get("HCCL_EXEC_TIMEOUT")
+    if raw is None:
+        return CANN_EXEC_TIMEOUT
+    digits = re.match(r"\s*([+-]?\d+)", raw)
+    value = int(digits.group(1)) if digits else 0
+    if value < 0:
+        return CANN_EXEC_TIMEOUT
+    return value or None
+
+
+def first_timeout(timeouts) -> float | None:
+    """The earliest of the timeouts that will end a stuck collective; None when none will."""
+    found = [float(t) for t in timeouts if t is not None and 0 < t < 10 ** 9]  # LLONG_MAX ms: none
+    return min(found) if found else None
+
+
 def _group_timeout_seconds() -> float | None:
     """When torch ends a stuck collective of the default group: the smallest of the timeout
     init_process_group was given (the group's store keeps it), its backend's timeout, and on HCCL
@@ -175,7 +196,7 @@ def _group_timeout_seconds() -> float | None:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    found: list[float] = []
+    found: list[float | None] = []
     try:
         found.append(c10d._get_default_store().timeout.total_seconds())
     except Exception:  # noqa: BLE001 - a store without a timeout
@@ -190,14 +211,10 @@ def _group_timeout_seconds() -> float | None:
         pass
     try:
         if dist.get_backend() == "hccl":
-            exec_timeout = int(os.environ.get("HCCL_EXEC_TIMEOUT", CANN_EXEC_TIMEOUT))
-            exec_timeout = CANN_EXEC_TIMEOUT if exec_timeout < 0 else exec_timeout
-            if exec_timeout > 0:
-                found.append(float(exec_timeout))
-    except (ValueError, RuntimeError):
+            found.append(hccl_exec_timeout(os.environ))
+    except RuntimeError:
         pass
-    found = [t for t in found if 0 < t < 10 ** 9]  # LLONG_MAX milliseconds: no timeout
-    return min(found) if found else None
+    return first_timeout(found)
 
 
 def arm() -> Calls | None:
