@@ -1,5 +1,6 @@
 """Every patch in the ledger, automatically: import->patch, patch->import, double patch,
-unpatch restores the identical original, unpatch->repatch. Each case runs in a fresh process
+unpatch restores the identical original, double unpatch, unpatch->repatch, and unpatch before the
+module is imported (the module then stays stock until the next patch). Each case runs in a fresh process
 (with torch's autoload off, so the test decides when accel-npu arms)."""
 import json
 import subprocess
@@ -74,6 +75,8 @@ CHECK = textwrap.dedent(r'''
         accel_npu.unpatch()
         out["restored_identical"] = lookup(patch)[2] is pristine.get(patch.target, original) is original \
             and not isinstance(original, wrapt.FunctionWrapper)
+        accel_npu.unpatch()                                    # double unpatch: nothing more to undo
+        out["restored_identical"] = out["restored_identical"] and lookup(patch)[2] is original
         out["own_attribute_restored"] = (attribute in vars(parent)) == own_before if inspect.isclass(parent) else True
         accel_npu.patch()                                      # unpatch -> repatch
         out["repatched"] = ours(lookup(patch)[2], original) and patch.status == "applied"
@@ -120,3 +123,48 @@ def test_every_declared_patch_says_why_and_when_it_goes():
 def test_patch_targets_are_unique():
     targets = [p.target for _, p in DECLARED]
     assert len(targets) == len(set(targets)), sorted(t for t in targets if targets.count(t) > 1)
+
+
+UNPATCH_BEFORE_IMPORT = textwrap.dedent(r'''
+    import importlib, inspect, json, sys
+    import wrapt
+    modules = sys.argv[1:]
+    import accel_npu
+    from accel_npu.patching import get_ledger
+
+    accel_npu.patch()
+    accel_npu.unpatch()
+    imported_before = [m for m in modules if m in sys.modules and m != "torch"]
+    results = {}
+    for module_name in modules:
+        importlib.import_module(module_name)
+    for patch in get_ledger().patches:
+        if patch.module not in modules:
+            continue
+        try:
+            parent, attribute, _ = wrapt.resolve_path(sys.modules[patch.module], patch.qualname)
+        except Exception:
+            continue
+        results[patch.target] = {"stock_after_import": not isinstance(inspect.getattr_static(parent, attribute),
+                                                                      wrapt.FunctionWrapper)}
+    accel_npu.patch()
+    for patch in get_ledger().patches:
+        if patch.target in results:
+            results[patch.target]["status_after_repatch"] = patch.status
+    print("RESULT " + json.dumps({"imported_before": imported_before, "results": results}))
+''')
+
+
+def test_unpatch_before_import_leaves_the_module_stock_until_the_next_patch():
+    """One process for every module: patch, unpatch, then import them all (ddtrace's patch-test base
+    has this case): nothing is wrapped; the next patch() applies every supported patch."""
+    proc = subprocess.run([sys.executable, "-c", UNPATCH_BEFORE_IMPORT, *MODULES],
+                          env=base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert out["imported_before"] == [], "accel-npu's own activation imported these: the case is untestable"
+    results = out["results"]
+    installed = {p.target for _, p in DECLARED if not not_installed(p)}
+    assert set(results) == installed
+    assert [t for t, r in results.items() if not r["stock_after_import"]] == []
+    assert {t: r["status_after_repatch"] for t, r in results.items() if r["status_after_repatch"] != "applied"} == {}
