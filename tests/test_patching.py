@@ -123,3 +123,68 @@ def test_version_ranges_agree_with_packaging(supports, installed):
     dist, clauses = parse_supports(supports)
     spec = SpecifierSet(supports[len(dist):])
     assert version_satisfies(installed, clauses) == spec.contains(Version(installed).public, prereleases=True)
+
+
+LOCK_ORDER = r'''
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import sync_point
+from accel_npu.patching import Patch, PatchLedger
+
+def _plus_one(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+ledger = PatchLedger()
+# the wrapper module imports slow_target, which thread "importer" is importing; slow_target's own
+# patch then runs in the importer's post-import hook, holding slow_target's import lock
+ledger.register(Patch(target="plain_target:f", supports="pytest>=7", reason="t", remove_when="t",
+                      wrapper="wrapper_module:wrap"))
+ledger.register(Patch(target="slow_target:g", supports="pytest>=7", reason="t", remove_when="t",
+                      wrapper=_plus_one))
+import plain_target
+importer = threading.Thread(target=lambda: __import__("slow_target"), daemon=True)
+importer.start()
+sync_point.importer_inside.wait()
+applier = threading.Thread(target=ledger.arm, daemon=True)
+applier.start()
+applier.join(10); importer.join(10)
+if applier.is_alive() or importer.is_alive():
+    print("DEADLOCK", flush=True)
+    import os; os._exit(3)
+import slow_target
+print("RESULT", plain_target.f(), slow_target.g(), flush=True)
+'''
+
+
+def test_a_wrapper_module_importing_a_module_another_thread_imports_does_not_deadlock(tmp_path):
+    """The ledger resolves wrapper modules with its lock released (wrapt's importer.py calls hooks
+    outside its lock for the same reason): a thread importing a patched module runs the ledger's
+    post-import hook while it holds that module's import lock, so a ledger that imports a wrapper
+    module (which imports that same module) while holding its own lock waits on the importer forever."""
+    import subprocess
+    import textwrap
+
+    (tmp_path / "sync_point.py").write_text("import threading\nimporter_inside = threading.Event()\n"
+                                            "wrapper_importing = threading.Event()\n")
+    (tmp_path / "plain_target.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "slow_target.py").write_text(textwrap.dedent("""
+        import sync_point
+        sync_point.importer_inside.set()
+        sync_point.wrapper_importing.wait(10)  # the applier is inside the wrapper module's import
+
+        def g():
+            return 10
+        """))
+    (tmp_path / "wrapper_module.py").write_text(textwrap.dedent("""
+        import sync_point
+        sync_point.wrapper_importing.set()
+        import slow_target  # waits for the importer thread, which finishes slow_target first
+
+        def wrap(wrapped, instance, args, kwargs):
+            return wrapped(*args, **kwargs) * 100
+        """))
+    proc = subprocess.run([sys.executable, "-c", LOCK_ORDER, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert "DEADLOCK" not in proc.stdout, "the ledger held its lock while importing a wrapper module"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("RESULT", 1)[1].split() == ["100", "11"]

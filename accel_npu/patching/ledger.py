@@ -47,12 +47,14 @@ class PatchLedger:
             if plugin:
                 patch.plugin = plugin
             self.patches.append(patch)
-            if patch.module not in self._hooked_modules:
-                self._hooked_modules.add(patch.module)
-                # Registered once per module; the hook checks `armed`, so unpatch/repatch need no
-                # hook bookkeeping. wrapt calls it at once if the module is already imported.
-                wrapt.register_post_import_hook(self._on_import, patch.module)
-            return patch
+            first_of_module = patch.module not in self._hooked_modules
+            self._hooked_modules.add(patch.module)
+        if first_of_module:
+            # Outside the lock: wrapt calls the hook at once if the module is already imported.
+            # Registered once per module; the hook checks `armed`, so unpatch/repatch need no
+            # hook bookkeeping.
+            wrapt.register_post_import_hook(self._on_import, patch.module)
+        return patch
 
     def find(self, target: str) -> Patch | None:
         return next((p for p in self.patches if p.target == target), None)
@@ -61,54 +63,46 @@ class PatchLedger:
     def arm(self) -> None:
         with self._lock:
             self.armed = True
-            for patch in self.patches:
-                module = sys.modules.get(patch.module)
-                if module is not None:
-                    self.apply(patch, module)
+            patches = list(self.patches)
+        for patch in patches:
+            module = sys.modules.get(patch.module)
+            if module is not None:
+                self.apply(patch, module)
 
     def _on_import(self, module) -> None:
         if not self.armed:
             return
         with self._lock:
-            for patch in self.patches:
-                if patch.module == module.__name__:
-                    self.apply(patch, module)
+            patches = [p for p in self.patches if p.module == module.__name__]
+        for patch in patches:
+            self.apply(patch, module)
 
     def apply(self, patch: Patch, module=None) -> None:
-        """Apply one patch if its module is imported and its version is supported. Never raises."""
+        """Apply one patch if its module is imported and its version is supported. Never raises.
+
+        The lock guards the ledger's state only. Importing a wrapper module (``Patch.wrapper`` given
+        as a path) runs other modules' post-import hooks, and another thread may hold an import lock
+        while its hook waits for ours: so, as wrapt's importer.py calls hooks outside its own lock,
+        the wrapper is resolved with the lock released, and the target is re-checked after.
+        """
         with self._lock:
-            if patch.applied:
-                return
-            module = module if module is not None else sys.modules.get(patch.module)
-            if module is None:
-                patch.status = NOT_IMPORTED
-                return
-            if still_importing(module) and call_when_imported(module, self._on_import):
-                # e.g. `import accelerate` before torch: accelerate.accelerator imports torch (and so
-                # activates us) before it defines Accelerator. Apply once its body has run.
-                patch.status = NOT_IMPORTED
-                return
-            if patch.target in environment.disabled_patches():
-                patch.status = DISABLED
-                self._trace(patch)
-                return
-            problem = patch.version_problem()
-            if problem:
-                patch.status = f"skipped: {problem}"
-                self._trace(patch)
-                return
-            try:
-                parent, attribute, original = wrapt.resolve_path(module, patch.qualname)
-            except Exception as exc:
-                patch.status = f"skipped: {patch.qualname} not found in {patch.module} ({exc})"
-                self._trace(patch)
-                return
-            if original is patch._installed and patch._installed is not None:
-                patch.status = APPLIED  # someone else's reload restored our wrapper; nothing to do
-                return
+            target = self._resolve(patch, module)
+        if target is None:
+            return
+        parent, attribute, original = target
+        try:
+            wrapper = patch.wrapper
+        except Exception as exc:
+            with self._lock:
+                patch.status = f"failed: {type(exc).__name__}: {exc}"
+            log.warning("accel-npu: could not apply %s: %s", patch.target, patch.status)
+            return
+        with self._lock:
+            if self._resolve(patch, module) != target:
+                return  # applied or changed by another thread meanwhile: its outcome stands
             try:
                 had_own = (attribute in vars(parent)) if inspect.isclass(parent) else True
-                wrapped = wrapt.FunctionWrapper(original, patch.wrapper)
+                wrapped = wrapt.FunctionWrapper(original, wrapper)
                 setattr(parent, attribute, wrapped)
             except Exception as exc:
                 patch.status = f"failed: {type(exc).__name__}: {exc}"
@@ -118,6 +112,40 @@ class PatchLedger:
             patch._had_own_attribute, patch._installed = had_own, wrapped
             patch.status = APPLIED
             self._trace(patch)
+
+    def _resolve(self, patch: Patch, module):
+        """(parent, attribute, original) when ``patch`` should be applied now, else None with its
+        status set. Called with the lock held."""
+        if patch.applied:
+            return None
+        module = module if module is not None else sys.modules.get(patch.module)
+        if module is None:
+            patch.status = NOT_IMPORTED
+            return None
+        if still_importing(module) and call_when_imported(module, self._on_import):
+            # e.g. `import accelerate` before torch: accelerate.accelerator imports torch (and so
+            # activates us) before it defines Accelerator. Apply once its body has run.
+            patch.status = NOT_IMPORTED
+            return None
+        if patch.target in environment.disabled_patches():
+            patch.status = DISABLED
+            self._trace(patch)
+            return None
+        problem = patch.version_problem()
+        if problem:
+            patch.status = f"skipped: {problem}"
+            self._trace(patch)
+            return None
+        try:
+            parent, attribute, original = wrapt.resolve_path(module, patch.qualname)
+        except Exception as exc:
+            patch.status = f"skipped: {patch.qualname} not found in {patch.module} ({exc})"
+            self._trace(patch)
+            return None
+        if original is patch._installed and patch._installed is not None:
+            patch.status = APPLIED  # someone else's reload restored our wrapper; nothing to do
+            return None
+        return parent, attribute, original
 
     def _trace(self, patch: Patch) -> None:
         if environment.flag("ACCEL_NPU_TRACE"):
