@@ -101,3 +101,14 @@ def accel_npu_configure_deepspeed(ds_config: MutableMapping[str, Any], source: s
 
     ``source`` names where it came from (a file path, or "<script>" for a dict built in code).
     """
+
+
+@hookspec
+def accel_npu_explain_error(error: BaseException) -> str | None:
+    """Return one line saying what an uncaught ``error`` means on this machine and what to do, or None.
+
+    Called after Python printed the traceback (the explain_errors plugin's excepthook), never for
+    KeyboardInterrupt or SystemExit. Match on the text of ``error`` and its causes: errors from
+    another process arrive re-raised with that process's traceback in the message (a DataLoader
+    worker's, for one). Keep it cheap and never raise.
+    """

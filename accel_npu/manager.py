@@ -44,6 +44,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("loading", "accel_npu.plugins.loading"),
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),
+    ("explain_errors", "accel_npu.plugins.explain_errors"),
     ("launch_settings", "accel_npu.plugins.launch.settings"),
     ("hang_watch", "accel_npu.plugins.hang_watch"),
 )

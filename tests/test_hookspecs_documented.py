@@ -62,6 +62,7 @@ def _trigger_all():
     from accel_npu.backend import current_backend, reset_backend_cache
     from accel_npu.cli import build_parser
     from accel_npu.cli.env import collect
+    from accel_npu.plugins.explain_errors import explanations
     from accel_npu.plugins.launch.launcher import prepare_worker_environment
 
     return {
@@ -75,6 +76,7 @@ def _trigger_all():
         "accel_npu_selftest_checks": lambda: __import__("accel_npu.cli.selftest", fromlist=["x"]).checks_for(
             current_backend()),
         "accel_npu_configure_deepspeed": lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}),
+        "accel_npu_explain_error": lambda: explanations(RuntimeError("an uncaught error")),
     }
 
 

@@ -52,6 +52,10 @@ def version_satisfies(installed: str, clauses: list[tuple[str, str]]) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def installed_version(dist: str) -> str | None:
+    if dist == "python":  # the interpreter itself, for patches of the standard library
+        import platform
+
+        return platform.python_version()
     # A patch is checked when its module is imported, so the distribution's package usually is too:
     # its __version__ is the metadata's version without a scan of every site-packages directory.
     module = sys.modules.get(dist.replace("-", "_"))

@@ -118,7 +118,8 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["DS_ACCELERATOR"] == "npu"
         # hang diagnosis: torch_npu's watchdog, desync report, heartbeat monitor and flight recorder
         # (issue 13 item 4); a user value for either name of a renamed switch leaves both alone
-        assert r["env"]["HCCL_ASYNC_ERROR_HANDLING"] == r["env"]["TORCH_HCCL_ASYNC_ERROR_HANDLING"] == "1"
+        # (both watchdog switches stay at torch_npu's defaults: asynchronous error handling is already on)
+        assert r["env"]["HCCL_ASYNC_ERROR_HANDLING"] is None and r["env"]["TORCH_HCCL_ASYNC_ERROR_HANDLING"] is None
         assert r["env"]["TORCH_HCCL_DESYNC_DEBUG"] == "0" and r["env"]["HCCL_DESYNC_DEBUG"] is None
         assert r["env"]["TORCH_HCCL_ENABLE_MONITORING"] == "1" and r["env"]["TORCH_HCCL_DUMP_ON_TIMEOUT"] == "1"
         assert r["env"]["TORCH_HCCL_TRACE_BUFFER_SIZE"] == "50"
@@ -140,7 +141,7 @@ def test_torch_npu_without_a_usable_npu_refuses_the_launch(case, tmp_path):
     if case == "no-device-nodes":
         assert "there are no /dev/davinci* device nodes" in out
     else:
-        assert "ASCEND_RT_VISIBLE_DEVICES=1,0 is not in ascending order" in out and "=0,1" in out
+        assert "ASCEND_RT_VISIBLE_DEVICES=1,0: the ids are not in ascending order" in out and "=0,1" in out
     on_purpose = accelerate_launch(args, env=env_with(site, ACCEL_NPU_BACKEND="cpu", **extra))
     assert on_purpose.returncode == 0 and len(results(on_purpose)) == 2, explain(on_purpose)
     stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1", **extra))
@@ -443,3 +444,104 @@ def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
                                            "failed:"), lines  # DeepSpeed needs more of torch.npu than the stand-in has
     assert proc.stdout.rstrip().splitlines()[-1].startswith(f"{sum(not s.startswith('failed') for s in lines.values())}"
                                                             f" of {len(lines)} checks did not fail; FAILED: CANN libraries")
+
+
+# -- device visibility read as torch_npu reads it -------------------------------------------------
+VISIBILITY_VALUES = ["0,1", "3,1", "0, 1", "1,0", "0,,1", "0,1,", "", "abc", "0,9", "7", "8", "0-3", "2,3,4", " 0,1"]
+
+
+def test_visible_devices_are_counted_as_the_standin_torch_npu_counts_them(tmp_path):
+    """Our parse against the stand-in's (which mirrors torch_npu/npu/__init__.py, cited there), value
+    by value, on an 8-NPU machine."""
+    from accel_npu.plugins.devices.npu.visibility import visible_devices
+
+    code = ("import json, os, sys, torch, torch_npu\nout = {}\nfor v in json.loads(sys.argv[1]):\n"
+            "    os.environ['ASCEND_RT_VISIBLE_DEVICES'] = v\n    out[v] = torch.npu.device_count()\n"
+            "print('RESULT ' + json.dumps(out))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(VISIBILITY_VALUES)],
+                          env=env_with(make_site(tmp_path), ACCEL_NPU_DISABLE="1"), capture_output=True, text=True,
+                          timeout=180, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    standin = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    ours = {v: visible_devices(v, 8).count for v in VISIBILITY_VALUES}
+    assert ours == standin
+    assert {v: n for v, n in standin.items() if v in ("3,1", "0, 1", "0,9")} == {"3,1": 0, "0, 1": 1, "0,9": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu_ids,standin_count,fix", [("3,1", 0, "1,3"), ("0, 1", 1, "0,1")])
+def test_gpu_ids_torch_npu_reads_differently_are_refused_before_any_worker(gpu_ids, standin_count, fix, tmp_path):
+    site = make_site(tmp_path)
+    args = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--gpu_ids", gpu_ids,
+            str(SCRIPTS / "print_worker_env.py")]
+    ours = accelerate_launch(args, env=env_with(site))
+    out = ours.stdout + ours.stderr
+    assert ours.returncode != 0 and not results(ours), explain(ours)   # no worker started
+    assert "Traceback" not in out and "ASCEND_RT_VISIBLE_DEVICES" in out and f"--gpu_ids {fix}" in out, explain(ours)
+    stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1"))
+    # stock starts both workers, which torch_npu gives fewer NPUs than processes
+    assert [r["npu_count"] for r in results(stock)] == [standin_count, standin_count], explain(stock)
+
+
+@pytest.mark.slow
+def test_desync_debug_is_left_off_and_a_busy_hccl_port_range_is_avoided(tmp_path):
+    """HCCL_DESYNC_DEBUG costs two store writes per collective: torch_npu's default (off) stays. With
+    another job holding HCCL's default ports, the workers get a free HCCL_IF_BASE_PORT."""
+    import socket
+
+    from accel_npu.plugins.devices.npu import HCCL_DEFAULT_BASE_PORT
+
+    site = make_site(tmp_path)
+    args = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")]
+    held = socket.socket()
+    try:
+        held.bind(("", HCCL_DEFAULT_BASE_PORT + 3))
+        held.listen()
+    except OSError:
+        pass  # something on this machine holds it already: the case under test either way
+    try:
+        proc = accelerate_launch(args, env=env_with(site, ASCEND_RT_VISIBLE_DEVICES="0,1"))
+    finally:
+        held.close()
+    assert proc.returncode == 0, explain(proc)
+    for r in results(proc):
+        assert r["env"]["HCCL_DESYNC_DEBUG"] is None and r["env"]["TORCH_HCCL_DESYNC_DEBUG"] is None
+        port = int(r["env"]["HCCL_IF_BASE_PORT"])
+        assert port > HCCL_DEFAULT_BASE_PORT + 3
+        with socket.socket() as probe:  # an independent look: the chosen range is bindable
+            probe.bind(("", port))
+
+
+def test_an_npu_used_in_a_forked_dataloader_worker_is_explained_after_the_traceback(tmp_path):
+    site = make_site(tmp_path)
+    script = str(SCRIPTS / "npu_forked_worker.py")
+    ours = subprocess.run([sys.executable, script], env=env_with(site), capture_output=True, text=True,
+                          timeout=180, cwd="/")
+    stock = subprocess.run([sys.executable, script], env=env_with(site, ACCEL_NPU_DISABLE="1"), capture_output=True,
+                           text=True, timeout=180, cwd="/")
+    for proc in (ours, stock):  # the stand-in's torch_npu refused in the worker; the DataLoader re-raised it
+        assert proc.returncode == 1 and "Cannot re-initialize NPU in forked subprocess" in proc.stderr, proc.stderr
+    assert "multiprocessing_context=\"spawn\"" in last_line(ours), ours.stderr[-2000:]
+    assert "accel-npu" not in stock.stderr
+
+
+@pytest.mark.parametrize("message,names", [
+    # vllm-ascend #405: HcclGetRootInfo with port 60000 held by another job
+    ("createHCCLComm: HCCL function error: HcclGetRootInfo(&hcclID), error code is 11\nEJ0003: Failed to bind the IP "
+     "port. Reason: The IP address and port have been bound already.\nhost nic listen start failed, port[60000]",
+     "HCCL_IF_BASE_PORT=60032"),
+    ("Communication_Error_Bind_IP_Port(EI0019)", "HCCL_IF_BASE_PORT="),
+    # csrc/core/npu/NPUGraph.cpp capture_begin (v7.1.0.2 .. master)
+    ("Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export TASK_QUEUE_ENABLE=1/0.",
+     "TASK_QUEUE_ENABLE=1"),
+])
+def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, monkeypatch):
+    from accel_npu.plugins.explain_errors import explanations
+
+    monkeypatch.delenv("HCCL_IF_BASE_PORT", raising=False)
+    try:
+        raise RuntimeError("the collective failed") from RuntimeError(message)
+    except RuntimeError as exc:
+        lines = explanations(exc)
+    assert len(lines) == 1 and names in lines[0], lines
+    assert explanations(RuntimeError("a bug in the script")) == []

@@ -19,6 +19,7 @@ from accel_npu.backend import Backend
 from accel_npu.errors import LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
+from accel_npu.plugins.devices.npu.visibility import suggested_value, visible_devices
 from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, cann_set_env, diagnose_import_error,
                                                       install_import_diagnostics, library_status,
                                                       pairing_problem)
@@ -33,15 +34,13 @@ _no_device: str | None = None
 
 def no_device_reason(env) -> str:
     """Why torch_npu reports no usable NPU, naming the cause where this process can see it."""
-    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
-        if not visible.strip():
-            return "ASCEND_RT_VISIBLE_DEVICES is set but empty: torch_npu then sees no NPU. Unset it or list device ids"
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            return (f"ASCEND_RT_VISIBLE_DEVICES={visible} is not in ascending order, and torch_npu then reports "
-                    f"0 devices (torch_npu/npu/__init__.py _device_count_ascend_hal). List the ids ascending: "
-                    f"ASCEND_RT_VISIBLE_DEVICES={','.join(str(i) for i in sorted(set(ids)))}")
+    value = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    seen = visible_devices(value, -1)
+    if value is not None and seen.count == 0:
+        fix = suggested_value(value, -1)
+        return (f"ASCEND_RT_VISIBLE_DEVICES={value}: {seen.why} (torch_npu/npu/__init__.py "
+                f"_parse_visible_devices). " + (f"List the ids ascending: ASCEND_RT_VISIBLE_DEVICES={fix}" if fix
+                                                else "Unset it or list device ids"))
     if not glob.glob("/dev/davinci[0-9]*"):
         return ("there are no /dev/davinci* device nodes: this container was started without the NPUs "
                 "(docker run --device=/dev/davinci0 ... --device=/dev/davinci_manager --device=/dev/devmm_svm "
@@ -51,14 +50,15 @@ def no_device_reason(env) -> str:
     return "torch.npu.is_available() is False (check `npu-smi info` and the driver/firmware versions)"
 
 
-def visible_device_count(env, count: int | None = None) -> int:
-    """Devices a process started with ``env`` may use: ``count`` (default: what torch_npu reports
-    here) limited by the ids ASCEND_RT_VISIBLE_DEVICES lists there."""
-    count = TorchNpu.device_count() if count is None else count
-    visible = [d for d in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible:
-        count = min(count, len(visible)) if count else len(visible)
-    return count
+def _machine_device_count(backend) -> int:
+    """The driver's NPU count (what ASCEND_RT_VISIBLE_DEVICES chooses from); -1 when unknown."""
+    try:
+        raw = TorchNpu.raw_device_count()
+    except Exception:  # noqa: BLE001 - a private torch_npu function: fall back to what we know
+        raw = -1
+    if raw <= 0 and "ASCEND_RT_VISIBLE_DEVICES" not in os.environ:
+        raw = backend.device_count  # this process sees every device
+    return raw
 
 
 @hookimpl(tryfirst=True)
@@ -74,7 +74,7 @@ def accel_npu_select_backend(env):
             _no_device = no_device_reason(env)
             log.error("accel-npu: torch_npu is installed but no NPU is usable: %s", _no_device)
             return None
-        count = visible_device_count(env)
+        count = TorchNpu.device_count()
     except (ImportError, OSError) as exc:
         _broken = str(exc) if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc, env)
         log.error("%s", _broken)
@@ -89,8 +89,8 @@ def accel_npu_select_backend(env):
 #: Ascend defaults for launched workers (field report 001, section 5.1); user values win.
 #: HCCL_EXEC_TIMEOUT=1800 is the report's value, below CANN's own default of 1836 s
 #: (torch_npu csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`).
-#: DEEPSPEED_TIMEOUT (minutes; deepspeed/constants.py `default_pg_timeout`, else 10): DeepSpeed
-#: 0.19.8 gives its process group 10 minutes, and torch_npu's ProcessGroupHCCL keeps any timeout
+#: DEEPSPEED_TIMEOUT (minutes; deepspeed/constants.py `default_pg_timeout`: 30 up to 0.19.5, 10 from
+#: 0.19.6): DeepSpeed 0.19.8 gives its process group 10 minutes, and torch_npu's ProcessGroupHCCL keeps any timeout
 #: other than torch's 30-minute default as its watchdog timeout (warning when it is not above
 #: HCCL_EXEC_TIMEOUT): a slow first compile or rank-0 load is killed at 600 s. At exactly 30
 #: minutes ProcessGroupHCCL raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s itself — the
@@ -102,17 +102,12 @@ NPU_LAUNCH_DEFAULTS = {
     "HCCL_CONNECT_TIMEOUT": "1200",
     "HCCL_EXEC_TIMEOUT": "1800",
     "DEEPSPEED_TIMEOUT": "30",
-    # Hang diagnosis (pitfall 7.12), torch_npu's own switches (Ascend/pytorch v7.1.0.2-pytorch2.6.0 ..
-    # v7.3.1, master 9e73e708a). csrc/core/npu/register/OptionsManager.cpp: HCCL_ASYNC_ERROR_HANDLING
-    # 0/1 (default 1: the watchdog tears the job down on a failed or timed-out collective) and
-    # HCCL_DESYNC_DEBUG 0/1 (default 0; on a timeout names the ranks that did not join), any other
-    # value raises at process-group creation. master reads TORCH_HCCL_* first and warns that the
-    # HCCL_* names are deprecated; released versions read only HCCL_*: both are set, neither when
-    # the user set one of the pair (launch env below).
-    "HCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_HCCL_ASYNC_ERROR_HANDLING": "1",
-    "HCCL_DESYNC_DEBUG": "1",
-    "TORCH_HCCL_DESYNC_DEBUG": "1",
+    # Hang diagnosis: torch_npu's own watchdog switches are left at torch_npu's defaults
+    # (csrc/core/npu/register/OptionsManager.cpp, v7.1.0.2 .. master): HCCL_ASYNC_ERROR_HANDLING is
+    # already 1 (tear the job down on a failed or timed-out collective), and HCCL_DESYNC_DEBUG stays 0:
+    # on, the watchdog writes to the TCPStore twice and records an extra event per collective
+    # (ProcessGroupHCCL.cpp master :1966-1990, :2192-2198, :4072-4077), while the hang watch already
+    # names the ranks that did not join. Users who want HCCL's own desync report set it.
     # csrc/distributed/ProcessGroupHCCL.hpp/.cpp (c10d::getCvarBool/getCvarInt, all off by default):
     # the heartbeat monitor aborts a rank whose watchdog made no progress for
     # TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC (600 s), and the flight recorder keeps the last
@@ -124,28 +119,87 @@ NPU_LAUNCH_DEFAULTS = {
     "TORCH_HCCL_DUMP_ON_TIMEOUT": "1",
 }
 
-#: one switch under two names (master renames HCCL_* to TORCH_HCCL_*): a value the user gives
-#: either name wins over both defaults
-_RENAMED_SWITCHES = (("HCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING"),
-                     ("HCCL_DESYNC_DEBUG", "TORCH_HCCL_DESYNC_DEBUG"))
-
 
 def worker_defaults(env) -> dict[str, str]:
-    """The npu workers' defaults given the launcher's ``env`` (the launcher then keeps every value
-    ``env`` already sets)."""
-    defaults = dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
-    for names in _RENAMED_SWITCHES:
-        if any(name in env for name in names):
-            for name in names:
-                defaults.pop(name)
-    return defaults
+    """The npu workers' defaults (the launcher then keeps every value ``env`` already sets)."""
+    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
+
+
+#: HCCL listens on HCCL_IF_BASE_PORT .. +15 of the host NIC (CANN's HCCL environment variables:
+#: default 60000, one port per device of a 16-device node); a second job on the node fails with
+#: EJ0003/EI0019 "Failed to bind the IP port" (vllm-ascend #405, dlrover #1171).
+HCCL_DEFAULT_BASE_PORT = 60000
+HCCL_PORTS_PER_NODE = 16
+
+
+def _ports_free(base: int) -> bool:
+    import socket
+
+    for port in range(base, base + HCCL_PORTS_PER_NODE):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_hccl_base_port(env) -> str | None:
+    """A base port for this job when HCCL_IF_BASE_PORT is unset and HCCL's default range is taken
+    on this node (another job listens there); None when the default is free or the user chose."""
+    if "HCCL_IF_BASE_PORT" in env or _ports_free(HCCL_DEFAULT_BASE_PORT):
+        return None
+    for base in range(HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE, 65536 - HCCL_PORTS_PER_NODE,
+                      HCCL_PORTS_PER_NODE):
+        if _ports_free(base):
+            log.warning("accel-npu: HCCL's default ports %d-%d are in use on this node (another job?); this job "
+                        "uses HCCL_IF_BASE_PORT=%d", HCCL_DEFAULT_BASE_PORT,
+                        HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE - 1, base)
+            return str(base)
+    return None
 
 
 @hookimpl
 def accel_npu_launch_env(backend, env):
     if backend.name != "npu":
         return None
-    return worker_defaults(env)
+    defaults = worker_defaults(env)
+    port = free_hccl_base_port(env)
+    if port:
+        defaults["HCCL_IF_BASE_PORT"] = port
+    return defaults
+
+
+def _error_text(error: BaseException) -> str:
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        parts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(parts)
+
+
+@hookimpl
+def accel_npu_explain_error(error):
+    text = _error_text(error)
+    if "Cannot re-initialize NPU in forked subprocess" in text:
+        # torch_npu/npu/__init__.py _lazy_init: a process forked after the parent touched the NPU
+        return ("a process started with fork (a DataLoader worker, most likely) used the NPU the parent had "
+                "already initialised, which fork cannot carry over. Create the DataLoader with "
+                "multiprocessing_context=\"spawn\" (or call torch.multiprocessing.set_start_method(\"spawn\") "
+                "first), and keep NPU work out of Dataset.__getitem__.")
+    if "TASK_QUEUE_ENABLE = 2 during NPU graph capture" in text:
+        # NPUGraph.cpp capture_begin TORCH_CHECK (v7.1.0.2 .. master)
+        return ("TASK_QUEUE_ENABLE=2 cannot capture NPU graphs (torch.compile mode=\"reduce-overhead\", torchair, "
+                "NPUGraph); accel-npu launches workers with 2, faster for eager training, unless you set it. Launch "
+                "with TASK_QUEUE_ENABLE=1 in the environment: accel-npu keeps any value you set.")
+    if any(code in text for code in ("EJ0003", "EI0019")) or "Failed to bind the IP port" in text:
+        port = os.environ.get("HCCL_IF_BASE_PORT", str(HCCL_DEFAULT_BASE_PORT))
+        return (f"HCCL could not listen on its ports (HCCL_IF_BASE_PORT={port} .. +{HCCL_PORTS_PER_NODE - 1}): "
+                "another job on this node holds them. Give this job its own range, e.g. HCCL_IF_BASE_PORT="
+                f"{int(port) + 2 * HCCL_PORTS_PER_NODE if port.isdigit() else 60100}; launched with accel-npu "
+                "and HCCL_IF_BASE_PORT unset, a free range is chosen when the default one is busy.")
+    return None
 
 
 @hookimpl
@@ -157,16 +211,28 @@ def accel_npu_check_launch(backend, num_processes, env):
     if _no_device and environment.forced_backend(env) in (None, "npu"):
         raise LaunchError(f"accel-npu: torch_npu is installed but no NPU is usable: {_no_device}. To train on "
                           "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu.")
-    # Pitfall 7.1: accelerate wraps extra ranks onto the same device; HCCL then fails much later.
-    # `env` is the workers' environment: accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES
-    # by now, after the backend counted this process's devices.
-    visible = visible_device_count(env, backend.device_count) if backend.name == "npu" else 0
-    if visible and num_processes > visible:
+    if backend.name != "npu":
+        return
+    # accelerate wraps extra ranks onto the same device, and HCCL then fails much later. `env` is the
+    # workers' environment (accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES by now),
+    # read as torch_npu in each worker will read it.
+    value = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    machine = _machine_device_count(backend)
+    seen = visible_devices(value, machine)
+    fix = suggested_value(value, machine)
+    if seen.count == 0 and value is not None:
         raise LaunchError(
-            f"accel-npu: {num_processes} processes requested but only {visible} NPU(s) are "
-            f"visible (ASCEND_RT_VISIBLE_DEVICES={env.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')}). "
-            f"Use --num_processes {visible} (one process per NPU)."
-        )
+            f"accel-npu: the workers would see no NPU: ASCEND_RT_VISIBLE_DEVICES={value}: {seen.why} "
+            f"(torch_npu/npu/__init__.py _parse_visible_devices). "
+            + (f"Use ASCEND_RT_VISIBLE_DEVICES={fix} (accelerate launch: --gpu_ids {fix})." if fix else
+               "Unset it, or list device ids separated by commas."))
+    if seen.count and num_processes > seen.count:
+        raise LaunchError(
+            f"accel-npu: {num_processes} processes requested but only {seen.count} NPU(s) are "
+            f"visible (ASCEND_RT_VISIBLE_DEVICES={value if value is not None else '<unset>'})"
+            + (f": {seen.why}" if seen.why else "") + f". Use --num_processes {seen.count} (one process per NPU)"
+            + (f", or ASCEND_RT_VISIBLE_DEVICES={fix} (--gpu_ids {fix}) if you meant those devices."
+               if seen.why and fix else "."))
 
 
 # -- mx_driving ----------------------------------------------------------------------------------
@@ -290,8 +356,10 @@ def accel_npu_env_report(backend):
         f"{ds_minutes} min" + (": torch_npu raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s"
                                if ds_minutes.strip() == "30" else ""))
     workers = {**worker_defaults(os.environ), **os.environ}
+    torch_npu_default = {"HCCL_ASYNC_ERROR_HANDLING": "1", "HCCL_DESYNC_DEBUG": "0"}
     info["hang diagnosis (workers)"] = ", ".join(
-        f"{name}={workers.get(name, '<unset>')}"
+        f"{name}={workers[name]}" if name in workers else
+        f"{name}=<unset> (torch_npu: {torch_npu_default.get(name, 'off')})"
         for name in ("HCCL_ASYNC_ERROR_HANDLING", "HCCL_DESYNC_DEBUG", "TORCH_HCCL_ENABLE_MONITORING",
                      "TORCH_HCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_DUMP_ON_TIMEOUT"))
     info["ASCEND_HOME_PATH"] = os.environ.get("ASCEND_HOME_PATH", "<unset>")
@@ -351,9 +419,11 @@ def check_visible_devices() -> str:
     count = TorchNpu.device_count()
     if count == 0:
         raise RuntimeError(f"torch_npu sees no NPU: {no_device_reason(os.environ)}")
-    if visible is not None and count != len([d for d in visible.split(",") if d.strip()]):
+    listed = len([d for d in (visible or "").split(",") if d.strip()])
+    if visible is not None and count != listed:
+        seen = visible_devices(visible, TorchNpu.raw_device_count())
         raise RuntimeError(f"torch.npu.device_count() is {count} but ASCEND_RT_VISIBLE_DEVICES={visible} lists "
-                           f"{len(visible.split(','))}: ids past the machine's count are dropped "
+                           f"{listed}: {seen.why or 'ids past the machine count are dropped'} "
                            "(torch_npu/npu/__init__.py _device_count_ascend_hal)")
     return f"torch.npu.device_count() = {count}" + (f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else
                                                     " (ASCEND_RT_VISIBLE_DEVICES unset)")

@@ -41,6 +41,12 @@ class TorchNpu:
         return int(torch.npu.device_count())
 
     @staticmethod
+    def raw_device_count() -> int:
+        """The driver's NPU count before ASCEND_RT_VISIBLE_DEVICES (torch_npu/npu/__init__.py
+        ``_raw_device_count_ascend_hal``, v7.1.0.2-pytorch2.6.0 .. master: drvGetDevNum; -1 on failure)."""
+        return int(TorchNpu.module().npu._raw_device_count_ascend_hal())
+
+    @staticmethod
     def soc_name() -> str:
         """``torch.npu.get_device_name()``: the SoC, e.g. Ascend910B1 (torch_npu/npu/__init__.py)."""
         import torch

@@ -76,6 +76,13 @@ def _parse_visible_devices():
     return rc
 
 
+def _raw_device_count_ascend_hal():
+    # Mirrors torch_npu/npu/__init__.py `_raw_device_count_ascend_hal` (same commit; also v7.1.0.2-pytorch2.6.0,
+    # v7.2.0-pytorch2.7.1, v7.3.1-pytorch2.7.1): libascend_hal's drvGetDevNum, before ASCEND_RT_VISIBLE_DEVICES;
+    # -1 when the driver call fails. Here STANDIN_NPU_DEVICE_COUNT (default 8).
+    return int(os.environ.get("STANDIN_NPU_DEVICE_COUNT", "8"))
+
+
 def _device_count():
     # Mirrors torch_npu/npu/__init__.py `_device_count_ascend_hal` (same commit): the raw count
     # (libascend_hal drvGetDevNum; here STANDIN_NPU_DEVICE_COUNT), then the visible ids in order:
@@ -83,7 +90,7 @@ def _device_count():
     visible = _parse_visible_devices()
     if not visible:
         return 0
-    raw = int(os.environ.get("STANDIN_NPU_DEVICE_COUNT", "8"))
+    raw = _raw_device_count_ascend_hal()
     if raw <= 0:
         return raw
     for idx, val in enumerate(visible):
@@ -98,6 +105,7 @@ npu = types.ModuleType("torch_npu.npu")
 # Mirrors torch_npu/npu/__init__.py `is_available` (v7.2.0-pytorch2.7.1, master 9e73e708a): device_count() > 0.
 npu.is_available = lambda: _device_count() > 0
 npu.device_count = _device_count
+npu._raw_device_count_ascend_hal = _raw_device_count_ascend_hal
 # Mirrors torch_npu/npu/npu_config.py `_npuConfig` (Ascend/pytorch v7.1.0.2-pytorch2.6.0 and
 # master 9e73e708a): the class defines only a classmethod __setattr__ that forwards
 # allow_internal_format to the C++ option ALLOW_INTERNAL_FORMAT and stores nothing, so *reading*
@@ -138,12 +146,43 @@ npu.utils.get_cann_version = lambda module="CANN": os.environ.get("STANDIN_CANN_
 npu.utils.is_bf16_supported = None  # set below
 npu.get_amp_supported_dtype = lambda: ([torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported()
                                        else [torch.float16, torch.float32])
+# Mirrors torch_npu/npu/__init__.py `_lazy_init` and `_after_fork` (master 9e73e708a; v7.1.0.2-pytorch2.6.0
+# has the same): the first NPU call initialises the device in this process; a child that
+# multiprocessing forks after that (a DataLoader worker) is marked bad (registered with
+# multiprocessing.util.register_after_fork), and its first NPU call raises.
+_initialized = False
+_original_pid = None
+_is_internal_in_bad_fork = False
+
+
+def _lazy_init():
+    global _initialized, _original_pid
+    if _initialized:
+        return
+    if _is_internal_in_bad_fork:
+        raise RuntimeError("Cannot re-initialize NPU in forked subprocess. To use NPU with "
+                           "multiprocessing, you must use the 'spawn' start method")
+    _initialized, _original_pid = True, os.getpid()
+
+
+def _after_fork(arg):
+    global _initialized, _is_internal_in_bad_fork
+    if _initialized and _original_pid != os.getpid():
+        _initialized = False
+        _is_internal_in_bad_fork = True
+
+
+import multiprocessing.util as _mp_util  # noqa: E402
+
+_mp_util.register_after_fork(_after_fork, _after_fork)
+npu._lazy_init = _lazy_init
 # what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend); upstream:
-# torch_npu/npu/__init__.py and torch_npu/npu/memory.py (no-ops here: there is no device)
+# torch_npu/npu/__init__.py and torch_npu/npu/memory.py (no device here: synchronize only initialises,
+# as torch_npu/npu/utils.py `synchronize` calls _lazy_init first)
 npu.memory_allocated = lambda device=None: 0
 npu.current_device = lambda: 0
 npu.set_device = lambda device: None
-npu.synchronize = lambda device=None: None
+npu.synchronize = lambda device=None: _lazy_init()
 npu.empty_cache = lambda: None
 # Mirrors torch_npu/__init__.py (v7.2.0-pytorch2.7.1: `for name in dir(torch.ops.npu): globals()[name] = ...`):
 # the NPU kernels are attributes of the package, and transformers imports one whenever torch_npu is
