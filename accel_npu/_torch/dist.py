@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -140,3 +141,50 @@ def collective_device():
     import deepspeed
 
     return deepspeed.get_accelerator().current_device_name()
+
+
+#: CANN's HCCL_EXEC_TIMEOUT when unset or negative (torch_npu v7.3.1-pytorch2.7.1,
+#: csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`); 0 means never.
+CANN_EXEC_TIMEOUT = 1836
+
+
+def hccl_exec_timeout(env) -> int | None:
+    """Seconds after which HCCL ends a stuck collective, read from ``env`` as torch_npu reads it
+    (csrc/core/npu/register/OptionsManager.cpp ``GetHCCLExecTimeout``: ``strtol``, so "90.5" is 90 and
+    "abc" is 0; negative or unset is CANN's default); None for 0, which never times out."""
+    raw = env.get("HCCL_EXEC_TIMEOUT")
+    if raw is None:
+        return CANN_EXEC_TIMEOUT
+    digits = re.match(r"\s*([+-]?\d+)", raw)
+    value = int(digits.group(1)) if digits else 0
+    if value < 0:
+        return CANN_EXEC_TIMEOUT
+    return value or None
+
+
+def first_timeout(timeouts) -> float | None:
+    """The earliest of the timeouts that will end a stuck collective; None when none will."""
+    found = [float(t) for t in timeouts if t is not None and 0 < t < 10 ** 9]  # LLONG_MAX ms: none
+    return min(found) if found else None
+
+
+def default_group_timeout() -> float | None:
+    """The live default group's timeout in seconds: the smallest of its store's and its backends'
+    (torch_npu's ProcessGroupHCCL writes the watchdog timeout it settled on back into its options:
+    csrc/distributed/ProcessGroupHCCL.cpp, ``options_->timeout``). None without a group or a timeout."""
+    from torch.distributed import distributed_c10d as c10d
+
+    found: list[float | None] = []
+    try:
+        found.append(c10d._get_default_store().timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a store without a timeout
+        pass
+    try:
+        pg = c10d._get_default_group()
+        for device in getattr(pg, "_device_types", ()):
+            timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
+            if isinstance(timeout, timedelta):
+                found.append(timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - private API
+        pass
+    return first_timeout(found)

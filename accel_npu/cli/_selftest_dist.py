@@ -15,6 +15,21 @@ def emit(name, status, detail=""):
         print(MARK + json.dumps({"name": name, "status": status, "detail": detail}), flush=True)
 
 
+def timeout_ordering(backend: str, group_s: float | None, exec_s: int | None) -> tuple[str, str]:
+    """(status, detail) of the live group's timeout against HCCL_EXEC_TIMEOUT: the collective must time
+    out (and say why) before the watchdog tears the job down. ``group_s`` is what the group kept
+    (torch_npu raises it to HCCL_EXEC_TIMEOUT + 1800 s at torch's 30-minute default)."""
+    if backend != "hccl":
+        return "skipped", (f"{backend} has no HCCL_EXEC_TIMEOUT (the live process group's timeout: "
+                           + (f"{group_s:.0f} s)" if group_s else "none)"))
+    if exec_s is None:
+        return "ok", f"HCCL_EXEC_TIMEOUT=0: collectives never time out; the group's watchdog: {group_s or 0:.0f} s"
+    if group_s is None or group_s > exec_s:
+        return "ok", f"the live group's watchdog {group_s or float('inf'):.0f} s > HCCL_EXEC_TIMEOUT {exec_s} s"
+    return "failed", (f"the live group's timeout {group_s:.0f} s is not above HCCL_EXEC_TIMEOUT {exec_s} s: a slow "
+                      "collective kills the job first")
+
+
 def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -25,8 +40,8 @@ def main():
     import torch.distributed as dist
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.constants import default_pg_timeout
 
+    from accel_npu._torch.dist import default_group_timeout, hccl_exec_timeout
     from accel_npu.backend import current_backend
 
     backend = current_backend()
@@ -47,20 +62,8 @@ def main():
     else:
         emit("all_reduce + barrier", "ok", f"{dist.get_backend()} over {world} ranks on {device.type}")
 
-    pg_s = default_pg_timeout.total_seconds()
-    if dist.get_backend() == "hccl":
-        exec_s = int(os.environ.get("HCCL_EXEC_TIMEOUT", "1836"))
-        # torch_npu ProcessGroupHCCL.cpp: at torch's 30-minute default the watchdog becomes
-        # HCCL_EXEC_TIMEOUT + 1800 s; any other value is kept and must exceed HCCL_EXEC_TIMEOUT (issue 13 item 3)
-        watchdog = exec_s + 1800 if pg_s == 1800 else pg_s
-        if watchdog > exec_s:
-            emit("timeout ordering", "ok", f"process-group watchdog {watchdog:.0f} s > HCCL_EXEC_TIMEOUT {exec_s} s")
-        else:
-            emit("timeout ordering", "failed", f"process-group timeout {pg_s:.0f} s is not above HCCL_EXEC_TIMEOUT "
-                                               f"{exec_s} s: a slow collective kills the job first")
-    else:
-        emit("timeout ordering", "skipped", f"{dist.get_backend()} has no HCCL_EXEC_TIMEOUT (DeepSpeed's "
-                                            f"process-group timeout: {pg_s:.0f} s)")
+    emit("timeout ordering", *timeout_ordering(dist.get_backend(), default_group_timeout(),
+                                                hccl_exec_timeout(os.environ)))
 
     name, comm = accelerator._name, accelerator.communication_backend_name()
     want_name = backend.ds_accelerator or backend.device_type

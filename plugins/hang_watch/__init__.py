@@ -13,7 +13,9 @@ from accel_npu import environment
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-from .watch import collective_wrapper, default_timeout, first_timeout, hccl_exec_timeout, init_wrapper
+from accel_npu._torch.dist import first_timeout, hccl_exec_timeout
+
+from .watch import collective_wrapper, default_timeout, init_wrapper
 
 #: The collectives of torch.distributed (p2p send/recv and monitored_barrier, which has its own
 #: timeout and report, are left alone).

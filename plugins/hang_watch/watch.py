@@ -21,7 +21,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -31,6 +30,7 @@ import weakref
 from datetime import timedelta
 
 from accel_npu import environment
+from accel_npu._torch.dist import default_group_timeout, first_timeout, hccl_exec_timeout
 
 log = logging.getLogger("accel_npu")
 
@@ -162,53 +162,11 @@ def init_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-#: CANN's HCCL_EXEC_TIMEOUT when unset or negative (torch_npu v7.3.1-pytorch2.7.1,
-#: csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`); 0 means never.
-CANN_EXEC_TIMEOUT = 1836
-
-
-def hccl_exec_timeout(env) -> int | None:
-    """Seconds after which HCCL ends a stuck collective, read from ``env`` as torch_npu reads it
-    (csrc/core/npu/register/OptionsManager.cpp ``GetHCCLExecTimeout``: ``strtol``, so "90.5" is 90 and
-    "abc" is 0; negative or unset is CANN's default); None for 0, which never times out."""
-    raw = env.get("HCCL_EXEC_TIMEOUT")
-    if raw is None:
-        return CANN_EXEC_TIMEOUT
-    digits = re.match(r"\s*([+-]?\d+)", raw)
-    value = int(digits.group(1)) if digits else 0
-    if value < 0:
-        return CANN_EXEC_TIMEOUT
-    return value or None
-
-
-def first_timeout(timeouts) -> float | None:
-    """The earliest of the timeouts that will end a stuck collective; None when none will."""
-    found = [float(t) for t in timeouts if t is not None and 0 < t < 10 ** 9]  # LLONG_MAX ms: none
-    return min(found) if found else None
-
-
 def _group_timeout_seconds() -> float | None:
-    """When torch ends a stuck collective of the default group: the smallest of the timeout
-    init_process_group was given (the group's store keeps it), its backend's timeout, and on HCCL
-    HCCL_EXEC_TIMEOUT — torch_npu's ProcessGroupHCCL raises its own watchdog timeout to
-    HCCL_EXEC_TIMEOUT + 1800 s at torch's 30-minute default (same file), but the collective itself
-    fails at HCCL_EXEC_TIMEOUT."""
+    """When torch ends a stuck collective of the default group (accel_npu._torch.dist)."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
-    found: list[float | None] = []
-    try:
-        found.append(c10d._get_default_store().timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - a store without a timeout
-        pass
-    try:
-        pg = c10d._get_default_group()
-        for device in getattr(pg, "_device_types", ()):
-            timeout = getattr(getattr(pg._get_backend(device), "options", None), "_timeout", None)
-            if isinstance(timeout, timedelta):
-                found.append(timeout.total_seconds())
-    except Exception:  # noqa: BLE001 - private API
-        pass
+    found = [default_group_timeout()]
     try:
         if dist.get_backend() == "hccl":
             found.append(hccl_exec_timeout(os.environ))
