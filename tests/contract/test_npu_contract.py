@@ -404,6 +404,24 @@ def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step
     assert abs(ours["moved"] - 0.1) < 1e-4 and abs(stock["moved"] - 0.1) < 1e-4
 
 
+SCALER_PROBE = """
+import json, warnings, torch, torch_npu
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    scalers = [torch.cuda.amp.GradScaler(), torch.amp.GradScaler("cuda"), torch.GradScaler("cuda")]
+print("RESULT " + json.dumps({"scalers": [[s._device, s.is_enabled()] for s in scalers]}))
+"""
+
+
+def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
+    """A "cuda" GradScaler is torch's GradScaler on "npu" where autocast('cuda') runs on npu (torch_npu
+    implements its _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ kernels: Ascend/pytorch
+    test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py); stock disables it."""
+    site = make_site(tmp_path)
+    assert results(py(SCALER_PROBE, env_with(site)))[0]["scalers"] == [["npu", True]] * 3
+    assert results(py(SCALER_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]["scalers"] == [["cuda", False]] * 3
+
+
 def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
     """A 910A has no bf16 (torch.npu.get_amp_supported_dtype() lists only fp16/fp32): autocast('cuda',
     bf16) is off there, and accel-npu says so once instead of claiming a bf16 remap (issue 13 item 8)."""
