@@ -93,8 +93,11 @@ _CALLER_SENSITIVE = frozenset({"is_available", "device_count"})
 def _cuda_function(name):
     def wrapper(wrapped, instance, args, kwargs):
         global _CPU
+        # the caller first: accel-npu's own backend selection asks torch.cuda before a target exists
+        if name in _CALLER_SENSITIVE and facade.caller_is_library():
+            return wrapped(*args, **kwargs)
         t = facade.target()
-        if t is None or (name in _CALLER_SENSITIVE and facade.caller_is_library()):
+        if t is None:
             return wrapped(*args, **kwargs)
         _announce(t)
         if t == "npu":
@@ -192,15 +195,21 @@ def _cuda_like(d) -> bool:
     return facade.is_cuda_device(d)
 
 
+def _names_cuda(d) -> bool:
+    # Hot path (every .to() and factory call): inline type tests, no further Python calls unless
+    # the argument could be a CUDA device.
+    kind = type(d)
+    if kind is str:
+        return d[:4] == "cuda"
+    return kind is int or (kind.__name__ == "device" and d.type == "cuda")
+
+
 def _to(wrapped, instance, args, kwargs):
-    # Hot path: a type check or two unless a CUDA device (or a bare CUDA ordinal) is passed.
-    if args:
-        first = args[0]
-        if (type(first) is int or _cuda_like(first)) and facade.target() is not None:
-            args = (facade.remap(first, ints=True), *args[1:])
+    if args and _names_cuda(args[0]) and facade.target() is not None:
+        args = (facade.remap(args[0], ints=True), *args[1:])
     if kwargs:
         device = kwargs.get("device")
-        if device is not None and (type(device) is int or _cuda_like(device)) and facade.target() is not None:
+        if device is not None and _names_cuda(device) and facade.target() is not None:
             kwargs["device"] = facade.remap(device, ints=True)
     return wrapped(*args, **kwargs)
 
@@ -261,7 +270,7 @@ FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "rand
 def _factory(wrapped, instance, args, kwargs):
     if kwargs:
         device = kwargs.get("device")
-        if device is not None and (type(device) is int or _cuda_like(device)) and facade.target() is not None:
+        if device is not None and _names_cuda(device) and facade.target() is not None:
             kwargs["device"] = facade.remap(device, ints=True)
     return wrapped(*args, **kwargs)
 

@@ -89,25 +89,32 @@ def _library_dirs() -> tuple[str, ...]:
 
 _LIBRARY_DIRS: tuple[str, ...] | None = None
 _library_file: dict[str, bool] = {}
-_OWN_DIRS = (os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ""),)
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _accel_npu_dirs() -> tuple[str, ...]:
+    import accel_npu
+
+    return (os.path.join(os.path.dirname(os.path.abspath(accel_npu.__file__)), ""),
+            os.path.join(os.path.dirname(os.path.dirname(_HERE)), ""))  # accel_npu/ and plugins/
 
 
 def caller_is_library(depth: int = 2) -> bool:
     """The code that called the façade function lives in an installed package (site-packages or
-    torch), not in the user's script or repository. Libraries get the truth about CUDA, so
-    xformers, bitsandbytes, flash_attn, transformers, diffusers, accelerate and torch itself
-    choose their non-CUDA paths; the user's script gets the façade."""
+    torch) or in accel-npu, not in the user's script or repository. Libraries get the truth about
+    CUDA, so xformers, bitsandbytes, flash_attn, transformers, diffusers, accelerate, torch and
+    accel-npu's own backend selection choose their non-CUDA paths; the user's script gets the façade."""
     global _LIBRARY_DIRS
     frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS + ("<wrapt",)):
-        frame = frame.f_back  # our own frames and wrapt's pure-Python fallback
+    while frame is not None and frame.f_code.co_filename.startswith((_HERE, "<wrapt")):
+        frame = frame.f_back  # the façade's own frames and wrapt's pure-Python fallback
     if frame is None:
         return False
     filename = frame.f_code.co_filename
     known = _library_file.get(filename)
     if known is None:
         if _LIBRARY_DIRS is None:
-            _LIBRARY_DIRS = _library_dirs()
+            _LIBRARY_DIRS = _library_dirs() + _accel_npu_dirs()
         known = _library_file[filename] = filename.startswith(_LIBRARY_DIRS)
     return known
 
