@@ -337,7 +337,7 @@ import torch
 import transformers
 from transformers.models.qwen3 import modeling_qwen3
 import mx_driving
-print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available(),
+print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available is torch.npu.is_available,
       'rms_norm_from': modeling_qwen3.Qwen3RMSNorm.forward.__module__,
       'transformers_spec_loader': type(transformers.__spec__.loader).__name__}))
 """
@@ -351,12 +351,13 @@ def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imp
     assert ours["calls"] == ["default_patcher.add(TransformersNPU)",
                              "default_patcher.apply() [transformers imported before: False]"], ours
     assert ours["rms_norm_from"] == "mx_driving.patcher.transformers_patch", ours   # TransformersNPU applied
-    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher
+    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher (torch.cuda -> torch.npu)
     assert ours["transformers_spec_loader"] != "_AlreadyImported", ours  # transformers ran once, its spec intact
     off = results(py(MX_PROBE, env_with(site)))[0]    # off unless ACCEL_NPU_MX_DRIVING=1
     stock = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1", ACCEL_NPU_DISABLE="1")))[0]
     for other in (off, stock):
         assert other["calls"] == [] and other["rms_norm_from"] == "transformers.models.qwen3.modeling_qwen3", other
+        assert other["cuda"] is False, other          # no transfer_to_npu
 
 
 def test_mx_driving_patcher_1_0_builder(tmp_path):
