@@ -37,6 +37,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("cpu", "accel_npu.plugins.devices.cpu"),
     ("launcher", "accel_npu.plugins.launch.launcher"),
     ("precision", "accel_npu.plugins.precision"),
+    ("cuda_compat", "accel_npu.plugins.cuda_compat"),
     ("deepspeed_setup", "accel_npu.plugins.deepspeed"),
     ("video", "accel_npu.plugins.video"),
     ("torchvision_compat", "accel_npu.plugins.torchvision_compat"),

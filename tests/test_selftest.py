@@ -34,6 +34,8 @@ def test_selftest_on_cpu_runs_every_check_and_exits_0():
     assert lines["autocast('cuda')"] == "ok (torch.autocast('cuda', bfloat16) -> bfloat16 on cpu)"
     assert lines["AdamW fused vs foreach"].startswith("ok (one step on cpu, fused kernel vs foreach")
     assert lines["GradScaler inf step"].startswith("ok (float16 GradScaler on cpu: the step with an injected inf was skipped")
+    assert lines["accelerate fp16 scaler step"] == ("ok (torch.amp.grad_scaler.GradScaler on cpu (scale 65536) stepped "
+                                                    "AdamW (not fused) by lr)")
     assert lines["bf16 .numpy()"] == "ok (bfloat16 tensor .cpu().numpy() -> float32 array)"
     assert lines["launch (torchrun)"].startswith("ok (2 rank(s); DS_ACCELERATOR=cpu")  # the launcher's default
     assert lines["all_reduce + barrier"] == "ok (gloo over 2 ranks on cpu)"
@@ -43,3 +45,19 @@ def test_selftest_on_cpu_runs_every_check_and_exits_0():
     assert lines["ZeRO-2 step"].startswith("ok (one step on 2 rank(s), weights moved")
     assert not [t for t, s in lines.items() if s.startswith("failed")], lines
     assert "CANN libraries" not in lines       # the npu plugin's checks belong to the npu backend
+
+
+def test_accelerate_fp16_check_fails_where_the_scaler_is_disabled():
+    """The check's other half: with accel-npu's patches out (stock), accelerate's fp16 scaler is
+    torch.amp.GradScaler("cuda"), disabled without CUDA, and the check says so."""
+    import warnings
+
+    import accel_npu
+    from accel_npu.cli.selftest import check_accelerate_fp16
+    from tests.inprocess import stock
+
+    accel_npu.patch()
+    assert check_accelerate_fp16().startswith("torch.amp.grad_scaler.GradScaler on cpu")
+    with stock(), warnings.catch_warnings(), pytest.raises(AssertionError, match="is disabled here"):
+        warnings.simplefilter("ignore")
+        check_accelerate_fp16()

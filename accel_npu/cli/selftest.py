@@ -9,7 +9,7 @@ for the distributed ones. Both run at the same time; each check prints one line
 Checks come from two places: the active backend's plugin (``accel_npu_selftest_checks``: CANN
 libraries, ``import torch_npu``, SoC and bf16, visible devices, ...) and the device checks below,
 which are the same on every backend (matmul, autocast("cuda"), AdamW fused vs foreach, GradScaler,
-bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the subprocess:
+accelerate's fp16 scaler, bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the subprocess:
 it returns a one-line detail, raises :class:`CheckSkipped`, or raises anything else (failed).
 """
 from __future__ import annotations
@@ -116,6 +116,35 @@ def check_grad_scaler() -> str:
     return f"float16 GradScaler on {device.type}: the step with an injected inf was skipped, scale 1024 -> 512"
 
 
+def check_accelerate_fp16() -> str:
+    """accelerate's own fp16 path: ``mixed_precision: fp16`` makes the Accelerator build its scaler with
+    ``accelerate.utils.get_grad_scaler`` (torch.npu.amp.GradScaler on NPU, torch.amp.GradScaler("cuda")
+    elsewhere) and step the optimizer the script made: a default AdamW, fused on npu. torch_npu's
+    scaler hands ``grad_scaler=`` to an optimizer whose ``_step_supports_amp_scaling`` is set, which
+    torch's AdamW.step does not take; a disabled "cuda" scaler would train fp16 unscaled."""
+    torch, backend, device = _device()
+    from accelerate.utils import get_grad_scaler
+
+    p = torch.nn.Parameter(torch.ones(4, device=device))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.0)
+    scaler = get_grad_scaler()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = (p * 2).sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    moved = float((p.detach().cpu() - 1).abs().max())
+    kind = f"{type(scaler).__module__}.{type(scaler).__name__}"
+    if not scaler.is_enabled():
+        raise AssertionError(f"accelerate's fp16 scaler ({kind}) is disabled here: fp16 would train without loss "
+                             "scaling")
+    if abs(moved - 0.1) > 1e-3:
+        raise AssertionError(f"one AdamW step through accelerate's fp16 scaler ({kind}) moved the weights by {moved:.3g}, "
+                             "not lr=0.1")
+    fused = "fused" if opt.param_groups[0].get("fused") else "not fused"
+    return f"{kind} on {device.type} (scale {scaler.get_scale():g}) stepped AdamW ({fused}) by lr"
+
+
 def check_bf16_numpy() -> str:
     import warnings
 
@@ -133,6 +162,7 @@ DEVICE_CHECKS = (
     ("autocast('cuda')", "accel_npu.cli.selftest:check_autocast"),
     ("AdamW fused vs foreach", "accel_npu.cli.selftest:check_adamw"),
     ("GradScaler inf step", "accel_npu.cli.selftest:check_grad_scaler"),
+    ("accelerate fp16 scaler step", "accel_npu.cli.selftest:check_accelerate_fp16"),
     ("bf16 .numpy()", "accel_npu.cli.selftest:check_bf16_numpy"),
 )
 #: what the torchrun launch reports (accel_npu/cli/_selftest_dist.py), in order

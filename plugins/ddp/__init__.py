@@ -1,4 +1,4 @@
-"""DDP on models with structurally unused parameters (issue 15 item 4).
+"""DDP on models with structurally unused parameters (issue 15 item 4), and CUDA device ids on the cpu backend.
 
 A DiT whose last block still has a text stream (``QwenImageTransformer2DModel``: the last
 block's ``txt_mod``/``txt_mlp``/... feed an encoder stream nothing reads) leaves those parameters
@@ -53,7 +53,29 @@ def _before_first_training_forward(ddp, args, kwargs):
     return None
 
 
+def _without_cuda_device_ids(args, kwargs):
+    """``DDP(module, device_ids=[rank])`` from a CUDA-written script on the cpu backend: the module is
+    on the host, and torch raises for device_ids with a CPU module (torch/nn/parallel/distributed.py
+    "device_ids and output_device arguments only work with single-device/multiple-device GPU modules
+    or CPU modules"). The ids name CUDA devices this machine does not have: drop them."""
+    from accel_npu._torch.device import cuda_available
+    from accel_npu.backend import current_backend
+
+    ids = args[1] if len(args) > 1 else kwargs.get("device_ids")
+    out = args[2] if len(args) > 2 else kwargs.get("output_device")
+    if (ids is None and out is None) or cuda_available() or current_backend().device_type != "cpu":
+        return args, kwargs
+    module = args[0] if args else kwargs.get("module")
+    if any(p.device.type != "cpu" for p in module.parameters()):
+        return args, kwargs
+    log.info("accel-npu: DDP(device_ids=%s) of a CPU module on the cpu backend: device ids dropped (no CUDA)", ids)
+    args = (args[0], None, None, *args[3:]) if len(args) > 1 else args
+    kwargs = {**kwargs, **{k: None for k in ("device_ids", "output_device") if k in kwargs}}
+    return args, kwargs
+
+
 def _ddp_init(wrapped, instance, args, kwargs):
+    args, kwargs = _without_cuda_device_ids(args, kwargs)
     wrapped(*args, **kwargs)
     if any(key in kwargs for key in _EXPLICIT):
         return  # the script chose; positional use of these (arguments 8+) is not seen in practice
@@ -71,7 +93,8 @@ DDP_UNUSED_PARAMETERS = Patch(
     reason="DDP on a DiT with structurally unused parameters (QwenImageTransformer2DModel's last text "
            "stream) dies at step 2 with 'Expected to have finished reduction in the prior iteration'; "
            "find_unused_parameters=True trains at a per-step cost. A meta-device probe before the first "
-           "training forward finds them, and only then DDP is told its graph is static.",
+           "training forward finds them, and only then DDP is told its graph is static. Also: a CUDA-written "
+           "DDP(model, device_ids=[rank]) of a CPU module on the cpu backend raises; the ids are dropped.",
     remove_when="DDP detects parameters that never get a gradient by itself, or accelerate sets static_graph "
                 "for such models",
     wrapper=_ddp_init,

@@ -4,6 +4,10 @@
   without CUDA: stock torch *disables* autocast with a warning, so the script silently runs fp32.
   We run autocast on the active backend's device (npu, or cpu) with the requested dtype and log
   the remap once. On a machine where CUDA is available nothing changes.
+- ``torch.amp.GradScaler("cuda")`` / ``torch.GradScaler("cuda")`` / ``torch.cuda.amp.GradScaler()``
+  without CUDA: stock torch disables the scaler (torch/amp/grad_scaler.py, "CUDA is not
+  available.  Disabling."). Once autocast("cuda") really runs fp16 on npu/cpu, that would be fp16
+  training without loss scaling, so a "cuda" scaler scales on the device autocast goes to.
 - ``tensor.numpy()`` on bfloat16 (pitfall 7.7): stock raises ``TypeError: Got unsupported
   ScalarType BFloat16``; we return a float32 array (one warning). Other dtypes are untouched.
 - ``AdamW(fused=True)`` (field report 001, section 3.1③): where the installed torch / torch_npu
@@ -102,6 +106,38 @@ AUTOCAST = Patch(
            "trains in fp32 (field report 001, 3.1② and 3.2①: hand-edited 'cuda' -> 'npu').",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=_autocast_init,
+)
+
+
+# -- 1b. GradScaler("cuda") -------------------------------------------------------------------------
+def _grad_scaler_init(wrapped, instance, args, kwargs):
+    if args:
+        device, rest = args[0], args[1:]
+    else:
+        device, rest = kwargs.pop("device", "cuda"), ()
+    if device != "cuda" or cuda_available():
+        return wrapped(device, *rest, **kwargs)
+    from accel_npu.backend import current_backend
+
+    target = current_backend().device_type
+    if target == "cuda":  # forced cuda backend without CUDA: torch disables the scaler, as stock
+        return wrapped(device, *rest, **kwargs)
+    if _once(("grad-scaler", target)):
+        log.warning("accel-npu: GradScaler('cuda') scales on %r, the device autocast('cuda') runs on "
+                    "(no CUDA here; stock torch would disable loss scaling)", target)
+    return wrapped(target, *rest, **kwargs)
+
+
+GRAD_SCALER = Patch(
+    target="torch.amp.grad_scaler:GradScaler.__init__",
+    supports="torch>=2.5,<2.15",
+    reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler (torch.cuda.amp.GradScaler, "
+           "torch.GradScaler('cuda')) without CUDA, while autocast('cuda') runs fp16 on npu/cpu: "
+           "fp16 gradients underflow unscaled. The scaler runs on the autocast device instead "
+           "(torch_npu implements _amp_foreach_non_finite_check_and_unscale_/_amp_update_scale_ "
+           "for npu: Ascend/pytorch test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py).",
+    remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
+    wrapper=_grad_scaler_init,
 )
 
 
@@ -219,4 +255,4 @@ ADAMW_INIT = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, BF16_NUMPY, ADAMW_INIT]
+    return [AUTOCAST, GRAD_SCALER, BF16_NUMPY, ADAMW_INIT]

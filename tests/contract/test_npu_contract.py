@@ -338,7 +338,7 @@ import torch
 import transformers
 from transformers.models.qwen3 import modeling_qwen3
 import mx_driving
-print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available(),
+print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available is torch.npu.is_available,
       'rms_norm_from': modeling_qwen3.Qwen3RMSNorm.forward.__module__,
       'transformers_spec_loader': type(transformers.__spec__.loader).__name__}))
 """
@@ -352,12 +352,13 @@ def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imp
     assert ours["calls"] == ["default_patcher.add(TransformersNPU)",
                              "default_patcher.apply() [transformers imported before: False]"], ours
     assert ours["rms_norm_from"] == "mx_driving.patcher.transformers_patch", ours   # TransformersNPU applied
-    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher
+    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher (torch.cuda -> torch.npu)
     assert ours["transformers_spec_loader"] != "_AlreadyImported", ours  # transformers ran once, its spec intact
     off = results(py(MX_PROBE, env_with(site)))[0]    # off unless ACCEL_NPU_MX_DRIVING=1
     stock = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1", ACCEL_NPU_DISABLE="1")))[0]
     for other in (off, stock):
         assert other["calls"] == [] and other["rms_norm_from"] == "transformers.models.qwen3.modeling_qwen3", other
+        assert other["cuda"] is False, other          # no transfer_to_npu
 
 
 def test_mx_driving_patcher_1_0_builder(tmp_path):
@@ -403,6 +404,24 @@ def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step
     assert stock["fused"] is None and stock["scaling_into_step"] is False
     # the scaler unscaled the gradient itself: an AdamW step moves each weight by ~lr
     assert abs(ours["moved"] - 0.1) < 1e-4 and abs(stock["moved"] - 0.1) < 1e-4
+
+
+SCALER_PROBE = """
+import json, warnings, torch, torch_npu
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    scalers = [torch.cuda.amp.GradScaler(), torch.amp.GradScaler("cuda"), torch.GradScaler("cuda")]
+print("RESULT " + json.dumps({"scalers": [[s._device, s.is_enabled()] for s in scalers]}))
+"""
+
+
+def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
+    """A "cuda" GradScaler is torch's GradScaler on "npu" where autocast('cuda') runs on npu (torch_npu
+    implements its _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ kernels: Ascend/pytorch
+    test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py); stock disables it."""
+    site = make_site(tmp_path)
+    assert results(py(SCALER_PROBE, env_with(site)))[0]["scalers"] == [["npu", True]] * 3
+    assert results(py(SCALER_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]["scalers"] == [["cuda", False]] * 3
 
 
 def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
