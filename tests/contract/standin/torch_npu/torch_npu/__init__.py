@@ -176,6 +176,22 @@ import multiprocessing.util as _mp_util  # noqa: E402
 
 _mp_util.register_after_fork(_after_fork, _after_fork)
 npu._lazy_init = _lazy_init
+# Mirrors torch_npu/npu/__init__.py `_lazy_call` and torch_npu/npu/random.py `manual_seed`/`manual_seed_all`
+# (v7.3.1-pytorch2.7.1): seeding runs now in an initialised process and is queued otherwise, so a forked
+# DataLoader worker's torch.manual_seed (torch/random.py seeds every device module) does not raise; its first
+# real NPU call does.
+_queued_calls = []
+
+
+def _lazy_call(cb):
+    if _initialized:
+        cb()
+    else:
+        _queued_calls.append(cb)
+
+
+npu.manual_seed = lambda seed: _lazy_call(lambda: None)
+npu.manual_seed_all = lambda seed: _lazy_call(lambda: None)
 # what accelerate's CLI touches at import time (accelerate.test_utils.testing.get_backend); upstream:
 # torch_npu/npu/__init__.py and torch_npu/npu/memory.py (no device here: synchronize only initialises,
 # as torch_npu/npu/utils.py `synchronize` calls _lazy_init first)
