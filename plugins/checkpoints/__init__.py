@@ -57,7 +57,15 @@ def _save_state(wrapped, instance, args, kwargs):
     safe = kwargs.pop("safe_serialization", args[1] if len(args) > 1 else True)
     if output_dir is None and not instance.project_configuration.automatic_checkpoint_naming:
         return wrapped(*args, **kwargs)  # stock raises its own error
-    return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **kwargs)
+    from accel_npu.plugins.checkpoints import boundary
+
+    announced = boundary.announce_save_state(output_dir, safe, kwargs)  # rank 0 at a step boundary: the others serve it
+    try:
+        with boundary.inside_save():
+            return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **kwargs)
+    except checkpointing.CollectiveMisuseError as exc:
+        boundary.save_failed(announced, exc)  # every rank stops with this error, not the transport's
+        raise
 
 
 def _load_state(wrapped, instance, args, kwargs):
@@ -115,19 +123,63 @@ def _save_model(wrapped, instance, args, kwargs):
 
 
 def _wait_for_everyone(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import serving
+    from accel_npu.plugins.checkpoints import boundary, serving
 
+    if boundary.window_open():
+        boundary.clean_point("wait_for_everyone")
     if serving.zero3_multi_rank():
         serving.idle("wait_for_everyone")
     return wrapped(*args, **kwargs)
 
 
 def _end_training(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import serving
+    from accel_npu.plugins.checkpoints import boundary, serving
 
+    if boundary.window_open():
+        boundary.clean_point("end_training")
     if serving.zero3_multi_rank():
         serving.idle("end_training")
     return wrapped(*args, **kwargs)
+
+
+_boundary = None  # plugins/checkpoints/boundary.py, imported by the first backward (not inside `import torch`)
+
+
+def _backward(wrapped, instance, args, kwargs):
+    global _boundary
+    if _boundary is None:
+        from accel_npu.plugins.checkpoints import boundary as _boundary
+    if not _boundary.before_backward(instance):
+        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if instance.sync_gradients:  # DeepSpeedEngineWrapper.backward has run engine.step()
+        _boundary.after_step(instance)
+    return result
+
+
+def _dataloader_iter(wrapped, instance, args, kwargs):
+    global _boundary
+    if _boundary is None:
+        from accel_npu.plugins.checkpoints import boundary as _boundary
+    if _boundary._w.enabled is False:
+        return wrapped(*args, **kwargs)
+    return _batches_after_clean_points(wrapped(*args, **kwargs), _boundary._w)
+
+
+def _batches_after_clean_points(batches, window):
+    """The DataLoader's batches; before each is drawn (a new epoch's RNG synchronisation included),
+    a window left open by the last optimizer step is closed: the next batch is a clean point."""
+    try:
+        while True:
+            if window.open:
+                _boundary.clean_point("the next batch of the training DataLoader")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+    finally:
+        batches.close()
 
 
 def _gathered_enter(wrapped, instance, args, kwargs):
@@ -221,11 +273,34 @@ PEFT_STATE_DICT = Patch(
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
+BACKWARD = _patch(
+    "backward",
+    "diffusers' official scripts (37 train_*.py of v0.40.0) call save_state inside `if accelerator.is_main_process:` "
+    "right after the optimizer step; under DeepSpeed it is collective and stock hangs (diffusers #2606). Marks the "
+    "step boundary (DeepSpeedEngineWrapper.backward runs engine.step()) so the other ranks serve rank 0's save.",
+    "accelerate/DeepSpeed save checkpoints called on the main process only, or diffusers' scripts call save_state "
+    "on every rank under DeepSpeed",
+    _backward)
+
+
+def _iter_patch(cls):
+    return Patch(
+        target=f"accelerate.data_loader:{cls}.__iter__", supports=_SUPPORTS,
+        reason="A rank's next batch after an optimizer step is its clean point (nothing drawn yet, RNG states as "
+               "at the step): it waits there for rank 0 and serves a save_state rank 0 makes alone (diffusers #2606).",
+        remove_when="with the Accelerator.backward patch", wrapper=_dataloader_iter)
+
+
+DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
+DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")
+SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
+
 
 @hookimpl
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT]
+            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
+            BACKWARD, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl

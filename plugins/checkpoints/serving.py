@@ -241,10 +241,21 @@ def idle(point: str) -> None:
         lg.cursor += 1
         if ev["kind"] == "idle_done":
             return
-        if ev["kind"] == "gather" and ev["rank"] != rank and _state(store, i) is None:
-            params, problem = _params_for(ev["ids"])
-            if _ack_and_wait(store, i, rank, problem) == "go" and params is not None:
-                _serve(params, ev.get("modifier"))
+        if ev["kind"] == "gather":
+            serve_gather(store, i, ev, rank)
+
+
+def serve_gather(store, i: int, ev: dict, rank: int) -> None:
+    """Join the gather event ``i`` another rank requested (an idle or paused rank), unless it ended."""
+    if ev["rank"] != rank and _state(store, i) is None:
+        params, problem = _params_for(ev["ids"])
+        if _ack_and_wait(store, i, rank, problem) == "go" and params is not None:
+            _serve(params, ev.get("modifier"))
+
+
+def in_request() -> bool:
+    """Inside :func:`requesting` or serving a request: the collectives are the protocol's own."""
+    return _requesting.get() or _serving.get()
 
 
 def _serve(params, modifier_rank) -> None:

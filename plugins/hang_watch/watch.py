@@ -30,6 +30,7 @@ import weakref
 from datetime import timedelta
 
 from accel_npu import environment
+from accel_npu._torch.dist import collective_hooks as _hooks
 
 log = logging.getLogger("accel_npu")
 
@@ -121,6 +122,20 @@ def collective_wrapper(name: str):
     at = -2  # position of the `group` parameter; -2: not looked up yet, -1: none
 
     def wrapper(wrapped, instance, args, kwargs):
+        hooks = _hooks
+        if hooks.before is None and hooks.failed is None:
+            return counted(wrapped, args, kwargs)
+        if hooks.before is not None:
+            hooks.before(name)
+        try:
+            return counted(wrapped, args, kwargs)
+        except Exception as exc:
+            clearer = hooks.failed(exc) if hooks.failed is not None else None
+            if clearer is None:
+                raise
+            raise clearer from exc
+
+    def counted(wrapped, args, kwargs):
         nonlocal at
         calls = _calls
         if calls is None:
