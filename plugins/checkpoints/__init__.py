@@ -5,9 +5,11 @@ Under DeepSpeed:
 - ``save_state`` writes into a hidden sibling directory and renames it into place (``latest``
   and a manifest last): a SIGKILL mid-save leaves the previous checkpoint loadable;
 - ``load_state`` refuses an incomplete checkpoint with the list of missing files;
-- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606)
-  fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds naming the script line, its ``if`` and the
-  one-line fix, before anything is created; save hooks get one ``weights`` entry per model;
+- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606) right
+  after the optimizer step is completed by the other ranks, waiting at their next batch
+  (``boundary.py``); called mid-step it fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds on every
+  rank naming the script line, its ``if`` and the one-line fix, before anything is created; save hooks
+  get one ``weights`` entry per model;
 - ``save_model`` gathers one output shard at a time instead of the whole model on rank 0;
 - ZeRO-3 partitioned models saved on rank 0 alone (``save_pretrained``, ``get_state_dict``,
   ``save_model``, ``safetensors.torch.save_file`` of parameters) are gathered a group at a time
@@ -18,7 +20,8 @@ Under DeepSpeed:
 - ``accel-npu consolidate`` (a command this plugin adds) turns a checkpoint into
   ``from_pretrained`` directories.
 Beside this module: ``state.py`` (atomic save_state, load checks, rendezvous), ``streaming.py``
-(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather),
+(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather), ``boundary.py``
+(the step boundary: paused ranks serve rank 0's save_state and gathers),
 ``partitioned.py`` (save_pretrained / save_file of partitions), ``callsite.py`` (the script line of
 a misuse), ``consolidate.py``, ``files.py``.
 """
@@ -176,6 +179,8 @@ def _batches_after_clean_points(batches, window):
             try:
                 batch = next(batches)
             except StopIteration:
+                if window.enabled:
+                    _boundary.open_window()  # the epoch ended: what the script does now is at the last step's state
                 return
             yield batch
     finally:
@@ -308,6 +313,7 @@ def accel_npu_env_report(backend):
     return ("checkpoints", {
         "ACCEL_NPU_COLLECTIVE_TIMEOUT": environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") + " s",
         "save_state under DeepSpeed": "atomic (temporary directory, rename, `latest` last)",
+        "rank-0-only save_state right after an optimizer step": "served by the other ranks at their next batch",
     })
 
 

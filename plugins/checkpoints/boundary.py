@@ -80,11 +80,17 @@ def before_backward(accelerator) -> bool:
 
 def after_step(accelerator) -> None:
     """An optimizer step has just finished on this rank: open the window."""
+    if _w.accelerator is None or _w.accelerator() is not accelerator:
+        _w.accelerator = weakref.ref(accelerator)
+    open_window()
+
+
+def open_window() -> None:
+    """Open a window (after an optimizer step, or when an epoch's batches ran out: the state is still the
+    last step's). Every rank opens the same windows in the same order: their number is the window's name."""
     _w.step += 1
     _w.open = True
     _w.saves = 0
-    if _w.accelerator is None or _w.accelerator() is not accelerator:
-        _w.accelerator = weakref.ref(accelerator)
 
 
 def window_open() -> bool:
@@ -218,20 +224,34 @@ def _before_collective(name: str) -> None:
     if not _w.open or _inside.get() or serving.in_request():
         return
     if _w.main:
-        site = callsite.user_frame()
-        guard = callsite.main_process_guard(*site) if site is not None else None
+        site, guard = _guarded_caller()
         if guard is not None:
             _w.open = False
-            call = f"a {name} (a collective)"
             message = (f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
-                       f"right after optimizer step {_w.step}: under DeepSpeed ZeRO the other ranks cannot join it "
-                       f"(they go on to the next step's collectives). Stock accelerate waits here until the process "
-                       f"group times out. Run it on every rank, or move it after accelerator.wait_for_everyone(). "
-                       f"{callsite.fix_for(call)}")
+                       f"right after an optimizer step: under DeepSpeed ZeRO (a ZeRO-3 model gathers its layers) "
+                       f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
+                       f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
+                       f"`{callsite.FIX}` (from accelerate.utils import DistributedType), so every rank runs it.")
             error = CollectiveMisuseError(message)
             publish_abort(message)
             raise error
     clean_point(f"torch.distributed.{name}")
+
+
+def _guarded_caller():
+    """((file, line), guard) of the innermost script frame under ``if ...is_main_process...:`` (a
+    helper the script calls there counts too: log_validation(...)), else (None, None)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        if name.split(".")[0] not in callsite._LIBRARIES:
+            guard = callsite.main_process_guard(frame.f_code.co_filename, frame.f_lineno)
+            if guard is not None:
+                return (frame.f_code.co_filename, frame.f_lineno), guard
+        frame = frame.f_back
+    return None, None
 
 
 def _collective_failed(exc: Exception):

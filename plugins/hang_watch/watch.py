@@ -118,7 +118,8 @@ _monotonic = time.monotonic
 
 
 def collective_wrapper(name: str):
-    """The wrapt wrapper for the collective ``name``: records entry and exit, nothing else."""
+    """The wrapt wrapper for the collective ``name``: records entry and exit, and calls
+    ``accel_npu._torch.dist.collective_hooks`` when another plugin has set them."""
     at = -2  # position of the `group` parameter; -2: not looked up yet, -1: none
 
     def wrapper(wrapped, instance, args, kwargs):
