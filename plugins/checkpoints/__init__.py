@@ -154,7 +154,15 @@ def _backward(wrapped, instance, args, kwargs):
         from accel_npu.plugins.checkpoints import boundary as _boundary
     if not _boundary.before_backward(instance):
         return wrapped(*args, **kwargs)
-    result = wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except Exception as exc:
+        # ZeRO-3 waits for its all-gathers outside torch.distributed's functions (Work.wait): when one fails
+        # because rank 0 stopped with an accel-npu error, that error, not the transport's
+        clearer = _boundary.collective_failed(exc)
+        if clearer is None:
+            raise
+        raise clearer from None
     if instance.sync_gradients:  # DeepSpeedEngineWrapper.backward has run engine.step()
         _boundary.after_step(instance)
     return result

@@ -68,7 +68,7 @@ def _decide(accelerator) -> bool:
     if _w.enabled:
         _w.main = sess[2] == 0
         _dist.collective_hooks.before = _before_collective
-        _dist.collective_hooks.failed = _collective_failed
+        _dist.collective_hooks.failed = collective_failed
     return _w.enabled
 
 
@@ -254,7 +254,7 @@ def _guarded_caller():
     return None, None
 
 
-def _collective_failed(exc: Exception):
+def collective_failed(exc: Exception):
     """A collective failed: if another rank stopped with an accel-npu error, that error."""
     if isinstance(exc, CollectiveMisuseError):
         return None

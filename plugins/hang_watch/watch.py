@@ -134,7 +134,7 @@ def collective_wrapper(name: str):
             clearer = hooks.failed(exc) if hooks.failed is not None else None
             if clearer is None:
                 raise
-            raise clearer from exc
+            raise clearer from None  # the other rank's error says why; the transport's adds nothing
 
     def counted(wrapped, args, kwargs):
         nonlocal at
