@@ -16,7 +16,9 @@ optimizer, scheduler and RNG states are exactly what the checkpoint must hold. S
   does alone (its ``save_state``, by calling ``save_state`` itself with the same arguments, so it
   writes its own shards and RNG states as of the step boundary; gathers of ZeRO-3 partitions)
   until rank 0 posts ``release``;
-- rank 0 never waits: at its own clean point it appends ``release`` (two store operations).
+- rank 0 never waits: at its own clean point it sets the window's ``release`` key to ``go`` (one
+  store write); when it has appended events in the window (a save_state, a gather), it marks the
+  key ``log`` first and appends ``release`` to the log instead.
 
 A ``save_state`` rank 0 makes outside a window (mid-step), or one the others do not come to in
 ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds, fails as before (``state.rendezvous``) and is published
@@ -54,6 +56,7 @@ class _Window:
         self.step = 0  # optimizer steps this process finished
         self.open = False  # between the last step and this process's next clean point
         self.saves = 0  # save_state calls made (or served) within the current window
+        self.logged = False  # rank 0 appended events to the log within the current window
         self.accelerator = None  # weak reference, for the save_state a paused rank serves
 
 
@@ -67,6 +70,8 @@ def _decide(accelerator) -> bool:
     _w.enabled = accelerator.distributed_type == DistributedType.DEEPSPEED and sess is not None
     if _w.enabled:
         _w.main = sess[2] == 0
+        if _w.main:
+            serving.before_append = _mark_logged
         _dist.collective_hooks.before = _before_collective
         _dist.collective_hooks.failed = collective_failed
     return _w.enabled
@@ -91,6 +96,19 @@ def open_window() -> None:
     _w.step += 1
     _w.open = True
     _w.saves = 0
+    _w.logged = False
+
+
+def _release_key(step: int) -> str:
+    return f"{serving._P}/release/{step}"
+
+
+def _mark_logged(store) -> None:
+    """Rank 0 is about to append an event inside its window: the waiting ranks must read the log
+    (until ``release``) instead of going on at the window's one-key ``go``."""
+    if _w.open and not _w.logged:
+        _w.logged = True
+        store.compare_set(_release_key(_w.step), "", "log")
 
 
 def window_open() -> bool:
@@ -118,6 +136,9 @@ def clean_point(where: str) -> None:
         return
     store, world, rank, lg = sess
     if rank == 0:
+        if not _w.logged:
+            store.set(_release_key(_w.step), "go")  # the usual step: one store write
+            return
         seq = serving._append(store, {"kind": "release", "step": _w.step})
         if lg.cursor == seq:
             lg.cursor = seq + 1  # its own event: nothing for this rank to read
@@ -128,7 +149,14 @@ def clean_point(where: str) -> None:
 def _pause(store, rank, lg, where: str) -> None:
     step = _w.step
     started = time.monotonic()
-    while True:
+    key = _release_key(step)
+    while not serving._wait(store, [key], 60.0):
+        if time.monotonic() - started > serving._IDLE_LIMIT:
+            raise CollectiveMisuseError(f"rank {rank} waited {serving._IDLE_LIMIT:g} s at {where} after optimizer "
+                                        f"step {step} for rank 0 to reach its next batch or collective")
+    if serving._get(store, key) == "go":
+        return
+    while True:  # rank 0 serves something in this window: read the log until its release
         i = lg.cursor
         ev = serving._read(store, i, 60.0)
         if ev is None:
@@ -201,6 +229,10 @@ def publish_abort(message: str) -> None:
     store, world, rank, lg = sess
     try:
         store.set(_ABORT_KEY, message)
+        if rank == 0:  # a rank waiting for this window's (or the next one's) release reads the log
+            for step in (_w.step, _w.step + 1):
+                store.compare_set(_release_key(step), "", "log")
+            _w.logged = True
         seq = serving._append(store, {"kind": "abort", "rank": rank, "message": message})
         if lg.cursor == seq:
             lg.cursor = seq + 1
