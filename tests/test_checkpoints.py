@@ -206,34 +206,85 @@ def test_swap_keeps_the_users_other_files_and_replaces_the_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["save_state", "save_model_busy"])
-def test_rank0_only_save_under_zero3_fails_in_time_saying_what_to_do(mode, tmp_path):
-    """save_state / save_model inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks while
-    the other rank is not idle: the main process gets CollectiveMisuseError within
-    ACCEL_NPU_COLLECTIVE_TIMEOUT naming the script line, nothing is written.
+def test_rank0_only_save_model_under_zero3_fails_in_time_saying_what_to_do(tmp_path):
+    """save_model inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks while the other
+    rank is not idle: the main process gets CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT
+    naming the script line, nothing is written.
     (No ACCEL_NPU_DISABLE stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
     from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
         zero_config
 
     cfg = write_deepspeed_config(tmp_path, zero_config(3))
     out = tmp_path / "out"
-    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), mode, str(out)],
-                             env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model_busy",
+                              str(out)], env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
     assert proc.returncode != 0, explain(proc)
     rec = results(proc)
     assert len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(proc)
     assert 5 <= rec[0]["seconds"] < 20, rec
     line = next(i for i, text in enumerate((SCRIPTS / "rank0_only_save.py").read_text().splitlines(), 1)
-                if ("save_state(out_dir)" if mode == "save_state" else "save_model(model, out_dir)") in text)
+                if "save_model(model, out_dir)" in text)
     assert f"rank0_only_save.py:{line}" in rec[0]["message"], rec[0]["message"]
-    if mode == "save_state":
-        assert "accelerator.save_state() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
-               "rank(s) [1] did not within 5 s" in rec[0]["message"]
-        assert "on every rank" in rec[0]["message"]
-    else:
-        assert "rank(s) [1] did not reach an idle point (wait_for_everyone, end_training) within 5 s" \
-               in rec[0]["message"]
+    assert "rank(s) [1] did not reach an idle point (wait_for_everyone, end_training) within 5 s" \
+        in rec[0]["message"]
     assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
+
+
+@pytest.mark.slow
+def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_on_every_rank(tmp_path):
+    """save_state inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks:
+    - right after the optimizer step (rank 1 goes on to wait_for_everyone): rank 1 serves it, calling
+      save_state itself: a complete checkpoint with both ranks' shards and RNG states;
+    - mid-step (between forward and backward; rank 1 goes on into backward's collectives): the main
+      process gets CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT naming the script line,
+      and rank 1 stops with that same error instead of gloo's "Connection closed by peer"; nothing
+      written. Stock half: the same mid-step launch with the step-boundary patch switched off (it
+      also makes a failed collective raise the other rank's error): rank 1 reports gloo's error.
+    (No ACCEL_NPU_DISABLE stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, \
+        write_deepspeed_config, zero_config
+
+    cfg = write_deepspeed_config(tmp_path, zero_config(3, stage3_param_persistence_threshold=0))
+    script = SCRIPTS / "rank0_only_save.py"
+    env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5")
+    stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES="accelerate.accelerator:Accelerator.backward")
+
+    def launch(mode, out, environment):
+        return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode, str(tmp_path / out)],
+                                         env=environment, timeout=240)
+
+    boundary, mid, stock = run_concurrently(launch("save_state", "boundary", env),
+                                            launch("save_state_midstep", "mid", env),
+                                            launch("save_state_midstep", "stock", stock_env))
+    # at the step boundary: saved, by both ranks
+    assert boundary.returncode == 0, explain(boundary)
+    assert [r.get("result") for r in results(boundary)] == ["saved"], explain(boundary)
+    ckpt = tmp_path / "boundary"
+    assert (ckpt / "random_states_0.pkl").is_file() and (ckpt / "random_states_1.pkl").is_file()
+    shards = sorted(p.name for p in (ckpt / "pytorch_model").iterdir())
+    assert any("rank_0" in n for n in shards) and any("rank_1" in n for n in shards), shards
+    import json as _json
+
+    manifest = _json.loads((ckpt / "accel_npu_checkpoint.json").read_text())
+    assert all((ckpt / rel).stat().st_size == size for rel, size in manifest["files"].items())
+    # mid-step: the clear error on every rank
+    assert mid.returncode != 0, explain(mid)
+    rec = results(mid)
+    assert len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(mid)
+    assert 5 <= rec[0]["seconds"] < 20, rec
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if "save_state(out_dir)" in text)
+    assert f"rank0_only_save.py:{line}" in rec[0]["message"], rec[0]["message"]
+    assert "accelerator.save_state() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
+           "rank(s) [1] did not within 5 s" in rec[0]["message"]
+    text = mid.stdout + mid.stderr
+    assert f"[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with: " \
+           f"{rec[0]['message'][:200]}" in text, explain(mid)
+    assert "Connection closed by peer" not in text, explain(mid)
+    assert not (tmp_path / "mid").exists() and not list(tmp_path.glob(".mid*")), "nothing may be written"
+    # stock half: rank 1 dies of the transport error
+    assert stock.returncode != 0, explain(stock)
+    stock_text = stock.stdout + stock.stderr
+    assert "Connection closed by peer" in stock_text and "[rank1]: accel_npu" not in stock_text, explain(stock)
 
 
 @pytest.mark.slow

@@ -13,6 +13,23 @@ class CollectiveMisuseError(AccelNpuError):
     """A collective (a ZeRO-3 gather, a sharded save) entered by only some of the ranks."""
 
 
+class CollectiveHooks:
+    """Callbacks around every ``torch.distributed`` collective, called by the wrapper that counts them
+    (plugins/hang_watch) for the plugins that must act at a rank's first collective (plugins/checkpoints:
+    a rank paused at an optimizer-step boundary). ``before(name)`` runs before the collective starts and
+    may raise; ``failed(exc)`` gets the collective's exception and may return a clearer one to raise
+    instead (the other rank's own error, when that rank stopped on purpose). None: nothing to call."""
+
+    __slots__ = ("before", "failed")
+
+    def __init__(self):
+        self.before = None
+        self.failed = None
+
+
+collective_hooks = CollectiveHooks()
+
+
 def rank_and_world() -> tuple[int, int]:
     """(global rank, world size): from the process group when it is up, else the launcher's env."""
     import torch.distributed as dist

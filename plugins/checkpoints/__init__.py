@@ -5,9 +5,11 @@ Under DeepSpeed:
 - ``save_state`` writes into a hidden sibling directory and renames it into place (``latest``
   and a manifest last): a SIGKILL mid-save leaves the previous checkpoint loadable;
 - ``load_state`` refuses an incomplete checkpoint with the list of missing files;
-- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606)
-  fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds naming the script line, its ``if`` and the
-  one-line fix, before anything is created; save hooks get one ``weights`` entry per model;
+- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606) right
+  after the optimizer step is completed by the other ranks, waiting at their next batch
+  (``boundary.py``); called mid-step it fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds on every
+  rank naming the script line, its ``if`` and the one-line fix, before anything is created; save hooks
+  get one ``weights`` entry per model;
 - ``save_model`` gathers one output shard at a time instead of the whole model on rank 0;
 - ZeRO-3 partitioned models saved on rank 0 alone (``save_pretrained``, ``get_state_dict``,
   ``save_model``, ``safetensors.torch.save_file`` of parameters) are gathered a group at a time
@@ -18,7 +20,8 @@ Under DeepSpeed:
 - ``accel-npu consolidate`` (a command this plugin adds) turns a checkpoint into
   ``from_pretrained`` directories.
 Beside this module: ``state.py`` (atomic save_state, load checks, rendezvous), ``streaming.py``
-(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather),
+(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather), ``boundary.py``
+(the step boundary: paused ranks serve rank 0's save_state and gathers),
 ``partitioned.py`` (save_pretrained / save_file of partitions), ``callsite.py`` (the script line of
 a misuse), ``consolidate.py``, ``files.py``.
 """
@@ -57,7 +60,15 @@ def _save_state(wrapped, instance, args, kwargs):
     safe = kwargs.pop("safe_serialization", args[1] if len(args) > 1 else True)
     if output_dir is None and not instance.project_configuration.automatic_checkpoint_naming:
         return wrapped(*args, **kwargs)  # stock raises its own error
-    return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **kwargs)
+    from accel_npu.plugins.checkpoints import boundary
+
+    announced = boundary.announce_save_state(output_dir, safe, kwargs)  # rank 0 at a step boundary: the others serve it
+    try:
+        with boundary.inside_save():
+            return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **kwargs)
+    except checkpointing.CollectiveMisuseError as exc:
+        boundary.save_failed(announced, exc)  # every rank stops with this error, not the transport's
+        raise
 
 
 def _load_state(wrapped, instance, args, kwargs):
@@ -115,19 +126,73 @@ def _save_model(wrapped, instance, args, kwargs):
 
 
 def _wait_for_everyone(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import serving
+    from accel_npu.plugins.checkpoints import boundary, serving
 
+    if boundary.window_open():
+        boundary.clean_point("wait_for_everyone")
     if serving.zero3_multi_rank():
         serving.idle("wait_for_everyone")
     return wrapped(*args, **kwargs)
 
 
 def _end_training(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import serving
+    from accel_npu.plugins.checkpoints import boundary, serving
 
+    if boundary.window_open():
+        boundary.clean_point("end_training")
     if serving.zero3_multi_rank():
         serving.idle("end_training")
     return wrapped(*args, **kwargs)
+
+
+_boundary = None  # plugins/checkpoints/boundary.py, imported by the first backward (not inside `import torch`)
+
+
+def _backward(wrapped, instance, args, kwargs):
+    global _boundary
+    if _boundary is None:
+        from accel_npu.plugins.checkpoints import boundary as _boundary
+    if not _boundary.before_backward(instance):
+        return wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except Exception as exc:
+        # ZeRO-3 waits for its all-gathers outside torch.distributed's functions (Work.wait): when one fails
+        # because rank 0 stopped with an accel-npu error, that error, not the transport's
+        clearer = _boundary.collective_failed(exc)
+        if clearer is None:
+            raise
+        raise clearer from None
+    if instance.sync_gradients:  # DeepSpeedEngineWrapper.backward has run engine.step()
+        _boundary.after_step(instance)
+    return result
+
+
+def _dataloader_iter(wrapped, instance, args, kwargs):
+    global _boundary
+    if _boundary is None:
+        from accel_npu.plugins.checkpoints import boundary as _boundary
+    if _boundary._w.enabled is False:
+        return wrapped(*args, **kwargs)
+    return _batches_after_clean_points(wrapped(*args, **kwargs), _boundary._w)
+
+
+def _batches_after_clean_points(batches, window):
+    """The DataLoader's batches; before each is drawn (a new epoch's RNG synchronisation included),
+    a window left open by the last optimizer step is closed: the next batch is a clean point."""
+    try:
+        while True:
+            if window.open:
+                _boundary.clean_point("the next batch of the training DataLoader")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                if window.enabled:
+                    _boundary.open_window()  # the epoch ended: what the script does now is at the last step's state
+                return
+            yield batch
+    finally:
+        batches.close()
 
 
 def _gathered_enter(wrapped, instance, args, kwargs):
@@ -221,11 +286,34 @@ PEFT_STATE_DICT = Patch(
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
+BACKWARD = _patch(
+    "backward",
+    "diffusers' official scripts (37 train_*.py of v0.40.0) call save_state inside `if accelerator.is_main_process:` "
+    "right after the optimizer step; under DeepSpeed it is collective and stock hangs (diffusers #2606). Marks the "
+    "step boundary (DeepSpeedEngineWrapper.backward runs engine.step()) so the other ranks serve rank 0's save.",
+    "accelerate/DeepSpeed save checkpoints called on the main process only, or diffusers' scripts call save_state "
+    "on every rank under DeepSpeed",
+    _backward)
+
+
+def _iter_patch(cls):
+    return Patch(
+        target=f"accelerate.data_loader:{cls}.__iter__", supports=_SUPPORTS,
+        reason="A rank's next batch after an optimizer step is its clean point (nothing drawn yet, RNG states as "
+               "at the step): it waits there for rank 0 and serves a save_state rank 0 makes alone (diffusers #2606).",
+        remove_when="with the Accelerator.backward patch", wrapper=_dataloader_iter)
+
+
+DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
+DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")
+SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
+
 
 @hookimpl
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT]
+            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
+            BACKWARD, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl
@@ -233,6 +321,7 @@ def accel_npu_env_report(backend):
     return ("checkpoints", {
         "ACCEL_NPU_COLLECTIVE_TIMEOUT": environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") + " s",
         "save_state under DeepSpeed": "atomic (temporary directory, rename, `latest` last)",
+        "rank-0-only save_state right after an optimizer step": "served by the other ranks at their next batch",
     })
 
 

@@ -28,8 +28,18 @@ def user_frame():
     return None
 
 
+_guards: dict = {}
+
+
 def main_process_guard(filename: str, line: int):
     """(line, source) of the innermost ``if ...is_main_process...:`` whose body holds ``line``, or None."""
+    key = (filename, line)
+    if key not in _guards:  # asked once per optimizer step at most (boundary.py): parse each file once per line
+        _guards[key] = _main_process_guard(filename, line)
+    return _guards[key]
+
+
+def _main_process_guard(filename: str, line: int):
     try:
         with open(filename, encoding="utf-8") as f:
             source = f.read()

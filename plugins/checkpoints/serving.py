@@ -89,7 +89,14 @@ def _get(store, key: str) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: called with the store before this process appends an event (boundary.py: rank 0 inside a step window
+#: tells the waiting ranks to read the log rather than just go on)
+before_append = None
+
+
 def _append(store, event: dict) -> int:
+    if before_append is not None:
+        before_append(store)
     seq = int(store.add(f"{_P}/seq", 1))
     store.set(f"{_P}/ev/{seq}", json.dumps(event))
     return seq
@@ -241,10 +248,21 @@ def idle(point: str) -> None:
         lg.cursor += 1
         if ev["kind"] == "idle_done":
             return
-        if ev["kind"] == "gather" and ev["rank"] != rank and _state(store, i) is None:
-            params, problem = _params_for(ev["ids"])
-            if _ack_and_wait(store, i, rank, problem) == "go" and params is not None:
-                _serve(params, ev.get("modifier"))
+        if ev["kind"] == "gather":
+            serve_gather(store, i, ev, rank)
+
+
+def serve_gather(store, i: int, ev: dict, rank: int) -> None:
+    """Join the gather event ``i`` another rank requested (an idle or paused rank), unless it ended."""
+    if ev["rank"] != rank and _state(store, i) is None:
+        params, problem = _params_for(ev["ids"])
+        if _ack_and_wait(store, i, rank, problem) == "go" and params is not None:
+            _serve(params, ev.get("modifier"))
+
+
+def in_request() -> bool:
+    """Inside :func:`requesting` or serving a request: the collectives are the protocol's own."""
+    return _requesting.get() or _serving.get()
 
 
 def _serve(params, modifier_rank) -> None:

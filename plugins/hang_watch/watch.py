@@ -30,6 +30,7 @@ import weakref
 from datetime import timedelta
 
 from accel_npu import environment
+from accel_npu._torch.dist import collective_hooks as _hooks
 from accel_npu._torch.dist import default_group_timeout, first_timeout, hccl_exec_timeout
 
 log = logging.getLogger("accel_npu")
@@ -118,10 +119,25 @@ _monotonic = time.monotonic
 
 
 def collective_wrapper(name: str):
-    """The wrapt wrapper for the collective ``name``: records entry and exit, nothing else."""
+    """The wrapt wrapper for the collective ``name``: records entry and exit, and calls
+    ``accel_npu._torch.dist.collective_hooks`` when another plugin has set them."""
     at = -2  # position of the `group` parameter; -2: not looked up yet, -1: none
 
     def wrapper(wrapped, instance, args, kwargs):
+        hooks = _hooks
+        if hooks.before is None and hooks.failed is None:
+            return counted(wrapped, args, kwargs)
+        if hooks.before is not None:
+            hooks.before(name)
+        try:
+            return counted(wrapped, args, kwargs)
+        except Exception as exc:
+            clearer = hooks.failed(exc) if hooks.failed is not None else None
+            if clearer is None:
+                raise
+            raise clearer from None  # the other rank's error says why; the transport's adds nothing
+
+    def counted(wrapped, args, kwargs):
         nonlocal at
         calls = _calls
         if calls is None:

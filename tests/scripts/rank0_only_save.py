@@ -1,9 +1,11 @@
 """A script that saves inside ``if accelerator.is_main_process:`` under DeepSpeed ZeRO-3 (a common
 mistake: DiT4DiT, diffusers #2606). usage: rank0_only_save.py MODE OUT_DIR
 
-MODE: save_state | save_model | save_model_busy. With ``_busy`` the other ranks are not idle while
-rank 0 saves (they sleep ACCEL_NPU_COLLECTIVE_TIMEOUT + 5 s first, as a rank training on would be
-elsewhere); otherwise they wait in ``accelerator.wait_for_everyone()``.
+MODE: save_state | save_state_busy | save_state_midstep | save_model | save_model_busy. Rank 0 saves
+right after the optimizer step; with ``_busy`` the other ranks are not idle while it does (they sleep
+ACCEL_NPU_COLLECTIVE_TIMEOUT + 5 s first, as a rank training on would be elsewhere); otherwise they
+wait in ``accelerator.wait_for_everyone()``. ``save_state_midstep``: rank 0 saves between forward
+and backward while the others go on into backward (its collectives); the exception propagates.
 
 Prints ``RESULT {json}`` from the main process: the exception it got, or "saved" with the sum of
 every parameter (gathered on every rank afterwards, the documented way) to compare with the file.
@@ -25,7 +27,17 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(
                                      batch_size=2)
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 x, y = next(iter(loader))
-accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+loss = torch.nn.functional.mse_loss(model(x), y)
+if mode == "save_state_midstep" and accelerator.is_main_process:
+    # mid-step: the other ranks go on into backward's collectives, no step boundary to wait at
+    started = time.monotonic()
+    try:
+        accelerator.save_state(out_dir)
+    except Exception as exc:  # noqa: BLE001 - reported, then re-raised
+        print("RESULT " + json.dumps({"rank": 0, "error": type(exc).__name__, "message": str(exc),
+                                      "seconds": time.monotonic() - started}), flush=True)
+        raise
+accelerator.backward(loss)
 optimizer.step()
 if mode.endswith("_busy") and not accelerator.is_main_process:
     time.sleep(float(os.environ.get("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30")) + 5)
@@ -33,7 +45,7 @@ outcome = None
 if accelerator.is_main_process:
     started = time.monotonic()
     try:
-        if mode == "save_state":
+        if mode.startswith("save_state"):
             accelerator.save_state(out_dir)
         else:
             accelerator.save_model(model, out_dir)

@@ -1,0 +1,302 @@
+"""Rank-0-only saves at an optimizer-step boundary, completed by the other ranks (issue 23).
+
+diffusers' official scripts (37 of v0.40.0's train_*.py) checkpoint with
+``if accelerator.is_main_process: accelerator.save_state(path)`` right after the optimizer step.
+Under DeepSpeed ``save_state`` is collective (every rank's ``engine.save_checkpoint`` writes its
+own shards): stock hangs there (diffusers #2606). But every rank has just finished the same
+``step()``, and until a rank draws its next batch or enters its next collective, its model,
+optimizer, scheduler and RNG states are exactly what the checkpoint must hold. So:
+
+- after each optimizer step (``Accelerator.backward`` with ``sync_gradients`` under DeepSpeed) a
+  *window* opens on every rank;
+- a rank other than 0 closes its window at its first clean point: its next batch from a prepared
+  DataLoader (a new epoch's ``__iter__`` included: it synchronises RNG states, a collective), its
+  first collective, or an idle point (``wait_for_everyone``, ``end_training``). There it *pauses*:
+  it reads the process group's event log (``serving.py``, over the TCPStore) and serves what rank 0
+  does alone (its ``save_state``, by calling ``save_state`` itself with the same arguments, so it
+  writes its own shards and RNG states as of the step boundary; gathers of ZeRO-3 partitions)
+  until rank 0 posts ``release``;
+- rank 0 never waits: at its own clean point it sets the window's ``release`` key to ``go`` (one
+  store write); when it has appended events in the window (a save_state, a gather), it marks the
+  key ``log`` first and appends ``release`` to the log instead.
+
+A ``save_state`` rank 0 makes outside a window (mid-step), or one the others do not come to in
+``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds, fails as before (``state.rendezvous``) and is published
+as ``abort``: a paused rank raises the same error, and a rank whose collective fails because
+rank 0 stopped raises it instead of gloo's "Connection closed by peer". A collective rank 0 enters
+inside its window from a line under ``if accelerator.is_main_process:`` (a validation pipeline
+run on a ZeRO-3 model) is refused the same way before it starts: the others could only answer it
+with the collectives of their next step.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+import weakref
+
+from accel_npu._torch import dist as _dist
+from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu.plugins.checkpoints import callsite, serving
+
+log = logging.getLogger("accel_npu")
+
+_ABORT_KEY = "accel_npu/boundary/abort"
+_ACK_WAIT_S = 5.0
+_inside = contextvars.ContextVar("accel_npu_boundary_inside", default=False)
+
+
+class _Window:
+    """This process's view of the optimizer-step boundaries."""
+
+    def __init__(self):
+        self.enabled: bool | None = None  # DeepSpeed with more than one rank (decided at the first backward)
+        self.main = False
+        self.step = 0  # optimizer steps this process finished
+        self.open = False  # between the last step and this process's next clean point
+        self.saves = 0  # save_state calls made (or served) within the current window
+        self.logged = False  # rank 0 appended events to the log within the current window
+        self.accelerator = None  # weak reference, for the save_state a paused rank serves
+
+
+_w = _Window()
+
+
+def _decide(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    sess = serving._session()
+    _w.enabled = accelerator.distributed_type == DistributedType.DEEPSPEED and sess is not None
+    if _w.enabled:
+        _w.main = sess[2] == 0
+        if _w.main:
+            serving.before_append = _mark_logged
+        _dist.collective_hooks.before = _before_collective
+        _dist.collective_hooks.failed = collective_failed
+    return _w.enabled
+
+
+def before_backward(accelerator) -> bool:
+    """Whether the window applies to this run (decided once; installs the collective hooks)."""
+    enabled = _w.enabled
+    return _decide(accelerator) if enabled is None else enabled
+
+
+def after_step(accelerator) -> None:
+    """An optimizer step has just finished on this rank: open the window."""
+    if _w.accelerator is None or _w.accelerator() is not accelerator:
+        _w.accelerator = weakref.ref(accelerator)
+    open_window()
+
+
+def open_window() -> None:
+    """Open a window (after an optimizer step, or when an epoch's batches ran out: the state is still the
+    last step's). Every rank opens the same windows in the same order: their number is the window's name."""
+    _w.step += 1
+    _w.open = True
+    _w.saves = 0
+    _w.logged = False
+
+
+def _release_key(step: int) -> str:
+    return f"{serving._P}/release/{step}"
+
+
+def _mark_logged(store) -> None:
+    """Rank 0 is about to append an event inside its window: the waiting ranks must read the log
+    (until ``release``) instead of going on at the window's one-key ``go``."""
+    if _w.open and not _w.logged:
+        _w.logged = True
+        store.compare_set(_release_key(_w.step), "", "log")
+
+
+def window_open() -> bool:
+    return _w.open
+
+
+@contextlib.contextmanager
+def inside_save():
+    """Collectives and idle points inside a save are the save's own, never a clean point."""
+    token = _inside.set(True)
+    try:
+        yield
+    finally:
+        _inside.reset(token)
+
+
+def clean_point(where: str) -> None:
+    """This rank reached a clean point (``where``): close the window. Rank 0 releases the others;
+    another rank pauses and serves rank 0 until it does."""
+    if not _w.open or _inside.get():
+        return
+    _w.open = False
+    sess = serving._session()
+    if sess is None:
+        return
+    store, world, rank, lg = sess
+    if rank == 0:
+        if not _w.logged:
+            store.set(_release_key(_w.step), "go")  # the usual step: one store write
+            return
+        seq = serving._append(store, {"kind": "release", "step": _w.step})
+        if lg.cursor == seq:
+            lg.cursor = seq + 1  # its own event: nothing for this rank to read
+        return
+    _pause(store, rank, lg, where)
+
+
+def _pause(store, rank, lg, where: str) -> None:
+    step = _w.step
+    started = time.monotonic()
+    key = _release_key(step)
+    while not serving._wait(store, [key], 60.0):
+        if time.monotonic() - started > serving._IDLE_LIMIT:
+            raise CollectiveMisuseError(f"rank {rank} waited {serving._IDLE_LIMIT:g} s at {where} after optimizer "
+                                        f"step {step} for rank 0 to reach its next batch or collective")
+    if serving._get(store, key) == "go":
+        return
+    while True:  # rank 0 serves something in this window: read the log until its release
+        i = lg.cursor
+        ev = serving._read(store, i, 60.0)
+        if ev is None:
+            if time.monotonic() - started > serving._IDLE_LIMIT:
+                raise CollectiveMisuseError(f"rank {rank} waited {serving._IDLE_LIMIT:g} s at {where} after optimizer "
+                                            f"step {step} for rank 0 to reach its next batch or collective")
+            continue
+        lg.cursor += 1
+        kind = ev["kind"]
+        if kind == "release" and ev["step"] >= step:
+            return
+        if kind == "abort":
+            _acknowledge(store, rank)
+            raise CollectiveMisuseError(ev["message"])
+        if kind == "gather":
+            serving.serve_gather(store, i, ev, rank)
+        elif kind == "save_state" and ev["step"] == step and ev["index"] > _w.saves \
+                and serving._state(store, i) is None:
+            _w.saves = ev["index"]
+            accelerator = _w.accelerator() if _w.accelerator is not None else None
+            if accelerator is None:
+                raise CollectiveMisuseError("rank 0 saves at an optimizer-step boundary, but this rank's "
+                                            "Accelerator is gone")
+            accelerator.save_state(ev["output_dir"], safe_serialization=ev["safe"], **ev["kwargs"])
+
+
+def announce_save_state(output_dir, safe_serialization, kwargs) -> int | None:
+    """Called on every rank as ``save_state`` starts. Inside rank 0's window, tell the others (a paused
+    rank calls save_state itself with these arguments; one that calls it on its own skips it).
+    Returns the event's number (to cancel it if the save fails), else None."""
+    if not _w.enabled or not _w.open:
+        return None
+    _w.saves += 1
+    if not _w.main:
+        return None
+    import json
+
+    event = {"kind": "save_state", "step": _w.step, "index": _w.saves,
+             "output_dir": None if output_dir is None else str(output_dir), "safe": safe_serialization,
+             "kwargs": kwargs}
+    try:
+        json.dumps(event)
+    except (TypeError, ValueError):
+        return None  # arguments another process cannot be given: the others must call it themselves
+    sess = serving._session()
+    if sess is None:
+        return None
+    store, _, _, lg = sess
+    seq = serving._append(store, event)
+    if lg.cursor == seq:
+        lg.cursor = seq + 1
+    return seq
+
+
+def save_failed(seq: int | None, error: Exception) -> None:
+    """Rank 0's save_state failed: cancel its announcement and publish the error to the others."""
+    sess = serving._session()
+    if sess is None:
+        return
+    store, _, rank, lg = sess
+    if seq is not None:
+        serving._decide(store, seq, "cancelled")
+    publish_abort(str(error))
+
+
+def publish_abort(message: str) -> None:
+    sess = serving._session()
+    if sess is None:
+        return
+    store, world, rank, lg = sess
+    try:
+        store.set(_ABORT_KEY, message)
+        if rank == 0:  # a rank waiting for this window's (or the next one's) release reads the log
+            for step in (_w.step, _w.step + 1):
+                store.compare_set(_release_key(step), "", "log")
+            _w.logged = True
+        seq = serving._append(store, {"kind": "abort", "rank": rank, "message": message})
+        if lg.cursor == seq:
+            lg.cursor = seq + 1
+        # a launcher ends every rank once one has failed: give a paused rank (or one whose collective
+        # failed) a moment to raise this error itself before this one does
+        serving._wait(store, [f"{_ABORT_KEY}/ack/{r}" for r in range(world) if r != rank], _ACK_WAIT_S)
+    except Exception:  # noqa: BLE001 - the error itself is what matters; the others fail as stock would
+        pass
+
+
+def _acknowledge(store, rank: int) -> None:
+    try:
+        store.set(f"{_ABORT_KEY}/ack/{rank}", "1")
+    except Exception:  # noqa: BLE001 - the rank that published it may be gone
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# collectives
+def _before_collective(name: str) -> None:
+    if not _w.open or _inside.get() or serving.in_request():
+        return
+    if _w.main:
+        site, guard = _guarded_caller()
+        if guard is not None:
+            _w.open = False
+            message = (f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
+                       f"right after an optimizer step: under DeepSpeed ZeRO (a ZeRO-3 model gathers its layers) "
+                       f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
+                       f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
+                       f"`{callsite.FIX}` (from accelerate.utils import DistributedType), so every rank runs it.")
+            error = CollectiveMisuseError(message)
+            publish_abort(message)
+            raise error
+    clean_point(f"torch.distributed.{name}")
+
+
+def _guarded_caller():
+    """((file, line), guard) of the innermost script frame under ``if ...is_main_process...:`` (a
+    helper the script calls there counts too: log_validation(...)), else (None, None)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        if name.split(".")[0] not in callsite._LIBRARIES:
+            guard = callsite.main_process_guard(frame.f_code.co_filename, frame.f_lineno)
+            if guard is not None:
+                return (frame.f_code.co_filename, frame.f_lineno), guard
+        frame = frame.f_back
+    return None, None
+
+
+def collective_failed(exc: Exception):
+    """A collective failed: if another rank stopped with an accel-npu error, that error."""
+    if isinstance(exc, CollectiveMisuseError):
+        return None
+    try:
+        store, world, rank = _dist._store_and_world()
+        if store is None or not store.check([_ABORT_KEY]):
+            return None
+        value = store.get(_ABORT_KEY)
+    except Exception:  # noqa: BLE001 - the store went with the rank that stopped
+        return None
+    message = value.decode() if isinstance(value, bytes) else str(value)
+    _acknowledge(store, rank)
+    return CollectiveMisuseError(f"another rank stopped with: {message}")
