@@ -343,7 +343,8 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def read_rows(path: Path = RESULT_FILE) -> dict:
+def read_rows(path: Path | None = None) -> dict:
+    path = path or RESULT_FILE
     rows = {}
     if path.exists():
         for line in path.read_text().splitlines():
