@@ -86,6 +86,30 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
     with pytest.raises(RuntimeError, match="same dtype"):
         engine(x.half())
 
+    # ZeRO-3, a model built in partitions (zero.Init, as accel-npu loads under zero3_init_flag), cast
+    # .to(float16) and given an adapter layer afterwards, as the CogVideoX scripts treat their transformer
+    # (.to(weight_dtype), add_adapter): DeepSpeed skips its cast for zero.Init models, so stock trains the
+    # adapter in fp16 under the bf16 config; accel-npu casts every parameter to bf16
+    def zero3_engine():
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        model.requires_grad_(False)
+        model.to(torch.float16)
+        model.append(torch.nn.Linear(3, 3).to(torch.float16))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return deepspeed.initialize(model=model, model_parameters=trainable, config=config)[0]
+
+    with stock():
+        assert {p.dtype for p in zero3_engine().module[1].parameters()} == {torch.float16}
+    engine = zero3_engine()
+    assert {(p.dtype, p.ds_tensor.dtype) for p in engine.module.parameters()} == {(torch.bfloat16, torch.bfloat16)}
+    assert engine(x.half()).dtype == torch.bfloat16  # gathered in bf16; the fp16 input cast at the boundary
+
 
 # ------------------------------------------------------------------------------------------------
 # launched: stock fails before step 1; accel-npu trains, checkpoints, resumes, saves a LoRA that loads

@@ -26,7 +26,7 @@ from accel_npu._torch.markers import DS_CONFIG_SOURCE
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.plugins.deepspeed.auto_batch_size import prepare_with_auto_micro_batch_size
-from accel_npu.plugins.deepspeed.input_dtype import cast_other_half_inputs
+from accel_npu.plugins.deepspeed.input_dtype import cast_other_half_inputs, cast_partitioned_params
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
 
 log = logging.getLogger("accel_npu")
@@ -226,8 +226,18 @@ ENGINE_INPUT_DTYPE = Patch(
     wrapper=cast_other_half_inputs,
 )
 
+ZERO3_PARAM_DTYPE = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
+    supports="deepspeed>=0.19,<0.20",
+    reason="DeepSpeed skips the bf16/fp16 parameter cast for a model built under zero.Init ('ZeRO-Init params "
+           "are already at the configured dtype', runtime/engine.py); one cast after loading (diffusers' "
+           "cogvideo/train_cogvideox_lora.py: .to(float16) under bf16) then trains in that dtype.",
+    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
+    wrapper=cast_partitioned_params,
+)
+
 
 @hookimpl
 def accel_npu_register_patches():
     return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH,
-            AUTO_MICRO_BATCH_SIZE, ENGINE_INPUT_DTYPE]
+            AUTO_MICRO_BATCH_SIZE, ENGINE_INPUT_DTYPE, ZERO3_PARAM_DTYPE]

@@ -80,3 +80,43 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
                     where, names[other], ", ".join(found), names[half], "bf16" if half == torch.bfloat16 else "fp16",
                     names[half], names[other])
     return wrapped(*new_args, **new_kwargs)
+
+
+_warned_cast: set = set()
+
+
+def cast_partitioned_params(wrapped, instance, args, kwargs):
+    """``DeepSpeedEngine._cast_module_mixed_precision`` that also casts a ZeRO-3 model built in
+    partitions (zero.Init) whose parameters are not in the configured dtype.
+
+    DeepSpeed skips the parameter cast for such a model ("ZeRO-Init params are already at the configured
+    dtype", deepspeed/runtime/engine.py). That holds for a model built under its own zero.Init, not for
+    one a script cast afterwards: diffusers' CogVideoX LoRA scripts call ``transformer.to(torch.float16)``
+    under a bf16 config, and a transformer loaded into partitions (zero3_init_flag) then trained in fp16,
+    where stock (loaded whole, cast at initialize) trains in bf16.
+    """
+    import torch
+
+    result = wrapped(*args, **kwargs)
+    names = ("param_dtype", "buffer_dtype", "is_zero_init_model")
+    bound = dict(zip(names, args), **kwargs)
+    param_dtype = bound.get("param_dtype")
+    if param_dtype is None or not bound.get("is_zero_init_model"):
+        return result
+    castable = (torch.float16, torch.bfloat16, torch.float32)
+    cast = []
+    for name, p in instance.module.named_parameters():
+        if p.dtype == param_dtype or p.dtype not in castable:
+            continue
+        ds_tensor = getattr(p, "ds_tensor", None)
+        if ds_tensor is not None:
+            ds_tensor.data = ds_tensor.data.to(param_dtype)
+        p.data = p.data.to(param_dtype)
+        cast.append(name)
+    if cast and id(instance) not in _warned_cast:
+        _warned_cast.add(id(instance))
+        log.warning("accel-npu: %d parameter(s) of the ZeRO-3 model given to DeepSpeed (e.g. %s) were not in the "
+                    "configured %s (cast after loading, e.g. .to(float16)); cast to %s as DeepSpeed casts a model "
+                    "it partitions itself", len(cast), cast[0], str(param_dtype).removeprefix("torch."),
+                    str(param_dtype).removeprefix("torch."))
+    return result
