@@ -189,7 +189,12 @@ def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        # torch's elastic agent starts the ranks in sessions of their own: kill the whole tree
+        for pid in reversed(_children(proc.pid)):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
         out, _ = proc.communicate()
         code = "timeout"
     done.set()
@@ -272,6 +277,9 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
         g = got[k].float()
         if not (torch.equal(g, v) or torch.equal(g, v.to(torch.bfloat16).float())):
             worst = max(worst, (g - v).abs().max().item())
+    if worst and all(torch.equal(got[k].float(), v.half().float()) for k, v in master.items()):
+        return False, ("the loaded artifact equals the master weights rounded to float16, not bfloat16: the "
+                       "engine's module ran in fp16 under a bf16 DeepSpeed config")
     if worst:
         return False, f"loaded artifact differs from the master weights: max |Δ| {worst:.3g}"
     return True, f"{len(master)} tensors = master"
@@ -308,7 +316,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     if failed is not None:
         which = "first launch" if failed is runs[0] else "resumed launch"
         if failed["code"] == "timeout":
-            return {**row, "ok": False, "what": f"{which}: no exit within {timeout:.0f} s", "whose": "unknown"}
+            return {**row, "ok": False, "what": f"{which}: no exit within {timeout:.0f} s (killed)",
+                    "whose": "unknown (a hang)"}
         error, whose = first_error(failed["output"], script)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
     last = out / f"checkpoint-{resume_to}"
