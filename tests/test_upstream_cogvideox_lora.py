@@ -38,9 +38,15 @@ DOC = REPO / "docs" / "compatibility.md"
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def one_rank_group(monkeypatch):
+    import importlib
+
+    import deepspeed.utils.groups
+
     from tests.launch_utils import one_rank_deepspeed_group
 
     with one_rank_deepspeed_group(monkeypatch):
+        # DeepSpeed caches its groups per process: those of an earlier test's (destroyed) group are stale
+        importlib.reload(deepspeed.utils.groups)
         yield
 
 
