@@ -16,6 +16,13 @@ SCRIPTS = REPO / "tests" / "scripts"
 # diffusers v0.40.0's training scripts, vendored byte for byte (tests/upstream/README.md)
 UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "examples"
 BIN = Path(sys.executable).parent
+# the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
+OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)
+# CI runs one official script per distinct shape; RUN_OFFICIAL_MATRIX=1 runs the tests/test_official_*.py
+# launches beyond that subset too (minutes each; benchmarks/compatibility.py runs the whole matrix)
+OFFICIAL_MATRIX = os.environ.get("RUN_OFFICIAL_MATRIX", "") == "1"
+OFFICIAL_MATRIX_REASON = ("beyond CI's subset of official scripts (one per shape): set RUN_OFFICIAL_MATRIX=1 to run "
+                          "these launches, or run benchmarks/compatibility.py")
 
 
 def free_port() -> int:

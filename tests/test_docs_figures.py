@@ -206,3 +206,21 @@ def test_no_benchmark_figure_outside_a_figures_block():
             if re.search(r"benchmarks/\w+\.(py|md)", line) and figures(line):
                 bad.append(f"{doc.name}: {line.strip()[:120]}")
     assert not bad, "benchmark figures outside a `<!-- figures: benchmarks/results/X.md -->` block:\n" + "\n".join(bad)
+
+
+def _matrix_rows(text: str) -> set[str]:
+    """The run rows (✔ / ✘) of the official-scripts matrix table in ``text``."""
+    return {line.strip() for line in text.splitlines()
+            if line.startswith("| `") and re.search(r"\| (✔|✘) \|", line)}
+
+
+def test_compatibility_doc_quotes_every_matrix_row_as_run():
+    """docs/compatibility.md quotes benchmarks/compatibility.py's rows verbatim, every one that was run,
+    and counts the scripts not run as the results file lists them."""
+    results = (REPO / "benchmarks" / "results" / "compatibility.md").read_text()
+    blocks = [body for doc, name, body in _BLOCKS
+              if doc.name == "compatibility.md" and name == "benchmarks/results/compatibility.md"]
+    assert len(blocks) == 1
+    assert _matrix_rows(results) and _matrix_rows(blocks[0]) == _matrix_rows(results)
+    not_run = sum(1 for line in results.splitlines() if line.startswith("| `") and "| not run:" in line)
+    assert f"{not_run} more scripts" in blocks[0]

@@ -13,6 +13,8 @@
 - ``@torch.inference_mode()`` eval under ZeRO-3 (pitfall 7.8): parameters gathered under
   inference mode become inference tensors and the next training forward fails ("Inference
   tensors cannot be saved for backward"). ZeRO-3 parameter fetches run outside inference mode.
+- inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
+  scripts make them) are cast at the engine's boundary (input_dtype.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from accel_npu._torch.markers import DS_CONFIG_SOURCE
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.plugins.deepspeed.auto_batch_size import prepare_with_auto_micro_batch_size
+from accel_npu.plugins.deepspeed.input_dtype import cast_other_half_inputs, cast_partitioned_params
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
 
 log = logging.getLogger("accel_npu")
@@ -211,7 +214,30 @@ AUTO_MICRO_BATCH_SIZE = Patch(
 )
 
 
+# -- inputs of the other half dtype -----------------------------------------------------------------
+ENGINE_INPUT_DTYPE = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine.forward",
+    supports="deepspeed>=0.16,<0.20",
+    reason="DeepSpeed casts the engine's module to bf16/fp16 but casts inputs only under fp16.auto_cast "
+           "(runtime/engine.py _cast_inputs_half): diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py "
+           "run frozen towers in fp16 under a bf16 config and stop with 'mat1 and mat2 must have the same "
+           "dtype' (models/embeddings.py); inputs of the other half dtype are cast to the engine's.",
+    remove_when="DeepSpeed casts floating-point inputs to the engine's dtype itself (auto_cast for bf16)",
+    wrapper=cast_other_half_inputs,
+)
+
+ZERO3_PARAM_DTYPE = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
+    supports="deepspeed>=0.19,<0.20",
+    reason="DeepSpeed skips the bf16/fp16 parameter cast for a model built under zero.Init ('ZeRO-Init params "
+           "are already at the configured dtype', runtime/engine.py); one cast after loading (diffusers' "
+           "cogvideo/train_cogvideox_lora.py: .to(float16) under bf16) then trains in that dtype.",
+    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
+    wrapper=cast_partitioned_params,
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
     return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH,
-            AUTO_MICRO_BATCH_SIZE]
+            AUTO_MICRO_BATCH_SIZE, ENGINE_INPUT_DTYPE, ZERO3_PARAM_DTYPE]
