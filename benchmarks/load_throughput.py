@@ -1,29 +1,36 @@
 """Load throughput, end to end: the wall time of the whole ``from_pretrained`` call vs a raw
-``safe_open`` read of the same bytes with the same number of threads (issue 4, issue 14 item 6).
+``safe_open`` read of the same bytes with the same number of threads (issue 4, issue 14 item 6, issue 26).
 
 The checkpoint is ``benchmarks/host_memory.py``'s (60-block QwenImage, 9 shards; built once into
-the cache). The loaded model keeps the first ``--keep`` blocks. Every measurement is a fresh
-process; the clock runs from just before the call to just after it (imports excluded, model
-construction, key planning, validation and reading included). Readers, all with ``--threads`` T:
+the cache). The loaded model keeps the first ``--keep`` blocks (2: a truncated load, 60: the whole
+checkpoint). Every measurement is a fresh process; the clock runs from just before the call to just
+after every tensor it produced has each 4 KiB page touched (imports excluded; model construction,
+key planning, validation and reading included). Every reader keeps everything it read. Readers, all
+with ``--threads`` T:
 
   raw     safe_open + get_tensor + clone (no cast) / + .to(float32) (cast) of exactly the tensors the
-          truncated model holds, T reader threads over the tensors (torch: 1 thread each), then the
-          shard files closed (their munmap is part of a read; from_pretrained pays it inside the call)
+          truncated model holds, kept in a list, T reader threads over the tensors (torch: 1 thread each),
+          then the shard files closed (their munmap is part of a read; from_pretrained pays it inside
+          the call). ``get_tensor`` alone returns a view of the file's mmap (safetensors >= 0.8): clone
+          is the copy into fresh memory a read means.
   accel   accel-npu, the field report's call: ``from_pretrained(path)`` with
           ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:<keep>``, ``ACCEL_NPU_LOAD_THREADS=T``
   stock   ``ACCEL_NPU_DISABLE=1``, ``from_pretrained(path, num_layers=<keep>)`` (stock's way to the same
           model; it has no reader threads of its own, so torch gets T threads)
 
+A load may return tensors that are still views of the file's mmap (bf16 as stored): touching them
+inside the clock reads (cold) and maps their pages, so every reader ends with every byte resident.
+The table's anon / file columns say where those bytes live: the process's own memory, or page-cache
+pages it maps (shared by every rank that maps the same file).
+
 "no cast" loads with ``torch_dtype=torch.bfloat16`` (as stored); "cast" loads without torch_dtype
 (fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
-before); "cold": before every run ``/proc/sys/vm/drop_caches`` when writable (root), otherwise
-``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file (drops clean, unmapped pages only: a
-page another process maps stays cached). Runs are interleaved, ``--repeat`` times; the table gives
-median (min-max) seconds and the median throughput = kept checkpoint bytes / seconds.
+before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
+files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Runs are
+interleaved, ``--repeat`` times; the table gives median (min-max) seconds and the median throughput =
+kept checkpoint bytes / seconds.
 
-``--threads 1,2`` measures each thread count (a table row group per count).
-
-Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2] [--threads 1,2] [--cache DIR]
+Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2,60] [--threads 1,2] [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
 """
 from __future__ import annotations
@@ -49,42 +56,61 @@ import torch
 reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads if reader == "stock" else 1)
 dtype = None if cast else torch.bfloat16
+
+def touch(tensors):
+    # one byte of every 4 KiB page of every storage: a page still backed by the file (an mmap view)
+    # is read (cold) and mapped here, inside the clock; fresh memory a reader wrote is already resident
+    seen = set()
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        torch.empty(0, dtype=torch.uint8).set_(s)[::4096].sum()
+
+def memory():
+    # this process's resident memory: anonymous (its own copies) and file-backed (page-cache pages it maps,
+    # shared with every other process mapping the same file)
+    out = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon:", "RssFile:")):
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
 if reader in ("accel", "stock"):
     from diffusers import QwenImageTransformer2DModel
     kwargs = {} if reader == "accel" else {"num_layers": keep}
-    t = time.perf_counter()
+    base = memory()
+    t, cpu = time.perf_counter(), time.process_time()
     model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
-    secs = time.perf_counter() - t
+    sd = model.state_dict()
+    touch(sd.values())
+    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
     assert len(model.transformer_blocks) == keep, len(model.transformer_blocks)
-    nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    print("RESULT " + json.dumps({"seconds": secs, "model_bytes": nbytes}), flush=True)
-    sys.exit(0)
-from concurrent.futures import ThreadPoolExecutor
-from safetensors import safe_open
-wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
-keys = json.load(open(sys.argv[6]))  # the truncated model's checkpoint keys (the driver's kept_keys)
-t = time.perf_counter()
-handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
-def read(k):
-    x = handles[wm[k]].get_tensor(k)
-    return x.to(torch.float32) if cast else x.clone()
-with ThreadPoolExecutor(threads) as pool:
-    got = list(pool.map(read, keys))
-for handle in handles.values():  # closing (munmap) is part of reading, as in from_pretrained
-    handle.__exit__(None, None, None)
-secs = time.perf_counter() - t
-print("RESULT " + json.dumps({"seconds": secs, "model_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
+    nbytes = sum(p.numel() * p.element_size() for p in sd.values())
+else:
+    from concurrent.futures import ThreadPoolExecutor
+    from safetensors import safe_open
+    wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
+    keys = json.load(open(sys.argv[6]))  # the truncated model's checkpoint keys (the driver's kept_keys)
+    base = memory()
+    t, cpu = time.perf_counter(), time.process_time()
+    handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
+    def read(k):  # a copy in fresh memory: get_tensor alone is a view of the file's mmap (safetensors >= 0.8)
+        x = handles[wm[k]].get_tensor(k)
+        return x.to(torch.float32) if cast else x.clone()
+    with ThreadPoolExecutor(threads) as pool:
+        got = list(pool.map(read, keys))  # every tensor kept, as a model keeps its parameters
+    for handle in handles.values():  # closing (munmap) is part of reading, as in from_pretrained
+        handle.__exit__(None, None, None)
+    touch(got)
+    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
+    nbytes = sum(x.numel() * x.element_size() for x in got)
+after = memory()
+print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "model_bytes": nbytes,
+                              "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"]}),
+      flush=True)
 '''
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def fadvise_dontneed(files: list[Path]) -> None:
@@ -139,29 +165,50 @@ def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: i
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
-def write_report(a, ckpt, ckpt_bytes, kept, threads, states, casts, readers, got, cold_how, rounds) -> None:
+LABELS = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
+          "stock": "stock `from_pretrained` (whole call)"}
+
+
+def write_report(a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, rounds) -> None:
     report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
-    report.text(f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards); the model keeps {a.keep} of 60 "
-                f"blocks: {kept / MB:,.1f} MB of checkpoint bytes (bf16). The same thread count for every reader. "
-                f"Seconds: median (min-max) of {rounds} fresh process(es) per cell ({rounds} of {a.repeat} rounds "
-                f"done), interleaved; MB/s = kept bytes / median seconds; vs raw = raw's median seconds / this "
-                f"reader's (same cache state, same cast). Warm: the files the call reads (config, index, the shards holding the kept tensors) read just before; "
-                f"cold: {cold_how} just before.")
+    report.text(
+        f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards, 60 blocks); the model keeps the first "
+        + ", ".join(f"{k} ({kept[k] / MB:,.1f} MB of checkpoint bytes)" for k in keeps)
+        + " blocks. The same thread count for every reader. Every reader ends holding every tensor it "
+        "loaded, each 4 KiB page touched inside the clock: raw keeps a copy of each tensor in fresh memory "
+        "(clone, or the cast); a load keeps what from_pretrained returns. "
+        f"Seconds: median (min-max) of the fresh processes per cell (runs; {rounds} of {a.repeat} rounds "
+        "started), interleaved; CPU: median CPU seconds of the process over the same span (all its threads: "
+        "the work done, whatever share of the cores the other jobs left it); MB/s = kept checkpoint bytes / "
+        "median seconds; vs raw = raw's median seconds / this "
+        "reader's (same blocks, cache state, cast, threads). Anon / file MB: the process's RssAnon / RssFile "
+        "growth over the call (median): its own memory, and page-cache pages it maps (shared with any "
+        "other process mapping the same files). Warm: the files the call reads (config, index, the shards "
+        "holding the kept tensors) read just before; cold: posix_fadvise(POSIX_FADV_DONTNEED) on every "
+        "shard just before (this job's files only; nothing maps them then).")
     rows = []
-    for t in threads:
-        for s in states:
-            for c in casts:
-                raw_med = statistics.median(x["seconds"] for x in got[(t, s, c, "raw")])
-                for r in readers:
-                    secs = [x["seconds"] for x in got[(t, s, c, r)]]
-                    med = statistics.median(secs)
-                    label = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
-                             "stock": "stock `from_pretrained` (whole call)"}[r]
-                    rows.append([str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", label,
-                                 median_spread(secs, "{:.3f}", " s"), f"{kept / MB / med:,.0f} MB/s",
-                                 f"{raw_med / med:.2f}×"])
-    report.table(["threads", "cache", "load", "reader", "seconds", "throughput", "vs raw"], rows)
-    print(report.render())
+    for k in keeps:
+        for t in threads:
+            for s in states:
+                for c in casts:
+                    if not got[(k, t, s, c, "raw")]:
+                        continue
+                    raw_med = statistics.median(x["seconds"] for x in got[(k, t, s, c, "raw")])
+                    for r in readers:
+                        runs = got[(k, t, s, c, r)]
+                        if not runs:
+                            continue
+                        secs = [x["seconds"] for x in runs]
+                        med = statistics.median(secs)
+                        rows.append([str(k), str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", LABELS[r],
+                                     str(len(runs)), median_spread(secs, "{:.3f}", " s"),
+                                     f"{statistics.median(x['cpu'] for x in runs):.3f} s",
+                                     f"{kept[k] / MB / med:,.0f} MB/s",
+                                     f"{raw_med / med:.2f}×",
+                                     f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
+                                     f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB"])
+    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "throughput", "vs raw", "anon",
+                  "file"], rows)
     report.write()
 
 
@@ -169,10 +216,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cache", default=str(host_memory.default_cache()))
-    ap.add_argument("--keep", type=int, default=2, help="blocks kept (host_memory.py's case (c) keeps 2)")
-    ap.add_argument("--threads", default="2", help="reader threads, the same for raw, accel-npu and stock; "
-                                                   "a list (1,2) measures each")
+    ap.add_argument("--keep", default="2,60", help="blocks kept (host_memory.py's case (c) keeps 2; 60: the "
+                                                    "whole checkpoint); a list measures each")
+    ap.add_argument("--threads", default="1,2", help="reader threads, the same for raw, accel-npu and stock; "
+                                                     "a list (1,2) measures each")
     ap.add_argument("--states", default="warm,cold")
+    ap.add_argument("--readers", default="raw,accel,stock")
+    ap.add_argument("--casts", default="nocast,cast")
     a = ap.parse_args(argv)
     cache = Path(a.cache)
     ckpt = host_memory.build_checkpoint(cache)
@@ -182,28 +232,37 @@ def main(argv=None) -> int:
         worker.write_text(WORKER)
     states = a.states.split(",")
     threads = [int(t) for t in str(a.threads).split(",")]
-    keys, kept, shards = kept_tensors(ckpt, a.keep)
-    keys_file = cache / f"load_throughput_keys_{a.keep}.json"
-    keys_file.write_text(json.dumps(keys))
+    keeps = [int(k) for k in str(a.keep).split(",")]
+    readers = tuple(a.readers.split(","))
+    if readers[0] != "raw":
+        raise SystemExit("--readers: raw first (the other readers are compared with it)")
+    casts = tuple(c == "cast" for c in a.casts.split(","))
+    kept, shards, keys_files = {}, {}, {}
+    for k in keeps:
+        keys, kept[k], shards[k] = kept_tensors(ckpt, k)
+        keys_files[k] = cache / f"load_throughput_keys_{k}.json"
+        keys_files[k].write_text(json.dumps(keys))
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    cold_how = "drop_caches" if drop_caches() else "posix_fadvise(POSIX_FADV_DONTNEED) on each shard (not root)"
-    readers = ("raw", "accel", "stock")
-    casts = (False, True)
-    got: dict = {(t, s, c, r): [] for t in threads for s in states for c in casts for r in readers}
+    got: dict = {(k, t, s, c, r): [] for k in keeps for t in threads for s in states for c in casts for r in readers}
     for i in range(a.repeat):  # rounds: the results file is rewritten after each, so a cut-short run still reports
-        for t in threads:
-            for s in states:
-                for c in casts:
-                    for r in readers:
-                        if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
-                            fill_cache([ckpt / "config.json", ckpt / "diffusion_pytorch_model.safetensors.index.json",
-                                        *shards])
-                        elif not drop_caches():
-                            fadvise_dontneed(shards)
-                        got[(t, s, c, r)].append(run(worker, r, c, ckpt, a.keep, t, keys_file))
-                        print(f"  {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
-                              f"{got[(t, s, c, r)][-1]['seconds']:.3f} s", flush=True)
-        write_report(a, ckpt, ckpt_bytes, kept, threads, states, casts, readers, got, cold_how, i + 1)
+        for k in keeps:
+            for t in threads:
+                for s in states:
+                    for c in casts:
+                        for r in readers:
+                            if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
+                                fill_cache([ckpt / "config.json",
+                                            ckpt / "diffusion_pytorch_model.safetensors.index.json", *shards[k]])
+                            else:
+                                fadvise_dontneed(shards[k])
+                            got[(k, t, s, c, r)].append(run(worker, r, c, ckpt, k, t, keys_files[k]))
+                            x = got[(k, t, s, c, r)][-1]
+                            print(f"  {k} block(s) {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
+                                  f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
+                                  flush=True)
+                            # after every run: a cut-short run still reports the cells it measured
+                            write_report(a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got,
+                                         i + 1)
     return 0
 
 
