@@ -278,7 +278,7 @@ def _guarded_caller():
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "") or ""
-        if name.split(".")[0] not in callsite._LIBRARIES:
+        if name.split(".")[0] not in callsite.LIBRARIES:
             guard = callsite.main_process_guard(frame.f_code.co_filename, frame.f_lineno)
             if guard is not None:
                 return (frame.f_code.co_filename, frame.f_lineno), guard

@@ -7,25 +7,10 @@ error names that line and the `if` so the one-line fix can be given verbatim.
 from __future__ import annotations
 
 import ast
-import os
-import sys
 
-# frames of these packages are library code, never the line a user should change
-_LIBRARIES = ("accel_npu", "accelerate", "wrapt", "deepspeed", "torch", "diffusers", "transformers",
-              "safetensors", "peft", "huggingface_hub", "contextlib", "functools", "importlib")
+from accel_npu._torch.callsite import LIBRARIES, user_frame  # noqa: F401  (re-exported: the misuse messages use it)
 
 FIX = "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:"
-
-
-def user_frame():
-    """(filename, line) of the innermost frame outside the libraries, or None."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        if name.split(".")[0] not in _LIBRARIES and os.path.isfile(frame.f_code.co_filename):
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return None
 
 
 _guards: dict = {}
