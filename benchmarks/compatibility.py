@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
-from benchmarks._results import RESULTS, command_line  # noqa: E402
+from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402
 from tests.launch_utils import BIN, UPSTREAM_EXAMPLES, base_env, free_port, shipped_zero_configs  # noqa: E402
 
 RESULT_FILE = RESULTS / "compatibility.md"
@@ -382,6 +382,8 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
         "",
         f"Reproduce: `{command_line(argv)}` (rows of a partial run replace their own; each row keeps the "
         "commit and date it was run on).",
+        "",
+        f"- Commit: {git_commit()} (the run that last wrote this file; each row names the commit it ran on)",
         "",
         "Configs: `zero2` = launch_configs/cpu_zero2.yaml (bf16); `zero3_t0` = cpu_zero3.yaml with "
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
