@@ -188,3 +188,20 @@ def test_a_wrapper_module_importing_a_module_another_thread_imports_does_not_dea
     assert "DEADLOCK" not in proc.stdout, "the ledger held its lock while importing a wrapper module"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("RESULT", 1)[1].split() == ["100", "11"]
+
+
+def test_argument_accessors_read_and_replace_a_parameter_however_it_was_passed():
+    from accel_npu.patching import argument, passed, with_argument
+
+    def call(*args, **kwargs):  # a wrapped f(module, device_ids=None, output_device=None)
+        return args, kwargs
+
+    for args, kwargs in (call("m", [0]), call("m", device_ids=[0]), call(module="m", device_ids=[0])):
+        assert argument(args, kwargs, 1, "device_ids") == [0] and passed(args, kwargs, 1, "device_ids")
+        new_args, new_kwargs = with_argument(args, kwargs, 1, "device_ids", None)
+        assert argument(new_args, new_kwargs, 1, "device_ids") is None
+        assert len(new_args) + len(new_kwargs) == len(args) + len(kwargs)  # replaced where it was, nothing added
+        assert (args, kwargs) != (new_args, new_kwargs) and argument(args, kwargs, 1, "device_ids") == [0]
+    args, kwargs = call("m")
+    assert argument(args, kwargs, 2, "output_device", "cpu") == "cpu" and not passed(args, kwargs, 2, "output_device")
+    assert with_argument(args, kwargs, 2, "output_device", 1) == (("m",), {"output_device": 1})

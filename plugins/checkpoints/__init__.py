@@ -32,7 +32,7 @@ import logging
 from accel_npu import environment
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument, with_argument
 
 # The modules beside this one are imported by the wrappers when first called (or named by path in
 # `wrapper=`), not here: this module is imported inside `import torch` and must stay cheap.
@@ -43,29 +43,23 @@ log = logging.getLogger("accel_npu")
 _SUPPORTS = "accelerate>=1.10,<1.16"
 
 
-def _arg(args, kwargs, index, name, default=None):
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else default
-
-
 def _save_state(wrapped, instance, args, kwargs):
     from accel_npu.plugins.checkpoints import state as checkpointing
 
     if not checkpointing.is_deepspeed(instance) or any(
             getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models):
         return wrapped(*args, **kwargs)  # node-local storage: each node's rank 0 publishes its own
-    kwargs = dict(kwargs)
-    output_dir = kwargs.pop("output_dir", args[0] if args else None)
-    safe = kwargs.pop("safe_serialization", args[1] if len(args) > 1 else True)
+    output_dir = argument(args, kwargs, 0, "output_dir")
+    safe = argument(args, kwargs, 1, "safe_serialization", True)
     if output_dir is None and not instance.project_configuration.automatic_checkpoint_naming:
         return wrapped(*args, **kwargs)  # stock raises its own error
     from accel_npu.plugins.checkpoints import boundary
 
-    announced = boundary.announce_save_state(output_dir, safe, kwargs)  # rank 0 at a step boundary: the others serve it
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in ("output_dir", "safe_serialization")}
+    announced = boundary.announce_save_state(output_dir, safe, model_kwargs)  # rank 0 at a step boundary: the others serve it
     try:
         with boundary.inside_save():
-            return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **kwargs)
+            return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
     except checkpointing.CollectiveMisuseError as exc:
         boundary.save_failed(announced, exc)  # every rank stops with this error, not the transport's
         raise
@@ -76,12 +70,12 @@ def _load_state(wrapped, instance, args, kwargs):
 
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
-    kwargs = dict(kwargs)
-    input_dir = kwargs.pop("input_dir", args[0] if args else None)
-    rest = args[1:]
+    input_dir = argument(args, kwargs, 0, "input_dir")
     resolved = checkpointing.resolve_load_dir(input_dir, instance)
+    if resolved is not None:
+        args, kwargs = with_argument(args, kwargs, 0, "input_dir", resolved)
     with checkpointing.load_hooks_see_models(instance):
-        return wrapped(resolved if resolved is not None else input_dir, *rest, **kwargs)
+        return wrapped(*args, **kwargs)
 
 
 def _zero3_multi(instance) -> bool:
@@ -99,7 +93,7 @@ def _get_state_dict(wrapped, instance, args, kwargs):
     with serving.requesting():  # a rank-0-only call: the idle ranks join its gathers, busy ones fail it in time
         state_dict = wrapped(*args, **kwargs)
     if isinstance(state_dict, dict) and state_dict:
-        model = _arg(args, kwargs, 0, "model")
+        model = argument(args, kwargs, 0, "model")
         for key, value in tower_state_dict(instance.unwrap_model(model)).items():
             state_dict.setdefault(key, value)
     return state_dict
@@ -111,10 +105,10 @@ def _save_model(wrapped, instance, args, kwargs):
 
     if not _zero3_multi(instance):
         return wrapped(*args, **kwargs)
-    model = _arg(args, kwargs, 0, "model")
-    save_directory = _arg(args, kwargs, 1, "save_directory")
-    max_shard_size = _arg(args, kwargs, 2, "max_shard_size", "10GB")
-    safe = _arg(args, kwargs, 3, "safe_serialization", True)
+    model = argument(args, kwargs, 0, "model")
+    save_directory = argument(args, kwargs, 1, "save_directory")
+    max_shard_size = argument(args, kwargs, 2, "max_shard_size", "10GB")
+    safe = argument(args, kwargs, 3, "safe_serialization", True)
     engine = model if hasattr(model, "zero_gather_16bit_weights_on_model_save") else next(
         (m for m in instance._models if getattr(m, "module", None) is model), None)
     if engine is None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints.files import write_json
+from accel_npu.patching import argument
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -215,7 +216,7 @@ def peft_state_dict(wrapped, instance, args, kwargs):
     partitioned parameters themselves (not their empty ``state_dict()`` copies), so the
     ``save_file`` that follows (diffusers' ``save_lora_weights``) gathers them whole
     (plugins/checkpoints/partitioned.py) instead of writing shape-[0] tensors."""
-    model = args[0] if args else kwargs.get("model")
+    model = argument(args, kwargs, 0, "model")
     if model is None or kwargs.get("state_dict") is not None or len(args) > 1:
         return wrapped(*args, **kwargs)
     try:

@@ -25,6 +25,7 @@ from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu._torch.zero import whole_shape
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints import serving
+from accel_npu.patching import argument
 
 GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
 _sources = contextvars.ContextVar("accel_npu_partitioned_sources", default=None)
@@ -168,7 +169,7 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
     writes with its own alias of save_file, which the gathered writer does not see)."""
     if not partitioned(instance) or kwargs.get("state_dict") is not None:
         return wrapped(*args, **kwargs)
-    save_directory = args[0] if args else kwargs.get("save_directory")
+    save_directory = argument(args, kwargs, 0, "save_directory")
     refuse(f"{type(instance).__name__}.save_pretrained({save_directory!r})",
            "transformers' save_pretrained writes them as they are on this rank.",
            "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "

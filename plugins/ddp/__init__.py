@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument, passed, with_argument
 
 log = logging.getLogger("accel_npu")
 
@@ -61,16 +61,17 @@ def _without_cuda_device_ids(args, kwargs):
     from accel_npu._torch.device import cuda_available
     from accel_npu.backend import current_backend
 
-    ids = args[1] if len(args) > 1 else kwargs.get("device_ids")
-    out = args[2] if len(args) > 2 else kwargs.get("output_device")
+    ids = argument(args, kwargs, 1, "device_ids")
+    out = argument(args, kwargs, 2, "output_device")
     if (ids is None and out is None) or cuda_available() or current_backend().device_type != "cpu":
         return args, kwargs
-    module = args[0] if args else kwargs.get("module")
+    module = argument(args, kwargs, 0, "module")
     if any(p.device.type != "cpu" for p in module.parameters()):
         return args, kwargs
     log.info("accel-npu: DDP(device_ids=%s) of a CPU module on the cpu backend: device ids dropped (no CUDA)", ids)
-    args = (args[0], None, None, *args[3:]) if len(args) > 1 else args
-    kwargs = {**kwargs, **{k: None for k in ("device_ids", "output_device") if k in kwargs}}
+    for position, name in ((1, "device_ids"), (2, "output_device")):
+        if passed(args, kwargs, position, name):
+            args, kwargs = with_argument(args, kwargs, position, name, None)
     return args, kwargs
 
 

@@ -24,7 +24,7 @@ import os
 
 from accel_npu._torch.markers import DS_CONFIG_SOURCE
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 from accel_npu.plugins.deepspeed.auto_batch_size import prepare_with_auto_micro_batch_size
 from accel_npu.plugins.deepspeed.input_dtype import cast_other_half_inputs, cast_partitioned_params
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
@@ -47,7 +47,7 @@ def _accelerate_config_path(args) -> str:
 
 
 def _deepspeed_launcher(wrapped, instance, args, kwargs):
-    launch_args = kwargs.get("args", args[0] if args else None)
+    launch_args = argument(args, kwargs, 0, "args")
     ds_file = getattr(launch_args, "deepspeed_config_file", None)
     if launch_args is None or not ds_file or not os.path.isfile(ds_file):
         return wrapped(*args, **kwargs)
@@ -100,7 +100,7 @@ def _config_checks(wrapped, instance, args, kwargs):
 
 
 def _set_mixed_precision(wrapped, instance, args, kwargs):
-    mixed_precision = kwargs.pop("mixed_precision", args[0] if args else None)
+    mixed_precision = argument(args, kwargs, 0, "mixed_precision")
     ds_source = str(getattr(instance, DS_CONFIG_SOURCE, None) or "<DeepSpeedPlugin config>")
     env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
     source = ("ACCELERATE_MIXED_PRECISION (accelerate launch)" if env_mp and env_mp.lower() == str(mixed_precision).lower()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 
 
 def explanations(error: BaseException) -> list[str]:
@@ -25,7 +25,7 @@ def explanations(error: BaseException) -> list[str]:
 
 def _excepthook(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
-    error = args[1] if len(args) > 1 else kwargs.get("value")
+    error = argument(args, kwargs, 1, "value")
     try:
         lines = explanations(error) if isinstance(error, BaseException) else []
     except Exception:  # noqa: BLE001 - an explanation must never hide the error itself

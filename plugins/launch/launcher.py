@@ -12,7 +12,7 @@ import logging
 import os
 
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 
 log = logging.getLogger("accel_npu")
 
@@ -71,9 +71,9 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
 
 
 def _launch_agent(wrapped, instance, args, kwargs):
-    config = kwargs.get("config", args[0] if args else None)
-    entrypoint = kwargs.get("entrypoint", args[1] if len(args) > 1 else None)
-    cmd_args = kwargs.get("args", args[2] if len(args) > 2 else ())
+    config = argument(args, kwargs, 0, "config")
+    entrypoint = argument(args, kwargs, 1, "entrypoint")
+    cmd_args = argument(args, kwargs, 2, "args", ())
     nproc = getattr(config, "nproc_per_node", 1) or 1
     from accel_npu.errors import LaunchError
 

@@ -22,7 +22,7 @@ from accel_npu.config_files import SIDECAR_SUFFIX, sidecar_for
 from accel_npu import environment
 from accel_npu.errors import ConfigError, LaunchError
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 
 log = logging.getLogger("accel_npu")
 
@@ -141,7 +141,7 @@ def resolve_deepspeed_config_file(config_file: str, launch_args) -> str | None:
 
 
 def _launch_command(wrapped, instance, args, kwargs):
-    launch_args = kwargs.get("args", args[0] if args else None)
+    launch_args = argument(args, kwargs, 0, "args")
     config_file = launched_config_file(launch_args) if launch_args is not None else None
     if config_file:
         try:

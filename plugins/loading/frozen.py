@@ -15,6 +15,7 @@ import contextlib
 import sys
 
 from accel_npu._torch.zero import engine_built, in_frozen_load, outside_zero_init, zero3_weakref_set
+from accel_npu.patching import argument
 
 #: attribute set on transformers' HfDeepSpeedConfig object: accelerate's zero3_init_flag when it made it
 ZERO3_INIT_FLAG = "_accel_npu_zero3_init_flag"
@@ -30,7 +31,7 @@ def pipeline_from_pretrained(wrapped, cls, args, kwargs):
 
 def zero3_init_context_manager(wrapped, instance, args, kwargs):
     """``zero3_init_context_manager(enable=False)`` really disables zero.Init (accelerate #3170)."""
-    enable = kwargs.get("enable", args[0] if args else False)
+    enable = argument(args, kwargs, 0, "enable", False)
     inner = wrapped(*args, **kwargs)
     if enable:
         return inner

@@ -18,6 +18,7 @@ from accel_npu.plugins.loading import truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.placement.zero3 import attach_rebuild
 from accel_npu.plugins.loading.slots import load_slot
+from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
 
@@ -45,7 +46,7 @@ def from_pretrained(wrapped, cls, args, kwargs):
 def _from_pretrained(wrapped, cls, args, kwargs):
     kwargs = dict(kwargs)
     truncate_to = truncation.truncation_for(cls)
-    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    path = argument(args, kwargs, 0, "pretrained_model_name_or_path")
     depth_asked = None
     if truncate_to is not None and kwargs.get("config") is None:
         key = "num_hidden_layers"

@@ -18,7 +18,7 @@ matching torchvision the registrations pass straight through.
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 
 _NAMESPACE = "torchvision::"
 
@@ -41,7 +41,7 @@ def _ops_missing_with_warning(op: str) -> bool:
 
 
 def _skip_fake_impl_of_missing_torchvision_op(wrapped, instance, args, kwargs):
-    op = args[0] if args else kwargs.get("op")
+    op = argument(args, kwargs, 0, "op")
     if isinstance(op, str) and op.startswith(_NAMESPACE) and _ops_missing_with_warning(op):
         if len(args) > 1 and args[1] is not None:  # register_fake(op, func)
             return args[1]

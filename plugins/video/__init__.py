@@ -12,7 +12,7 @@ import threading
 
 from accel_npu._torch.device import cuda_available
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument, passed, with_argument
 
 log = logging.getLogger("accel_npu")
 
@@ -41,10 +41,9 @@ def _with_ctx(position: int, what: str):
     """A wrapper that swaps a GPU ``ctx`` (positional index ``position`` after self, or keyword)."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        if "ctx" in kwargs:
-            kwargs["ctx"] = _cpu_ctx_for(kwargs["ctx"], what)
-        elif len(args) > position:
-            args = (*args[:position], _cpu_ctx_for(args[position], what), *args[position + 1:])
+        if passed(args, kwargs, position, "ctx"):
+            ctx = _cpu_ctx_for(argument(args, kwargs, position, "ctx"), what)
+            args, kwargs = with_argument(args, kwargs, position, "ctx", ctx)
         return wrapped(*args, **kwargs)
 
     return wrapper

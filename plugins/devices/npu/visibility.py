@@ -54,7 +54,7 @@ def visible_devices(value: str | None, raw_count: int) -> Visibility:
                if stop is not None else f"torch_npu stops reading at the empty item, so only {ids} count")
     for index, device in enumerate(ids):
         if index and device <= ids[index - 1]:
-            return Visibility(0, f"the ids are not in ascending order, and torch_npu then sees no device")
+            return Visibility(0, "the ids are not in ascending order, and torch_npu then sees no device")
         if raw_count > 0 and device >= raw_count:
             return Visibility(index, f"id {device} is past this machine's {raw_count} NPU(s), and torch_npu ends "
                                      f"the list there")

@@ -38,6 +38,7 @@ from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned, on_first_
 from accel_npu.errors import LoadError
 from accel_npu.plugins.loading.frozen import zero3_init_flag_off
 from accel_npu.plugins.loading.lazy import LazyTensors, progress_bar
+from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
 
@@ -264,7 +265,7 @@ def parameter_dtype(wrapped, instance, args, kwargs):
     ZeRO-3 partitions and not yet in an engine is made whole first, so the dtype is stock's (the
     files' fp32, not zero.Init's bf16): train_dreambooth.py / train_controlnet.py raise "Unet loaded as
     datatype torch.bfloat16" otherwise."""
-    model = args[0] if args else kwargs.get("parameter")
+    model = argument(args, kwargs, 0, "parameter")
     if model is not None:  # returns at once unless this plugin attached a rebuild to it
         made_whole_outside_engine(model, model, "has its dtype read")
     return wrapped(*args, **kwargs)
