@@ -11,7 +11,6 @@ spelling, beside an fp32 reference. Three processes, each a launched rank (LOCAL
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import warnings

@@ -6,7 +6,6 @@ installed distribution (CI installs non-editably, README's test command), a whee
 another location, launches from the root and from elsewhere. Witnesses are read off the worker
 processes themselves: sys.modules, the world size torch.distributed reports, an all-reduce.
 """
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, accelerate_launch, base_env, explain, results
+from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, results
 
 def builtin_modules() -> set[str]:
     from accel_npu.manager import DEFAULT_PLUGINS

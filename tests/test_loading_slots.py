@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from accel_npu.errors import ConfigError
-from accel_npu._torch.memory import malloc_trim
 from accel_npu.plugins.loading.slots import LoadSlotTimeout, load_slot, slot_count
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,6 +25,7 @@ import pytest
 
 from tests.launch_utils import (BIN, OFFICIAL_EXAMPLES, OFFICIAL_MATRIX, OFFICIAL_MATRIX_REASON, REPO, SCRIPTS, base_env,
                                 free_port, one_rank_deepspeed_group, shipped_zero_configs)
+from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -173,34 +174,14 @@ def _script(name: str) -> Path:
 
 
 def _line_of(name: str, text: str, after: int = 0) -> int:
-    lines = _script(name).read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
+    return line_of(_script(name), text, after)
 
 
-def _fixed_script(name: str, directory: Path) -> Path:
-    """The script with the one-line fix the misuse error gives (every rank calls save_state), written to
-    a temporary directory, never into this repository: what a user does after reading the error."""
-    lines = _script(name).read_text().splitlines(keepends=True)
-    guard = _line_of(name, "if global_step % args.checkpointing_steps == 0:") - 2  # the `if` before it
-    assert lines[guard].strip() == "if accelerator.is_main_process:"
-    indent = lines[guard][:len(lines[guard]) - len(lines[guard].lstrip())]
-    lines[guard] = indent + "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:\n"
-    first_import = next(i for i, line in enumerate(lines) if line.startswith("from accelerate.utils import"))
-    lines.insert(first_import, "from accelerate.utils import DistributedType\n")
-    path = directory / f"fixed_{SCRIPTS_RUN[name]}"
-    path.write_text("".join(lines))
-    return path
-
-
-class Launch:
-    """One ``accelerate launch`` of a script, output collected, the time each step showed."""
+class Launch(StreamedLaunch):
+    """One ``accelerate launch`` of a DreamBooth LoRA script with this file's arguments."""
 
     def __init__(self, work: Path, name: str, config: Path, out: Path, steps: int, extra=(), env=None,
                  script: Path | None = None):
-        import re
-        import threading
-
-        self.out, self.steps, self.text, self.step_seen = out, steps, [], {}
         args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
                 str(config), str(script or _script(name)), "--pretrained_model_name_or_path", str(work / name),
                 "--instance_data_dir", str(work / "images"), "--instance_prompt", "a photo of sks dog",
@@ -208,41 +189,10 @@ class Launch:
                 "--max_train_steps", str(steps), "--rank", "4", "--seed", "0", "--learning_rate", "1e-2",
                 "--dataloader_num_workers", "0", *(["--max_sequence_length", "16"] if name == "sana" else []),
                 *extra]
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=work)
-
-        def read():
-            buf = ""
-            while chunk := self.proc.stdout.read1(4096).decode(errors="replace"):
-                buf += chunk
-                self.text.append(chunk)
-                if "CollectiveMisuseError: " in buf and not hasattr(self, "error_seen"):
-                    self.error_seen = time.monotonic()
-                for n in map(int, re.findall(rf"\| (\d+)/{self.steps} \[", buf[-2000:])):
-                    self.step_seen.setdefault(n, time.monotonic())
-                buf = buf[-4000:]
-            self.exited = time.monotonic()  # the launcher and its workers closed their output: they ended
-
-        self.reader = threading.Thread(target=read, daemon=True)
-        self.reader.start()
+        super().__init__(args, env, work, steps, out)
 
     def wait(self, timeout: float = 600) -> "Launch":
-        import signal
-
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers (a session of their own)
-            self.proc.wait(30)
-        self.reader.join(10)
-        return self
-
-    @property
-    def output(self) -> str:
-        return "".join(self.text)
-
-    def explain(self) -> str:
-        return f"exit {self.proc.returncode}\n{self.output[-8000:]}"
+        return super().wait(timeout)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +207,7 @@ def runs(tmp_path_factory):
                    check=True, capture_output=True, timeout=120, env=base_env(), cwd=SCRIPTS)
     cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env())
-    fixed = {name: _fixed_script(name, work) for name in SCRIPTS_RUN}
+    fixed = {name: fixed_copy(_script(name), work) for name in SCRIPTS_RUN}
     t0 = time.monotonic()
     r: dict = {"work": work}
     # wave 1: unchanged under ZeRO-3 threshold 0 with checkpoints (ours: the misuse error), and stock's
@@ -295,41 +245,10 @@ def runs(tmp_path_factory):
     return r
 
 
-def _master_lora(ckpt: Path) -> dict:
-    """DeepSpeed's own reading of a checkpoint: {module.lora_X.weight: fp32 master weight}."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
-    return {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k}
-
-
-def _lora_file(path: Path) -> dict:
-    """A saved LoRA file in peft names without the component prefix ({module.lora_X.weight: tensor});
-    SDXL's hooks save diffusers' names (lora.down / lora.up, convert_state_dict_to_diffusers)."""
-    from safetensors import safe_open
-
-    out = {}
-    with safe_open(str(path), framework="pt") as f:
-        for k in f.keys():
-            name = k.split(".", 1)[1].replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B.")
-            out[name] = f.get_tensor(k)
-    return out
-
-
 def _loaded_lora(name: str, pipe: Path, lora_dir: Path) -> dict:
-    """The adapter as the pipeline's ``load_lora_weights`` loads it into the trained component."""
-    import torch
     from diffusers import DiffusionPipeline
 
-    pipeline = DiffusionPipeline.from_pretrained(str(pipe), torch_dtype=torch.float32)
-    pipeline.load_lora_weights(str(lora_dir))
-    component = pipeline.transformer if name == "sana" else pipeline.unet
-    out = {}
-    for k, v in component.state_dict().items():
-        if ".lora_" in k:
-            module, kind, _adapter, rest = k.rsplit(".", 3)
-            out[f"{module}.{kind}.{rest}"] = v
-    return out
+    return loaded_lora(DiffusionPipeline, pipe, lora_dir, "transformer" if name == "sana" else "unet")
 
 
 def _equal_in(saved: dict, master: dict) -> bool:
@@ -395,13 +314,13 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
             assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == \
                 ["checkpoint-2", "checkpoint-4", "checkpoint-6"], (name, label)
             assert not [d for d in os.listdir(out) if d.startswith(".")], os.listdir(out)
-            masters = {step: _master_lora(out / f"checkpoint-{step}") for step in (2, 4, 6)}
+            masters = {step: master_lora(out / f"checkpoint-{step}") for step in (2, 4, 6)}
             for step, master in masters.items():  # the script's save hook (rank 0) inside each checkpoint
                 assert len(master) >= 8, (name, label, step)
-                assert _equal_in(_lora_file(out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors"),
+                assert _equal_in(lora_file(out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors"),
                                  master), (name, label, step)
             assert any(not torch.equal(masters[4][k], masters[6][k]) for k in masters[6])  # 5-6 trained on
-            final = _lora_file(out / "pytorch_lora_weights.safetensors")
+            final = lora_file(out / "pytorch_lora_weights.safetensors")
             assert _equal_in(final, masters[6]), (name, label)
             assert {v.dtype for v in final.values()} == {torch.float32 if name == "sdxl" else torch.bfloat16}
             loaded = _loaded_lora(name, work / name, out)

@@ -15,7 +15,6 @@ here, diffusers' ``load_lora_weights`` -- never accel-npu's log lines.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 
 from tests.launch_utils import (OFFICIAL_EXAMPLES, OFFICIAL_MATRIX, OFFICIAL_MATRIX_REASON, SCRIPTS, free_port,
                                 one_rank_deepspeed_group, select_zero3_plugin, shipped_zero_configs)
+from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -147,99 +147,29 @@ def _script(family: str) -> Path:
     return Path(EXAMPLES) / "dreambooth" / f"train_dreambooth_lora_{family}.py"
 
 
-def _line_of(path: Path, text: str, after: int = 0) -> int:
-    lines = path.read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
-
-
-def _fixed_flux(directory: Path) -> Path:
-    """The Flux script with the one-line fix accel-npu's error gives (and its import), written to a
-    temporary directory: what a user does after reading the error (item 1 needs a checkpoint)."""
-    src = _script("flux")
-    lines = src.read_text().splitlines(keepends=True)
-    guard = _line_of(src, "if global_step % args.checkpointing_steps == 0:") - 2  # the `if` above it
-    assert lines[guard].strip() == "if accelerator.is_main_process:"
-    indent = lines[guard][:len(lines[guard]) - len(lines[guard].lstrip())]
-    lines[guard] = indent + "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:\n"
-    imports = _line_of(src, "from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed") - 1
-    lines[imports] = "from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed\n"
-    path = directory / "train_dreambooth_lora_flux_fixed.py"
-    path.write_text("".join(lines))
-    return path
-
-
-class Launch:
+class Launch(StreamedLaunch):
     """One ``accelerate launch`` of a DreamBooth LoRA script, started now; ``wait()`` collects it."""
 
     def __init__(self, cfg, script, pipe, images, out, steps, env, *extra):
-        import subprocess
-        import time
-
         from tests.launch_utils import BIN
 
-        self.out = Path(out)
         args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
                 str(cfg), str(script), "--pretrained_model_name_or_path", str(pipe), "--instance_data_dir",
                 str(images), "--instance_prompt", PROMPT, "--output_dir", str(out), "--resolution", "16",
                 "--train_batch_size", "1", "--max_train_steps", str(steps), "--rank", "4",
                 "--max_sequence_length", "16", "--seed", "0", "--learning_rate", "1e-2",
                 "--dataloader_num_workers", "0", *extra]
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, env=env, cwd=Path(out).parent, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def wait(self, timeout: float = 900):
-        import os as _os
-        import signal
-        import subprocess
-        import time
-
-        try:
-            self.output, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _os.killpg(self.proc.pid, signal.SIGKILL)
-            self.output, _ = self.proc.communicate()
-        self.seconds = time.monotonic() - self.started
-        self.returncode = self.proc.returncode
-        return self
-
-    def explain(self) -> str:
-        return f"exit {self.returncode} after {self.seconds:.0f} s\n{self.output[-6000:]}"
+        super().__init__(args, env, Path(out).parent, steps, Path(out))
 
 
 def _checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) if out.exists() else []
 
 
-def _master_lora(ckpt: Path) -> dict:
-    """DeepSpeed's own reading of a checkpoint: {peft name without adapter: fp32 master weight}."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
-    return {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k}
-
-
-def _saved_lora(out: Path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(out / "pytorch_lora_weights.safetensors"), framework="pt") as f:
-        return {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
-
-
 def _loaded_lora(family: str, pipe: Path, lora_dir: Path) -> dict:
-    """The adapter as diffusers loads it: {module.lora_X.weight: tensor} of the pipeline's transformer."""
-    import torch
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-    cls = {"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[family]
-    pipeline = cls.from_pretrained(str(pipe), torch_dtype=torch.float32)
-    pipeline.load_lora_weights(str(lora_dir))
-    out = {}
-    for k, v in pipeline.transformer.state_dict().items():
-        if ".lora_" in k:
-            module, kind, _adapter, rest = k.rsplit(".", 3)
-            out[f"{module}.{kind}.{rest}"] = v
-    return out
+    return loaded_lora({"sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[family], pipe, lora_dir)
 
 
 def _assert_final_lora_is(family, pipe, out, master):
@@ -247,7 +177,7 @@ def _assert_final_lora_is(family, pipe, out, master):
     and diffusers' load_lora_weights gives exactly those tensors."""
     import torch
 
-    saved = _saved_lora(out)
+    saved = lora_file(out)
     assert saved.keys() == master.keys() and len(saved) > 0
     for k, v in saved.items():
         assert v.shape == master[k].shape and torch.equal(v, master[k].to(v.dtype)), k
@@ -302,7 +232,7 @@ def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lo
     for c, run in first.items():
         assert run.returncode == 0, run.explain()
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
-        at4[c] = _master_lora(outs[c] / "checkpoint-4")
+        at4[c] = master_lora(outs[c] / "checkpoint-4")
         _assert_final_lora_is("sd3", pipe, outs[c], at4[c])
     second = {c: Launch(cfg[c], script, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
                         "--resume_from_checkpoint", "latest") for c in cfg}
@@ -311,7 +241,7 @@ def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lo
         assert run.returncode == 0, run.explain()
         assert "Resuming from checkpoint checkpoint-4" in run.output  # the script's own print
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], c
-        final = _master_lora(outs[c] / "checkpoint-6")
+        final = master_lora(outs[c] / "checkpoint-6")
         assert final.keys() == at4[c].keys() and any(not torch.equal(final[k], at4[c][k]) for k in final)
         _assert_final_lora_is("sd3", pipe, outs[c], final)
     _check_doc_rows("train_dreambooth_lora_sd3.py")
@@ -332,7 +262,7 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     root, cfg, env = work
     script = _script("flux")
     pipe, images = root / "flux", root / "images"
-    fixed = _fixed_flux(root)
+    fixed = fixed_copy(_script("flux"), root, "train_dreambooth_lora_flux_fixed.py")
     misuse_out, plain_out = root / "flux_misuse_zero2", root / "flux_plain_zero3_t0"
     outs = {c: root / f"flux_fixed_{c}" for c in cfg}
     for o in (misuse_out, plain_out, *outs.values()):
@@ -349,8 +279,8 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     # stock: the frozen CLIP text encoder is built in partitions and fails at its first call
     assert stock.returncode != 0 and "max_position_embeddings: 0" in stock.output, stock.explain()
     assert not (stock_out / "pytorch_lora_weights.safetensors").exists()
-    save_line = _line_of(script, "accelerator.save_state(save_path)")
-    guard_line = _line_of(script, "if global_step % args.checkpointing_steps == 0:") - 1
+    save_line = line_of(script, "accelerator.save_state(save_path)")
+    guard_line = line_of(script, "if global_step % args.checkpointing_steps == 0:") - 1
     assert misuse.returncode != 0, misuse.explain()
     assert "CollectiveMisuseError" in misuse.output and f"train_dreambooth_lora_flux.py:{save_line}" in misuse.output
     assert f"(line {guard_line})" in misuse.output
@@ -374,7 +304,7 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
         run.wait()
         assert run.returncode == 0, run.explain()
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
-    at4 = {c: _master_lora(outs[c] / "checkpoint-4") for c in cfg}
+    at4 = {c: master_lora(outs[c] / "checkpoint-4") for c in cfg}
     _assert_final_lora_is("flux", pipe, plain_out, at4["zero3_t0"])  # the unchanged script's final save
     second = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
                         "--resume_from_checkpoint", "latest") for c in cfg}
@@ -383,7 +313,7 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
         assert run.returncode == 0, run.explain()
         assert "Resuming from checkpoint checkpoint-4" in run.output
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"], c
-        final = _master_lora(outs[c] / "checkpoint-6")
+        final = master_lora(outs[c] / "checkpoint-6")
         assert any(not torch.equal(final[k], at4[c][k]) for k in final)
         _assert_final_lora_is("flux", pipe, outs[c], final)
     _check_doc_rows("train_dreambooth_lora_flux.py")

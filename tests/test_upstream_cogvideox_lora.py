@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, explain, run_concurrently
+from tests.official_scripts import loaded_lora, lora_file, master_lora
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
@@ -154,7 +155,7 @@ def runs(tmp_path_factory):
                              lambda: launch("stock_i2v", "i2v", 4, ACCEL_NPU_DISABLED_PATCHES=PATCH),
                              lambda: launch("t2v", "t2v", 4), lambda: launch("i2v", "i2v", 4))
     done.update(zip(names, first))
-    at4 = {kind: _master_lora(done[kind][1] / "checkpoint-4") if done[kind][0].returncode == 0 else None
+    at4 = {kind: master_lora(done[kind][1] / "checkpoint-4") if done[kind][0].returncode == 0 else None
            for kind in SCRIPTS_BY_KIND}
     second = run_concurrently(*[lambda kind=kind: launch(kind, kind, 6, "--resume_from_checkpoint", "latest")
                                 for kind in SCRIPTS_BY_KIND if done[kind][0].returncode == 0])
@@ -163,35 +164,10 @@ def runs(tmp_path_factory):
     return done, pipes, at4
 
 
-def _master_lora(ckpt) -> dict:
-    """DeepSpeed's own reading of a checkpoint: {peft name without adapter: fp32 master weight}."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
-    return {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k}
-
-
-def _lora_file(folder) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "pytorch_lora_weights.safetensors"), framework="pt") as f:
-        return {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
-
-
 def _loaded_lora(kind: str, pipe, lora_dir) -> dict:
-    """The adapter as diffusers loads it: {module.lora_X.weight: tensor} of the pipeline's transformer."""
-    import torch
     from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
-    cls = CogVideoXPipeline if kind == "t2v" else CogVideoXImageToVideoPipeline
-    pipeline = cls.from_pretrained(str(pipe), torch_dtype=torch.float32)
-    pipeline.load_lora_weights(str(lora_dir))
-    out = {}
-    for k, v in pipeline.transformer.state_dict().items():
-        if ".lora_" in k:
-            module, part, _adapter, rest = k.rsplit(".", 3)
-            out[f"{module}.{part}.{rest}"] = v
-    return out
+    return loaded_lora(CogVideoXPipeline if kind == "t2v" else CogVideoXImageToVideoPipeline, pipe, lora_dir)
 
 
 def _doc_row(script: str, config: str) -> str:
@@ -238,16 +214,16 @@ def test_accel_npu_trains_checkpoints_resumes_and_saves_a_lora_that_loads(runs, 
     assert "Resuming from checkpoint checkpoint-4" in resumed.stdout + resumed.stderr  # the script's own print
     # resumed at step 4: only checkpoint-6 is new (a fresh start would have rewritten checkpoint-2)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert _master_lora(out / "checkpoint-4").keys() == at4[kind].keys()
-    final = _master_lora(out / "checkpoint-6")
+    assert master_lora(out / "checkpoint-4").keys() == at4[kind].keys()
+    final = master_lora(out / "checkpoint-6")
     assert len(final) == 8 and any(not torch.equal(final[k], at4[kind][k]) for k in final)  # steps 5-6 trained
     # the save hook's LoRA in checkpoint-4: the master weights as the bf16 engine holds them
-    in_ckpt = _lora_file(out / "checkpoint-4")
+    in_ckpt = lora_file(out / "checkpoint-4")
     assert in_ckpt.keys() == at4[kind].keys()
     for k, v in in_ckpt.items():
         assert torch.equal(v.float(), at4[kind][k].to(torch.bfloat16).float()), k
     # the final LoRA (the script casts the transformer to fp32 first, --mixed_precision unset): bf16 values
-    saved = _lora_file(out)
+    saved = lora_file(out)
     assert saved.keys() == final.keys()
     for k, v in saved.items():
         assert v.dtype == torch.float32 and torch.equal(v, final[k].to(torch.bfloat16).float()), k

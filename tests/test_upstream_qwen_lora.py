@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, explain, one_rank_deepspeed_group
+from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
@@ -181,27 +182,10 @@ def _train(config, pipe, images, out, steps: int, *extra: str):
     return accelerate_launch(args, env=with_torchvision(base_env()), timeout=400, cwd=out.parent)
 
 
-def _master_lora(ckpt) -> dict:
-    """DeepSpeed's own reading of a checkpoint: {peft name without adapter: fp32 master weight}."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
-    return {k.replace(".default.", "."): v for k, v in state.items() if ".lora_" in k}
-
-
 def _loaded_lora(pipe, lora_dir) -> dict:
-    """The adapter as diffusers loads it: {module.lora_X.weight: tensor} of the pipeline's transformer."""
-    import torch
     from diffusers import QwenImagePipeline
 
-    pipeline = QwenImagePipeline.from_pretrained(str(pipe), torch_dtype=torch.float32)
-    pipeline.load_lora_weights(str(lora_dir))
-    out = {}
-    for k, v in pipeline.transformer.state_dict().items():
-        if ".lora_" in k:
-            module, kind, _adapter, rest = k.rsplit(".", 3)
-            out[f"{module}.{kind}.{rest}"] = v
-    return out
+    return loaded_lora(QwenImagePipeline, pipe, lora_dir)
 
 
 @pytest.mark.slow
@@ -217,15 +201,15 @@ def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_p
     first = _train(config, pipe, images, out, 4)
     assert first.returncode == 0, explain(first)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2", "checkpoint-4"]
-    at4 = _master_lora(out / "checkpoint-4")
+    at4 = master_lora(out / "checkpoint-4")
     second = _train(config, pipe, images, out, 6, "--resume_from_checkpoint", "latest")
     assert second.returncode == 0, explain(second)
     assert "Resuming from checkpoint checkpoint-4" in second.stdout + second.stderr  # the script's own print
     # resumed at step 4: only checkpoint-6 is new (a fresh start would have rewritten checkpoint-2)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == \
         ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert _master_lora(out / "checkpoint-4").keys() == at4.keys()
-    final = _master_lora(out / "checkpoint-6")
+    assert master_lora(out / "checkpoint-4").keys() == at4.keys()
+    final = master_lora(out / "checkpoint-6")
     assert len(final) == 16 and any(not torch.equal(final[k], at4[k]) for k in final)  # steps 5-6 trained
 
     # the final LoRA file: every tensor whole, equal to the trained master weights (saved in bf16)

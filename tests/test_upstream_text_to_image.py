@@ -29,16 +29,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.launch_utils import BIN, REPO, SCRIPTS, UPSTREAM_EXAMPLES, base_env, free_port, shipped_zero_configs
+from tests.official_scripts import StreamedLaunch, fixed_copy, line_of
 from tests.torchvision_site import with_torchvision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -55,80 +54,17 @@ STOCK_FINAL_SAVE = ",".join([
     "deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__"])
 
 
-def _line_of(text: str) -> int:
-    lines = UPSTREAM.read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if line.strip() == text)
-
-
-class Run:
-    """One `accelerate launch` of the upstream script, output collected, the time each step showed."""
+class Run(StreamedLaunch):
+    """One `accelerate launch` of the upstream script (or the fixed copy) with this file's arguments."""
 
     def __init__(self, cfg: Path, out: Path, extra: list[str], env: dict, workdir: Path, script: Path = UPSTREAM,
                  steps: int = STEPS):
-        self.out = out
-        self.steps = steps
         args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
                 str(cfg), str(script), "--pretrained_model_name_or_path", str(workdir / "model"),
                 "--train_data_dir", str(workdir / "data"), "--caption_column", "text", "--resolution", "16",
                 "--train_batch_size", "2", "--max_train_steps", str(steps), "--learning_rate", "1e-3",
                 "--seed", "0", "--output_dir", str(out), "--dataloader_num_workers", "0", *extra]
-        self.text = []
-        self.step_seen: dict[int, float] = {}
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=workdir)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        buf = ""
-        while True:
-            chunk = self.proc.stdout.read1(4096).decode(errors="replace") if self.proc.stdout else ""
-            if not chunk:
-                self.exited = time.monotonic()  # the launcher and its workers closed their output: they ended
-                break
-            buf += chunk
-            self.text.append(chunk)
-            if "CollectiveMisuseError: " in buf and not hasattr(self, "error_seen"):
-                self.error_seen = time.monotonic()
-            for n in map(int, re.findall(rf"\| (\d+)/{self.steps} \[", buf[-2000:])):
-                self.step_seen.setdefault(n, time.monotonic())
-            buf = buf[-4000:]
-
-    def wait(self, timeout: float) -> int:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self.reader.join(10)
-        self.ended = time.monotonic()
-        return self.proc.returncode
-
-    def kill(self):
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers (a session of their own)
-        self.proc.wait(30)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.text)
-
-    def explain(self) -> str:
-        return f"exit {self.proc.returncode}\n{self.output[-8000:]}"
-
-
-def _fixed_script(directory: Path) -> Path:
-    """The upstream script with the one-line fix the error gives (and its import), written to a
-    temporary directory: what a user does after reading the error. Item 1's flow needs it."""
-    lines = UPSTREAM.read_text().splitlines(keepends=True)
-    guard = _line_of("if global_step % args.checkpointing_steps == 0:")  # the next line is the `if` to fix
-    assert lines[guard].strip() == "if accelerator.is_main_process:"
-    indent = lines[guard][:len(lines[guard]) - len(lines[guard].lstrip())]
-    lines[guard] = indent + "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:\n"
-    imports = _line_of("from accelerate.utils import ProjectConfiguration, set_seed") - 1
-    lines[imports] = "from accelerate.utils import DistributedType, ProjectConfiguration, set_seed\n"
-    path = directory / "train_text_to_image_fixed.py"
-    path.write_text("".join(lines))
-    return path
+        super().__init__(args, env, workdir, steps, out)
 
 
 def _unet_state(directory: Path) -> dict:
@@ -214,7 +150,7 @@ def runs(tmp_path_factory):
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(work / "datasets-cache")))
     stock = {"save_state": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_SAVE_STATE),
              "final": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_FINAL_SAVE)}
-    fixed = _fixed_script(work)
+    fixed = fixed_copy(UPSTREAM, work, "train_text_to_image_fixed.py")
     ckpt = ["--checkpointing_steps", str(CKPT), "--resume_from_checkpoint", "latest"]
     results = {}
     t0 = time.monotonic()
@@ -377,7 +313,7 @@ def test_rank0_only_validation_under_zero3_stops_every_rank_with_one_error_namin
     assert run.proc.returncode not in (0, None), run.explain()
     assert VALIDATION_STEPS in run.step_seen and hasattr(run, "error_seen"), run.explain()
     assert run.exited - run.step_seen[VALIDATION_STEPS] < 60, run.explain()
-    guard = _line_of("if args.validation_prompts is not None and epoch % args.validation_epochs == 0:") - 1
+    guard = line_of(UPSTREAM, "if args.validation_prompts is not None and epoch % args.validation_epochs == 0:") - 1
     text = run.output
     for rank in (0, 1):
         assert f"[rank{rank}]: accel_npu._torch.dist.CollectiveMisuseError: {UPSTREAM}:" in text, run.explain()

@@ -119,24 +119,21 @@ def _save_model(wrapped, instance, args, kwargs):
         streaming_save_model(instance, engine, save_directory, max_shard_size, safe)
 
 
-def _wait_for_everyone(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import boundary, serving
+def _idle_point(name: str):
+    """A wrapper for an accelerate call every rank reaches with nothing in flight (wait_for_everyone,
+    end_training): the step-boundary window closes there, and idle ranks serve rank 0's ZeRO-3 gathers."""
 
-    if boundary.window_open():
-        boundary.clean_point("wait_for_everyone")
-    if serving.zero3_multi_rank():
-        serving.idle("wait_for_everyone")
-    return wrapped(*args, **kwargs)
+    def wrapper(wrapped, instance, args, kwargs):
+        from accel_npu.plugins.checkpoints import boundary, serving
 
+        if boundary.window_open():
+            boundary.clean_point(name)
+        if serving.zero3_multi_rank():
+            serving.idle(name)
+        return wrapped(*args, **kwargs)
 
-def _end_training(wrapped, instance, args, kwargs):
-    from accel_npu.plugins.checkpoints import boundary, serving
-
-    if boundary.window_open():
-        boundary.clean_point("end_training")
-    if serving.zero3_multi_rank():
-        serving.idle("end_training")
-    return wrapped(*args, **kwargs)
+    wrapper.__name__ = f"_{name}"
+    return wrapper
 
 
 _boundary = None  # plugins/checkpoints/boundary.py, imported by the first backward (not inside `import torch`)
@@ -237,13 +234,13 @@ WAIT_FOR_EVERYONE = Patch(
            "own (`if accelerator.is_main_process: save...; accelerator.wait_for_everyone()`): it serves rank 0's "
            "gathers instead of leaving rank 0 to write shape-[0] tensors.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=_wait_for_everyone)
+    wrapper=_idle_point("wait_for_everyone"))
 END_TRAINING = Patch(
     target="accelerate.accelerator:Accelerator.end_training", supports=_SUPPORTS,
     reason="diffusers' scripts save on rank 0 while the other ranks reach end_training() and destroy the process "
            "group: under ZeRO-3 they serve rank 0's gathers first, so the saved model is whole.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=_end_training)
+    wrapper=_idle_point("end_training"))
 GATHERED_ENTER = Patch(
     target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
     supports="deepspeed>=0.16,<0.20",
