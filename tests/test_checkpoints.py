@@ -307,3 +307,88 @@ def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_p
     saved = load_file(str(out / "model.safetensors"))
     assert {k: v.float().sum().item() for k, v in saved.items()} == rec[0]["reference"]
     assert saved["0.weight"].shape == (32, 16)
+
+
+FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
+                                "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+                "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}
+
+
+def _dcp_tensors(directory):
+    """A torch.distributed.checkpoint folder read back whole, offline (torch's own converter)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = directory.parent / f"{directory.parent.name}_{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(target))
+    return torch.load(target, weights_only=False)
+
+
+@pytest.mark.slow
+def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fails_on_every_rank(tmp_path):
+    """FSDP's save_state is collective (accelerate's save_fsdp_model / save_fsdp_optimizer write every
+    rank's shards). Rank 0 alone right after the optimizer step: the other rank serves it, and the
+    checkpoint equals the one every rank writes with the one-line fix (model and optimizer tensors, both
+    ranks' RNG states). Mid-step: CollectiveMisuseError within the timeout on both ranks. Stock half
+    (the save_state, backward and optimizer-step patches off): the rank-0-only save hangs."""
+    import torch
+    import yaml
+
+    from tests.launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, free_port, results, \
+        run_concurrently
+    from tests.official_scripts import StreamedLaunch
+
+    cfg = tmp_path / "fsdp2.yaml"
+    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    script = SCRIPTS / "rank0_only_save.py"
+    env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5")
+    stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES=",".join(
+        f"accelerate.{t}" for t in ("accelerator:Accelerator.save_state", "accelerator:Accelerator.backward",
+                                    "optimizer:AcceleratedOptimizer.step")))
+    stock = StreamedLaunch([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()),
+                            "--config_file", str(cfg), str(script), "save_state", str(tmp_path / "stock")],
+                           stock_env, tmp_path)
+
+    def launch(mode, out):
+        return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode, str(tmp_path / out)],
+                                         env=env, timeout=240)
+
+    boundary, fixed, mid = run_concurrently(launch("save_state", "boundary"), launch("save_state_every_rank", "fixed"),
+                                            launch("save_state_midstep", "mid"))
+    for proc in (boundary, fixed):
+        assert proc.returncode == 0 and [r.get("result") for r in results(proc)] == ["saved"], explain(proc)
+    names = sorted(p.relative_to(tmp_path / "fixed").as_posix() for p in (tmp_path / "fixed").rglob("*"))
+    assert names == sorted(p.relative_to(tmp_path / "boundary").as_posix() for p in (tmp_path / "boundary").rglob("*"))
+    assert "random_states_1.pkl" in names and "pytorch_model_fsdp_0/__1_0.distcp" in names, names
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        ours, reference = _dcp_tensors(tmp_path / "boundary" / part), _dcp_tensors(tmp_path / "fixed" / part)
+        flat_ours, flat_ref = torch.utils._pytree.tree_flatten(ours)[0], torch.utils._pytree.tree_flatten(reference)[0]
+        assert len(flat_ours) == len(flat_ref) > 0
+        for a, b in zip(flat_ours, flat_ref):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), part
+    for rank in (0, 1):  # accelerate writes them with torch.save: python, numpy and torch generator states
+        name = f"random_states_{rank}.pkl"
+        ours, reference = (torch.load(tmp_path / d / name, weights_only=False) for d in ("boundary", "fixed"))
+        assert ours.keys() == reference.keys() and "torch_manual_seed" in ours, name
+        assert torch.equal(ours["torch_manual_seed"], reference["torch_manual_seed"]), name
+        assert repr(ours["random_state"]) == repr(reference["random_state"]), name
+        assert all((a == b).all() if hasattr(a, "all") else a == b
+                   for a, b in zip(ours["numpy_random_seed"], reference["numpy_random_seed"])), name
+    # mid-step: the clear error on every rank, within the timeout
+    rec = results(mid)
+    assert mid.returncode != 0 and len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(mid)
+    assert 5 <= rec[0]["seconds"] < 20 and "under FSDP is a collective" in rec[0]["message"], rec
+    assert "DistributedType.FSDP" in rec[0]["message"], rec
+    text = mid.stdout + mid.stderr
+    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text, explain(mid)
+    assert not (tmp_path / "mid").exists()
+    # stock: rank 0's save never completes (no RESULT line) while the launch is still running a minute in
+    try:
+        stock.proc.wait(max(1.0, 60 - (__import__("time").monotonic() - stock.started)))
+    except Exception:  # noqa: BLE001 - still running: the hang
+        pass
+    still_running = stock.proc.poll() is None
+    stock.kill() if still_running else None
+    stock.wait(30)
+    assert still_running and "RESULT" not in stock.output, stock.explain()

@@ -70,10 +70,11 @@ def _store_and_world():
         return None, 1, 0
 
 
-def rendezvous(op: str, timeout: float, advice="") -> None:
+def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO") -> None:
     """Return once every rank has entered ``rendezvous(op)``; else, after ``timeout`` seconds, raise
     :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice`` (a string, or
-    a callable returning one, called only then: e.g. to name the caller's line).
+    a callable returning one, called only then: e.g. to name the caller's line). ``under`` names what
+    makes ``op`` a collective here (DeepSpeed ZeRO, FSDP).
 
     Uses the process group's key-value store (no collective, so it cannot hang). Calls pair up by
     *generation*, not by a per-process call count: a generation ends "done" when the last rank
@@ -109,7 +110,7 @@ def rendezvous(op: str, timeout: float, advice="") -> None:
     if callable(advice):
         advice = advice()
     raise CollectiveMisuseError(
-        f"accelerator.{op}() under DeepSpeed ZeRO is a collective, but only rank(s) {present} "
+        f"accelerator.{op}() under {under} is a collective, but only rank(s) {present} "
         f"entered it; rank(s) {missing} did not within {timeout:g} s "
         f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
         f"group times out, or gather the whole model into this rank's memory. "

@@ -46,6 +46,8 @@ _SUPPORTS = "accelerate>=1.10,<1.16"
 def _save_state(wrapped, instance, args, kwargs):
     from accel_npu.plugins.checkpoints import state as checkpointing
 
+    if checkpointing.is_fsdp(instance) and instance.num_processes > 1:
+        return _fsdp_save_state(wrapped, instance, args, kwargs)
     if not checkpointing.is_deepspeed(instance) or any(
             getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models):
         return wrapped(*args, **kwargs)  # node-local storage: each node's rank 0 publishes its own
@@ -62,6 +64,25 @@ def _save_state(wrapped, instance, args, kwargs):
             return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
     except checkpointing.CollectiveMisuseError as exc:
         boundary.save_failed(announced, exc)  # every rank stops with this error, not the transport's
+        raise
+
+
+def _fsdp_save_state(wrapped, instance, args, kwargs):
+    """Under FSDP save_state is collective too (accelerate's save_fsdp_model / save_fsdp_optimizer: every
+    rank writes or gathers its shards). Rank 0 alone at a step boundary is served by the others; anywhere
+    else it fails in time, naming the line, instead of hanging."""
+    from accel_npu.plugins.checkpoints import boundary, state as checkpointing
+
+    output_dir = argument(args, kwargs, 0, "output_dir")
+    safe = argument(args, kwargs, 1, "safe_serialization", True)
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in ("output_dir", "safe_serialization")}
+    announced = boundary.announce_save_state(output_dir, safe, model_kwargs)
+    try:
+        with boundary.inside_save():
+            checkpointing.rendezvous("save_state", fsdp=True)
+            return wrapped(*args, **kwargs)
+    except checkpointing.CollectiveMisuseError as exc:
+        boundary.save_failed(announced, exc)
         raise
 
 
@@ -154,8 +175,15 @@ def _backward(wrapped, instance, args, kwargs):
         if clearer is None:
             raise
         raise clearer from None
-    if instance.sync_gradients:  # DeepSpeedEngineWrapper.backward has run engine.step()
-        _boundary.after_step(instance)
+    if instance.sync_gradients:
+        _boundary.after_backward(instance)  # DeepSpeed: DeepSpeedEngineWrapper.backward has run engine.step()
+    return result
+
+
+def _optimizer_step(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _boundary is not None and _boundary._w.enabled and instance.gradient_state.sync_gradients:
+        _boundary.after_optimizer_step()  # FSDP: the step the script calls after backward
     return result
 
 
@@ -295,6 +323,11 @@ def _iter_patch(cls):
         remove_when="with the Accelerator.backward patch", wrapper=_dataloader_iter)
 
 
+OPTIMIZER_STEP = Patch(
+    target="accelerate.optimizer:AcceleratedOptimizer.step", supports=_SUPPORTS,
+    reason="Under FSDP the optimizer step follows backward (unlike DeepSpeed's engine.step in backward): the step "
+           "boundary where the other ranks serve rank 0's save_state (diffusers #2606) opens after it.",
+    remove_when="with the Accelerator.backward patch", wrapper=_optimizer_step)
 DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
 DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")
 SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
@@ -304,7 +337,7 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
             DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
-            BACKWARD, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
+            BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl

@@ -7,8 +7,9 @@ own shards): stock hangs there (diffusers #2606). But every rank has just finish
 ``step()``, and until a rank draws its next batch or enters its next collective, its model,
 optimizer, scheduler and RNG states are exactly what the checkpoint must hold. So:
 
-- after each optimizer step (``Accelerator.backward`` with ``sync_gradients`` under DeepSpeed) a
-  *window* opens on every rank;
+- after each optimizer step (``Accelerator.backward`` with ``sync_gradients`` under DeepSpeed, whose
+  engine steps inside backward; the script's ``optimizer.step()`` under FSDP, where save_state is
+  collective too) a *window* opens on every rank;
 - a rank other than 0 closes its window at its first clean point: its next batch from a prepared
   DataLoader (a new epoch's ``__iter__`` included: it synchronises RNG states, a collective), its
   first collective, or an idle point (``wait_for_everyone``, ``end_training``). There it *pauses*:
@@ -51,7 +52,8 @@ class _Window:
     """This process's view of the optimizer-step boundaries."""
 
     def __init__(self):
-        self.enabled: bool | None = None  # DeepSpeed with more than one rank (decided at the first backward)
+        self.enabled: bool | None = None  # DeepSpeed or FSDP with more than one rank (decided at the first backward)
+        self.fsdp = False  # the boundary is after the optimizer step the script calls, not inside backward
         self.main = False
         self.step = 0  # optimizer steps this process finished
         self.open = False  # between the last step and this process's next clean point
@@ -67,7 +69,8 @@ def _decide(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     sess = serving._session()
-    _w.enabled = accelerator.distributed_type == DistributedType.DEEPSPEED and sess is not None
+    _w.enabled = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP) and sess is not None
+    _w.fsdp = accelerator.distributed_type == DistributedType.FSDP
     if _w.enabled:
         _w.main = sess[2] == 0
         if _w.main:
@@ -83,11 +86,18 @@ def before_backward(accelerator) -> bool:
     return _decide(accelerator) if enabled is None else enabled
 
 
-def after_step(accelerator) -> None:
-    """An optimizer step has just finished on this rank: open the window."""
+def after_backward(accelerator) -> None:
+    """A backward that syncs gradients finished on this rank. Under DeepSpeed the optimizer step ran in it:
+    open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step)."""
     if _w.accelerator is None or _w.accelerator() is not accelerator:
         _w.accelerator = weakref.ref(accelerator)
-    open_window()
+    if not _w.fsdp:
+        open_window()
+
+
+def after_optimizer_step() -> None:
+    if _w.fsdp:
+        open_window()
 
 
 def open_window() -> None:
@@ -260,10 +270,11 @@ def _before_collective(name: str) -> None:
         if guard is not None:
             _w.open = False
             message = (f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
-                       f"right after an optimizer step: under DeepSpeed ZeRO (a ZeRO-3 model gathers its layers) "
+                       f"right after an optimizer step: under DeepSpeed ZeRO or FSDP (a sharded model gathers its layers) "
                        f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
                        f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
-                       f"`{callsite.FIX}` (from accelerate.utils import DistributedType), so every rank runs it.")
+                       f"`{callsite.FIX.replace('DEEPSPEED', 'FSDP') if _w.fsdp else callsite.FIX}` "
+                       f"(from accelerate.utils import DistributedType), so every rank runs it.")
             error = CollectiveMisuseError(message)
             publish_abort(message)
             raise error

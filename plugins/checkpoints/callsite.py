@@ -58,10 +58,12 @@ def describe(call: str) -> str:
     return where
 
 
-def fix_for(call: str) -> str:
-    """The one-line fix, with the script's line when it can be found."""
+def fix_for(call: str, kind: str = "DEEPSPEED") -> str:
+    """The one-line fix (``kind``: the accelerate DistributedType that makes ``call`` collective), with the
+    script's line when it can be found."""
     site = user_frame()
     guard = main_process_guard(*site) if site is not None else None
     at = f"{site[0]}:{guard[0]}: " if guard is not None else ""
-    return (f"Fix (one line): {at}`{FIX}` (from accelerate.utils import DistributedType), so every rank calls "
+    fix = FIX.replace("DistributedType.DEEPSPEED", f"DistributedType.{kind}")
+    return (f"Fix (one line): {at}`{fix}` (from accelerate.utils import DistributedType), so every rank calls "
             f"{call}.")

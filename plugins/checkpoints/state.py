@@ -56,7 +56,7 @@ def collective_timeout() -> float:
     return environment.seconds("ACCEL_NPU_COLLECTIVE_TIMEOUT")
 
 
-def rendezvous(op: str, timeout: float | None = None) -> None:
+def rendezvous(op: str, timeout: float | None = None, fsdp: bool = False) -> None:
     """Return once every rank has called ``rendezvous(op)``; else a :class:`CollectiveMisuseError`
     after ``timeout`` (``ACCEL_NPU_COLLECTIVE_TIMEOUT``) naming the script line that called it, the
     `if` around it, and what to call instead."""
@@ -65,9 +65,10 @@ def rendezvous(op: str, timeout: float | None = None) -> None:
         where = callsite.describe(call)
         if not where:
             return _INSTEAD.get(op, "")
-        return f"{where}. {callsite.fix_for(call)} {_INSTEAD.get(op, '')}"
+        return f"{where}. {callsite.fix_for(call, 'FSDP' if fsdp else 'DEEPSPEED')} {_INSTEAD.get(op, '')}"
 
-    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, advice)
+    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, advice,
+                    under="FSDP" if fsdp else "DeepSpeed ZeRO")
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,6 +77,12 @@ def is_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def zero_stage(accelerator) -> int:

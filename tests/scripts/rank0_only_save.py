@@ -1,11 +1,12 @@
-"""A script that saves inside ``if accelerator.is_main_process:`` under DeepSpeed ZeRO-3 (a common
+"""A script that saves inside ``if accelerator.is_main_process:`` under DeepSpeed ZeRO-3 or FSDP (a common
 mistake: DiT4DiT, diffusers #2606). usage: rank0_only_save.py MODE OUT_DIR
 
-MODE: save_state | save_state_busy | save_state_midstep | save_model | save_model_busy. Rank 0 saves
-right after the optimizer step; with ``_busy`` the other ranks are not idle while it does (they sleep
-ACCEL_NPU_COLLECTIVE_TIMEOUT + 5 s first, as a rank training on would be elsewhere); otherwise they
-wait in ``accelerator.wait_for_everyone()``. ``save_state_midstep``: rank 0 saves between forward
+MODE: save_state | save_state_busy | save_state_midstep | save_state_every_rank | save_model | save_model_busy.
+Rank 0 saves right after the optimizer step; with ``_busy`` the other ranks are not idle while it does
+(they sleep ACCEL_NPU_COLLECTIVE_TIMEOUT + 5 s first, as a rank training on would be elsewhere);
+otherwise they wait in ``accelerator.wait_for_everyone()``. ``save_state_midstep``: rank 0 saves between forward
 and backward while the others go on into backward (its collectives); the exception propagates.
+``save_state_every_rank``: the one-line fix (every rank calls save_state), the reference checkpoint.
 
 Prints ``RESULT {json}`` from the main process: the exception it got, or "saved" with the sum of
 every parameter (gathered on every rank afterwards, the documented way) to compare with the file.
@@ -17,10 +18,11 @@ import time
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 
 mode, out_dir = sys.argv[1], sys.argv[2]
 accelerator = Accelerator()
-torch.manual_seed(0)
+set_seed(0)  # python, numpy and torch: the checkpoint's RNG states compare across runs
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randn(8, 4)),
@@ -39,13 +41,17 @@ if mode == "save_state_midstep" and accelerator.is_main_process:
         raise
 accelerator.backward(loss)
 optimizer.step()
+if mode == "save_state_every_rank":
+    accelerator.save_state(out_dir)
 if mode.endswith("_busy") and not accelerator.is_main_process:
     time.sleep(float(os.environ.get("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30")) + 5)
 outcome = None
 if accelerator.is_main_process:
     started = time.monotonic()
     try:
-        if mode.startswith("save_state"):
+        if mode == "save_state_every_rank":
+            pass  # saved above, on every rank
+        elif mode.startswith("save_state"):
             accelerator.save_state(out_dir)
         else:
             accelerator.save_model(model, out_dir)
