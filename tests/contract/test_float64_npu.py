@@ -5,9 +5,10 @@ in ``maybe_adjust_dtype_for_device`` (``src/diffusers/utils/torch_utils.py:107,1
 UNets', Flux's, Flux2's, HiDream's, Krea2's and the sin-cos tables' float64 paths go through, but
 Lumina2 guards only mps: ``transformer_lumina2.py:245``
 ``freqs_dtype = torch.float32 if torch.backends.mps.is_available() else torch.float64`` builds
-complex128 tables (``embeddings.py:1164-1181``, ``torch.polar`` of float64 on the CPU), and
-``_get_freqs_cis`` (``:251-262``) moves them to the device each forward, where ``apply_rotary_emb``
-multiplies the queries and keys by them.
+complex128 tables (``embeddings.py:1120`` ``get_1d_rotary_pos_embed``, ``:1183`` ``torch.polar`` of
+float64 on the CPU), and ``_get_freqs_cis`` (``transformer_lumina2.py:251``) moves them to the device
+each forward, where ``apply_rotary_emb`` (``embeddings.py:1239``, ``x_rotated * freqs_cis``; called at
+``transformer_lumina2.py:114-115``) multiplies the queries and keys by them. All lines: diffusers v0.40.0.
 
 Witness: the real Lumina2Transformer2DModel (tiny, random weights) runs a forward on the CPU in a
 process whose backend is npu (the stand-in torch_npu), under a TorchDispatchMode that records the
