@@ -15,6 +15,10 @@
   warning instead of raising. On the npu backend AdamW defaults to the fused kernel and never
   hands a GradScaler's ``grad_scale``/``found_inf`` to it (torch_npu's fused mode does not take
   them); the scaler unscales the gradients itself instead.
+- float64 on the npu backend (docs/float64.md): many NPU kernels reject float64/complex128
+  (diffusers #10428); diffusers downcasts its RoPE tables on "npu" devices
+  (``maybe_adjust_dtype_for_device``) except where a model guards only "mps". ``float64.py`` covers
+  those paths in the models the official training scripts train.
 """
 from __future__ import annotations
 
@@ -253,6 +257,19 @@ ADAMW_INIT = Patch(
 )
 
 
+# -- 7. float64 on the npu backend (float64.py, imported when diffusers' module is) ---------------------
+LUMINA2_FREQS_CIS = Patch(
+    target="diffusers.models.transformers.transformer_lumina2:Lumina2RotaryPosEmbed._precompute_freqs_cis",
+    supports="diffusers>=0.33,<0.43",
+    reason="diffusers transformer_lumina2.py:245 (v0.40.0) builds complex128 RoPE tables unless mps is "
+           "available and moves them to the device each forward; NPU kernels reject float64/complex128 "
+           "(diffusers #10428): on the npu backend the tables are complex64, as on mps.",
+    remove_when="diffusers' Lumina2RotaryPosEmbed downcasts for npu (maybe_adjust_dtype_for_device), "
+                "not as of main 58eb52c080 (2026-08)",
+    wrapper="accel_npu.plugins.precision.float64:lumina2_freqs_cis",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, GRAD_SCALER, BF16_NUMPY, ADAMW_INIT]
+    return [AUTOCAST, GRAD_SCALER, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS]
