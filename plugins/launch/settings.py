@@ -155,12 +155,11 @@ def _launch_command(wrapped, instance, args, kwargs):
 LAUNCH_COMMAND = Patch(
     target="accelerate.commands.launch:launch_command",
     supports="accelerate>=1.10,<1.16",
-    reason="A relative deepspeed_config_file is resolved against each worker's cwd, so a config pair "
-           "in launch_configs/ or an installed package works from one directory only; and accelerate "
-           "configs cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...): accel-npu config's "
-           "sidecar is applied here.",
-    remove_when="accelerate resolves config-relative paths and gains an env section in its config "
-                "(the sidecar part stays: it is accel-npu's own feature)",
+    # accelerate configs also cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...):
+    # `accel-npu config`'s sidecar is applied here.
+    reason="A relative deepspeed_config_file resolves against each worker's cwd, so a shipped config "
+           "works from one directory only; also applies the sidecar.",
+    remove_when="accelerate resolves config-relative paths (the sidecar part stays: accel-npu's own)",
     wrapper=_launch_command,
 )
 
