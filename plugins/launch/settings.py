@@ -1,11 +1,11 @@
-"""Launch settings written by `accel-npu config`, applied by `accelerate launch` (issue 6).
+"""Launch settings written by `accel-npu config`, applied by `accelerate launch`.
 
 Two things happen in the ``accelerate launch`` process, before any worker starts:
 
 1. **Sidecar environment**: the accelerate config being launched may have a sidecar
    ``<stem>.accel-npu.yaml`` beside it (``env:`` mapping). Its variables are set for the training
    processes, except those already set in the launching shell (the user's values win). This is
-   what replaces the field report's ``train_8p.sh`` exports (TASK_QUEUE_ENABLE, ...).
+   what replaces the exports of a shell launcher such as ``train_8p.sh`` (TASK_QUEUE_ENABLE, ...).
 2. **deepspeed_config_file relative to the YAML**: stock accelerate hands a relative
    ``deepspeed_config_file`` to the workers as is, so they resolve it against their working
    directory: a config pair in ``launch_configs/`` (or in an installed package) works from one
