@@ -186,7 +186,7 @@ def test_more_processes_than_visible_devices_is_refused():
     assert wizard.problems(s, machine) == []
     s.processes_per_machine = 16
     with pytest.raises(wizard.ConfigError, match=r"--num-processes 16 but only 8 NPU\(s\) are visible .*"
-                                                 r"--num-processes 8 or fewer.*pitfall 7.1"):
+                                                 r"--num-processes 8 or fewer.*assigned to same device"):
         wizard.validate(s, machine)
     # preparing an NPU config on a machine without NPUs: nothing to check against
     assert wizard.problems(s, wizard.Machine(backend="cpu", device_count=0)) == []

@@ -81,7 +81,7 @@ def on_first_forward(model, callback: Callable[[Any], None]) -> None:
 
     Any submodule counts (``vae.decode()`` never calls ``vae.forward()``), including those without
     parameters of their own: CLIP's text embeddings read ``position_embedding.weight.shape`` before
-    calling it (issue 16: SD3/Flux text encoders saw ``max_position_embeddings: 0``). The hooks are
+    calling it (SD3/Flux's CLIP text encoders would see ``max_position_embeddings: 0``). The hooks are
     removed at that first call.
     """
     handles = []

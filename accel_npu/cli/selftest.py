@@ -1,4 +1,4 @@
-"""``accel-npu env --selftest``: the one command to run on a new machine (issue 13 item 11).
+"""``accel-npu env --selftest``: the one command to run on a new machine.
 
 Every check runs in a fresh subprocess with the environment launched workers get (the backend's
 launch defaults, accel-npu's bootstrap): one ``python -m accel_npu.cli.selftest`` process for the

@@ -1,29 +1,10 @@
-"""Atomic sharded checkpoints, collective-misuse guard, rank-0-only saves of ZeRO-3 models, consolidation
-(issue 5 items 2-4, issue 16 items 2-3).
+"""Checkpoints under DeepSpeed: atomic ``save_state``, checked ``load_state``, saves made on rank 0
+alone (diffusers #2606) completed by the other ranks, ZeRO-3 models gathered for a save a group at
+a time, and ``accel-npu consolidate``. docs/checkpoints.md describes each.
 
-Under DeepSpeed:
-- ``save_state`` writes into a hidden sibling directory and renames it into place (``latest``
-  and a manifest last): a SIGKILL mid-save leaves the previous checkpoint loadable;
-- ``load_state`` refuses an incomplete checkpoint with the list of missing files;
-- ``save_state`` called on rank 0 only (``if accelerator.is_main_process:``, diffusers #2606) right
-  after the optimizer step is completed by the other ranks, waiting at their next batch
-  (``boundary.py``); called mid-step it fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds on every
-  rank naming the script line, its ``if`` and the one-line fix, before anything is created; save hooks
-  get one ``weights`` entry per model;
-- ``save_model`` gathers one output shard at a time instead of the whole model on rank 0;
-- ZeRO-3 partitioned models saved on rank 0 alone (``save_pretrained``, ``get_state_dict``,
-  ``save_model``, ``safetensors.torch.save_file`` of parameters) are gathered a group at a time
-  with the other ranks joining from ``wait_for_everyone`` / ``end_training`` (``serving.py``,
-  ``partitioned.py``); a rank that is busy elsewhere makes it fail in time, nothing written;
-- frozen towers kept out of the engine (plugins/frozen_towers) are added back to
-  ``get_state_dict`` results in their own dtype;
-- ``accel-npu consolidate`` (a command this plugin adds) turns a checkpoint into
-  ``from_pretrained`` directories.
-Beside this module: ``state.py`` (atomic save_state, load checks, rendezvous), ``streaming.py``
-(save_model one shard at a time), ``serving.py`` (idle ranks join a rank-0-only gather), ``boundary.py``
-(the step boundary: paused ranks serve rank 0's save_state and gathers),
-``partitioned.py`` (save_pretrained / save_file of partitions), ``callsite.py`` (the script line of
-a misuse), ``consolidate.py``, ``files.py``.
+Beside this module: ``state.py``, ``streaming.py`` (save_model one shard at a time), ``serving.py``
+and ``boundary.py`` (idle ranks serve rank 0's gathers and save_state), ``partitioned.py``,
+``lora.py``, ``callsite.py``, ``consolidate.py``, ``files.py``.
 """
 from __future__ import annotations
 
@@ -229,23 +210,25 @@ def _patch(name, reason, remove_when, wrapper):
 
 SAVE_STATE = _patch(
     "save_state",
-    "A crash or SIGKILL during a DeepSpeed save_state leaves a half-written checkpoint in place of the "
-    "previous one (or beside it, looking complete); consolidation needs the trained components' configs. "
-    "Save hooks get DeepSpeed engines and no weights: hooks written for DDP fail ('unexpected save model').",
+    # Also: save hooks get DeepSpeed engines and no weights, so hooks written for DDP fail
+    # ('unexpected save model'); consolidation needs the trained components' configs.
+    "A crash during a DeepSpeed save_state leaves a half-written checkpoint in place of the previous "
+    "one; it is written aside and renamed into place.",
     "accelerate/DeepSpeed write checkpoints to a temporary directory and publish them atomically",
     _save_state)
 LOAD_STATE = _patch(
     "load_state",
-    "Resume must refuse an incomplete checkpoint with the missing files named, skip interrupted saves "
-    "and recover a checkpoint set aside by an interrupted atomic swap. Load hooks get an empty models "
-    "list under DeepSpeed: hooks written for DDP (diffusers' Sana/SDXL LoRA scripts) fail on None.",
+    # Also: load hooks get an empty models list under DeepSpeed, so hooks written for DDP (diffusers'
+    # Sana/SDXL LoRA scripts) fail on None.
+    "Resume needs a complete checkpoint: an incomplete one is refused naming the missing files, an "
+    "interrupted atomic swap is recovered.",
     "accelerate validates DeepSpeed checkpoints before loading them",
     _load_state)
 GET_STATE_DICT = _patch(
     "get_state_dict",
-    "Under ZeRO-3 get_state_dict is a collective; called inside `if accelerator.is_main_process` "
-    "(DiT4DiT, field report 7.9) rank 0 gathers the whole model or waits until the process-group "
-    "timeout. Frozen towers kept out of the engine must still appear in the state dict.",
+    # Frozen towers kept out of the engine are added back to the state dict.
+    "Under ZeRO-3 get_state_dict is a collective: called on rank 0 alone it gathers the whole model "
+    "there or waits for the process-group timeout.",
     "accelerate detects a collective entered by one rank (and frozen towers are no longer hidden)",
     _get_state_dict)
 SAVE_MODEL = _patch(
@@ -258,28 +241,27 @@ SAVE_MODEL = _patch(
 
 WAIT_FOR_EVERYONE = Patch(
     target="accelerate.state:PartialState.wait_for_everyone", supports=_SUPPORTS,
-    reason="Under ZeRO-3 a rank waiting for the others is idle while rank 0 saves a partitioned model on its "
-           "own (`if accelerator.is_main_process: save...; accelerator.wait_for_everyone()`): it serves rank 0's "
-           "gathers instead of leaving rank 0 to write shape-[0] tensors.",
+    reason="Under ZeRO-3 rank 0 saving alone writes shape-[0] tensors while the others wait here; "
+           "waiting ranks serve rank 0's gathers.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
     wrapper=_idle_point("wait_for_everyone"))
 END_TRAINING = Patch(
     target="accelerate.accelerator:Accelerator.end_training", supports=_SUPPORTS,
-    reason="diffusers' scripts save on rank 0 while the other ranks reach end_training() and destroy the process "
-           "group: under ZeRO-3 they serve rank 0's gathers first, so the saved model is whole.",
+    reason="diffusers' scripts save on rank 0 while the others destroy the process group in "
+           "end_training(); under ZeRO-3 they serve rank 0's gathers first.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
     wrapper=_idle_point("end_training"))
 GATHERED_ENTER = Patch(
     target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
     supports="deepspeed>=0.16,<0.20",
-    reason="A gather made on one rank for a save (save_pretrained, get_state_dict, save_model) is announced to "
-           "the other ranks first: idle ones join it, busy ones make it fail in time instead of hanging.",
+    reason="A ZeRO-3 gather made on one rank for a save hangs; it is announced first, so idle ranks "
+           "join it and busy ones make it fail in time.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
     wrapper=_gathered_enter)
 DIFFUSERS_SAVE_PRETRAINED = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35,<0.43",
-    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 (diffusers' "
-           "train_text_to_image.py final save): from_pretrained then fails, the trained model is lost.",
+    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
+           "(train_text_to_image.py's final save); the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
     wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained")
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
@@ -298,28 +280,28 @@ SAFETENSORS_SAVE_FILE = Patch(
 PEFT_STATE_DICT = Patch(
     target="peft.utils.save_and_load:get_peft_model_state_dict",
     supports="peft>=0.13,<0.22",
-    reason="Under ZeRO-3 the adapter's parameters are partitioned: get_peft_model_state_dict gives their "
-           "empty state_dict() copies and save_lora_weights writes shape-[0] tensors (exit 0, a LoRA "
-           "load_lora_weights refuses). It hands back the partitioned parameters, which save_file gathers.",
+    # It hands back the partitioned parameters, which save_file gathers.
+    reason="Under ZeRO-3 get_peft_model_state_dict returns empty copies, so save_lora_weights writes "
+           "shape-[0] tensors (exit 0) that load_lora_weights refuses.",
     remove_when="peft gathers ZeRO-3 parameters in get_peft_model_state_dict",
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
 BACKWARD = _patch(
     "backward",
-    "diffusers' official scripts (37 train_*.py of v0.40.0) call save_state inside `if accelerator.is_main_process:` "
-    "right after the optimizer step; under DeepSpeed it is collective and stock hangs (diffusers #2606). Marks the "
-    "step boundary (DeepSpeedEngineWrapper.backward runs engine.step()) so the other ranks serve rank 0's save.",
-    "accelerate/DeepSpeed save checkpoints called on the main process only, or diffusers' scripts call save_state "
-    "on every rank under DeepSpeed",
+    # Marks the step boundary (accelerate's DeepSpeedEngineWrapper.backward runs engine.step()).
+    "diffusers' scripts call save_state on rank 0 only, which under DeepSpeed hangs (diffusers #2606); "
+    "the other ranks serve it at the step boundary.",
+    "accelerate saves a main-process-only save_state under DeepSpeed, or diffusers calls it on every rank",
     _backward)
 
 
 def _iter_patch(cls):
     return Patch(
         target=f"accelerate.data_loader:{cls}.__iter__", supports=_SUPPORTS,
-        reason="A rank's next batch after an optimizer step is its clean point (nothing drawn yet, RNG states as "
-               "at the step): it waits there for rank 0 and serves a save_state rank 0 makes alone (diffusers #2606).",
+        # The next batch after an optimizer step is a rank's clean point: nothing drawn, RNG as at the step.
+        reason="A rank's next batch after an optimizer step is where it waits for rank 0 and serves a "
+               "save_state made alone (diffusers #2606).",
         remove_when="with the Accelerator.backward patch", wrapper=_dataloader_iter)
 
 

@@ -1,6 +1,6 @@
-"""Rank-0-only saves at an optimizer-step boundary, completed by the other ranks (issue 23).
+"""Rank-0-only saves at an optimizer-step boundary, completed by the other ranks.
 
-diffusers' official scripts (37 of v0.40.0's train_*.py) checkpoint with
+diffusers' official training scripts (v0.40.0's train_*.py) checkpoint with
 ``if accelerator.is_main_process: accelerator.save_state(path)`` right after the optimizer step.
 Under DeepSpeed ``save_state`` is collective (every rank's ``engine.save_checkpoint`` writes its
 own shards): stock hangs there (diffusers #2606). But every rank has just finished the same

@@ -1,4 +1,4 @@
-"""``save_pretrained`` / ``safetensors.torch.save_file`` of ZeRO-3 partitioned models (issue 16, item 3).
+"""``save_pretrained`` / ``safetensors.torch.save_file`` of ZeRO-3 partitioned models.
 
 Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, a model
 ``from_pretrained`` refuses. Here:

@@ -1,4 +1,4 @@
-"""Rank-0-only saves of ZeRO-3 partitioned models, completed by the idle ranks (issue 16, item 3).
+"""Rank-0-only saves of ZeRO-3 partitioned models, completed by the idle ranks.
 
 diffusers' training scripts end with ``accelerator.wait_for_everyone(); if
 accelerator.is_main_process: ...; pipeline.save_pretrained(out)``. Under ZeRO-3 with real

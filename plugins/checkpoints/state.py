@@ -1,4 +1,4 @@
-"""Atomic ``save_state`` under DeepSpeed, and the checks before ``load_state`` (issue 5).
+"""Atomic ``save_state`` under DeepSpeed, and the checks before ``load_state``.
 
 - :func:`atomic_save_state`: ``accelerator.save_state(dir)`` writes every rank's shards into a
   hidden sibling directory, then rank 0 writes ``latest``, a manifest and the trained

@@ -119,10 +119,11 @@ CUDA_FUNCTIONS = ("is_available", "device_count", "current_device", "set_device"
 
 # torch.cuda re-exports torch.cuda.memory / torch.cuda.random with `from .memory import *`: the
 # binding scripts call (torch.cuda.empty_cache) is torch.cuda's own attribute, so that is the target.
+# torch_npu/contrib/transfer_to_npu.py maps the same functions to torch.npu, irreversibly.
 TORCH_CUDA = [
     Patch(target=f"torch.cuda:{name}", supports=_SUPPORTS,
-          reason=f"torch.cuda.{name}() in CUDA-written code raises or misleads without CUDA ('Torch not compiled "
-                 f"with CUDA enabled'); torch_npu/contrib/transfer_to_npu.py maps it to torch.npu irreversibly.",
+          reason=f"torch.cuda.{name}() without CUDA raises ('Torch not compiled with CUDA enabled') or "
+                 f"misleads; answers for the active device.",
           remove_when=_REMOVE_WHEN, wrapper=_cuda_function(name))
     for name in CUDA_FUNCTIONS
 ]
@@ -174,8 +175,8 @@ def _device_exit(wrapped, instance, args, kwargs):
 
 
 EVENT = Patch(target="torch.cuda.streams:Event.__new__", supports=_SUPPORTS,
-              reason="torch.cuda.Event(enable_timing=True) for step timing: 'Tried to instantiate dummy base class "
-                     "Event' without CUDA (torch/cuda/streams.py); torch.npu.Event on npu, a host timer on cpu.",
+              reason="torch.cuda.Event() without CUDA: 'Tried to instantiate dummy base class Event' "
+                     "(torch/cuda/streams.py); torch.npu.Event on npu, a host timer on cpu.",
               remove_when=_REMOVE_WHEN, wrapper=_event_new)
 STREAM = Patch(target="torch.cuda.streams:Stream.__new__", supports=_SUPPORTS,
                reason="torch.cuda.Stream() without CUDA: 'Tried to instantiate dummy base class Stream'; "
@@ -245,8 +246,8 @@ def _module_cuda(wrapped, instance, args, kwargs):
 
 
 TENSOR_TO = Patch(target="torch._tensor:Tensor.to", supports=_SUPPORTS,
-                  reason="tensor.to('cuda') / .to(device) with an int CUDA ordinal: 'Torch not compiled with CUDA "
-                         "enabled' without CUDA; the device is remapped to the active one (npu:N or cpu).",
+                  reason="tensor.to('cuda') or to an int CUDA ordinal without CUDA: 'Torch not compiled with CUDA "
+                         "enabled'; remapped to the active device (npu:N or cpu).",
                   remove_when=_REMOVE_WHEN, wrapper=_to)
 TENSOR_CUDA = Patch(target="torch._tensor:Tensor.cuda", supports=_SUPPORTS,
                     reason="tensor.cuda() without CUDA: 'Torch not compiled with CUDA enabled'; moves to the active "
@@ -301,8 +302,8 @@ def _map_location(location):
 
 
 LOAD = Patch(target="torch.serialization:load", supports=_SUPPORTS,
-             reason="torch.load(path, map_location='cuda' / f'cuda:{rank}') without CUDA: 'Attempting to deserialize "
-                    "object on a CUDA device'; the location is remapped to the active device.",
+             reason="torch.load(map_location='cuda:N') without CUDA: 'Attempting to deserialize object on a CUDA "
+                    "device'; remapped to the active device.",
              remove_when=_REMOVE_WHEN, wrapper=_load)
 
 
@@ -321,8 +322,8 @@ def _backend_new(wrapped, instance, args, kwargs):
 
 
 NCCL_BACKEND = Patch(target="torch.distributed.distributed_c10d:Backend.__new__", supports=_SUPPORTS,
-                     reason="dist.init_process_group('nccl') / new_group(backend='nccl') without CUDA: 'Distributed "
-                            "package doesn't have NCCL built in'; the active backend's (hccl on npu, gloo on cpu).",
+                     reason="init_process_group('nccl') without CUDA: 'Distributed package doesn't have NCCL built "
+                            "in'; runs the active backend (hccl on npu, gloo on cpu).",
                      remove_when=_REMOVE_WHEN, wrapper=_backend_new)
 
 

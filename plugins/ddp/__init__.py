@@ -1,4 +1,4 @@
-"""DDP on models with structurally unused parameters (issue 15 item 4), and CUDA device ids on the cpu backend.
+"""DDP on models with structurally unused parameters, and CUDA device ids on the cpu backend.
 
 A DiT whose last block still has a text stream (``QwenImageTransformer2DModel``: the last
 block's ``txt_mod``/``txt_mlp``/... feed an encoder stream nothing reads) leaves those parameters
@@ -30,7 +30,7 @@ _EXPLICIT = ("find_unused_parameters", "static_graph")
 def _before_first_training_forward(ddp, args, kwargs):
     import torch
 
-    # imported here, not at module level: this plugin is loaded inside `import torch` (issue 15 item 3)
+    # imported here, not at module level: this plugin is loaded inside `import torch`
     from accel_npu._torch.dist import all_ranks_agree
     from accel_npu.plugins.ddp.unused import unused_parameters
 
@@ -91,13 +91,10 @@ def _ddp_init(wrapped, instance, args, kwargs):
 DDP_UNUSED_PARAMETERS = Patch(
     target="torch.nn.parallel.distributed:DistributedDataParallel.__init__",
     supports="torch>=2.4,<2.15",
-    reason="DDP on a DiT with structurally unused parameters (QwenImageTransformer2DModel's last text "
-           "stream) dies at step 2 with 'Expected to have finished reduction in the prior iteration'; "
-           "find_unused_parameters=True trains at a per-step cost. A meta-device probe before the first "
-           "training forward finds them, and only then DDP is told its graph is static. Also: a CUDA-written "
-           "DDP(model, device_ids=[rank]) of a CPU module on the cpu backend raises; the ids are dropped.",
-    remove_when="DDP detects parameters that never get a gradient by itself, or accelerate sets static_graph "
-                "for such models",
+    # Also: DDP(model, device_ids=[rank]) of a CPU module on the cpu backend raises; the ids are dropped.
+    reason="DDP with parameters no forward uses dies at step 2 ('Expected to have finished reduction'); "
+           "a meta-device probe finds them and sets static_graph.",
+    remove_when="DDP detects parameters that never get a gradient itself, or accelerate sets static_graph",
     wrapper=_ddp_init,
 )
 

@@ -1,16 +1,16 @@
-"""DeepSpeed setup as CUDA repos write it, made to work as written (issue 3).
+"""DeepSpeed setup as CUDA repos write it, made to work as written.
 
-- mixed precision (pitfall 7.10): an accelerate config (or ``--mixed_precision``) that sets
+- mixed precision: an accelerate config (or ``--mixed_precision``) that sets
   ``mixed_precision`` beside ``deepspeed_config_file`` is rejected by accelerate 1.15 ("the
   following accelerate config variables will be ignored: [...]"), and a value that disagrees
   with the DeepSpeed JSON is another hard ValueError. Here the DeepSpeed file is the source of
   truth for precision: the launcher (and, for scripts that pass ``Accelerator(mixed_precision=...)``,
   each worker) resolves the two, logs the effective value once, and refuses only a real
   contradiction (fp16 in one, bf16 in the other, both explicit) with one error naming both.
-- a script's hard-coded ``DeepSpeedPlugin(hf_ds_config="...")`` (field report 001 3.1⑤): when
+- a script's hard-coded ``DeepSpeedPlugin(hf_ds_config="...")``: when
   the launch config names a DeepSpeed file, that file wins (logged); without one the script's
   choice stands.
-- ``@torch.inference_mode()`` eval under ZeRO-3 (pitfall 7.8): parameters gathered under
+- ``@torch.inference_mode()`` eval under ZeRO-3: parameters gathered under
   inference mode become inference tensors and the next training forward fails ("Inference
   tensors cannot be saved for backward"). ZeRO-3 parameter fetches run outside inference mode.
 - inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
@@ -76,10 +76,10 @@ def _deepspeed_launcher(wrapped, instance, args, kwargs):
 DEEPSPEED_LAUNCHER = Patch(
     target="accelerate.commands.launch:deepspeed_launcher",
     supports="accelerate>=1.10,<1.16",
-    reason="Pitfall 7.10: mixed_precision in the accelerate config beside deepspeed_config_file fails in "
-           "every worker ('the following accelerate config variables will be ignored'); a mismatch "
-           "with the DeepSpeed JSON is another ValueError. Resolved once in the launcher: the "
-           "DeepSpeed file decides, a real fp16/bf16 contradiction is one error naming both files.",
+    # A mismatch with the DeepSpeed JSON is another ValueError; a real fp16/bf16 contradiction is one
+    # error naming both files, before any worker starts.
+    reason="mixed_precision beside deepspeed_config_file fails in every worker (accelerate's "
+           "_deepspeed_config_checks); the launcher lets the DeepSpeed file decide.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=_deepspeed_launcher,
 )
@@ -114,9 +114,8 @@ def _set_mixed_precision(wrapped, instance, args, kwargs):
 CONFIG_CHECKS = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin._deepspeed_config_checks",
     supports="accelerate>=1.10,<1.16",
-    reason="Pitfall 7.10 (worker side): 'When using `deepspeed_config_file`, the following accelerate "
-           "config variables will be ignored: [...]' for mixed_precision, which set_mixed_precision "
-           "now reconciles with the DeepSpeed file instead.",
+    reason="'the following accelerate config variables will be ignored' for mixed_precision, which "
+           "set_mixed_precision reconciles with the DeepSpeed file instead.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=_config_checks,
 )
@@ -124,9 +123,8 @@ CONFIG_CHECKS = Patch(
 SET_MIXED_PRECISION = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_mixed_precision",
     supports="accelerate>=1.10,<1.16",
-    reason="Pitfall 7.10: '`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed "
-           "config file' and silent overrides; the DeepSpeed file decides, a real fp16/bf16 "
-           "contradiction is one ConfigError naming both sources.",
+    reason="'`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed config file'; the "
+           "file decides, a real fp16/bf16 clash is one ConfigError.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=_set_mixed_precision,
 )
@@ -172,9 +170,9 @@ def _plugin_post_init(wrapped, instance, args, kwargs):
 PLUGIN_POST_INIT = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.__post_init__",
     supports="accelerate>=1.10,<1.16",
-    reason="Field report 001 3.1⑤: a script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently "
-           "overrides the launch config's deepspeed_config_file; the launch-side file now wins "
-           "(logged). Also where accel_npu_configure_deepspeed sees every DeepSpeed config.",
+    # Also where the accel_npu_configure_deepspeed hook sees every DeepSpeed config.
+    reason="A script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently overrides the launch "
+           "config's deepspeed_config_file; the launch-side file wins.",
     remove_when="accelerate prefers the launch config's DeepSpeed file (or warns about the override)",
     wrapper=_plugin_post_init,
 )
@@ -193,9 +191,9 @@ def _fetch_sub_module(wrapped, instance, args, kwargs):
 ZERO3_FETCH = Patch(
     target="deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator.fetch_sub_module",
     supports="deepspeed>=0.16,<0.20",
-    reason="Pitfall 7.8: ZeRO-3 keeps parameters gathered after a forward without backward; gathered "
-           "under @torch.inference_mode() they are inference tensors and the next training forward "
-           "fails ('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
+    # ZeRO-3 keeps parameters gathered after a forward without backward.
+    reason="ZeRO-3 parameters gathered under inference_mode() break the next training forward "
+           "('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters outside inference mode itself",
     wrapper=_fetch_sub_module,
 )
@@ -205,10 +203,10 @@ ZERO3_FETCH = Patch(
 AUTO_MICRO_BATCH_SIZE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
     supports="accelerate>=1.10,<1.16",
-    reason='"train_micro_batch_size_per_gpu": "auto" is read from DataLoader.batch_size only: a DataLoader '
-           "with batch_sampler= (diffusers' bucketing dreambooth LoRA scripts) fails prepare with 'dataloaders "
-           "... has `None` as batch size'. Taken from the batch_sampler; an unresolvable 'auto' is one error "
-           "naming the key and the DeepSpeed file.",
+    # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; an unresolvable "auto" is one
+    # error naming the key and the DeepSpeed file.
+    reason="A micro batch size of 'auto' is read from DataLoader.batch_size only, so batch_sampler= "
+           "fails prepare ('has `None` as batch size'); read from the sampler.",
     remove_when="accelerate reads a DataLoader's batch_sampler.batch_size for the 'auto' micro batch size",
     wrapper=prepare_with_auto_micro_batch_size,
 )
@@ -218,10 +216,10 @@ AUTO_MICRO_BATCH_SIZE = Patch(
 ENGINE_INPUT_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.forward",
     supports="deepspeed>=0.16,<0.20",
-    reason="DeepSpeed casts the engine's module to bf16/fp16 but casts inputs only under fp16.auto_cast "
-           "(runtime/engine.py _cast_inputs_half): diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py "
-           "run frozen towers in fp16 under a bf16 config and stop with 'mat1 and mat2 must have the same "
-           "dtype' (models/embeddings.py); inputs of the other half dtype are cast to the engine's.",
+    # diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py run frozen towers in fp16 under a
+    # bf16 config and stop with 'mat1 and mat2 must have the same dtype' (models/embeddings.py).
+    reason="DeepSpeed casts inputs only under fp16.auto_cast (runtime/engine.py _cast_inputs_half): "
+           "fp16 inputs to a bf16 engine fail; cast to the engine's dtype.",
     remove_when="DeepSpeed casts floating-point inputs to the engine's dtype itself (auto_cast for bf16)",
     wrapper=cast_other_half_inputs,
 )
@@ -229,9 +227,9 @@ ENGINE_INPUT_DTYPE = Patch(
 ZERO3_PARAM_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
     supports="deepspeed>=0.19,<0.20",
-    reason="DeepSpeed skips the bf16/fp16 parameter cast for a model built under zero.Init ('ZeRO-Init params "
-           "are already at the configured dtype', runtime/engine.py); one cast after loading (diffusers' "
-           "cogvideo/train_cogvideox_lora.py: .to(float16) under bf16) then trains in that dtype.",
+    # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config.
+    reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
+           "loading trains in the wrong dtype; partitions are cast.",
     remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
     wrapper=cast_partitioned_params,
 )

@@ -1,4 +1,4 @@
-"""``"train_micro_batch_size_per_gpu": "auto"`` taken from a DataLoader's ``batch_sampler`` (issue 16).
+"""``"train_micro_batch_size_per_gpu": "auto"`` taken from a DataLoader's ``batch_sampler``.
 
 accelerate 1.15 (``Accelerator._prepare_deepspeed``) fills the "auto" from ``DataLoader.batch_size``
 alone. A DataLoader built with ``batch_sampler=`` (bucketing samplers: diffusers'

@@ -151,9 +151,10 @@ VALIDATE_LAUNCH = Patch(
 FSDP_ON_CPU = Patch(
     target="accelerate.state:AcceleratorState.__init__",
     supports="accelerate>=1.10,<1.16",
-    reason="An FSDP launch config on gloo ranks trains as plain DDP: AcceleratorState turns "
-           "FSDP on only for MULTI_GPU/NPU/XPU/... distributed types, never MULTI_CPU, so the "
-           "FSDP config being debugged on CPU is silently not used.",
+    # accelerate/state.py AcceleratorState.__init__ sets DistributedType.FSDP only for
+    # MULTI_GPU/NPU/XPU/..., never MULTI_CPU.
+    reason="An FSDP launch config on gloo ranks silently trains as plain DDP: accelerate/state.py "
+           "turns FSDP on for GPU/NPU/XPU types only, never MULTI_CPU.",
     remove_when="accelerate enables FSDP for DistributedType.MULTI_CPU",
     wrapper=_fsdp_on_cpu,
 )
@@ -161,13 +162,13 @@ FSDP_ON_CPU = Patch(
 CLOSE_GLOO_AT_EXIT = Patch(
     target="accelerate.state:PartialState.__init__",
     supports="accelerate>=1.10,<1.16",
-    reason="A gloo worker that drops its last work (its tensors) after Python starts finalizing "
-           "needs the GIL and aborts the process: 'terminate called without an active exception', "
-           "SIGABRT, exit -6 after training finished (pytorch#190489; the atexit fix pytorch#179291 "
-           "was abandoned). At exit: destroy the default group a script left open, then wait "
-           "until the workers of groups still referenced (DeepSpeed's) are idle.",
-    remove_when="torch joins or quiesces gloo's worker threads before Python finalizes (an atexit "
-                "hook in torch.distributed)",
+    # A gloo worker that drops its last work (its tensors) after Python starts finalizing needs the
+    # GIL and aborts ('terminate called without an active exception'); the atexit fix pytorch#179291
+    # was abandoned. At exit: destroy the default group, then wait until the groups still
+    # referenced (DeepSpeed's) are idle.
+    reason="gloo workers still running at interpreter exit abort a finished run with SIGABRT, exit -6 "
+           "(pytorch#190489); the groups are closed or quiesced at exit.",
+    remove_when="torch.distributed quiesces gloo's worker threads before Python finalizes",
     wrapper=_register_close_at_exit,
 )
 
@@ -195,8 +196,8 @@ def _shm_op_only_when_asked(wrapped, instance, args, kwargs):
 SHM_OP_ONLY_WHEN_ASKED = Patch(
     target="deepspeed.comm.torch:build_shm_op",
     supports="deepspeed>=0.16,<0.20",
-    reason="DeepSpeed's CPU accelerator compiles its shm all-reduce op with g++ before step 1 of a first run ("
-           "fails without a compiler), though ZeRO training never uses it (only inference_all_reduce).",
+    reason="deepspeed/comm/torch.py TorchBackend.__init__ compiles the CPU shm all-reduce op with g++ "
+           "(fails without a compiler); only inference_all_reduce uses it.",
     remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",
     wrapper=_shm_op_only_when_asked,
 )

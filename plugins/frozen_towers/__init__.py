@@ -1,4 +1,4 @@
-"""Frozen towers kept out of the DeepSpeed engine (issue 5, item 1).
+"""Frozen towers kept out of the DeepSpeed engine.
 
 Under DeepSpeed, a frozen fp32 VAE / text encoder held as an attribute of the trained model is
 cast to bf16 by the engine ("Input type (float) and bias type (BFloat16) should be the same")
@@ -54,9 +54,8 @@ def _prepare_with_towers_hidden(wrapped, instance, args, kwargs):
 PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
     supports="accelerate>=1.10,<1.16",
-    reason="DeepSpeed casts every registered parameter to bf16 and ZeRO-3 partitions frozen ones: a "
-           "frozen fp32 VAE/text encoder held by the trained model fails with 'Input type (float) and "
-           "bias type (BFloat16)' and wastes memory (field report 001, 3.3 / 7.4 / 7.5).",
+    reason="DeepSpeed casts a frozen fp32 VAE/text encoder held by the model to bf16 ('Input type "
+           "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
     remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",
     wrapper=_prepare_deepspeed,
 )

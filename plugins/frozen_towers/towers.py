@@ -1,4 +1,4 @@
-"""Frozen towers kept out of the DeepSpeed engine (issue 5, item 1).
+"""Frozen towers kept out of the DeepSpeed engine.
 
 A "tower" is a child module whose parameters are all frozen (a VAE, a text encoder) held as an
 attribute of the model given to ``accelerator.prepare``. DeepSpeed would cast it to bf16

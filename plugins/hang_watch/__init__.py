@@ -1,4 +1,4 @@
-"""Hang diagnosis (pitfall 7.12, issue 13): a stuck collective becomes a report and a failed job.
+"""Hang diagnosis: a stuck collective becomes a report and a failed job.
 
 Stock, a rank that never reaches a collective leaves the others waiting in it silently until the
 process-group timeout (DeepSpeed: 10 minutes; HCCL: ``HCCL_EXEC_TIMEOUT``), and then the error
@@ -32,9 +32,8 @@ _SUPPORTS = "torch>=2.5,<2.15"
 # before accel-npu activates at the end of `import torch`, and the callers (deepspeed.comm,
 # accelerate, torch's FSDP) call `torch.distributed.<name>`. Patching both bindings would wrap
 # twice whenever accel-npu is armed before torch.distributed is imported.
-_REASON = ("Pitfall 7.12 (issue 13): a rank that never reaches a collective leaves the others waiting silently "
-           "until the process-group timeout; counts collectives per group so that after ACCEL_NPU_HANG_TIMEOUT "
-           "every rank prints its stacks, the missing ranks are named and the job fails.")
+_REASON = ("A rank that never reaches a collective leaves the others waiting silently until the timeout; "
+           "counted per group, a hang names the missing ranks.")
 _REMOVE_WHEN = ("torch's own watchdog names the missing ranks and dumps Python stacks on every backend "
                 "(gloo included) before the process-group timeout")
 
@@ -47,8 +46,8 @@ COLLECTIVE_PATCHES = tuple(
 INIT_PROCESS_GROUP = Patch(
     target="torch.distributed:init_process_group",
     supports=_SUPPORTS,
-    reason="Issue 13: start the hang watch as soon as the process group is up, so that a rank stuck before "
-           "its first collective still answers and prints its stacks.",
+    reason="Starts the hang watch as soon as the process group is up, so a rank stuck before its first "
+           "collective still prints its stacks.",
     remove_when=_REMOVE_WHEN,
     wrapper=init_wrapper,
 )

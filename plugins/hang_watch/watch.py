@@ -1,18 +1,10 @@
 """Which collective each rank is in, and the watchdog thread that turns a stuck one into a report.
 
-Hot path (every wrapped collective): a counter per process group, a dict entry for the calling
-thread while the call runs, two time stamps. Nothing leaves the process until a rank suspects a
-hang; then the ranks compare their counters through the process group's key-value store (a
-connection of the watchdog's own, so a main thread blocked in a collective or a store wait does
-not block it), which answers even while one rank is stopped.
-
-A rank suspects a hang when it has been inside one collective call for the hang timeout (gloo, and
-any blocking wait), or when it has entered no collective for that long and another rank is behind
-it (on HCCL/NCCL a collective returns once queued and the host blocks later, in ``.item()`` or a
-synchronize). It then asks every rank for its counters (a query round), names the ranks that did
-not arrive, and sets the store's abort key: every rank that can prints its Python stacks (all
-threads) and the collective it is in, and exits with status 1, so the launcher stops the job
-instead of waiting for the process-group timeout.
+The hot path only counts collectives per process group. A rank that has waited the hang timeout
+(in one call, or idle while another rank is behind: HCCL/NCCL collectives return once queued)
+asks every rank for its counters over the process group's store, on a connection of its own so a
+blocked main thread cannot block it; it names the ranks that did not arrive, every rank prints its
+stacks and exits 1. docs/troubleshooting.md ("A job hangs in a collective") describes the report.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def _launch_agent(wrapped, instance, args, kwargs):
 LAUNCH_AGENT = Patch(
     target="torch.distributed.launcher.api:launch_agent",
     supports="torch>=2.5,<2.15",
-    reason="Workers must inherit accel-npu's activation (even with torch_npu imported first), the "
-           "backend's environment defaults, and be refused early when the launch cannot work.",
+    reason="Workers must inherit accel-npu's activation and the backend's environment defaults, and "
+           "a launch that cannot work must be refused before they start.",
     remove_when="never: this is how accel-npu reaches launched workers",
     wrapper=_launch_agent,
 )

@@ -1,11 +1,11 @@
-"""Launch settings written by `accel-npu config`, applied by `accelerate launch` (issue 6).
+"""Launch settings written by `accel-npu config`, applied by `accelerate launch`.
 
 Two things happen in the ``accelerate launch`` process, before any worker starts:
 
 1. **Sidecar environment**: the accelerate config being launched may have a sidecar
    ``<stem>.accel-npu.yaml`` beside it (``env:`` mapping). Its variables are set for the training
    processes, except those already set in the launching shell (the user's values win). This is
-   what replaces the field report's ``train_8p.sh`` exports (TASK_QUEUE_ENABLE, ...).
+   what replaces the exports of a shell launcher such as ``train_8p.sh`` (TASK_QUEUE_ENABLE, ...).
 2. **deepspeed_config_file relative to the YAML**: stock accelerate hands a relative
    ``deepspeed_config_file`` to the workers as is, so they resolve it against their working
    directory: a config pair in ``launch_configs/`` (or in an installed package) works from one
@@ -155,12 +155,11 @@ def _launch_command(wrapped, instance, args, kwargs):
 LAUNCH_COMMAND = Patch(
     target="accelerate.commands.launch:launch_command",
     supports="accelerate>=1.10,<1.16",
-    reason="A relative deepspeed_config_file is resolved against each worker's cwd, so a config pair "
-           "in launch_configs/ or an installed package works from one directory only; and accelerate "
-           "configs cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...): accel-npu config's "
-           "sidecar is applied here.",
-    remove_when="accelerate resolves config-relative paths and gains an env section in its config "
-                "(the sidecar part stays: it is accel-npu's own feature)",
+    # accelerate configs also cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...):
+    # `accel-npu config`'s sidecar is applied here.
+    reason="A relative deepspeed_config_file resolves against each worker's cwd, so a shipped config "
+           "works from one directory only; also applies the sidecar.",
+    remove_when="accelerate resolves config-relative paths (the sidecar part stays: accel-npu's own)",
     wrapper=_launch_command,
 )
 

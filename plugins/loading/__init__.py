@@ -1,4 +1,4 @@
-"""Bounded-memory model loading: truncation, validation, meta-init, staggered slots (issue 4).
+"""Bounded-memory model loading: truncation, validation, meta-init, staggered slots.
 
 This module declares the plugin (its patches and its ``accel-npu env`` section); the machinery
 sits beside it (docs/loading.md): ``diffusers.py`` and ``transformers.py`` (the two
@@ -25,10 +25,10 @@ _PKG = "accel_npu.plugins.loading"
 DIFFUSERS_MODEL = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.from_pretrained",
     supports="diffusers>=0.35,<0.43",
-    reason="Stock builds/reads every layer even with num_layers=N (all shards opened, dropped blocks "
-           "paged in, one warning per key), casts all to fp32 per rank without torch_dtype (field report "
-           "000: host OOM with 2 ranks), leaves missing keys on meta, half-loads corrupt checkpoints, and "
-           "ignores zero3_init_flag under ZeRO-3 (every rank builds the whole model before prepare).",
+    # Stock also opens every shard for num_layers=N, leaves missing keys on meta, half-loads a
+    # corrupt checkpoint and ignores zero3_init_flag (docs/loading.md).
+    reason="Each rank reads and builds the whole model in fp32 before prepare (host OOM at 2 ranks); "
+           "loads are truncated, checked, staggered or partitioned.",
     remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
                 "staggers ranks and builds under zero.Init (not as of 0.42)",
     wrapper=f"{_PKG}.diffusers:from_pretrained",
@@ -37,10 +37,9 @@ DIFFUSERS_MODEL = Patch(
 DIFFUSERS_DTYPE = Patch(
     target="diffusers.models.modeling_utils:get_parameter_dtype",
     supports="diffusers>=0.35,<0.43",
-    reason="A diffusers model loaded into ZeRO-3 partitions (zero3_init_flag) reports zero.Init's bf16 "
-           "through ModelMixin.dtype before prepare, where stock has it whole in fp32: train_dreambooth.py "
-           "and train_controlnet.py refuse to train ('Unet loaded as datatype torch.bfloat16'). Read "
-           "outside an engine, the model is made whole first (issue 16).",
+    # Read outside an engine, the model is made whole first.
+    reason="A model loaded into ZeRO-3 partitions reports bf16 before prepare, so train_dreambooth.py "
+           "refuses it ('Unet loaded as datatype torch.bfloat16').",
     remove_when="diffusers builds models under zero.Init itself (then its dtype is zero.Init's, as stock)",
     wrapper=f"{_PKG}.placement.zero3:parameter_dtype",
 )
@@ -48,8 +47,8 @@ DIFFUSERS_DTYPE = Patch(
 TRANSFORMERS_MODEL = Patch(
     target="transformers.modeling_utils:PreTrainedModel.from_pretrained",
     supports="transformers>=4.50,<5.30",
-    reason="ACCEL_NPU_TRUNCATE for transformers classes, a clear error instead of random init when the "
-           "requested depth exceeds the checkpoint, node-level load slots and malloc_trim.",
+    reason="ACCEL_NPU_TRUNCATE for transformers classes, an error instead of random init past the "
+           "checkpoint's depth, node-level load slots, malloc_trim.",
     remove_when="never for ACCEL_NPU_TRUNCATE; slots: when transformers staggers per-node loading",
     wrapper=f"{_PKG}.transformers:from_pretrained",
 )
@@ -57,8 +56,8 @@ TRANSFORMERS_MODEL = Patch(
 DIFFUSERS_PIPELINE = Patch(
     target="diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
     supports="diffusers>=0.35,<0.43",
-    reason="Pipeline components (VAE, text encoders) are inference towers: under ZeRO-3 transformers "
-           "builds them inside zero.Init (partitioned, cast) — accelerate #3170, diffusers #10743.",
+    reason="Under ZeRO-3 transformers builds a pipeline's inference towers (VAE, text encoders) inside "
+           "zero.Init, partitioned and cast (accelerate #3170, diffusers #10743).",
     remove_when="transformers/accelerate stop using zero.Init for pipeline components",
     wrapper=f"{_PKG}.frozen:pipeline_from_pretrained",
 )
@@ -66,20 +65,19 @@ DIFFUSERS_PIPELINE = Patch(
 FSDP2_LOAD_FULL_STATE_DICT = Patch(
     target="accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
     supports="accelerate>=1.10,<1.16",
-    reason="FSDP2 prepare with cpu_ram_efficient_loading keeps rank 0's whole model alive (its "
-           "original_sd) until every shard is built, and every other rank receives each whole tensor "
-           "into a new buffer (kept in its heap) before its shard is scattered: node peak = full model + "
-           "all shards + ~half a model per other rank. Each tensor can go from rank 0 straight into "
-           "the shards, and be freed once scattered.",
-    remove_when="accelerate scatters rank 0's tensors into the shards and releases original_sd entries as it goes",
+    # Every other rank also receives each whole tensor into a new buffer before its shard is
+    # scattered: node peak = full model + all shards + ~half a model per other rank.
+    reason="accelerate/utils/fsdp_utils.py keeps rank 0's whole original_sd alive until every shard is "
+           "built; each tensor is scattered and freed in turn.",
+    remove_when="accelerate frees original_sd entries as it scatters them into the shards",
     wrapper=f"{_PKG}.placement.fsdp:load_full_state_dict_streaming",
 )
 
 ZERO3_INIT_CM = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.zero3_init_context_manager",
     supports="accelerate>=1.10,<1.16",
-    reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig weakref set, "
-           "so frozen towers are still built under zero.Init (accelerate #3170, diffusers #10743).",
+    reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig set, so "
+           "towers still build under zero.Init (accelerate #3170).",
     remove_when="accelerate clears the weakref when zero.Init is disabled",
     wrapper=f"{_PKG}.frozen:zero3_init_context_manager",
 )
@@ -88,10 +86,9 @@ ZERO3_INIT_CM = Patch(
 ZERO3_INIT_FLAG = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_deepspeed_weakref",
     supports="accelerate>=1.10,<1.16",
-    reason="accelerate hands transformers its HfDeepSpeedConfig for every ZeRO-3 config, even with "
-           "zero3_init_flag: false, so transformers builds every from_pretrained under zero.Init: frozen "
-           "towers called outside the engine fail ('Padding_idx must be within num_embeddings'). The "
-           "object is marked with the flag; loads honour it.",
+    # The object is marked with the flag; loads honour it.
+    reason="With zero3_init_flag: false accelerate still sets transformers' HfDeepSpeedConfig: towers load "
+           "partitioned ('Padding_idx must be within num_embeddings').",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
     wrapper=f"{_PKG}.frozen:set_deepspeed_weakref",
 )

@@ -1,4 +1,4 @@
-"""CUDA-written precision code on NPU / CPU: autocast("cuda"), bf16 ``.numpy()``, fused AdamW (issue 3).
+"""CUDA-written precision code on NPU / CPU: autocast("cuda"), bf16 ``.numpy()``, fused AdamW.
 
 - ``torch.autocast("cuda")`` / ``torch.amp.autocast(device_type="cuda")`` / ``torch.cuda.amp.autocast``
   without CUDA: stock torch *disables* autocast with a warning, so the script silently runs fp32.
@@ -8,9 +8,9 @@
   without CUDA: stock torch disables the scaler (torch/amp/grad_scaler.py, "CUDA is not
   available.  Disabling."). Once autocast("cuda") really runs fp16 on npu/cpu, that would be fp16
   training without loss scaling, so a "cuda" scaler scales on the device autocast goes to.
-- ``tensor.numpy()`` on bfloat16 (pitfall 7.7): stock raises ``TypeError: Got unsupported
+- ``tensor.numpy()`` on bfloat16: stock raises ``TypeError: Got unsupported
   ScalarType BFloat16``; we return a float32 array (one warning). Other dtypes are untouched.
-- ``AdamW(fused=True)`` (field report 001, section 3.1③): where the installed torch / torch_npu
+- ``AdamW(fused=True)``: where the installed torch / torch_npu
   rejects the fused kernel for a device or dtype, fall back to the foreach implementation with one
   warning instead of raising. On the npu backend AdamW defaults to the fused kernel and never
   hands a GradScaler's ``grad_scale``/``found_inf`` to it (torch_npu's fused mode does not take
@@ -105,9 +105,8 @@ def _amp_dtypes(device_type: str):
 AUTOCAST = Patch(
     target="torch.amp.autocast_mode:autocast.__init__",
     supports="torch>=2.5,<2.15",
-    reason="torch.autocast('cuda') / torch.amp.autocast(device_type='cuda') / torch.cuda.amp.autocast "
-           "without CUDA: stock torch disables autocast with a warning and the script silently "
-           "trains in fp32 (field report 001, 3.1② and 3.2①: hand-edited 'cuda' -> 'npu').",
+    reason="autocast('cuda') without CUDA: torch/amp/autocast_mode.py disables autocast with a warning "
+           "and the script silently trains in fp32; it runs on the active device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=_autocast_init,
 )
@@ -135,11 +134,10 @@ def _grad_scaler_init(wrapped, instance, args, kwargs):
 GRAD_SCALER = Patch(
     target="torch.amp.grad_scaler:GradScaler.__init__",
     supports="torch>=2.5,<2.15",
-    reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler (torch.cuda.amp.GradScaler, "
-           "torch.GradScaler('cuda')) without CUDA, while autocast('cuda') runs fp16 on npu/cpu: "
-           "fp16 gradients underflow unscaled. The scaler runs on the autocast device instead "
-           "(torch_npu implements _amp_foreach_non_finite_check_and_unscale_/_amp_update_scale_ "
-           "for npu: Ascend/pytorch test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py).",
+    # torch_npu implements _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ for npu
+    # (Ascend/pytorch test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py).
+    reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler without CUDA, so fp16 autocast on "
+           "npu/cpu trains unscaled; it scales on the autocast device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=_grad_scaler_init,
 )
@@ -161,8 +159,8 @@ def _numpy(wrapped, instance, args, kwargs):
 BF16_NUMPY = Patch(
     target="torch._tensor:Tensor.numpy",
     supports="torch>=2.5,<2.15",
-    reason="Pitfall 7.7: tensor.numpy() / .cpu().numpy() on bfloat16 raises 'TypeError: Got "
-           "unsupported ScalarType BFloat16' (field report 001, 3.2③ hand-added .float()).",
+    reason="tensor.numpy() on bfloat16 raises 'TypeError: Got unsupported ScalarType BFloat16' "
+           "(numpy has no bfloat16); returns a float32 array.",
     remove_when="numpy gains a bfloat16 dtype that torch converts to",
     wrapper=_numpy,
 )
@@ -210,7 +208,7 @@ def _adamw_init(wrapped, instance, args, kwargs):
     name = type(instance).__name__ if instance is not None else "AdamW"
     on_npu = current_backend().name == "npu"
     if on_npu and kwargs.get("fused") is None and not kwargs.get("foreach") and not kwargs.get("differentiable"):
-        kwargs["fused"] = True  # field report 001 3.1③: ~15 % less optimizer time on Ascend
+        kwargs["fused"] = True  # fewer optimizer kernels on Ascend (docs/migrating.md)
         if _once("adamw-default-fused"):
             log.info("accel-npu: AdamW uses torch_npu's fused kernel (fused=True) on npu")
     if kwargs.get("fused") and args and not isinstance(args[0], (list, tuple)):
@@ -248,10 +246,10 @@ def _adamw_init(wrapped, instance, args, kwargs):
 ADAMW_INIT = Patch(
     target="torch.optim.adamw:AdamW.__init__",
     supports="torch>=2.5,<2.15",
-    reason="Field report 001 3.1③: AdamW(fused=True) raises where the installed torch/torch_npu has "
-           "no fused kernel for a parameter's device or dtype (now: foreach, one warning); on Ascend "
-           "AdamW uses torch_npu's fused kernel (~15 % less optimizer time) but never with an fp16 "
-           "GradScaler's grad_scale/found_inf, which torch_npu's fused mode does not take.",
+    # On npu AdamW defaults to torch_npu's fused kernel, but never with an fp16 GradScaler's
+    # grad_scale/found_inf, which torch_npu's fused mode does not take.
+    reason="AdamW(fused=True) raises where torch/torch_npu has no fused kernel for a parameter's device "
+           "or dtype (torch/optim/optimizer.py); falls back to foreach.",
     remove_when="torch_npu's fused AdamW covers every dtype and accepts grad_scale/found_inf",
     wrapper=_adamw_init,
 )

@@ -1,4 +1,4 @@
-"""torchvision beside a torch build its wheel was not made for (issue 16).
+"""torchvision beside a torch build its wheel was not made for.
 
 PyPI's x86-64 torchvision wheels are CUDA builds: beside torch's CPU build (the one torch_npu
 runs on, and the one CPU debugging uses) their C++ library cannot load (``libc10_cuda.so``
@@ -31,7 +31,7 @@ def _operator_exists(qualname: str) -> bool:
 
 
 def _ops_missing_with_warning(op: str) -> bool:
-    # imported on torchvision's first register_fake, not inside `import torch` (issue 15 item 3)
+    # imported on torchvision's first register_fake: plugin modules load inside `import torch`
     from accel_npu.plugins.torchvision_compat.mismatch import ops_missing, warn_once
 
     if ops_missing() and not _operator_exists(op):
@@ -56,13 +56,9 @@ def _skip_fake_impl_of_missing_torchvision_op(wrapped, instance, args, kwargs):
 FAKE_IMPL_OF_MISSING_OPS = Patch(
     target="torch.library:register_fake",
     supports="torch>=2.4,<2.15",
-    reason="`import torchvision` with a wheel built for another torch (PyPI's CUDA torchvision beside "
-           "a CPU torch, as on Ascend): torchvision/_meta_registrations.py registers fake impls of "
-           "torchvision::nms/qnms unguarded and the import dies with 'operator torchvision::nms does not "
-           "exist' (pytorch/vision#9085). Skipped while torchvision's C++ library is not loaded, with one "
-           "warning naming the mismatch and the wheel to install; the pure-Python parts work.",
-    remove_when="torchvision guards those register_fake calls with extension._has_ops(), as it guards "
-                "its register_meta ones",
+    reason="A torchvision wheel built for another torch dies on import: 'operator torchvision::nms does "
+           "not exist' (pytorch/vision#9085); its fake impls are skipped.",
+    remove_when="torchvision/_meta_registrations.py guards register_fake with extension._has_ops()",
     wrapper=_skip_fake_impl_of_missing_torchvision_op,
 )
 

@@ -1,4 +1,4 @@
-"""decord without CUDA (pitfall 7.11, issue 3).
+"""decord without CUDA.
 
 ``decord.VideoReader(path, ctx=decord.gpu(i))`` (also ``VideoLoader`` and ``AVReader``) needs a
 CUDA build of decord and a GPU; on an NPU or CPU machine it fails in the first dataloader step
@@ -49,8 +49,8 @@ def _with_ctx(position: int, what: str):
     return wrapper
 
 
-_REASON = ("Pitfall 7.11: decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. "
-           "Requested context GPU(i)', or 'no CUDA-capable device'); decodes on decord.cpu(0) instead.")
+_REASON = ("decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. Requested context "
+           "GPU(i)'); decodes on decord.cpu(0) instead.")
 
 def _ctx_patch(module: str, cls: str) -> Patch:
     return Patch(

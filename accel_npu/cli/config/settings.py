@@ -5,8 +5,8 @@ The three files live side by side (``<stem>.yaml``, ``<stem>.deepspeed.json``,
 
 - the accelerate YAML is a plain accelerate config (``accelerate launch`` reads it as is);
 - the DeepSpeed JSON exists only for ZeRO; precision is declared in exactly one of the two files
-  (field report 001, pitfall 7.10: ``mixed_precision`` beside ``deepspeed_config_file`` makes
-  accelerate refuse to start);
+  (``mixed_precision`` beside ``deepspeed_config_file`` makes accelerate refuse to start:
+  ``DeepSpeedPlugin._deepspeed_config_checks`` in accelerate/utils/dataclasses.py);
 - the sidecar holds what accelerate has no key for: the environment of the training processes
   (Ascend tuning, accel-npu's loading switches). accel-npu applies it at ``accelerate launch``
   (plugins/launch_settings.py); variables already set in the shell win.
@@ -68,7 +68,7 @@ def npu_tuning_defaults() -> dict[str, str]:
 
 
 # -- tuned DeepSpeed bases -------------------------------------------------------------------------
-# Field report 001, section 4: 500M-element buckets suit 910B's HCCS links; ZeRO-3 keeps tensors
+# 500M-element buckets suit 910B's HCCS links; ZeRO-3 keeps tensors
 # under 1M elements (norms, biases) unpartitioned and gathers a bf16 copy for saving.
 _ACCEL_BUCKET = 500_000_000
 #: CPU debugging: same structure, buckets small enough for a laptop (ZeRO-2 allocates a bucket).
@@ -283,7 +283,7 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             f"--num-processes {s.processes_per_machine} but only {limit} {device_word(s.backend)}(s) are visible "
             f"on this machine ({machine.visible_devices_note}): use one process per device, "
             f"--num-processes {limit} or fewer (extra ranks would share a device; HCCL fails later "
-            f"with 'rank N assigned to same device', pitfall 7.1)")
+            f"with 'rank N assigned to same device')")
     if s.uses_deepspeed and s.num_processes < 2:
         out.append(f"--strategy {s.strategy} needs at least 2 processes in total (got {s.num_processes}): "
                    f"ZeRO shards across processes; use --strategy ddp for a single process")
@@ -468,7 +468,7 @@ def render_accelerate_yaml(s: Settings, deepspeed_file: str | None, header: str 
     lines += [f"# accelerate config: {title_of(s)}.",
               "# Written by `accel-npu config`; `accelerate launch --config_file THIS train.py` runs it."]
     if s.uses_deepspeed:
-        lines.append("# Precision is declared once, in the DeepSpeed JSON (no mixed_precision here: pitfall 7.10).")
+        lines.append("# Precision is declared once, in the DeepSpeed JSON (accelerate refuses mixed_precision beside it).")
     lines.append("# Environment of the training processes: the .accel-npu.yaml file beside this one.")
     width = 32
     for key, value in cfg.items():
@@ -672,7 +672,7 @@ _DS_NOTES_2 = """\
   reduce_bucket_size, allgather_bucket_size {bucket}: {bucket_why}
   train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps "auto":
     taken from your script (DataLoader batch size, Accelerator(gradient_accumulation_steps=...))
-  bf16 enabled: precision is declared there only (no mixed_precision in this YAML: pitfall 7.10)"""
+  bf16 enabled: precision is declared there only (accelerate refuses mixed_precision beside it)"""
 _DS_NOTES_3 = _DS_NOTES_2 + """
   stage3_prefetch_bucket_size {bucket}: parameters fetched ahead per step
   stage3_param_persistence_threshold 1e6: tensors under 1M elements (norms, biases) stay whole on
@@ -682,19 +682,19 @@ _DS_NOTES_3 = _DS_NOTES_2 + """
     export a bf16 copy (a collective: call it on every rank)"""
 
 _NPU_BUCKET = ("5e8", "large buckets suit 910B's HCCS links (~56 GB/s); lower to 1e8 if HCCL "
-                      "times out (pitfall 7.12)")
+                      "times out")
 _CPU_BUCKET_WHY = ("5e7", "smaller than the NPU files' 5e8 so the buckets fit a laptop's memory")
 
 TEMPLATES: dict[str, tuple[Settings, str]] = {
     "npu_zero2": (
         Settings(backend="npu", processes_per_machine=8, strategy="zero2", mixed_precision="bf16"),
-        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-2, bf16 (field report 001, section 4.1).\n"
+        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-2, bf16.\n"
         "ZeRO-2 shards optimizer states and gradients; parameters stay whole: the least intrusive ZeRO,\n"
         "fastest per step, for debugging and quick runs.\n" + _DS_NOTES_2),
     "npu_zero3": (
         Settings(backend="npu", processes_per_machine=8, strategy="zero3", mixed_precision="bf16"),
-        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-3, bf16 (field report 001, section 4.2).\n"
-        "ZeRO-3 shards parameters too: larger models and batches per NPU (the report's production run).\n"
+        "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-3, bf16.\n"
+        "ZeRO-3 shards parameters too: larger models and batches per NPU.\n"
         + _DS_NOTES_3),
     "npu_multinode_zero3": (
         Settings(backend="npu", num_machines=2, processes_per_machine=8, main_process_ip="10.0.0.1",

@@ -86,8 +86,8 @@ def accel_npu_select_backend(env):
                    ds_accelerator="npu", plugin="npu")
 
 
-#: Ascend defaults for launched workers (field report 001, section 5.1); user values win.
-#: HCCL_EXEC_TIMEOUT=1800 is the report's value, below CANN's own default of 1836 s
+#: Ascend defaults for launched workers; user values win.
+#: HCCL_EXEC_TIMEOUT=1800 is below CANN's own default of 1836 s
 #: (torch_npu csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`).
 #: DEEPSPEED_TIMEOUT (minutes; deepspeed/constants.py `default_pg_timeout`: 30 up to 0.19.5, 10 from
 #: 0.19.6): DeepSpeed 0.19.8 gives its process group 10 minutes, and torch_npu's ProcessGroupHCCL keeps any timeout
@@ -327,7 +327,7 @@ def accel_npu_activate(backend_name):
         log.error("accel-npu: %s", problem)
 
     # allow_internal_format is left alone: "disable" is torch_npu's own default, and that setting is
-    # what prints field report 000's one-time "Cannot create tensor with internal format" notice
+    # what prints torch_npu's one-time "Cannot create tensor with internal format" notice
     # (csrc/aten/common/TensorFactories.cpp TORCH_WARN_ONCE): setting it again cannot silence it.
     if environment.flag("ACCEL_NPU_MX_DRIVING") and MxDriving.installed():
         _mx_state["status"] = _MX_PENDING.format(", ".join(_MX_BEFORE))

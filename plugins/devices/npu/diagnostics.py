@@ -99,7 +99,7 @@ def diagnose_import_error(exc: BaseException, env=os.environ) -> str:
         missing = [f"{n}: {v}" for n, v in status.items() if "not on" in v or "MISSING" in v]
         parts.append("The dynamic loader cannot find torch's/torch_npu's libraries"
                      + (f" ({'; '.join(missing)})" if missing else "")
-                     + f". Fix: {library_fix(env)} (field report 001, section 2.9).")
+                     + f". Fix: {library_fix(env)}.")
     if len(parts) == 1:
         parts.append("Check the CANN toolkit (ASCEND_HOME_PATH, source set_env.sh) and `accel-npu env`.")
     return " ".join(parts)

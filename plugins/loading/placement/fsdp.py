@@ -1,4 +1,4 @@
-"""FSDP ``cpu_ram_efficient_loading``: only global rank 0 reads a diffusers checkpoint (issue 4, item 4).
+"""FSDP ``cpu_ram_efficient_loading``: only global rank 0 reads a diffusers checkpoint.
 
 With ``fsdp_cpu_ram_efficient_loading: true`` accelerate's FSDP prepare fills every rank's shard
 from rank 0's weights (FSDP2: ``fsdp2_load_full_state_dict`` broadcasts them; FSDP1:

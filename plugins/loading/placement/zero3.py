@@ -1,4 +1,4 @@
-"""Loading straight into ZeRO-3 partitions: the node reads the checkpoint once (issue 4, item 4).
+"""Loading straight into ZeRO-3 partitions: the node reads the checkpoint once.
 
 Under ``accelerate launch`` with DeepSpeed ZeRO-3 and ``zero3_init_flag`` (the user's config asks
 for ``deepspeed.zero.Init``), transformers builds its models partitioned, but stock diffusers
