@@ -307,8 +307,8 @@ def _iter_patch(cls):
 
 OPTIMIZER_STEP = Patch(
     target="accelerate.optimizer:AcceleratedOptimizer.step", supports=_SUPPORTS,
-    reason="Under FSDP the optimizer step follows backward (unlike DeepSpeed's engine.step in backward): the step "
-           "boundary where the other ranks serve rank 0's save_state (diffusers #2606) opens after it.",
+    reason="Under FSDP the step boundary where the other ranks serve rank 0's save_state (diffusers #2606) is "
+           "after the script's optimizer.step(), not in backward.",
     remove_when="with the Accelerator.backward patch", wrapper=_optimizer_step)
 DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
 DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")

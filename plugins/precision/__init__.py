@@ -259,9 +259,9 @@ ADAMW_INIT = Patch(
 LUMINA2_FREQS_CIS = Patch(
     target="diffusers.models.transformers.transformer_lumina2:Lumina2RotaryPosEmbed._precompute_freqs_cis",
     supports="diffusers>=0.33,<0.43",
-    reason="diffusers transformer_lumina2.py:245 (v0.40.0) builds complex128 RoPE tables unless mps is "
-           "available and moves them to the device each forward; NPU kernels reject float64/complex128 "
-           "(diffusers #10428): on the npu backend the tables are complex64, as on mps.",
+    # transformer_lumina2.py:245 (v0.40.0) guards only mps; the tables go to the device on every forward
+    reason="Lumina2's RoPE tables are complex128 except on mps and NPU kernels reject float64 (diffusers #10428): "
+           "complex64 on npu, as on mps.",
     remove_when="diffusers' Lumina2RotaryPosEmbed downcasts for npu (maybe_adjust_dtype_for_device), "
                 "not as of main 58eb52c080 (2026-08)",
     wrapper="accel_npu.plugins.precision.float64:lumina2_freqs_cis",
