@@ -9,7 +9,8 @@
 
 Each step's outcome (or exception) goes into one ``RESULT {json}`` line; outputs are compared with
 the same weights under the default SDPA attention. Usage: attention_flags.py WORKDIR [--no-forward]
-(--no-forward: build and switch only; the torch_npu stand-in has no kernels to run).
+(--no-forward: build and switch only; the torch_npu stand-in has no kernels, and with torch_npu installed
+diffusers' GEGLU calls torch_npu.npu_geglu, transformers' flash attention torch_npu.npu_fusion_attention).
 """
 import copy
 import json
