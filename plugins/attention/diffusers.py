@@ -82,8 +82,8 @@ def attention_set_xformers(wrapped, instance, args, kwargs):
                  "scaled_dot_product_attention for fp32) on npu")
     else:
         log_once(("diffusers", device), "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs CUDA; "
-                 "attention keeps diffusers' %s (torch.nn.functional.scaled_dot_product_attention) on %s",
-                 type(getattr(instance, "processor", None)).__name__, device)
+                 "attention keeps the processors diffusers set (AttnProcessor2_0: "
+                 "torch.nn.functional.scaled_dot_product_attention) on %s", device)
     return None
 
 
