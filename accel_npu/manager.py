@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("launcher", "accel_npu.plugins.launch.launcher"),
     ("precision", "accel_npu.plugins.precision"),
     ("cuda_compat", "accel_npu.plugins.cuda_compat"),
+    ("attention", "accel_npu.plugins.attention"),
     ("deepspeed_setup", "accel_npu.plugins.deepspeed"),
     ("video", "accel_npu.plugins.video"),
     ("torchvision_compat", "accel_npu.plugins.torchvision_compat"),

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
-import sysconfig
 import time
 
+from accel_npu._torch import callsite
 from accel_npu._torch.device import cuda_available
 
 _UNSET = object()
@@ -78,25 +77,7 @@ def device_index(device) -> int:
 
 
 # -- who is asking ----------------------------------------------------------------------------------
-def _library_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {paths.get("purelib"), paths.get("platlib")}
-    import torch
-
-    dirs.add(os.path.dirname(torch.__file__))
-    return tuple(os.path.join(d, "") for d in dirs if d)
-
-
-_LIBRARY_DIRS: tuple[str, ...] | None = None
-_library_file: dict[str, bool] = {}
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-
-
-def _accel_npu_dirs() -> tuple[str, ...]:
-    import accel_npu
-
-    return (os.path.join(os.path.dirname(os.path.abspath(accel_npu.__file__)), ""),
-            os.path.join(os.path.dirname(os.path.dirname(_HERE)), ""))  # accel_npu/ and plugins/
 
 
 def caller_is_library(depth: int = 2) -> bool:
@@ -104,19 +85,7 @@ def caller_is_library(depth: int = 2) -> bool:
     torch) or in accel-npu, not in the user's script or repository. Libraries get the truth about
     CUDA, so xformers, bitsandbytes, flash_attn, transformers, diffusers, accelerate, torch and
     accel-npu's own backend selection choose their non-CUDA paths; the user's script gets the façade."""
-    global _LIBRARY_DIRS
-    frame = sys._getframe(depth)
-    while frame is not None and frame.f_code.co_filename.startswith((_HERE, "<wrapt")):
-        frame = frame.f_back  # the façade's own frames and wrapt's pure-Python fallback
-    if frame is None:
-        return False
-    filename = frame.f_code.co_filename
-    known = _library_file.get(filename)
-    if known is None:
-        if _LIBRARY_DIRS is None:
-            _LIBRARY_DIRS = _library_dirs() + _accel_npu_dirs()
-        known = _library_file[filename] = filename.startswith(_LIBRARY_DIRS)
-    return known
+    return callsite.caller_is_library(depth, skip=(_HERE,))
 
 
 # -- the cpu backend's answers ----------------------------------------------------------------------

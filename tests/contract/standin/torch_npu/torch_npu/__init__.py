@@ -200,6 +200,19 @@ npu.current_device = lambda: 0
 npu.set_device = lambda device: None
 npu.synchronize = lambda device=None: _lazy_init()
 npu.empty_cache = lambda: None
+# Mirrors torch_npu/npu/__init__.py `from .streams import Stream, Event, ...` (master 9e73e708a, line 168):
+# the classes are attributes of torch.npu (DeepSpeed's npu_accelerator.py reads `torch.npu.Event` when
+# deepspeed.utils.timer is imported; accelerate imports deepspeed from transformers' save_pretrained).
+# Constructing one needs a device (torch_npu/npu/streams.py: _NPUStreamBase / _NPUEventBase); the stand-in has none.
+
+
+class _NeedsDevice:
+    def __new__(cls, *args, **kwargs):
+        raise RuntimeError(f"stand-in torch_npu: torch.npu.{cls.__name__} needs an NPU")
+
+
+npu.Stream = type("Stream", (_NeedsDevice,), {"__module__": "torch_npu.npu.streams"})
+npu.Event = type("Event", (_NeedsDevice,), {"__module__": "torch_npu.npu.streams"})
 # Mirrors torch_npu/__init__.py (v7.2.0-pytorch2.7.1: `for name in dir(torch.ops.npu): globals()[name] = ...`):
 # the NPU kernels are attributes of the package, and transformers imports one whenever torch_npu is
 # installed (transformers/integrations/npu_flash_attention.py `from torch_npu import npu_fusion_attention`).

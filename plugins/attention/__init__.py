@@ -1,0 +1,63 @@
+"""CUDA-only attention flags on NPU / CPU: diffusers' xformers switch, transformers' flash_attention_2.
+
+- ``--enable_xformers_memory_efficient_attention`` (diffusers' official scripts) /
+  ``model.enable_xformers_memory_efficient_attention()``: xformers needs CUDA, and stock diffusers
+  raises. The script's ``is_xformers_available()`` answers True (installed libraries get the truth),
+  and the attention layers get what this machine has: diffusers' ``AttnProcessorNPU`` (torch_npu's
+  fused attention) on npu, the SDPA processor diffusers already set on cpu (``diffusers.py``).
+- ``attn_implementation="flash_attention_2"``: transformers runs it on npu itself; on cpu it becomes
+  SDPA instead of an ImportError (``transformers.py``).
+
+One log line per process says what ran. On a machine with CUDA every wrapper passes straight through.
+docs/cuda-compat.md ("Attention flags") has the table.
+"""
+from __future__ import annotations
+
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+
+# The wrappers are named by path and imported when their library is: this module is imported inside `import torch`.
+_PKG = "accel_npu.plugins.attention"
+_DIFFUSERS = "diffusers>=0.35,<0.43"
+_REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (xformers runs on CUDA only)"
+
+XFORMERS_AVAILABLE = Patch(
+    target="diffusers.utils.import_utils:is_xformers_available",
+    supports=_DIFFUSERS,
+    reason="diffusers' official scripts raise 'xformers is not available' under --enable_xformers_memory_efficient_attention "
+           "(examples/text_to_image/train_text_to_image.py) before reaching enable_xformers_memory_efficient_attention().",
+    remove_when=_REMOVE_WHEN,
+    wrapper=f"{_PKG}.diffusers:is_xformers_available",
+)
+
+ATTENTION_XFORMERS = Patch(
+    target="diffusers.models.attention_processor:Attention.set_use_memory_efficient_attention_xformers",
+    supports=_DIFFUSERS,
+    reason="diffusers/models/attention_processor.py raises without xformers or CUDA; diffusers' own AttnProcessorNPU "
+           "(npu) or AttnProcessor2_0 (cpu, SDPA) is the memory-efficient attention there.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=f"{_PKG}.diffusers:attention_set_xformers",
+)
+
+ATTENTION_MODULE_XFORMERS = Patch(
+    target="diffusers.models.attention:AttentionModuleMixin.set_use_memory_efficient_attention_xformers",
+    supports=_DIFFUSERS,
+    reason="diffusers/models/attention.py raises without xformers or CUDA; the native backend (SDPA, which torch_npu "
+           "runs on npu) is kept.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=f"{_PKG}.diffusers:attention_module_set_xformers",
+)
+
+FLASH_ATTENTION_2 = Patch(
+    target="transformers.modeling_utils:PreTrainedModel._check_and_adjust_attn_implementation",
+    supports="transformers>=4.56,<5.30",
+    reason="transformers/modeling_utils.py _flash_attn_import_error raises ImportError for "
+           "attn_implementation='flash_attention_2' without flash_attn/CUDA; on cpu SDPA runs (npu: transformers' own path).",
+    remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",
+    wrapper=f"{_PKG}.transformers:check_and_adjust_attn_implementation",
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [XFORMERS_AVAILABLE, ATTENTION_XFORMERS, ATTENTION_MODULE_XFORMERS, FLASH_ATTENTION_2]

@@ -1,0 +1,50 @@
+"""CUDA attention flags on the npu backend, against the torch_npu stand-in (tests/contract/standin).
+
+tests/scripts/attention_flags.py (the official scripts' xformers sequence on a tiny
+UNet2DConditionModel and FluxTransformer2DModel; a tiny Llama loaded with
+``attn_implementation="flash_attention_2"``) with torch_npu installed:
+- diffusers: the UNet's attention layers get diffusers' own ``AttnProcessorNPU``
+  (diffusers/models/attention_processor.py: torch_npu.npu_fusion_attention for fp16/bf16, SDPA for
+  fp32); stock raises;
+- transformers: ``flash_attention_2`` is left to transformers, which accepts it when torch_npu is
+  there (``custom_supported_devices`` in transformers/modeling_flash_attention_utils.py): the same
+  as stock.
+The stand-in has no NPU kernels (with torch_npu installed diffusers' GEGLU calls torch_npu.npu_geglu),
+so no forward runs here; tests/test_attention_flags.py compares outputs on the cpu backend.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ..launch_utils import SCRIPTS, explain, results, run_concurrently
+from .test_npu_contract import env_with, make_site
+
+pytestmark = pytest.mark.contract
+
+
+def _probe(work, site, **env):
+    return subprocess.run([sys.executable, str(SCRIPTS / "attention_flags.py"), str(work), "--no-forward"],
+                          env=env_with(site, **env), capture_output=True, text=True, timeout=600, cwd="/")
+
+
+def test_npu_flags_run_torch_npu_attention_and_stock_raises(tmp_path):
+    site = make_site(tmp_path)
+    (tmp_path / "ours").mkdir(), (tmp_path / "stock").mkdir()
+    ours, stock = run_concurrently(lambda: _probe(tmp_path / "ours", site),
+                                   lambda: _probe(tmp_path / "stock", site, ACCEL_NPU_DISABLE="1"))
+    (r,), (s,) = results(ours) or [None], results(stock) or [None]
+    assert r is not None, explain(ours)
+    assert s is not None, explain(stock)
+
+    assert s["script_sees_xformers"] is False and s["unet_enable_error"].startswith("ModuleNotFoundError"), s
+    assert r["script_sees_xformers"] is True and r["library_sees_xformers"] is False, r
+    assert r["unet_processors_before"] == ["AttnProcessor2_0"] and r["unet_processors"] == ["AttnProcessorNPU"], r
+    assert r["flux_enabled"] is True and r["flux_backends"] == ["None"], r  # native SDPA, which torch_npu runs
+    assert sum("AttnProcessorNPU" in line for line in ours.stderr.splitlines()) == 1, ours.stderr[-3000:]
+
+    # transformers' own Ascend path, in both halves
+    assert r["llama_attn_implementation"] == s["llama_attn_implementation"] == "flash_attention_2", (r, s)
+    assert sum("transformers' Ascend path" in line for line in ours.stderr.splitlines()) == 1, ours.stderr[-3000:]
