@@ -24,8 +24,9 @@ _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (xformers runs on CUDA
 XFORMERS_AVAILABLE = Patch(
     target="diffusers.utils.import_utils:is_xformers_available",
     supports=_DIFFUSERS,
-    reason="diffusers' official scripts raise 'xformers is not available' under --enable_xformers_memory_efficient_attention "
-           "(examples/text_to_image/train_text_to_image.py) before reaching enable_xformers_memory_efficient_attention().",
+    # e.g. examples/text_to_image/train_text_to_image.py checks it before calling the method
+    reason="diffusers' scripts raise 'xformers is not available' under --enable_xformers_memory_efficient_attention "
+           "without xformers: True to the script only.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:is_xformers_available",
 )
@@ -33,8 +34,8 @@ XFORMERS_AVAILABLE = Patch(
 ATTENTION_XFORMERS = Patch(
     target="diffusers.models.attention_processor:Attention.set_use_memory_efficient_attention_xformers",
     supports=_DIFFUSERS,
-    reason="diffusers/models/attention_processor.py raises without xformers or CUDA; diffusers' own AttnProcessorNPU "
-           "(npu) or AttnProcessor2_0 (cpu, SDPA) is the memory-efficient attention there.",
+    reason="diffusers/models/attention_processor.py raises without xformers or CUDA; AttnProcessorNPU (npu) or "
+           "SDPA (cpu) runs instead.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:attention_set_xformers",
 )
@@ -51,8 +52,8 @@ ATTENTION_MODULE_XFORMERS = Patch(
 FLASH_ATTENTION_2 = Patch(
     target="transformers.modeling_utils:PreTrainedModel._check_and_adjust_attn_implementation",
     supports="transformers>=4.56,<5.30",
-    reason="transformers/modeling_utils.py _flash_attn_import_error raises ImportError for "
-           "attn_implementation='flash_attention_2' without flash_attn/CUDA; on cpu SDPA runs (npu: transformers' own path).",
+    reason="transformers/modeling_utils.py raises ImportError for attn_implementation='flash_attention_2' without "
+           "flash_attn: SDPA on cpu (npu: transformers' own path).",
     remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",
     wrapper=f"{_PKG}.transformers:check_and_adjust_attn_implementation",
 )
