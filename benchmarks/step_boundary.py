@@ -8,8 +8,8 @@ loop shaped like diffusers' train_*.py (prepared DataLoader, ``accelerator.backw
 accelerator.sync_gradients: global_step += 1``, a ``if global_step % checkpointing_steps == 0:
 if accelerator.is_main_process:`` block that never fires), launched with the shipped
 ``launch_configs/cpu_zero2.yaml`` (2 CPU ranks, gloo, ZeRO-2 bf16). "Off" is the same launch with
-``ACCEL_NPU_DISABLED_PATCHES`` naming the feature's patches (Accelerator.backward and the prepared
-DataLoaders' ``__iter__``); every other accel-npu patch is on in both. Launches alternate on / off.
+``ACCEL_NPU_DISABLED_PATCHES`` naming the feature's patches (Accelerator.backward, the prepared
+DataLoaders' ``__iter__``, AcceleratedOptimizer.step); every other accel-npu patch is on in both. Launches alternate on / off.
 Each rank times each step (from drawing the batch to the end of ``zero_grad``; the wait at the next
 batch falls inside the next step) and reports the median of steps after a warm-up; the table gives,
 per side, the median over launches of the slower rank's median.
@@ -39,6 +39,7 @@ FEATURE = ",".join([
     "accelerate.data_loader:DataLoaderShard.__iter__",
     "accelerate.data_loader:DataLoaderDispatcher.__iter__",
     "accelerate.data_loader:SkipDataLoader.__iter__",
+    "accelerate.optimizer:AcceleratedOptimizer.step",
 ])
 
 LOOP = r'''
