@@ -30,15 +30,19 @@ STEPS = 30
 def launches(tmp_path_factory):
     out = tmp_path_factory.mktemp("dit")
     args = ["--num_processes", "2", str(SCRIPTS / "dit_ddp_cuda_train.py"), "--steps", str(STEPS)]
-    ours, theirs = run_concurrently(
+    twin = ["--num_processes", "2", str(SCRIPTS / "dit_accelerate_fp16_train.py"), "--steps", str(STEPS)]
+    stock = base_env(ACCEL_NPU_DISABLE="1")
+    ours, theirs, twin_ours, twin_stock = run_concurrently(
         lambda: accelerate_launch([*args, "--results-dir", str(out / "ours")]),
-        lambda: accelerate_launch([*args, "--results-dir", str(out / "stock")], env=base_env(ACCEL_NPU_DISABLE="1")))
-    return out, ours, theirs
+        lambda: accelerate_launch([*args, "--results-dir", str(out / "stock")], env=stock),
+        lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_ours")], cwd=SCRIPTS),
+        lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_stock")], env=stock, cwd=SCRIPTS))
+    return out, ours, theirs, twin_ours, twin_stock
 
 
 @pytest.mark.slow
 def test_cuda_written_ddp_script_trains_unchanged_on_two_cpu_ranks(launches):
-    out, proc, _ = launches
+    out, proc, *_ = launches
     assert proc.returncode == 0, explain(proc)
     recs = results(proc)
     assert [r["rank"] for r in recs] == [0, 1], explain(proc)
@@ -62,10 +66,31 @@ def test_cuda_written_ddp_script_trains_unchanged_on_two_cpu_ranks(launches):
 
 @pytest.mark.slow
 def test_stock_stops_at_its_first_cuda_call(launches):
-    out, _, proc = launches
+    out, _, proc, *_ = launches
     assert proc.returncode != 0, explain(proc)
     assert "AssertionError: Training currently requires at least one GPU." in proc.stdout + proc.stderr
     assert not results(proc) and not (out / "stock").exists()
+
+
+@pytest.mark.slow
+def test_accelerator_twin_with_mixed_precision_fp16_scales_its_loss_on_two_cpu_ranks(launches):
+    """The same model and data through Accelerator(mixed_precision="fp16"): accelerate builds its scaler
+    itself (accelerate.utils.get_grad_scaler). Stock accelerate on CPU runs fp32 with no scaler (and,
+    without accel-npu, as rank 0 of 1); on the cpu backend fp16 autocast runs with loss scaling, as on npu."""
+    out, _, _, ours, stock = launches
+    assert ours.returncode == 0, explain(ours)
+    recs = results(ours)
+    assert [(r["rank"], r["world_size"]) for r in recs] == [(0, 2), (1, 2)], explain(ours)
+    for r in recs:
+        assert r["autocast_dtype"] == "torch.float16" and r["scaler_enabled"] is True and r["scale"] > 1.0, r
+        losses = r["losses"]
+        assert len(losses) == STEPS and all(v == v for v in losses)
+        assert statistics.mean(losses[-10:]) < statistics.mean(losses[:10]), losses
+    saved = torch.load(out / "twin_ours" / "scaler.pt", weights_only=False)  # accelerate's save_state writes it
+    assert saved["scale"] > 1.0
+    assert stock.returncode == 0, explain(stock)
+    assert all(r["world_size"] == 1 and r["autocast_dtype"] == "torch.float32" and r["scaler"] is None
+               for r in results(stock)), explain(stock)
 
 
 # -- in-process ------------------------------------------------------------------------------------

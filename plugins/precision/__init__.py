@@ -8,6 +8,8 @@
   without CUDA: stock torch disables the scaler (torch/amp/grad_scaler.py, "CUDA is not
   available.  Disabling."). Once autocast("cuda") really runs fp16 on npu/cpu, that would be fp16
   training without loss scaling, so a "cuda" scaler scales on the device autocast goes to.
+- accelerate's ``mixed_precision: fp16`` on the cpu backend: stock accelerate runs fp32 there (no
+  autocast, no scaler); the cpu backend debugs an npu fp16 config, so it runs fp16 with a scaler.
 - ``tensor.numpy()`` on bfloat16: stock raises ``TypeError: Got unsupported
   ScalarType BFloat16``; we return a float32 array (one warning). Other dtypes are untouched.
 - ``AdamW(fused=True)``: where the installed torch / torch_npu
@@ -143,6 +145,43 @@ GRAD_SCALER = Patch(
 )
 
 
+# -- 1c. accelerate's fp16 on the cpu backend -------------------------------------------------------
+def _accelerator_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    from accelerate.utils import DistributedType
+
+    if (instance.state.mixed_precision != "fp16" or instance.native_amp or instance.device.type != "cpu"
+            or instance.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+            or cuda_available()):
+        return
+    from accel_npu.backend import current_backend
+
+    if current_backend().device_type != "cpu":
+        return
+    from accelerate.utils import get_grad_scaler
+    from accelerate.utils.fsdp_utils import get_fsdp2_grad_scaler
+
+    # accelerate's own fp16 branch (accelerator.py, "fp16 mixed precision requires a device"), the
+    # device being cpu: its "cuda" scalers scale on cpu through GRAD_SCALER
+    kwargs = instance.scaler_handler.to_kwargs() if instance.scaler_handler is not None else {}
+    instance.native_amp = True
+    instance.scaler = (get_fsdp2_grad_scaler(device="cpu", **kwargs) if instance.is_fsdp2
+                       else get_grad_scaler(instance.distributed_type, **kwargs))
+    if _once("accelerate-fp16-cpu"):
+        log.warning("accel-npu: mixed_precision fp16 runs on the cpu backend (autocast fp16 with loss "
+                    "scaling, as on npu); stock accelerate runs fp32 on cpu")
+
+
+ACCELERATOR_FP16_CPU = Patch(
+    target="accelerate.accelerator:Accelerator.__init__",
+    supports="accelerate>=1.10,<1.16",
+    reason="accelerate ignores mixed_precision fp16 on a cpu device (fp32, no scaler): the cpu backend "
+           "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
+    remove_when="accelerate runs fp16 autocast with a GradScaler on cpu",
+    wrapper=_accelerator_init,
+)
+
+
 # -- 6. bf16 .numpy() -------------------------------------------------------------------------------
 def _numpy(wrapped, instance, args, kwargs):
     import torch
@@ -270,4 +309,4 @@ LUMINA2_FREQS_CIS = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, GRAD_SCALER, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS]
+    return [AUTOCAST, GRAD_SCALER, ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS]
