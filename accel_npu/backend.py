@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class Backend:
     device_count:    visible devices (0 for cpu: no per-process device limit).
     ds_accelerator:  DeepSpeed accelerator name (DS_ACCELERATOR), None to leave DeepSpeed alone.
     plugin:          name of the plugin that selected it.
+    device_name:     a function returning the device's model (the SoC on npu, e.g. Ascend910B1), or None;
+                     asked only where a device is in use anyway (it may initialise one).
     """
 
     name: str
@@ -23,11 +26,19 @@ class Backend:
     device_count: int = 0
     ds_accelerator: str | None = None
     plugin: str = ""
+    device_name: Callable[[], str] | None = field(default=None, compare=False, repr=False)
     details: dict = field(default_factory=dict, compare=False)
 
     @property
     def is_accelerator(self) -> bool:
         return self.name != "cpu"
+
+    def model(self) -> str | None:
+        """The device's model (``device_name()``), or None when the backend cannot say."""
+        try:
+            return str(self.device_name()) if self.device_name else None
+        except Exception:  # noqa: BLE001 - a runtime that cannot answer: the model stays unknown
+            return None
 
     def device_for(self, local_rank: int) -> str:
         if not self.is_accelerator:

@@ -83,7 +83,7 @@ def accel_npu_select_backend(env):
         log.warning("accel-npu: torch_npu is installed but unusable: %s", exc)
         return None
     return Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=count,
-                   ds_accelerator="npu", plugin="npu")
+                   ds_accelerator="npu", plugin="npu", device_name=TorchNpu.soc_name)
 
 
 #: Ascend defaults for launched workers; user values win.
