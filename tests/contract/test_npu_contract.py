@@ -564,3 +564,37 @@ def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, 
         lines = explanations(exc)
     assert len(lines) == 1 and names in lines[0], lines
     assert explanations(RuntimeError("a bug in the script")) == []
+
+
+PARTIAL_STATE_PROBE = ("import json, os\nfrom accelerate import PartialState\nstate = PartialState()\n"
+                       "print('RESULT ' + json.dumps({'rank': state.process_index, 'backend': state.backend, "
+                       "'device': str(state.device)}), flush=True)")
+
+
+@pytest.mark.slow
+def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_path):
+    """A per-rank ASCEND_RT_VISIBLE_DEVICES (here `env VAR=1,0 python`, as a wrapper script would set it)
+    slips past the launcher's check, which reads torchrun's own environment: each rank's torch_npu sees
+    no NPU. accel-npu's cpu backend used to start gloo ranks there without a word; now each rank refuses
+    with the variable's name and the fix, before any process group (no rendezvous, so no hang), unless
+    ACCEL_NPU_BACKEND=cpu says the CPU is meant. Stock never names the cause."""
+    site = make_site(tmp_path)
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--no-python", "env", "ASCEND_RT_VISIBLE_DEVICES=1,0",
+           sys.executable, "-c", PARTIAL_STATE_PROBE]
+
+    def run(**extra):
+        return subprocess.run(cmd, env=env_with(site, **extra), capture_output=True, text=True, timeout=240, cwd="/")
+
+    ours = run()
+    assert ours.returncode != 0 and not results(ours), explain(ours)
+    refusals = [line for line in ours.stderr.splitlines() if line.startswith("accel_npu.errors.NoUsableDeviceError")]
+    assert len(refusals) == 2 and all(
+        "has no usable NPU, and a rank of a launched job does not fall back to the CPU" in line
+        and "ASCEND_RT_VISIBLE_DEVICES=1,0: the ids are not in ascending order" in line
+        and "ASCEND_RT_VISIBLE_DEVICES=0,1" in line for line in refusals), explain(ours)
+    on_purpose = run(ACCEL_NPU_BACKEND="cpu")
+    recs = results(on_purpose)
+    assert on_purpose.returncode == 0 and [(r["rank"], r["backend"], r["device"].split(":")[0]) for r in recs] == [
+        (0, "gloo", "cpu"), (1, "gloo", "cpu")], explain(on_purpose)
+    stock = run(ACCEL_NPU_DISABLE="1")
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in stock.stdout + stock.stderr, explain(stock)

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from accel_npu import environment
-from accel_npu.backend import Backend
+from accel_npu.backend import Backend, record_unusable
 from accel_npu.errors import LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
@@ -73,11 +73,13 @@ def accel_npu_select_backend(env):
         if not TorchNpu.is_available():
             _no_device = no_device_reason(env)
             log.error("accel-npu: torch_npu is installed but no NPU is usable: %s", _no_device)
+            record_unusable("npu", f"torch_npu is installed but no NPU is usable: {_no_device}")
             return None
         count = TorchNpu.device_count()
     except (ImportError, OSError) as exc:
         _broken = str(exc) if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc, env)
         log.error("%s", _broken)
+        record_unusable("npu", _broken)
         return None
     except Exception as exc:  # a broken torch_npu install is reported by `accel-npu env`
         log.warning("accel-npu: torch_npu is installed but unusable: %s", exc)
