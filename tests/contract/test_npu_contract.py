@@ -598,3 +598,49 @@ def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_
         (0, "gloo", "cpu"), (1, "gloo", "cpu")], explain(on_purpose)
     stock = run(ACCEL_NPU_DISABLE="1")
     assert "ASCEND_RT_VISIBLE_DEVICES" not in stock.stdout + stock.stderr, explain(stock)
+
+
+# -- across machines: what each machine checks before its workers start ----------------------------
+@pytest.mark.slow
+def test_two_machines_check_their_hccl_interface_before_any_worker_starts(tmp_path):
+    """Two 'machines' on this one (static rendezvous on 127.0.0.1), one NPU rank each, the stand-in
+    torch_npu. A HCCL_SOCKET_IFNAME no interface here matches, or a HCCL_IF_IP that is not this
+    machine's, is refused before any worker starts, naming the variable, the value, this machine's
+    interfaces and the fix; stock starts the workers (on Ascend HCCL fails only at its first
+    communicator, after the model loaded). Good values pass, and the workers get HCCL_CONNECT_TIMEOUT."""
+    from ..launch_utils import free_port, run_concurrently
+
+    site = make_site(tmp_path)
+
+    def machine(rank: int, port: int, **extra):
+        args = ["--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                str(SCRIPTS / "print_worker_env.py")]
+        return lambda: accelerate_launch(args, env=env_with(site, ASCEND_RT_VISIBLE_DEVICES="0", **extra), timeout=240)
+
+    good, stock = free_port(), free_port()
+    main, other, bad_name, bad_ip = run_concurrently(
+        machine(0, good, HCCL_IF_IP="127.0.0.1"), machine(1, good, HCCL_SOCKET_IFNAME="lo"),
+        machine(1, free_port(), HCCL_SOCKET_IFNAME="=enp61s0f0"), machine(1, free_port(), HCCL_IF_IP="203.0.113.7"))
+    for proc in (main, other):
+        assert proc.returncode == 0, explain(proc)
+    recs = results(main) + results(other)
+    assert sorted(r["rank"] for r in recs) == [0, 1], explain(main) + explain(other)
+    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200" for r in recs), recs   # the default for 2 ranks
+
+    for proc, value in ((bad_name, "HCCL_SOCKET_IFNAME==enp61s0f0"), (bad_ip, "HCCL_IF_IP=203.0.113.7")):
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and not results(proc) and "Traceback" not in out, explain(proc)
+        assert "LaunchError: accel-npu: machine rank 1 of 2 refuses to start its workers: " + value in out, explain(proc)
+        assert "it has: lo 127.0.0.1" in out, explain(proc)       # what this machine has
+    assert "no interface on this machine matches that exact name" in bad_name.stderr + bad_name.stdout
+    assert "is not an address of this machine" in bad_ip.stderr + bad_ip.stdout
+
+    stock_main, stock_other = run_concurrently(
+        machine(0, stock, ACCEL_NPU_DISABLE="1", HCCL_IF_IP="203.0.113.7"),
+        machine(1, stock, ACCEL_NPU_DISABLE="1", HCCL_SOCKET_IFNAME="=enp61s0f0"))
+    stock_recs = results(stock_main) + results(stock_other)
+    assert sorted(r["rank"] for r in stock_recs) == [0, 1], explain(stock_main) + explain(stock_other)
+    assert {r["env"]["HCCL_IF_IP"] or r["env"]["HCCL_SOCKET_IFNAME"] for r in stock_recs} == {"203.0.113.7",
+                                                                                              "=enp61s0f0"}
+    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] is None for r in stock_recs)

@@ -53,15 +53,18 @@ ENV_COMMENTS = dict(NPU_TUNING + ACCEL_NPU_SETTINGS)
 ENV_COMMENTS["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "overrides Accelerator(gradient_accumulation_steps=...)"
 
 
-def npu_tuning_defaults() -> dict[str, str]:
+def npu_tuning_defaults(num_machines: int = 1, num_processes: int = 1) -> dict[str, str]:
     """The worker defaults the npu backend gives (its ``accel_npu_launch_env`` hook) for the
-    settings the wizard offers: asked through the hook, so the CLI imports no plugin."""
+    settings the wizard offers, for a job of ``num_processes`` over ``num_machines``: asked through
+    the hook, so the CLI imports no plugin."""
+    from accel_npu._torch.nodes import Nodes
     from accel_npu.backend import Backend
     from accel_npu.manager import get_plugin_manager
 
     npu = Backend(name="npu", device_type="npu", dist_backend="hccl", ds_accelerator="npu")
+    nodes = Nodes(count=num_machines, world_size=num_processes)
     defaults: dict[str, str] = {}
-    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}):
+    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes):
         for key, value in (result or {}).items():
             defaults.setdefault(key, str(value))
     return {name: defaults[name] for name, _ in NPU_TUNING if name in defaults}
