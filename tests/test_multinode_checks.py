@@ -24,7 +24,7 @@ NODE = {"lo": ["127.0.0.1"], "enp189s0f0": ["10.0.0.5"], "enp189s0f1": ["10.1.0.
     ("^=enp189s0f0", ["lo", "enp189s0f1", "docker0", "ifb0"]), ("eth", []),
 ])
 def test_socket_ifname_is_read_with_cann_syntax(value, usable):
-    assert multinode.usable_interfaces(value, list(NODE)) == usable
+    assert nodes.usable_interfaces(value, list(NODE)) == usable
     assert (multinode.socket_ifname_problem(value, NODE) is None) == bool(usable)
 
 
@@ -36,7 +36,7 @@ def test_a_name_from_another_machine_gets_the_prefix_that_matches_both():
     assert "e.g. HCCL_SOCKET_IFNAME=enp (enp189s0f0, enp189s0f1 here)" in problem
     # the suggested value works here and on machine 0
     assert multinode.socket_ifname_problem("enp", NODE) is None
-    assert multinode.usable_interfaces("enp", ["lo", "enp61s0f0"]) == ["enp61s0f0"]
+    assert nodes.usable_interfaces("enp", ["lo", "enp61s0f0"]) == ["enp61s0f0"]
     # nothing in common: the addressed interface's stem, never the loopback or an unaddressed device
     assert "e.g. HCCL_SOCKET_IFNAME=enp)" in multinode.socket_ifname_problem("ib", {"lo": ["127.0.0.1"], "ifb0": [],
                                                                                       "enp1s0": ["10.0.0.5"]})

@@ -56,6 +56,40 @@ def nodes_of(config) -> Nodes:
                  rdzv_backend=backend)
 
 
+def parse_socket_ifname(value: str) -> tuple[bool, bool, list[str]]:
+    """(exclude, exact, names) of an HCCL_SOCKET_IFNAME value, in CANN's syntax (environment variable
+    reference, HCCL_SOCKET_IFNAME, envref_07_0075): a comma list of name prefixes, "=" before it for
+    exact names, "^" to exclude ("^eth,enp", "^=eth0")."""
+    exclude = value.startswith("^")
+    rest = value[1:] if exclude else value
+    exact = rest.startswith("=")
+    rest = rest[1:] if exact else rest
+    return exclude, exact, [item.strip() for item in rest.split(",") if item.strip()]
+
+
+def usable_interfaces(value: str, names: list[str]) -> list[str]:
+    """The interfaces of ``names`` HCCL may pick under HCCL_SOCKET_IFNAME=``value``, in order."""
+    exclude, exact, items = parse_socket_ifname(value)
+
+    def listed(name: str) -> bool:
+        return any(name == item if exact else name.startswith(item) for item in items)
+
+    return [name for name in names if listed(name) != exclude]
+
+
+def route_interface(address: str) -> str | None:
+    """The interface of this node that traffic to ``address`` leaves by (a UDP connect sends
+    nothing; the kernel picks the source address), or None when there is no route or no such name."""
+    try:
+        ip = ipaddress.ip_address(address)
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            local = sock.getsockname()[0]
+    except (OSError, ValueError):
+        return None
+    return next((name for name, found in interface_addresses().items() if local in found), None)
+
+
 def interface_names() -> list[str]:
     """This node's network interfaces, in the kernel's order (what /sys/class/net lists)."""
     return [name for _, name in socket.if_nameindex()]

@@ -15,13 +15,15 @@ import math
 import os
 import re
 
+from accel_npu._torch.nodes import parse_socket_ifname, usable_interfaces
+
 #: HCCL_CONNECT_TIMEOUT's range in CANN's environment variable reference (HCCL_CONNECT_TIMEOUT,
 #: envref_07_0077): whole seconds in [120, 7200], default 120
 CONNECT_TIMEOUT_RANGE = (120, 7200)
 #: the npu backend's default for a job of up to ~8K processes (field report 001, 5.1)
 CONNECT_TIMEOUT_DEFAULT = 1200
-#: CANN's HCCL test guide (figures as quoted by the Ascend HCCL performance-test documentation:
-#: 240 s at 3K cards, 600 s at 5K cards): the line through those two points, 0.18 s per card - 300 s
+#: CANN's HCCL test guide: 240 s at 3K cards, 600 s at 5K (figures not in the HCCL_CONNECT_TIMEOUT
+#: reference above, which gives only the range); the line through those two points, 0.18 s per card - 300 s
 _GUIDE_POINTS = ((3000, 240), (5000, 600))
 
 
@@ -31,25 +33,6 @@ def connect_timeout_for(world_size: int) -> int:
     (n1, t1), (n2, t2) = _GUIDE_POINTS
     scaled = math.ceil(t1 + (world_size - n1) * (t2 - t1) / (n2 - n1))
     return min(max(CONNECT_TIMEOUT_DEFAULT, scaled), CONNECT_TIMEOUT_RANGE[1])
-
-
-def parse_socket_ifname(value: str) -> tuple[bool, bool, list[str]]:
-    """(exclude, exact, names) of an HCCL_SOCKET_IFNAME value."""
-    exclude = value.startswith("^")
-    rest = value[1:] if exclude else value
-    exact = rest.startswith("=")
-    rest = rest[1:] if exact else rest
-    return exclude, exact, [item.strip() for item in rest.split(",") if item.strip()]
-
-
-def usable_interfaces(value: str, names: list[str]) -> list[str]:
-    """The interfaces of ``names`` HCCL may pick under HCCL_SOCKET_IFNAME=``value``, in order."""
-    exclude, exact, items = parse_socket_ifname(value)
-
-    def listed(name: str) -> bool:
-        return any(name == item if exact else name.startswith(item) for item in items)
-
-    return [name for name in names if listed(name) != exclude]
 
 
 def _prefix_hint(items: list[str], names: list[str]) -> str | None:
