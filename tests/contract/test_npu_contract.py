@@ -588,7 +588,8 @@ def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_
     ours = run()
     assert ours.returncode != 0 and not results(ours), explain(ours)
     refusals = [line for line in ours.stderr.splitlines() if line.startswith("accel_npu.errors.NoUsableDeviceError")]
-    assert len(refusals) == 2 and all(
+    # each rank refuses; torchrun may stop the second before it prints (SIGTERM after the first exits)
+    assert refusals and all(
         "has no usable NPU, and a rank of a launched job does not fall back to the CPU" in line
         and "ASCEND_RT_VISIBLE_DEVICES=1,0: the ids are not in ascending order" in line
         and "ASCEND_RT_VISIBLE_DEVICES=0,1" in line for line in refusals), explain(ours)
