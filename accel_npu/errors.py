@@ -19,3 +19,7 @@ class LoadError(AccelNpuError):
 
 class CheckpointError(AccelNpuError):
     """A checkpoint that is incomplete, or a checkpoint operation that cannot work."""
+
+
+class NoUsableDeviceError(AccelNpuError):
+    """A launched rank whose accelerator is installed but unusable, refused instead of training on the CPU."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 import pluggy
 
 if TYPE_CHECKING:  # for annotations only: never imported at run time (backend.py calls these hooks)
+    from accel_npu._torch.nodes import Nodes
     from accel_npu.backend import Backend
     from accel_npu.patching import Patch
 
@@ -44,20 +45,22 @@ def accel_npu_register_patches() -> list[Patch]:
 
 
 @hookspec
-def accel_npu_launch_env(backend: Backend, env: Mapping[str, str]) -> Mapping[str, str] | None:
+def accel_npu_launch_env(backend: Backend, env: Mapping[str, str], nodes: Nodes) -> Mapping[str, str] | None:
     """Return environment defaults for processes a launcher is about to start.
 
     Called in the launcher (``accelerate launch`` / ``torchrun``) before workers start. Values
     are applied only where ``env`` (the launcher's environment) does not already set them: the
-    user's values always win.
+    user's values always win. ``nodes`` is the launch's shape (machines, this machine's rank,
+    world size, rendezvous endpoint; ``accel_npu._torch.nodes.Nodes``).
     """
 
 
 @hookspec
-def accel_npu_check_launch(backend: Backend, num_processes: int, env: Mapping[str, str]) -> None:
+def accel_npu_check_launch(backend: Backend, num_processes: int, env: Mapping[str, str], nodes: Nodes) -> None:
     """Validate a launch before any worker starts; raise ``accel_npu.errors.LaunchError`` to refuse.
 
-    ``num_processes`` is the number of processes this machine will start.
+    ``num_processes`` is the number of processes this machine will start; ``nodes`` the launch's
+    shape, for what this machine can check of a launch across machines.
     """
 
 

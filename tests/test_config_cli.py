@@ -222,3 +222,36 @@ def test_a_json_config_name_is_refused_before_any_question(tmp_path):
     proc = config("--config_file", str(tmp_path / "accelerate.json"))  # interactive: refused before asking
     assert proc.returncode == 1 and "use a name ending in .yaml" in proc.stderr
     assert "Which device backend" not in proc.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_multinode_npu_writes_hccl_settings_for_the_job(tmp_path):
+    """npu across machines: HCCL_SOCKET_IFNAME in the sidecar (given, or the letters of this machine's
+    interface towards the main machine), refused when it matches no interface here; HCCL_CONNECT_TIMEOUT
+    written for the job's size (a sidecar value wins over the launcher's default, so it must be)."""
+    from accel_npu._torch.nodes import route_interface, usable_interfaces, interface_names
+
+    def sidecar(name):
+        return yaml.safe_load((tmp_path / f"{name}.accel-npu.yaml").read_text())["env"]
+
+    common = ["--non-interactive", "--backend", "npu", "--num-processes", "8", "--main-process-ip", "127.0.0.1"]
+    given = config(*common, "--num-machines", "2", "--hccl-socket-ifname", "lo",
+                   "--config_file", str(tmp_path / "given.yaml"))
+    assert given.returncode == 0, given.stderr
+    assert sidecar("given")["HCCL_SOCKET_IFNAME"] == "lo" and sidecar("given")["HCCL_CONNECT_TIMEOUT"] == "1200"
+
+    derived = config(*common, "--num-machines", "2", "--config_file", str(tmp_path / "derived.yaml"))
+    assert derived.returncode == 0, derived.stderr
+    value = sidecar("derived")["HCCL_SOCKET_IFNAME"]
+    assert value == "lo" == route_interface("127.0.0.1")    # the interface towards the main machine, as a prefix
+    assert usable_interfaces(value, interface_names()) == [n for n in interface_names() if n.startswith("lo")]
+
+    huge = config(*common, "--num-machines", "2000", "--config_file", str(tmp_path / "huge.yaml"))
+    assert huge.returncode == 0, huge.stderr
+    assert sidecar("huge")["HCCL_CONNECT_TIMEOUT"] == "2580"   # 16000 ranks: the HCCL test guide's line
+
+    bad = config(*common, "--num-machines", "2", "--hccl-socket-ifname", "=enp61s0f0",
+                 "--config_file", str(tmp_path / "bad.yaml"))
+    assert bad.returncode != 0 and not (tmp_path / "bad.yaml").exists()
+    assert "--hccl-socket-ifname =enp61s0f0 matches no interface of this machine (it has: lo" in bad.stderr, bad.stderr
+    single = config(*common, "--hccl-socket-ifname", "lo", "--config_file", str(tmp_path / "single.yaml"))
+    assert single.returncode == 0 and "HCCL_SOCKET_IFNAME" not in sidecar("single")   # one machine: not written

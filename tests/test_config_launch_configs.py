@@ -118,9 +118,31 @@ def test_cpu_zero3_trains_from_another_directory_where_stock_cannot_find_its_jso
 
 @pytest.mark.slow
 def test_cpu_multinode_twin_trains_as_two_machines_on_one(tmp_path):
+    """Two 'machines' on this one train together. First, with the main machine's port taken (another
+    job), machine rank 0 refuses before any worker starts, naming the port and the flag. accelerate
+    checks that port itself (accelerate/utils/launch.py, a connect to localhost); torchrun started on
+    each machine does not, and stock fails in torch's TCPStore with a traceback."""
+    import socket
+
     port = str(free_port())
     common = ["--config_file", str(CONFIGS / "cpu_multinode_zero3.yaml"), "--main_process_port", port]
     script = [str(SCRIPTS / "train_tiny.py"), "--steps", "2"]
+    torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", "0", "--nproc_per_node", "1",
+                "--master_addr", "127.0.0.1", "--master_port", port, *script]
+    held = socket.socket()
+    held.bind(("", int(port)))
+    held.listen()
+    try:
+        refused, stock = (subprocess.run(torchrun, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          for env in (base_env(), base_env(ACCEL_NPU_DISABLE="1")))
+    finally:
+        held.close()
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and not results(refused) and "Traceback" not in out, explain(refused)
+    assert (f"this is machine rank 0, which hosts the rendezvous on port {port} (--main_process_port, torchrun "
+            "--master_port), and that port is already in use on this machine") in out, explain(refused)
+    assert stock.returncode != 0 and not results(stock) and "Traceback" in stock.stderr, explain(stock)
+    assert "EADDRINUSE" in stock.stderr and "--master_port" not in stock.stdout + stock.stderr, explain(stock)
     other = subprocess.Popen([str(BIN / "accelerate"), "launch", *common, "--machine_rank", "1", *script],
                              env=base_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -3,6 +3,7 @@ unchanged `accelerate launch` trains tests/scripts/train_tiny.py with them on 2 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -198,6 +199,13 @@ def test_wizard_multinode_npu_branches(tmp_path):
     child.expect(r"IP address of the main machine \(rank 0\)\?: ")
     child.sendline("10.0.0.7")
     answer(child, r"Port on the main machine\? \[29500", "")
+    # the default: the letters of this machine's interface towards 10.0.0.7 (a prefix, CANN's syntax)
+    from accel_npu.cli.config.settings import suggested_socket_ifname
+
+    answer(child, r"HCCL_SOCKET_IFNAME \(host interface.*\[" + re.escape(suggested_socket_ifname("10.0.0.7") or "none"),
+           "=nosuch0")
+    child.expect(r"! --hccl-socket-ifname =nosuch0 matches no interface of this machine \(it has: lo")
+    answer(child, r"HCCL_SOCKET_IFNAME \(host interface", "lo")
     answer(child, r"How many training processes on each machine\? \(one per device; no NPU here to check "
                   r"against\) \[8", "")
     answer(child, r"share the training state\?.*Your choice \[2", "")
@@ -230,4 +238,4 @@ def test_wizard_multinode_npu_branches(tmp_path):
     side = yaml.safe_load((tmp_path / "multi.accel-npu.yaml").read_text())
     assert side["env"] == {"TASK_QUEUE_ENABLE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
                            "CPU_AFFINITY_CONF": "2", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "3600",
-                           "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder"}
+                           "HCCL_SOCKET_IFNAME": "lo", "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder"}

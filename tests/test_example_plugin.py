@@ -72,13 +72,14 @@ def test_blocked_by_name(site):
 
 
 LAUNCH_ENV_PROBE = """
+from accel_npu._torch.nodes import SINGLE
 from accel_npu.backend import Backend
 from accel_npu.manager import get_plugin_manager
 pm = get_plugin_manager()
 for name in ("npu", "cpu"):
     backend = Backend(name=name, device_type=name, dist_backend="hccl" if name == "npu" else "gloo")
     merged = {}
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env={}):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env={}, nodes=SINGLE):
         merged.update(defaults or {})
     print(name, merged.get("WANDB_MODE"), merged.get("TASK_QUEUE_ENABLE"))
 """

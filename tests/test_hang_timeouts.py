@@ -21,6 +21,41 @@ def test_hccl_exec_timeout_is_read_as_torch_npu_reads_it(raw, seconds):
     assert dist.hccl_exec_timeout(env) == seconds
 
 
+@pytest.mark.parametrize("soc,raw,mode,seconds", [
+    # Atlas training / inference series: HCCL takes value // 68 * 68, at least 68 (CANN environment
+    # variable reference, HCCL_EXEC_TIMEOUT: 600 -> 544)
+    ("Ascend910A", "600", None, 544), ("Ascend910ProB", "1800", None, 1768), ("Ascend910A", None, None, 1836),
+    ("Ascend910A", "30", None, 68), ("Ascend910A", "0", None, 68), ("Ascend310P3", "137", None, 136),
+    ("Ascend910A", "600", "AIV", 544),
+    # A2 / A3: as read, unless HCCL_OP_EXPANSION_MODE=AIV caps it at 1091 (also for unset and 0)
+    ("Ascend910B1", "600", None, 600), ("Ascend910B3", "0", None, None), ("Ascend910_9392", "1800", "HOST", 1800),
+    ("Ascend910B1", "1800", "AIV", 1091), ("Ascend910B4-1", "600", "AIV", 600), ("Ascend910_9391", None, "AIV", 1091),
+    ("Ascend910B2", "0", "aiv", 1091),
+    # the SoC not known (no device asked): as read
+    (None, "600", "AIV", 600), ("Ascend950PR", "600", None, 600),
+])
+def test_hccl_exec_timeout_as_hccl_applies_it_on_each_soc(soc, raw, mode, seconds):
+    env = {k: v for k, v in (("HCCL_EXEC_TIMEOUT", raw), ("HCCL_OP_EXPANSION_MODE", mode)) if v is not None}
+    assert dist.hccl_exec_timeout(env, soc=soc) == seconds
+
+
+def test_the_live_watch_asks_the_npu_backend_for_its_soc(monkeypatch):
+    """On HCCL the watch's deadline is the SoC's effective HCCL_EXEC_TIMEOUT (910A: 1800 -> 1768 s)."""
+    import dataclasses
+
+    import torch.distributed as torch_dist
+
+    from accel_npu import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_cached", dataclasses.replace(NPU, device_name=lambda: "Ascend910A"))
+    monkeypatch.setattr(torch_dist, "get_backend", lambda group=None: "hccl")
+    monkeypatch.setattr(watch, "default_group_timeout", lambda: 3600.0)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1800")
+    assert watch._group_timeout_seconds() == 1768.0
+    monkeypatch.setattr(backend_module, "_cached", dataclasses.replace(NPU, device_name=lambda: "Ascend910B1"))
+    assert watch._group_timeout_seconds() == 1800.0
+
+
 def test_first_timeout_ignores_none_zero_and_no_timeout():
     assert dist.first_timeout([600.0, None, 0, 1e12, 90]) == 90.0
     assert dist.first_timeout([None, 0]) is None

@@ -164,19 +164,53 @@ def collective_device():
 #: CANN's HCCL_EXEC_TIMEOUT when unset or negative (torch_npu v7.3.1-pytorch2.7.1,
 #: csrc/distributed/ProcessGroupHCCL.cpp `defaultExecTimeout`); 0 means never.
 CANN_EXEC_TIMEOUT = 1836
+#: HCCL itself (CANN's libhccl, not torch_npu: no such rounding is in Ascend/pytorch v7.1.0.2 .. master
+#: 9e73e708a) applies HCCL_EXEC_TIMEOUT per SoC (CANN environment variable reference, HCCL_EXEC_TIMEOUT,
+#: envref_07_0078, canncommercial 8.0.0 .. 9.0.0): Atlas training series (910 first generation) and
+#: Atlas inference series (300I Duo, 310P) take it in steps of 68 s, at least 68 s ...
+HCCL_EXEC_STEP = 68
+#: ... and Atlas A2 / A3 in AIV expansion mode (HCCL_OP_EXPANSION_MODE=AIV) cap it at 1091 s, which is
+#: also the value for unset and 0.
+HCCL_AIV_EXEC_TIMEOUT = 1091
+#: torch_npu's SocVersion names (csrc/core/npu/NpuVariables.h, v7.2.0-pytorch2.7.1 .. master) of each class
+_STEPPED_SOCS = ("Ascend910PremiumA", "Ascend910ProA", "Ascend910A", "Ascend910ProB", "Ascend910B",
+                 "Ascend310P")
 
 
-def hccl_exec_timeout(env) -> int | None:
-    """Seconds after which HCCL ends a stuck collective, read from ``env`` as torch_npu reads it
-    (csrc/core/npu/register/OptionsManager.cpp ``GetHCCLExecTimeout``: ``strtol``, so "90.5" is 90 and
-    "abc" is 0; negative or unset is CANN's default); None for 0, which never times out."""
+def _soc_class(soc: str | None) -> str:
+    """"stepped" (910 first generation, 310P), "a2a3" (910B1.., 910_93xx) or "" (unknown: as read)."""
+    if not soc:
+        return ""
+    if soc.startswith("Ascend310P") or soc in _STEPPED_SOCS:
+        return "stepped"
+    if re.fullmatch(r"Ascend910B\d.*|Ascend910_93\d\d", soc):
+        return "a2a3"
+    return ""
+
+
+def hccl_exec_timeout(env, soc: str | None = None) -> int | None:
+    """Seconds after which HCCL ends a stuck collective; None for never.
+
+    Read from ``env`` as torch_npu reads it (csrc/core/npu/register/OptionsManager.cpp
+    ``GetHCCLExecTimeout``: ``strtol``, so "90.5" is 90 and "abc" is 0; negative or unset is CANN's
+    default; 0 never times out), then as HCCL applies it on the SoC ``soc`` (``torch.npu.get_device_name()``,
+    e.g. Ascend910A; None: not known here, the value as read): rounded down to a multiple of 68 s, at
+    least 68, on 910A-class and 310P SoCs; capped at 1091 s (unset and 0 included) on A2/A3 SoCs when
+    HCCL_OP_EXPANSION_MODE=AIV. AIV mode set per group through torch_npu's ``hccl_config`` is not seen here.
+    """
     raw = env.get("HCCL_EXEC_TIMEOUT")
     if raw is None:
-        return CANN_EXEC_TIMEOUT
-    digits = re.match(r"\s*([+-]?\d+)", raw)
-    value = int(digits.group(1)) if digits else 0
-    if value < 0:
-        return CANN_EXEC_TIMEOUT
+        value = CANN_EXEC_TIMEOUT
+    else:
+        digits = re.match(r"\s*([+-]?\d+)", raw)
+        value = int(digits.group(1)) if digits else 0
+        if value < 0:
+            value = CANN_EXEC_TIMEOUT
+    kind = _soc_class(soc)
+    if kind == "stepped":
+        return max(value // HCCL_EXEC_STEP, 1) * HCCL_EXEC_STEP
+    if kind == "a2a3" and env.get("HCCL_OP_EXPANSION_MODE", "").strip().upper() == "AIV":
+        return HCCL_AIV_EXEC_TIMEOUT if raw is None or value == 0 else min(value, HCCL_AIV_EXEC_TIMEOUT)
     return value or None
 
 

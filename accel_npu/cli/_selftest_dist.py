@@ -63,7 +63,7 @@ def main():
         emit("all_reduce + barrier", "ok", f"{dist.get_backend()} over {world} ranks on {device.type}")
 
     emit("timeout ordering", *timeout_ordering(dist.get_backend(), default_group_timeout(),
-                                                hccl_exec_timeout(os.environ)))
+                                                hccl_exec_timeout(os.environ, soc=backend.model())))
 
     name, comm = accelerator._name, accelerator.communication_backend_name()
     want_name = backend.ds_accelerator or backend.device_type

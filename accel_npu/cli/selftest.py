@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from accel_npu._torch.nodes import SINGLE
+
 #: a check line's marker in the subprocesses' output
 MARK = "ACCEL_NPU_SELFTEST "
 #: wall-clock limit of the two subprocesses, which run side by side (`--timeout`); the summary line
@@ -231,10 +233,10 @@ def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str 
     pm = get_plugin_manager()
     env, refused = dict(environ), None
     try:
-        pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(env))
+        pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(env), nodes=SINGLE)
     except Exception as exc:  # noqa: BLE001 - reported as a failed line; the checks still run
         refused = str(exc)
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env)):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env), nodes=SINGLE):
         for key, value in (defaults or {}).items():
             env.setdefault(key, str(value))
     paths = [os.path.dirname(os.path.abspath(bootstrap.__file__))]

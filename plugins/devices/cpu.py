@@ -18,7 +18,8 @@ import os
 import sys
 
 from accel_npu import environment
-from accel_npu.backend import Backend, current_backend, is_distributed_launch
+from accel_npu.backend import Backend, cpu_fallback_refusal, current_backend, is_distributed_launch
+from accel_npu.errors import NoUsableDeviceError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from . import gloo_workers
@@ -47,6 +48,10 @@ def _prepare_backend_on_cpu(wrapped, instance, args, kwargs):
     backend, distributed_type = wrapped(*args, **kwargs)
     if backend is None and current_backend().name == "cpu" and is_distributed_launch():
         from accelerate.utils import DistributedType
+
+        refusal = cpu_fallback_refusal()
+        if refusal:  # an NPU rank that lost its device (a per-rank ASCEND_RT_VISIBLE_DEVICES): not gloo
+            raise NoUsableDeviceError(refusal)
 
         log.info("accel-npu: no accelerator; rank %s of %s uses gloo (MULTI_CPU)",
                  os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))

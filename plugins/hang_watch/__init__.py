@@ -14,6 +14,7 @@ from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
 from accel_npu._torch.dist import first_timeout, hccl_exec_timeout
+from accel_npu._torch.nodes import SINGLE
 
 from .watch import collective_wrapper, default_timeout, init_wrapper
 
@@ -90,7 +91,8 @@ def accel_npu_env_report(backend):
         # A DeepSpeed launch: its group timeout is DEEPSPEED_TIMEOUT minutes (deepspeed/constants.py,
         # default 10) as the workers get it, the backend's launch defaults included.
         workers = dict(os.environ)
-        for defaults in get_plugin_manager().hook.accel_npu_launch_env(backend=backend, env=dict(os.environ)):
+        for defaults in get_plugin_manager().hook.accel_npu_launch_env(backend=backend, env=dict(os.environ),
+                                                                     nodes=SINGLE):
             for key, value in (defaults or {}).items():
                 workers.setdefault(key, str(value))
         try:  # deepspeed/constants.py: int(os.getenv("DEEPSPEED_TIMEOUT", 10)) minutes

@@ -177,7 +177,10 @@ def _group_timeout_seconds() -> float | None:
     found = [default_group_timeout()]
     try:
         if dist.get_backend() == "hccl":
-            found.append(hccl_exec_timeout(os.environ))
+            from accel_npu.backend import current_backend
+
+            # the group is up, so the NPU is in use: asking its SoC costs nothing more
+            found.append(hccl_exec_timeout(os.environ, soc=current_backend().model()))
     except RuntimeError:
         pass
     return first_timeout(found)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
+from accel_npu._torch.nodes import SINGLE, Nodes, nodes_of, port_free
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch, argument
 
@@ -37,11 +38,27 @@ def worker_script_dir(entrypoint, cmd_args) -> str | None:
     return os.path.dirname(os.path.abspath(script)) if script else None
 
 
-def prepare_worker_environment(num_processes: int, environ=None, script_dir: str | None = None) -> dict[str, str]:
+def main_port_problem(nodes: Nodes) -> str | None:
+    """Why the main machine cannot host the rendezvous: its port is taken here (another job, or a
+    launch of this one still running). Stock, torch's TCPStore fails with EADDRINUSE, a traceback."""
+    if not (nodes.multi and nodes.hosts_the_store and nodes.master_port):
+        return None
+    if port_free(nodes.master_port):
+        return None
+    return (f"accel-npu: refusing to start workers: this is machine rank 0, which hosts the rendezvous on port "
+            f"{nodes.master_port} (--main_process_port, torchrun --master_port), and that port is already in use "
+            f"on this machine (another job, or an earlier launch still running: `ss -ltnp 'sport = :{nodes.master_port}'` "
+            f"names it). Pick a free port and pass the same --main_process_port to every machine.")
+
+
+def prepare_worker_environment(num_processes: int, environ=None, script_dir: str | None = None,
+                               nodes: Nodes = SINGLE) -> dict[str, str]:
     """Run launch checks and apply environment defaults to ``environ`` (os.environ by default).
 
-    Returns the variables it set. Raises LaunchError when a plugin refuses the launch, or when
-    the workers would import a copy of accel_npu that cannot activate them.
+    ``nodes``: the launch's shape (machines, this machine's rank, the rendezvous endpoint).
+    Returns the variables it set. Raises LaunchError when a plugin refuses the launch, when the
+    main machine's rendezvous port is taken, or when the workers would import a copy of accel_npu
+    that cannot activate them.
     """
     from accel_npu import install
     from accel_npu.backend import current_backend
@@ -52,11 +69,14 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
     problem = install.worker_import_problem(environ.get("PYTHONPATH", ""), script_dir)
     if problem:
         raise LaunchError(f"accel-npu: refusing to start workers: {problem}.")
+    problem = main_port_problem(nodes)
+    if problem:
+        raise LaunchError(problem)
     pm = get_plugin_manager()
     backend = current_backend()
-    pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(environ))
+    pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(environ), nodes=nodes)
     added: dict[str, str] = {}
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(environ)):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(environ), nodes=nodes):
         for key, value in (defaults or {}).items():
             if key not in environ and key not in added:
                 added[key] = str(value)
@@ -78,7 +98,8 @@ def _launch_agent(wrapped, instance, args, kwargs):
     from accel_npu.errors import LaunchError
 
     try:
-        prepare_worker_environment(int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()))
+        prepare_worker_environment(int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()),
+                                   nodes=nodes_of(config))
     except LaunchError as exc:
         # One clear error, not a traceback through accelerate's and torch's launchers.
         raise SystemExit(f"{type(exc).__name__}: {exc}") from None

@@ -564,3 +564,84 @@ def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, 
         lines = explanations(exc)
     assert len(lines) == 1 and names in lines[0], lines
     assert explanations(RuntimeError("a bug in the script")) == []
+
+
+PARTIAL_STATE_PROBE = ("import json, os\nfrom accelerate import PartialState\nstate = PartialState()\n"
+                       "print('RESULT ' + json.dumps({'rank': state.process_index, 'backend': state.backend, "
+                       "'device': str(state.device)}), flush=True)")
+
+
+@pytest.mark.slow
+def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_path):
+    """A per-rank ASCEND_RT_VISIBLE_DEVICES (here `env VAR=1,0 python`, as a wrapper script would set it)
+    slips past the launcher's check, which reads torchrun's own environment: each rank's torch_npu sees
+    no NPU. accel-npu's cpu backend used to start gloo ranks there without a word; now each rank refuses
+    with the variable's name and the fix, before any process group (no rendezvous, so no hang), unless
+    ACCEL_NPU_BACKEND=cpu says the CPU is meant. Stock never names the cause."""
+    site = make_site(tmp_path)
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--no-python", "env", "ASCEND_RT_VISIBLE_DEVICES=1,0",
+           sys.executable, "-c", PARTIAL_STATE_PROBE]
+
+    def run(**extra):
+        return subprocess.run(cmd, env=env_with(site, **extra), capture_output=True, text=True, timeout=240, cwd="/")
+
+    ours = run()
+    assert ours.returncode != 0 and not results(ours), explain(ours)
+    refusals = [line for line in ours.stderr.splitlines() if line.startswith("accel_npu.errors.NoUsableDeviceError")]
+    # each rank refuses; torchrun may stop the second before it prints (SIGTERM after the first exits)
+    assert refusals and all(
+        "has no usable NPU, and a rank of a launched job does not fall back to the CPU" in line
+        and "ASCEND_RT_VISIBLE_DEVICES=1,0: the ids are not in ascending order" in line
+        and "ASCEND_RT_VISIBLE_DEVICES=0,1" in line for line in refusals), explain(ours)
+    on_purpose = run(ACCEL_NPU_BACKEND="cpu")
+    recs = results(on_purpose)
+    assert on_purpose.returncode == 0 and [(r["rank"], r["backend"], r["device"].split(":")[0]) for r in recs] == [
+        (0, "gloo", "cpu"), (1, "gloo", "cpu")], explain(on_purpose)
+    stock = run(ACCEL_NPU_DISABLE="1")
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in stock.stdout + stock.stderr, explain(stock)
+
+
+# -- across machines: what each machine checks before its workers start ----------------------------
+@pytest.mark.slow
+def test_two_machines_check_their_hccl_interface_before_any_worker_starts(tmp_path):
+    """Two 'machines' on this one (static rendezvous on 127.0.0.1), one NPU rank each, the stand-in
+    torch_npu. A HCCL_SOCKET_IFNAME no interface here matches, or a HCCL_IF_IP that is not this
+    machine's, is refused before any worker starts, naming the variable, the value, this machine's
+    interfaces and the fix; stock starts the workers (on Ascend HCCL fails only at its first
+    communicator, after the model loaded). Good values pass, and the workers get HCCL_CONNECT_TIMEOUT."""
+    from ..launch_utils import free_port, run_concurrently
+
+    site = make_site(tmp_path)
+
+    def machine(rank: int, port: int, **extra):
+        args = ["--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+                str(SCRIPTS / "print_worker_env.py")]
+        return lambda: accelerate_launch(args, env=env_with(site, ASCEND_RT_VISIBLE_DEVICES="0", **extra), timeout=240)
+
+    good, stock = free_port(), free_port()
+    main, other, bad_name, bad_ip = run_concurrently(
+        machine(0, good, HCCL_IF_IP="127.0.0.1"), machine(1, good, HCCL_SOCKET_IFNAME="lo"),
+        machine(1, free_port(), HCCL_SOCKET_IFNAME="=enp61s0f0"), machine(1, free_port(), HCCL_IF_IP="203.0.113.7"))
+    for proc in (main, other):
+        assert proc.returncode == 0, explain(proc)
+    recs = results(main) + results(other)
+    assert sorted(r["rank"] for r in recs) == [0, 1], explain(main) + explain(other)
+    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200" for r in recs), recs   # the default for 2 ranks
+
+    for proc, value in ((bad_name, "HCCL_SOCKET_IFNAME==enp61s0f0"), (bad_ip, "HCCL_IF_IP=203.0.113.7")):
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and not results(proc) and "Traceback" not in out, explain(proc)
+        assert "LaunchError: accel-npu: machine rank 1 of 2 refuses to start its workers: " + value in out, explain(proc)
+        assert "it has: lo 127.0.0.1" in out, explain(proc)       # what this machine has
+    assert "no interface on this machine matches that exact name" in bad_name.stderr + bad_name.stdout
+    assert "is not an address of this machine" in bad_ip.stderr + bad_ip.stdout
+
+    stock_main, stock_other = run_concurrently(
+        machine(0, stock, ACCEL_NPU_DISABLE="1", HCCL_IF_IP="203.0.113.7"),
+        machine(1, stock, ACCEL_NPU_DISABLE="1", HCCL_SOCKET_IFNAME="=enp61s0f0"))
+    stock_recs = results(stock_main) + results(stock_other)
+    assert sorted(r["rank"] for r in stock_recs) == [0, 1], explain(stock_main) + explain(stock_other)
+    assert {r["env"]["HCCL_IF_IP"] or r["env"]["HCCL_SOCKET_IFNAME"] for r in stock_recs} == {"203.0.113.7",
+                                                                                              "=enp61s0f0"}
+    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] is None for r in stock_recs)

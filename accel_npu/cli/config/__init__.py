@@ -25,6 +25,7 @@ _FIELDS = {
     "frozen_modules": "frozen_modules",
     "load_slots": "load_slots",
     "truncate": "truncate",
+    "hccl_socket_ifname": "hccl_socket_ifname",
 }
 _NPU_FLAGS = {
     "task_queue_enable": "TASK_QUEUE_ENABLE",
@@ -57,7 +58,8 @@ def _apply_flags(args, s) -> set[str]:
         value = getattr(args, dest, None)
         if value is None:
             continue
-        if name in ("frozen_modules", "load_slots", "truncate") and str(value).lower() in ("auto", "none"):
+        if name in ("frozen_modules", "load_slots", "truncate", "hccl_socket_ifname") and \
+                str(value).lower() in ("auto", "none"):
             value = ""
         setattr(s, name, value)
         given.add(name)
@@ -101,6 +103,9 @@ def run(args) -> int:
             return 130
     else:
         settings = base
+        if settings.backend == "npu" and settings.num_machines > 1 and not settings.hccl_socket_ifname \
+                and "hccl_socket_ifname" not in given:
+            settings.hccl_socket_ifname = wizard.suggested_socket_ifname(settings.main_process_ip)
     wizard.validate(settings, machine)
 
     files = wizard.render(settings, target, relative_paths=args.relative_paths)
@@ -185,6 +190,10 @@ def add_parser(subparsers) -> None:
     q.add_argument("--cpu-affinity-conf", help="NPU: CPU_AFFINITY_CONF (default 1)")
     q.add_argument("--hccl-connect-timeout", help="NPU: HCCL_CONNECT_TIMEOUT seconds (default 1200)")
     q.add_argument("--hccl-exec-timeout", help="NPU: HCCL_EXEC_TIMEOUT seconds (default 1800)")
+    q.add_argument("--hccl-socket-ifname",
+                   help="NPU, more than one machine: HCCL_SOCKET_IFNAME, the host interface(s) HCCL reaches the other "
+                        "machines by: name prefixes (eth,enp), =exact names, ^excluded (default: the letters of this "
+                        "machine's interface towards the main machine; none: HCCL picks)")
     q.add_argument("--frozen-modules", help="ACCEL_NPU_FROZEN_MODULES: child names kept out of DeepSpeed (default auto)")
     q.add_argument("--load-slots", help="ACCEL_NPU_LOAD_SLOTS: ranks per machine loading at once (default auto)")
     q.add_argument("--truncate", help="ACCEL_NPU_TRUNCATE: Class:layers pairs (default none)")

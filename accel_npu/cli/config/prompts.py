@@ -177,6 +177,10 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
         if "main_process_port" not in given:
             s.main_process_port = p.ask("Port on the main machine?", s.main_process_port,
                                         _int_between(1, 65535, "the port"))
+        if s.backend == "npu" and "hccl_socket_ifname" not in given:
+            default = s.hccl_socket_ifname or wizard.suggested_socket_ifname(s.main_process_ip) or "none"
+            s.hccl_socket_ifname = p.ask(f"HCCL_SOCKET_IFNAME ({wizard.HCCL_SOCKET_IFNAME_TEXT}; none = HCCL "
+                                         "picks)?", default, _checked(wizard.check_socket_ifname))
 
     if "processes_per_machine" not in given:
         limit = wizard.device_limit(s.backend, machine)

@@ -49,19 +49,27 @@ ACCEL_NPU_SETTINGS = (
     ("ACCEL_NPU_TRUNCATE", "Class:layers pairs: from_pretrained of that class builds and reads only N blocks"),
 )
 
+#: what the wizard writes for HCCL across machines (npu, more than one machine)
+HCCL_SOCKET_IFNAME_TEXT = ("host interface(s) HCCL reaches the other machines by: name prefixes (eth,enp), "
+                           "=exact names, ^excluded (CANN's syntax)")
+
 ENV_COMMENTS = dict(NPU_TUNING + ACCEL_NPU_SETTINGS)
+ENV_COMMENTS["HCCL_SOCKET_IFNAME"] = HCCL_SOCKET_IFNAME_TEXT
 ENV_COMMENTS["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "overrides Accelerator(gradient_accumulation_steps=...)"
 
 
-def npu_tuning_defaults() -> dict[str, str]:
+def npu_tuning_defaults(num_machines: int = 1, num_processes: int = 1) -> dict[str, str]:
     """The worker defaults the npu backend gives (its ``accel_npu_launch_env`` hook) for the
-    settings the wizard offers: asked through the hook, so the CLI imports no plugin."""
+    settings the wizard offers, for a job of ``num_processes`` over ``num_machines``: asked through
+    the hook, so the CLI imports no plugin."""
+    from accel_npu._torch.nodes import Nodes
     from accel_npu.backend import Backend
     from accel_npu.manager import get_plugin_manager
 
     npu = Backend(name="npu", device_type="npu", dist_backend="hccl", ds_accelerator="npu")
+    nodes = Nodes(count=num_machines, world_size=num_processes)
     defaults: dict[str, str] = {}
-    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}):
+    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes):
         for key, value in (result or {}).items():
             defaults.setdefault(key, str(value))
     return {name: defaults[name] for name, _ in NPU_TUNING if name in defaults}
@@ -116,6 +124,8 @@ class Settings:
     micro_batch_size: str = "auto"
     gradient_accumulation_steps: str = "auto"
     npu_env: dict[str, str] = field(default_factory=dict)
+    #: HCCL_SOCKET_IFNAME for an npu job across machines ("": HCCL picks an interface itself)
+    hccl_socket_ifname: str = ""
     frozen_modules: str = ""
     load_slots: str = ""
     truncate: str = ""
@@ -256,6 +266,36 @@ def check_npu_env(name: str, value: str) -> str | None:
     return None
 
 
+def suggested_socket_ifname(main_process_ip: str | None) -> str:
+    """The HCCL_SOCKET_IFNAME to offer: the letters the name of this machine's interface towards the
+    main machine starts with ("enp" for enp189s0f0), a prefix that also matches the other machines'
+    differently numbered interfaces; "" when there is no route to tell."""
+    import re
+
+    from accel_npu._torch.nodes import route_interface
+
+    name = route_interface(main_process_ip) if main_process_ip else None
+    stem = re.match(r"[A-Za-z]+", name or "")
+    return stem.group(0) if stem else ""
+
+
+def check_socket_ifname(value: str) -> str | None:
+    """Why HCCL_SOCKET_IFNAME=``value`` cannot work from this machine (the config is run here too)."""
+    from accel_npu._torch.nodes import interface_names, parse_socket_ifname, usable_interfaces
+
+    value = str(value).strip()
+    if not value:
+        return None
+    if not parse_socket_ifname(value)[2]:
+        return (f"--hccl-socket-ifname {value!r} names no interface: give name prefixes separated by commas "
+                f"(eth,enp), '=' before exact names (=eth0), '^' to exclude")
+    names = interface_names()
+    if not usable_interfaces(value, names):
+        return (f"--hccl-socket-ifname {value} matches no interface of this machine (it has: {', '.join(names)}); "
+                f"give a prefix every machine's interface starts with")
+    return None
+
+
 def problems(s: Settings, machine: Machine) -> list[str]:
     """Everything wrong with ``s`` on ``machine`` (empty when it can be written)."""
     out: list[str] = []
@@ -315,6 +355,8 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             out.append(msg)
     if s.backend == "npu":
         out.extend(m for m in (check_npu_env(k, v) for k, v in s.npu_env.items()) if m)
+        if s.num_machines > 1 and check_socket_ifname(s.hccl_socket_ifname):
+            out.append(check_socket_ifname(s.hccl_socket_ifname))
     if s.frozen_modules and not s.uses_deepspeed:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     return out
@@ -491,6 +533,12 @@ def sidecar_env(s: Settings) -> dict[str, str]:
     variables: dict[str, str] = {}  # written to the sidecar file
     if s.backend == "npu":
         variables.update({k: str(v) for k, v in s.npu_env.items() if str(v) != ""})
+        single, scaled = npu_tuning_defaults(), npu_tuning_defaults(s.num_machines, s.num_processes)
+        if variables.get("HCCL_CONNECT_TIMEOUT") == single.get("HCCL_CONNECT_TIMEOUT"):
+            # the backend's default, written for this job's size (a sidecar value wins over the launcher's)
+            variables["HCCL_CONNECT_TIMEOUT"] = scaled["HCCL_CONNECT_TIMEOUT"]
+        if s.num_machines > 1 and s.hccl_socket_ifname.strip():
+            variables["HCCL_SOCKET_IFNAME"] = s.hccl_socket_ifname.strip()
     if not s.uses_deepspeed and str(s.gradient_accumulation_steps).lower() != "auto":
         variables["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(int(s.gradient_accumulation_steps))
     if s.frozen_modules:
@@ -587,6 +635,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     sidecar_vars = dict(side.get("env") or {})  # the file's values, not this process's environment
     if backend == "npu":
         s.npu_env = {name: str(sidecar_vars.get(name, default)) for name, default in npu_tuning_defaults().items()}
+    s.hccl_socket_ifname = str(sidecar_vars.get("HCCL_SOCKET_IFNAME", ""))
     s.frozen_modules = str(sidecar_vars.get("ACCEL_NPU_FROZEN_MODULES", ""))
     s.load_slots = str(sidecar_vars.get("ACCEL_NPU_LOAD_SLOTS", ""))
     s.truncate = str(sidecar_vars.get("ACCEL_NPU_TRUNCATE", ""))

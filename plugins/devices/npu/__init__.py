@@ -15,10 +15,14 @@ import sys
 import threading
 
 from accel_npu import environment
-from accel_npu.backend import Backend
+from accel_npu._torch import nodes as node_net
+from accel_npu._torch.nodes import SINGLE, Nodes
+from accel_npu.backend import Backend, record_unusable
 from accel_npu.errors import LaunchError
 from accel_npu.hookspecs import hookimpl
+from accel_npu.plugins.devices.npu import multinode
 from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
+from accel_npu.plugins.devices.npu.multinode import connect_timeout_for
 from accel_npu.plugins.devices.npu.visibility import suggested_value, visible_devices
 from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, cann_set_env, diagnose_import_error,
                                                       install_import_diagnostics, library_status,
@@ -73,17 +77,19 @@ def accel_npu_select_backend(env):
         if not TorchNpu.is_available():
             _no_device = no_device_reason(env)
             log.error("accel-npu: torch_npu is installed but no NPU is usable: %s", _no_device)
+            record_unusable("npu", f"torch_npu is installed but no NPU is usable: {_no_device}")
             return None
         count = TorchNpu.device_count()
     except (ImportError, OSError) as exc:
         _broken = str(exc) if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc, env)
         log.error("%s", _broken)
+        record_unusable("npu", _broken)
         return None
     except Exception as exc:  # a broken torch_npu install is reported by `accel-npu env`
         log.warning("accel-npu: torch_npu is installed but unusable: %s", exc)
         return None
     return Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=count,
-                   ds_accelerator="npu", plugin="npu")
+                   ds_accelerator="npu", plugin="npu", device_name=TorchNpu.soc_name)
 
 
 #: Ascend defaults for launched workers; user values win.
@@ -120,9 +126,11 @@ NPU_LAUNCH_DEFAULTS = {
 }
 
 
-def worker_defaults(env) -> dict[str, str]:
-    """The npu workers' defaults (the launcher then keeps every value ``env`` already sets)."""
-    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu")
+def worker_defaults(env, nodes: Nodes = SINGLE) -> dict[str, str]:
+    """The npu workers' defaults (the launcher then keeps every value ``env`` already sets);
+    HCCL_CONNECT_TIMEOUT grows with the job past ~8K processes (multinode.connect_timeout_for)."""
+    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu",
+                HCCL_CONNECT_TIMEOUT=str(connect_timeout_for(nodes.world_size)))
 
 
 #: HCCL listens on HCCL_IF_BASE_PORT .. +15 of the host NIC (CANN's HCCL environment variables:
@@ -160,10 +168,10 @@ def free_hccl_base_port(env) -> str | None:
 
 
 @hookimpl
-def accel_npu_launch_env(backend, env):
+def accel_npu_launch_env(backend, env, nodes):
     if backend.name != "npu":
         return None
-    defaults = worker_defaults(env)
+    defaults = worker_defaults(env, nodes)
     port = free_hccl_base_port(env)
     if port:
         defaults["HCCL_IF_BASE_PORT"] = port
@@ -202,8 +210,24 @@ def accel_npu_explain_error(error):
     return None
 
 
+def multinode_problems(env, nodes: Nodes) -> list[str]:
+    """What this machine can tell is wrong with its part of an HCCL launch across machines."""
+    if not nodes.multi:
+        return []
+    found = []
+    if env.get("HCCL_IF_IP", "").strip():
+        problem = multinode.if_ip_problem(env["HCCL_IF_IP"], node_net.interface_addresses(), node_net.is_local_address)
+        if problem:
+            found.append(problem)
+    elif env.get("HCCL_SOCKET_IFNAME") is not None:  # HCCL_IF_IP wins over it (CANN's HCCL_SOCKET_IFNAME)
+        problem = multinode.socket_ifname_problem(env["HCCL_SOCKET_IFNAME"], node_net.interface_addresses())
+        if problem:
+            found.append(problem)
+    return found
+
+
 @hookimpl
-def accel_npu_check_launch(backend, num_processes, env):
+def accel_npu_check_launch(backend, num_processes, env, nodes):
     # torch_npu installed but not loadable, or loadable without a usable NPU: one clear error before
     # any worker starts, instead of training on the CPU without a word
     if _broken and environment.forced_backend(env) in (None, "npu"):
@@ -213,6 +237,11 @@ def accel_npu_check_launch(backend, num_processes, env):
                           "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu.")
     if backend.name != "npu":
         return
+    problems = multinode_problems(env, nodes)
+    if problems:
+        # HCCL would fail only at its first communicator, after every machine loaded the model
+        raise LaunchError(f"accel-npu: machine rank {nodes.rank if nodes.rank is not None else '?'} of "
+                          f"{nodes.count} refuses to start its workers: " + "; ".join(problems) + ".")
     # accelerate wraps extra ranks onto the same device, and HCCL then fails much later. `env` is the
     # workers' environment (accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES by now),
     # read as torch_npu in each worker will read it.
