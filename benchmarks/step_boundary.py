@@ -95,8 +95,8 @@ def launch(script: Path, feature_on: bool, steps: int, width: int) -> list[dict]
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", str(_free_port()),
            "--config_file", str(REPO / "launch_configs" / "cpu_zero2.yaml"), str(script), str(steps), str(width)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=script.parent)
-    out = [json.loads(line.split("RESULT ", 1)[1]) for line in (proc.stdout + proc.stderr).splitlines()
-           if "RESULT " in line]
+    out = [json.JSONDecoder().raw_decode(part)[0] for line in (proc.stdout + proc.stderr).splitlines()
+           for part in line.split("RESULT ")[1:]]  # two ranks' prints can share a line
     if proc.returncode != 0 or len(out) != 2:
         raise SystemExit(f"launch ({'on' if feature_on else 'off'}) failed:\n{proc.stderr[-4000:]}")
     if any(r["patched"] != feature_on for r in out):
