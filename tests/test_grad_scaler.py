@@ -78,7 +78,7 @@ def test_stock_disables_both_and_runs_fp32(runs):
 @pytest.fixture
 def active():
     accel_npu.patch()
-    precision._logged.clear()
+    precision._once.clear()
     yield
     accel_npu.patch()
 

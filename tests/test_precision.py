@@ -21,7 +21,7 @@ from accel_npu.plugins import precision
 @pytest.fixture(autouse=True)
 def active():
     accel_npu.patch()
-    precision._logged.clear()
+    precision._once.clear()
     yield
     accel_npu.patch()
 

@@ -42,7 +42,7 @@ def active():
 
     assert not cuda_available()  # no real CUDA here (torch.cuda answers for the cpu backend under accel-npu)
     accel_npu.patch()
-    video._logged.clear()
+    video._once.clear()
     yield
     accel_npu.patch()
 

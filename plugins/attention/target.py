@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import logging
-import threading
-
 from accel_npu._torch.device import cuda_available
+from accel_npu._torch.once import FirstTime
 
 log = logging.getLogger("accel_npu")
 
-_lock = threading.Lock()
-_logged: set = set()
+_once = FirstTime()
 
 
 def attention_device() -> str | None:
@@ -24,8 +22,5 @@ def attention_device() -> str | None:
 
 
 def log_once(key, message: str, *args) -> None:
-    with _lock:
-        if key in _logged:
-            return
-        _logged.add(key)
-    log.warning(message, *args)
+    if _once(key):
+        log.warning(message, *args)

@@ -18,26 +18,17 @@ non-CUDA paths. docs/cuda-compat.md has the table and the reasons.
 from __future__ import annotations
 
 import logging
-import threading
 
+from accel_npu._torch.once import FirstTime
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 from . import facade
 
 log = logging.getLogger("accel_npu")
 
 _SUPPORTS = "torch>=2.5,<2.15"
 _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (torch keeps treating 'cuda' literally)"
-_lock = threading.Lock()
-_logged: set = set()
-
-
-def _once(key) -> bool:
-    with _lock:
-        if key in _logged:
-            return False
-        _logged.add(key)
-        return True
+_once = FirstTime()  # one warning per process and cause
 
 
 def _announce(t: str) -> None:
@@ -215,34 +206,31 @@ def _to(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _cuda_destination(target: str, device):
+    """Where ``.cuda(device)`` goes here: the remapped device, or on npu with no device the current NPU
+    (as torch.cuda's own default is the current CUDA device)."""
+    if target == "npu" and device is None:
+        import torch
+
+        return f"npu:{torch.npu.current_device()}"
+    return facade.remap("cuda" if device is None else device, ints=True)
+
+
 def _tensor_cuda(wrapped, instance, args, kwargs):
     t = facade.target()
     if t is None or instance is None:
         return wrapped(*args, **kwargs)
-    device = args[0] if args else kwargs.pop("device", None)
-    non_blocking = kwargs.get("non_blocking", args[1] if len(args) > 1 else False)
-    kwargs_to = {"non_blocking": non_blocking}
+    kwargs_to = {"non_blocking": argument(args, kwargs, 1, "non_blocking", False)}
     if "memory_format" in kwargs:
         kwargs_to["memory_format"] = kwargs["memory_format"]
-    target_device = facade.remap("cuda" if device is None else device, ints=True)
-    if t == "npu" and device is None:
-        import torch
-
-        target_device = f"npu:{torch.npu.current_device()}"
-    return instance.to(target_device, **kwargs_to)
+    return instance.to(_cuda_destination(t, argument(args, kwargs, 0, "device")), **kwargs_to)
 
 
 def _module_cuda(wrapped, instance, args, kwargs):
     t = facade.target()
     if t is None or instance is None:
         return wrapped(*args, **kwargs)
-    device = args[0] if args else kwargs.get("device")
-    target_device = facade.remap("cuda" if device is None else device, ints=True)
-    if t == "npu" and device is None:
-        import torch
-
-        target_device = f"npu:{torch.npu.current_device()}"
-    return instance.to(target_device)
+    return instance.to(_cuda_destination(t, argument(args, kwargs, 0, "device")))
 
 
 TENSOR_TO = Patch(target="torch._tensor:Tensor.to", supports=_SUPPORTS,

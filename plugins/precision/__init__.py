@@ -25,26 +25,16 @@
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 
 from accel_npu._torch.device import cuda_available
+from accel_npu._torch.once import FirstTime
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
 log = logging.getLogger("accel_npu")
 
-_lock = threading.Lock()
-_logged: set = set()
-
-
-def _once(key) -> bool:
-    """True the first time ``key`` is seen in this process."""
-    with _lock:
-        if key in _logged:
-            return False
-        _logged.add(key)
-        return True
+_once = FirstTime()  # one warning per process and cause
 
 
 # -- 1. autocast("cuda") ----------------------------------------------------------------------------

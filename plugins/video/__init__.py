@@ -8,17 +8,16 @@ with "CUDA not enabled. Requested context GPU(i)". When CUDA is absent the reade
 from __future__ import annotations
 
 import logging
-import threading
 
 from accel_npu._torch.device import cuda_available
+from accel_npu._torch.once import FirstTime
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch, argument, passed, with_argument
 
 log = logging.getLogger("accel_npu")
 
 _KDLGPU = 2  # DLPack device type of decord.gpu(i)
-_lock = threading.Lock()
-_logged: set = set()
+_once = FirstTime()  # one warning per process and decord call
 
 
 def _cpu_ctx_for(ctx, what: str):
@@ -28,10 +27,7 @@ def _cpu_ctx_for(ctx, what: str):
         return ctx
     import decord
 
-    with _lock:
-        first = what not in _logged
-        _logged.add(what)
-    if first:
+    if _once(what):
         log.warning("accel-npu: decord.%s(ctx=%r) decodes on decord.cpu(0): no CUDA here (decord has no "
                     "NPU decoder)", what, ctx)
     return decord.cpu(0)
