@@ -114,24 +114,32 @@ SPECS = [
 ]
 
 
+# kind -> code run in tests/scripts/ that writes the tiny pipeline to {w}/model and its data beside it
+BUILDERS = {
+    "sd": "import tiny_sd as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
+    "sd_family": "import tiny_sd_family as t; t.build('{w}/model'); t.write_instance_images('{w}/images'); "
+                 "t.write_controlnet_dataset('{w}/controlnet_data')",
+    "sdxl": "import tiny_sana_sdxl as t, tiny_models as m; t.sdxl_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "sana": "import tiny_sana_sdxl as t, tiny_models as m; t.sana_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "sd3": "import tiny_sd3_flux as t; t.sd3_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
+    "flux": "import tiny_sd3_flux as t; t.flux_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
+    "qwen": "import tiny_models as m; m.qwen_image_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
+    "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
+    # -- SD / SDXL UNet scripts --
+    # -- Flux, Flux2, SD3 DiT scripts --
+    # -- other image DiTs, video, discrete --
+    # -- Kandinsky, VQGAN, aMUSEd, unconditional --
+}
+
+
 def _build(kind: str, work: Path) -> None:
     """The tiny pipeline at ``work/model`` and its data beside it (once per work directory)."""
     marker = work / ".built"
     if marker.exists():
         return
     work.mkdir(parents=True, exist_ok=True)
-    code = {
-        "sd": "import tiny_sd as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
-        "sd_family": "import tiny_sd_family as t; t.build('{w}/model'); t.write_instance_images('{w}/images'); "
-                     "t.write_controlnet_dataset('{w}/controlnet_data')",
-        "sdxl": "import tiny_sana_sdxl as t, tiny_models as m; t.sdxl_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-        "sana": "import tiny_sana_sdxl as t, tiny_models as m; t.sana_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-        "sd3": "import tiny_sd3_flux as t; t.sd3_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
-        "flux": "import tiny_sd3_flux as t; t.flux_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
-        "qwen": "import tiny_models as m; m.qwen_image_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-        "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
-        "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
-    }[kind].format(w=work)
+    code = BUILDERS[kind].format(w=work)
     env = dict(base_env(), PYTHONPATH=str(REPO / "tests" / "scripts"))
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600, env=env,
                    cwd=str(REPO / "tests" / "scripts"))
@@ -287,7 +295,8 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
 
 # -- one row ----------------------------------------------------------------------------------------
 def fsdp_supported(script: Path) -> bool:
-    return "DistributedType.FSDP" in script.read_text()
+    text = script.read_text()
+    return "DistributedType.FSDP" in text or "fsdp_plugin" in text
 
 
 def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_to: int, timeout: float) -> dict:
