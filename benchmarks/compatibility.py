@@ -84,6 +84,10 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+# the tiny text encoders have 1-2 layers (the scripts tap layers 10, 20, 30 by default)
+FLUX2_TEXT = ["--max_sequence_length", "16", "--text_encoder_out_layers", "1"]
+IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
+           "--instance_prompt", PROMPT]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -111,6 +115,19 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # Flux2, Z-Image, Ideogram4
+    Spec("dreambooth/train_dreambooth_lora_flux2.py", "Flux2", "flux2", DREAMBOOTH, "lora:Flux2Pipeline:transformer",
+         LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_img2img.py", "Flux2", "flux2", IMG2IMG,
+         "lora:Flux2Pipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_klein.py", "Flux2", "flux2_klein", DREAMBOOTH,
+         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_klein_img2img.py", "Flux2", "flux2_klein", IMG2IMG,
+         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_z_image.py", "Z-Image", "z_image", DREAMBOOTH,
+         "lora:ZImagePipeline:transformer", LORA_T + ["--max_sequence_length", "32"]),
+    Spec("dreambooth/train_dreambooth_lora_ideogram4.py", "Ideogram4", "ideogram4", DREAMBOOTH,
+         "lora:Ideogram4Pipeline:transformer", LORA_T + ["--max_sequence_length", "64"]),
 ]
 
 
@@ -128,6 +145,13 @@ BUILDERS = {
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
     # -- Flux, Flux2, SD3 DiT scripts --
+    # Flux2, Z-Image, Ideogram4
+    "flux2": "import tiny_flux2 as t; t.flux2_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
+             "t.img2img_dataset('{w}/img2img')",
+    "flux2_klein": "import tiny_flux2 as t; t.klein_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
+                   "t.img2img_dataset('{w}/img2img')",
+    "z_image": "import tiny_flux2 as t; t.z_image_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
+    "ideogram4": "import tiny_flux2 as t; t.ideogram4_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
