@@ -8,12 +8,15 @@ diffusers' own tests) × config:
 - ``zero3_t0``: the shipped cpu_zero3.yaml with ``stage3_param_persistence_threshold: 0`` (every
   parameter partitioned, as a real-size model is under the shipped threshold);
 - ``stock_zero2``: cpu_zero2 as stock runs it, as far as this machine lets stock form 2 ranks (see STOCK);
-- ``fsdp2``: only for scripts that handle ``DistributedType.FSDP``; none of them has a tiny builder yet.
+- ``fsdp2``: only for scripts that handle FSDP (``DistributedType.FSDP`` / ``accelerator.state.fsdp_plugin``):
+  FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
+  ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs).
 
 it launches the vendored script (tests/upstream/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, loads the final artifact as a
 user does (``load_lora_weights`` into the pipeline / ``from_pretrained``) and compares it with DeepSpeed's
-own fp32 master weights of the last checkpoint (``zero_to_fp32``). A row is ✔ when both launches exit 0,
+own fp32 master weights of the last checkpoint (``zero_to_fp32``; under ``fsdp2`` the checkpoint's model
+folder, consolidated with torch's ``dcp_to_torch_save``). A row is ✔ when both launches exit 0,
 the second resumes from the first's last checkpoint, and every loaded tensor equals its master weight
 (or the master weight rounded to bf16); otherwise ✘ with the first error and whose it is (the file of the
 traceback's innermost frame). Wall time covers both launches; peak node RSS is the largest sum, over the
@@ -63,6 +66,15 @@ STOCK_ENV = {
                                   "accelerate.accelerator:Accelerator.prepare",
 }
 PROMPT = "a photo of sks dog"
+# FSDP2 on the 2 CPU ranks, as tests/test_checkpoints.py launches it, with the zero configs' bf16; wrap policy
+# TRANSFORMER_BASED_WRAP with no class list: accelerate wraps each of the model's own _no_split_modules
+# (accelerate/utils/fsdp_utils.py fsdp2_prepare_auto_wrap_policy), so one config fits every script
+FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+                "mixed_precision": "bf16", "num_machines": 1, "num_processes": 2, "machine_rank": 0,
+                "use_cpu": False}
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + model index, a DCP folder
 
 
 @dataclass
@@ -277,9 +289,25 @@ def _whose(path: str, message: str, script: Path) -> str:
 
 # -- the witness: the final artifact loaded as a user loads it, against the master weights -------------
 def _master(ckpt: Path) -> dict:
+    """The checkpoint's trained weights: DeepSpeed's fp32 master weights, or FSDP's sharded model state."""
+    if (ckpt / FSDP_MODEL_DIR).is_dir():
+        return _fsdp_master(ckpt / FSDP_MODEL_DIR)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def _fsdp_master(folder: Path) -> dict:
+    """accelerate's SHARDED_STATE_DICT model folder (``dcp.save({"model": state_dict})``, one file per rank)
+    read back whole, offline, with torch's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "model.pt"
+        dcp_to_torch_save(str(folder), str(target))
+        state = torch.load(target, weights_only=False)
+    return state["model"]
 
 
 def _norm(key: str) -> str:
@@ -333,6 +361,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache")))
     if config == "stock_zero2":
         env.update(STOCK_ENV)
+    cfgs["fsdp2"] = root / "fsdp2.yaml"
+    cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML
     cfg = cfgs["zero2" if config == "stock_zero2" else config]
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
@@ -421,9 +451,11 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
         "Configs: `zero2` = launch_configs/cpu_zero2.yaml (bf16); `zero3_t0` = cpu_zero3.yaml with "
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
         "those forming the 2 CPU ranks (benchmarks/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
-        "that handle FSDP. ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, loaded "
-        "as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last checkpoint "
-        "(or their bf16 rounding). Peak node RSS: the launch's process tree, RssAnon summed, sampled "
+        "that handle FSDP (benchmarks/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
+        "SHARDED_STATE_DICT, bf16). ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, "
+        "loaded as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last "
+        "checkpoint, or under fsdp2 its model folder consolidated by torch's dcp_to_torch_save (or their bf16 "
+        "rounding). Peak node RSS: the launch's process tree, RssAnon summed, sampled "
         "every 0.5 s. Wall: both launches on a shared 2-core machine.",
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -486,10 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec, config in plan:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
-            if config == "fsdp2":
-                if fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
-                    new[key] = [key[0], spec.family, config, "–", "not run: no FSDP2 config in the runner yet",
-                                "", "", "", *stamp]
+            if config == "fsdp2" and not fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)

@@ -53,3 +53,15 @@ def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}
     assert planned | not_run == every and not planned & not_run
+
+
+def test_an_fsdp_checkpoint_is_compared_with_its_consolidated_model_folder(tmp_path):
+    """Under fsdp2 the master weights are accelerate's SHARDED_STATE_DICT model folder (dcp.save of
+    {"model": state_dict}), read back by torch's dcp_to_torch_save: written here by dcp itself."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"blocks.0.to_q.lora_A.default.weight": torch.randn(4, 8), "blocks.0.to_q.weight": torch.randn(8, 8)}
+    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp_path / compat.FSDP_MODEL_DIR)))
+    master = compat._master(tmp_path)
+    assert master.keys() == state.keys() and all(torch.equal(master[k], v) for k, v in state.items())
