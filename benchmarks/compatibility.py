@@ -96,8 +96,10 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
-# the tiny text encoders have 1-2 layers (the scripts tap layers 10, 20, 30 by default)
-FLUX2_TEXT = ["--max_sequence_length", "16", "--text_encoder_out_layers", "1"]
+FLUX2_TEXT = ["--max_sequence_length", "16"]
+# the script's own switch for a forward without accelerate's autocast, as under DeepSpeed: it casts the fp32
+# latents and text features to the weights' dtype (train_dreambooth_lora_ideogram4.py, --disable_training_autocast)
+IDEOGRAM4 = ["--max_sequence_length", "64", "--disable_training_autocast"]
 IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
            "--instance_prompt", PROMPT]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
@@ -139,7 +141,7 @@ SPECS = [
     Spec("dreambooth/train_dreambooth_lora_z_image.py", "Z-Image", "z_image", DREAMBOOTH,
          "lora:ZImagePipeline:transformer", LORA_T + ["--max_sequence_length", "32"]),
     Spec("dreambooth/train_dreambooth_lora_ideogram4.py", "Ideogram4", "ideogram4", DREAMBOOTH,
-         "lora:Ideogram4Pipeline:transformer", LORA_T + ["--max_sequence_length", "64"]),
+         "lora:Ideogram4Pipeline:transformer", LORA_T + IDEOGRAM4),
 ]
 
 
@@ -270,6 +272,10 @@ KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
+    (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
+     "the script's: fp32 inputs into a bf16 DeepSpeed engine, which casts no inputs (deepspeed/runtime/engine.py "
+     "forward; DDP and FSDP autocast). Flux2's: latents normalized by the VAE's fp32 BatchNorm statistics "
+     "(train_dreambooth_lora_flux2*.py `(model_input - latents_bn_mean) / latents_bn_std`); also on GPUs"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
@@ -437,6 +443,8 @@ def write_rows(new: dict, argv: list[str]) -> Path:
 def _write_rows(new: dict, argv: list[str]) -> Path:
     rows = read_rows()
     rows.update(new)
+    planned = {f"`{s.name}`" for s in SPECS}
+    rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0] in planned)}  # stale "not run" rows
     order = {s.name: i for i, s in enumerate(SPECS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
                                        if k[1] in CONFIGS else len(CONFIGS)))

@@ -35,6 +35,10 @@ FLUX2_VAE = dict(sample_size=32, in_channels=3, out_channels=3, down_block_types
                  up_block_types=("UpDecoderBlock2D",), block_out_channels=(4,), layers_per_block=1,
                  norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
 HIDDEN = 16  # every text encoder's hidden size
+# the Flux2 pipelines stack the text encoder's hidden states of layers (10, 20, 30) (Klein: 9, 18, 27);
+# the img2img scripts have no --text_encoder_out_layers, so the tiny encoders are that deep
+FLUX2_TEXT_LAYERS = 30
+FLUX2_JOINT_DIM = 3 * HIDDEN
 
 
 def chat_tokenizer(folder: str, extra_specials=()):
@@ -52,7 +56,7 @@ def _flux2_transformer(**over):
     torch.manual_seed(0)
     return Flux2Transformer2DModel(**{**dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
                                              attention_head_dim=16, num_attention_heads=2,
-                                             joint_attention_dim=HIDDEN, timestep_guidance_channels=256,
+                                             joint_attention_dim=FLUX2_JOINT_DIM, timestep_guidance_channels=256,
                                              axes_dims_rope=[4, 4, 4, 4]), **over})
 
 
@@ -77,7 +81,7 @@ def _torchvision_importable() -> None:
 
 def flux2_pipeline(folder: str):
     """Flux2Pipeline: Flux2 transformer, AutoencoderKLFlux2, Mistral3 (+ Pixtral vision) text encoder,
-    PixtralProcessor. Train with ``--text_encoder_out_layers 1`` (the encoder has one layer)."""
+    PixtralProcessor."""
     _torchvision_importable()
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor, \
@@ -91,7 +95,7 @@ def flux2_pipeline(folder: str):
     special = dict(bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
     config = Mistral3Config(
         text_config={"model_type": "mistral", "vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": 37,
-                     "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": 1,
+                     "max_position_embeddings": 512, "num_attention_heads": 4, "num_hidden_layers": FLUX2_TEXT_LAYERS,
                      "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0,
                      "sliding_window": None, **special},
         vision_config={"model_type": "pixtral", "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -114,14 +118,13 @@ def _qwen3_config(tok, **over):
 
 
 def klein_pipeline(folder: str):
-    """Flux2KleinPipeline: Flux2 transformer (no guidance embedding), AutoencoderKLFlux2, Qwen3ForCausalLM.
-    Train with ``--text_encoder_out_layers 1``."""
+    """Flux2KleinPipeline: Flux2 transformer (no guidance embedding), AutoencoderKLFlux2, Qwen3ForCausalLM."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import Qwen3ForCausalLM
 
     tok = chat_tokenizer(os.path.join(folder, "tokenizer"))
     torch.manual_seed(0)
-    text_encoder = Qwen3ForCausalLM(_qwen3_config(tok))
+    text_encoder = Qwen3ForCausalLM(_qwen3_config(tok, num_hidden_layers=FLUX2_TEXT_LAYERS))
     pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_flux2_vae(), text_encoder=text_encoder,
                               tokenizer=tok, transformer=_flux2_transformer(guidance_embeds=False))
     pipe.save_pretrained(folder)
