@@ -101,6 +101,7 @@ FLUX2_TEXT = ["--max_sequence_length", "16"]
 # latents and text features to the weights' dtype (train_dreambooth_lora_ideogram4.py, --disable_training_autocast)
 IDEOGRAM4 = ["--max_sequence_length", "64", "--disable_training_autocast"]
 IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
+           "--caption_column", "prompt",
            "--instance_prompt", PROMPT]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
