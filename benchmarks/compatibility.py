@@ -321,8 +321,21 @@ def _norm(key: str) -> str:
     return re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
 
 
+def _torchvision_importable() -> None:
+    """Users' environments have torchvision, and some pipelines need it to load (Flux2's PixtralProcessor):
+    the launches' paired copy (tests/torchvision_site.py), on this process's path before transformers
+    decides whether torchvision is available."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        from tests.torchvision_site import torchvision_site
+
+        sys.path.insert(0, torchvision_site())
+
+
 def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
     """(equal, what) for the final artifact in ``out`` against ``ckpt``'s fp32 master weights."""
+    _torchvision_importable()
     import diffusers
     import torch
 
