@@ -275,8 +275,9 @@ KNOWN_CAUSES = [
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
     (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
      "the script's: fp32 inputs into a bf16 DeepSpeed engine, which casts no inputs (deepspeed/runtime/engine.py "
-     "forward; DDP and FSDP autocast). Flux2's: latents normalized by the VAE's fp32 BatchNorm statistics "
-     "(train_dreambooth_lora_flux2*.py `(model_input - latents_bn_mean) / latents_bn_std`); also on GPUs"),
+     "forward; DDP autocasts, FSDP2 casts forward inputs). Flux2's: latents normalized by the VAE's fp32 BatchNorm statistics "
+     "(train_dreambooth_lora_flux2*.py `(model_input - latents_bn_mean) / latents_bn_std`); DeepSpeed's path is "
+     "the same on GPUs"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
