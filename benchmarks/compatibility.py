@@ -261,6 +261,8 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
         m = _ERROR.match(line.strip())
         if not m or line.lstrip().startswith(("File ", "warnings.warn")) or "Warning" in m.group(1).split(":")[0]:
             continue
+        if any("During handling of the above exception" in x for x in lines[i + 1:i + 4]):
+            continue  # a chained exception: the one raised while handling it is what stopped the run
         frames = [f.group(1) for f in (_FRAME.match(x) for x in lines[max(0, i - 80):i]) if f]
         # torch raises for whatever called it wrongly: the innermost frame outside torch says whose call it was
         outside = [f for f in frames if "site-packages/torch/" not in f] or frames

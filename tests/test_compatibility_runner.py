@@ -31,6 +31,15 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
     assert compat.first_error(dtype, SCRIPT)[1].startswith("the script's: fp16 frozen towers")
     ours = out.replace(f"{site}/diffusers/models/attention.py", f"{site}/accel_npu/plugins/loading/x.py")
     assert compat.first_error(ours, SCRIPT)[1] == "ours (accel-npu)"
+    chained = "\n".join([
+        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{site}/diffusers/models/modeling_utils.py"',
+        "[rank0]: AttributeError: 'M' object has no attribute 'get_parameter_or_buffer'", "[rank0]: ",
+        "[rank0]: During handling of the above exception, another exception occurred:", "[rank0]: ",
+        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{SCRIPT}", line 1620, in main',
+        f'[rank0]:   File "{site}/accel_npu/plugins/loading/placement/fsdp.py", line 246',
+        "[rank0]: ValueError: not enough values to unpack (expected 2, got 1)"])
+    assert compat.first_error(chained, SCRIPT) == ("ValueError: not enough values to unpack (expected 2, got 1)",
+                                                   "ours (accel-npu)")
     warned = "UserWarning: not an error\nKeyError: 'x'"
     assert compat.first_error(warned, SCRIPT)[0] == "KeyError: 'x'"
 
