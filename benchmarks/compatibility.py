@@ -8,12 +8,15 @@ diffusers' own tests) × config:
 - ``zero3_t0``: the shipped cpu_zero3.yaml with ``stage3_param_persistence_threshold: 0`` (every
   parameter partitioned, as a real-size model is under the shipped threshold);
 - ``stock_zero2``: cpu_zero2 as stock runs it, as far as this machine lets stock form 2 ranks (see STOCK);
-- ``fsdp2``: only for scripts that handle ``DistributedType.FSDP``; none of them has a tiny builder yet.
+- ``fsdp2``: only for scripts that handle FSDP (``DistributedType.FSDP`` / ``accelerator.state.fsdp_plugin``):
+  FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
+  ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs).
 
 it launches the vendored script (tests/upstream/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, loads the final artifact as a
 user does (``load_lora_weights`` into the pipeline / ``from_pretrained``) and compares it with DeepSpeed's
-own fp32 master weights of the last checkpoint (``zero_to_fp32``). A row is ✔ when both launches exit 0,
+own fp32 master weights of the last checkpoint (``zero_to_fp32``; under ``fsdp2`` the checkpoint's model
+folder, consolidated with torch's ``dcp_to_torch_save``). A row is ✔ when both launches exit 0,
 the second resumes from the first's last checkpoint, and every loaded tensor equals its master weight
 (or the master weight rounded to bf16); otherwise ✘ with the first error and whose it is (the file of the
 traceback's innermost frame). Wall time covers both launches; peak node RSS is the largest sum, over the
@@ -63,6 +66,15 @@ STOCK_ENV = {
                                   "accelerate.accelerator:Accelerator.prepare",
 }
 PROMPT = "a photo of sks dog"
+# FSDP2 on the 2 CPU ranks, as tests/test_checkpoints.py launches it, with the zero configs' bf16; wrap policy
+# TRANSFORMER_BASED_WRAP with no class list: accelerate wraps each of the model's own _no_split_modules
+# (accelerate/utils/fsdp_utils.py fsdp2_prepare_auto_wrap_policy), so one config fits every script
+FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+                "mixed_precision": "bf16", "num_machines": 1, "num_processes": 2, "machine_rank": 0,
+                "use_cpu": False}
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + model index, a DCP folder
 
 
 @dataclass
@@ -84,6 +96,13 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+FLUX2_TEXT = ["--max_sequence_length", "16"]
+# the script's own switch for a forward without accelerate's autocast, as under DeepSpeed: it casts the fp32
+# latents and text features to the weights' dtype (train_dreambooth_lora_ideogram4.py, --disable_training_autocast)
+IDEOGRAM4 = ["--max_sequence_length", "64", "--disable_training_autocast"]
+IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
+           "--caption_column", "prompt",
+           "--instance_prompt", PROMPT]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -111,6 +130,19 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # Flux2, Z-Image, Ideogram4
+    Spec("dreambooth/train_dreambooth_lora_flux2.py", "Flux2", "flux2", DREAMBOOTH, "lora:Flux2Pipeline:transformer",
+         LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_img2img.py", "Flux2", "flux2", IMG2IMG,
+         "lora:Flux2Pipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_klein.py", "Flux2", "flux2_klein", DREAMBOOTH,
+         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_flux2_klein_img2img.py", "Flux2", "flux2_klein", IMG2IMG,
+         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
+    Spec("dreambooth/train_dreambooth_lora_z_image.py", "Z-Image", "z_image", DREAMBOOTH,
+         "lora:ZImagePipeline:transformer", LORA_T + ["--max_sequence_length", "32"]),
+    Spec("dreambooth/train_dreambooth_lora_ideogram4.py", "Ideogram4", "ideogram4", DREAMBOOTH,
+         "lora:Ideogram4Pipeline:transformer", LORA_T + IDEOGRAM4),
 ]
 
 
@@ -128,6 +160,13 @@ BUILDERS = {
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
     # -- Flux, Flux2, SD3 DiT scripts --
+    # Flux2, Z-Image, Ideogram4
+    "flux2": "import tiny_flux2 as t; t.flux2_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
+             "t.img2img_dataset('{w}/img2img')",
+    "flux2_klein": "import tiny_flux2 as t; t.klein_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
+                   "t.img2img_dataset('{w}/img2img')",
+    "z_image": "import tiny_flux2 as t; t.z_image_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
+    "ideogram4": "import tiny_flux2 as t; t.ideogram4_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
@@ -222,6 +261,8 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
         m = _ERROR.match(line.strip())
         if not m or line.lstrip().startswith(("File ", "warnings.warn")) or "Warning" in m.group(1).split(":")[0]:
             continue
+        if any("During handling of the above exception" in x for x in lines[i + 1:i + 4]):
+            continue  # a chained exception: the one raised while handling it is what stopped the run
         frames = [f.group(1) for f in (_FRAME.match(x) for x in lines[max(0, i - 80):i]) if f]
         # torch raises for whatever called it wrongly: the innermost frame outside torch says whose call it was
         outside = [f for f in frames if "site-packages/torch/" not in f] or frames
@@ -234,6 +275,11 @@ KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
+    (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
+     "the script's: fp32 inputs into a bf16 DeepSpeed engine, which casts no inputs (deepspeed/runtime/engine.py "
+     "forward; DDP autocasts, FSDP2 casts forward inputs). Flux2's: latents normalized by the VAE's fp32 BatchNorm statistics "
+     "(train_dreambooth_lora_flux2*.py `(model_input - latents_bn_mean) / latents_bn_std`); DeepSpeed's path is "
+     "the same on GPUs"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
@@ -253,17 +299,46 @@ def _whose(path: str, message: str, script: Path) -> str:
 
 # -- the witness: the final artifact loaded as a user loads it, against the master weights -------------
 def _master(ckpt: Path) -> dict:
+    """The checkpoint's trained weights: DeepSpeed's fp32 master weights, or FSDP's sharded model state."""
+    if (ckpt / FSDP_MODEL_DIR).is_dir():
+        return _fsdp_master(ckpt / FSDP_MODEL_DIR)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def _fsdp_master(folder: Path) -> dict:
+    """accelerate's SHARDED_STATE_DICT model folder (``dcp.save({"model": state_dict})``, one file per rank)
+    read back whole, offline, with torch's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "model.pt"
+        dcp_to_torch_save(str(folder), str(target))
+        state = torch.load(target, weights_only=False)
+    return state["model"]
 
 
 def _norm(key: str) -> str:
     return re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
 
 
+def _torchvision_importable() -> None:
+    """Users' environments have torchvision, and some pipelines need it to load (Flux2's PixtralProcessor):
+    the launches' paired copy (tests/torchvision_site.py), on this process's path before transformers
+    decides whether torchvision is available."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        from tests.torchvision_site import torchvision_site
+
+        sys.path.insert(0, torchvision_site())
+
+
 def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
     """(equal, what) for the final artifact in ``out`` against ``ckpt``'s fp32 master weights."""
+    _torchvision_importable()
     import diffusers
     import torch
 
@@ -309,6 +384,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache")))
     if config == "stock_zero2":
         env.update(STOCK_ENV)
+    cfgs["fsdp2"] = root / "fsdp2.yaml"
+    cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML
     cfg = cfgs["zero2" if config == "stock_zero2" else config]
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
@@ -399,9 +476,11 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
         "Configs: `zero2` = launch_configs/cpu_zero2.yaml (bf16); `zero3_t0` = cpu_zero3.yaml with "
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
         "those forming the 2 CPU ranks (benchmarks/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
-        "that handle FSDP. ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, loaded "
-        "as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last checkpoint "
-        "(or their bf16 rounding). Peak node RSS: the launch's process tree, RssAnon summed, sampled "
+        "that handle FSDP (benchmarks/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
+        "SHARDED_STATE_DICT, bf16). ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, "
+        "loaded as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last "
+        "checkpoint, or under fsdp2 its model folder consolidated by torch's dcp_to_torch_save (or their bf16 "
+        "rounding). Peak node RSS: the launch's process tree, RssAnon summed, sampled "
         "every 0.5 s. Wall: both launches on a shared 2-core machine.",
         "",
         "| " + " | ".join(HEADER) + " |",
@@ -464,10 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec, config in plan:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
-            if config == "fsdp2":
-                if fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
-                    new[key] = [key[0], spec.family, config, "–", "not run: no FSDP2 config in the runner yet",
-                                "", "", "", *stamp]
+            if config == "fsdp2" and not fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)

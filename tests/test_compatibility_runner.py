@@ -31,6 +31,15 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
     assert compat.first_error(dtype, SCRIPT)[1].startswith("the script's: fp16 frozen towers")
     ours = out.replace(f"{site}/diffusers/models/attention.py", f"{site}/accel_npu/plugins/loading/x.py")
     assert compat.first_error(ours, SCRIPT)[1] == "ours (accel-npu)"
+    chained = "\n".join([
+        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{site}/diffusers/models/modeling_utils.py"',
+        "[rank0]: AttributeError: 'M' object has no attribute 'get_parameter_or_buffer'", "[rank0]: ",
+        "[rank0]: During handling of the above exception, another exception occurred:", "[rank0]: ",
+        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{SCRIPT}", line 1620, in main',
+        f'[rank0]:   File "{site}/accel_npu/plugins/loading/placement/fsdp.py", line 246',
+        "[rank0]: ValueError: not enough values to unpack (expected 2, got 1)"])
+    assert compat.first_error(chained, SCRIPT) == ("ValueError: not enough values to unpack (expected 2, got 1)",
+                                                   "ours (accel-npu)")
     warned = "UserWarning: not an error\nKeyError: 'x'"
     assert compat.first_error(warned, SCRIPT)[0] == "KeyError: 'x'"
 
@@ -53,3 +62,15 @@ def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}
     assert planned | not_run == every and not planned & not_run
+
+
+def test_an_fsdp_checkpoint_is_compared_with_its_consolidated_model_folder(tmp_path):
+    """Under fsdp2 the master weights are accelerate's SHARDED_STATE_DICT model folder (dcp.save of
+    {"model": state_dict}), read back by torch's dcp_to_torch_save: written here by dcp itself."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"blocks.0.to_q.lora_A.default.weight": torch.randn(4, 8), "blocks.0.to_q.weight": torch.randn(8, 8)}
+    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp_path / compat.FSDP_MODEL_DIR)))
+    master = compat._master(tmp_path)
+    assert master.keys() == state.keys() and all(torch.equal(master[k], v) for k, v in state.items())

@@ -201,3 +201,57 @@ def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
     assert ours["accelerate"] == stock["accelerate"] == version
     assert stock["alive"] == [8] * 8
     assert ours["same"] and ours["alive"] == [7, 6, 5, 4, 3, 2, 1, 0], ours
+
+
+TOP_LEVEL_PROBE = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+from accelerate.utils import fsdp_utils
+
+
+class WithPadToken(torch.nn.Module):  # as diffusers' ZImageTransformer2DModel: x_pad_token on the model itself
+    def __init__(self):
+        super().__init__()
+        self.x_pad_token = torch.nn.Parameter(torch.randn(1, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+
+torch.manual_seed(0)
+model = WithPadToken()
+reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+original_sd = model.state_dict()
+model = model.to(torch.device("meta"))
+fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+class Acc:
+    is_main_process = True
+try:
+    fsdp_utils.fsdp2_load_full_state_dict(Acc(), model, original_sd)
+    result = {"same": all(torch.equal(model.state_dict()[k].full_tensor(), v) for k, v in reference.items())}
+except Exception as exc:
+    result = {"error": f"{type(exc).__name__}: {exc}"}
+print("RESULT " + json.dumps(result))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_fsdp2_full_state_dict_of_a_model_with_its_own_parameters(tmp_path, stock):
+    """A parameter held by the model itself (diffusers' ZImageTransformer2DModel.x_pad_token) on a model
+    without transformers' get_parameter_or_buffer: stock accelerate splits its name at a dot it lacks."""
+    from tests.launch_utils import base_env, free_port
+
+    env = base_env(**({"ACCEL_NPU_DISABLE": "1"} if stock else {}))
+    proc = subprocess.run([sys.executable, "-c", TOP_LEVEL_PROBE, str(free_port())], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    if stock:
+        assert result == {"error": "ValueError: not enough values to unpack (expected 2, got 1)"}, result
+    else:
+        assert result == {"same": True}, result

@@ -237,14 +237,20 @@ def _owning_slots(model, names) -> dict | None:
 
 
 def _infer_parameter_dtype(model, name: str, full):
-    """accelerate's rule: (contiguous like the model's tensor, dtype to cast floating tensors to)."""
+    """accelerate's rule: (contiguous like the model's tensor, dtype to cast floating tensors to).
+
+    accelerate looks the entry up with transformers' ``get_parameter_or_buffer`` and, failing that (LoRA
+    entries; every diffusers ModelMixin, which lacks the method), splits the name at its last dot
+    (accelerate/utils/fsdp_utils.py, fsdp2_load_full_state_dict's _infer_parameter_dtype): a parameter
+    of the model itself (Z-Image's ``x_pad_token``) has no dot and stock stops with "not enough values
+    to unpack". Here such an entry is the model's own attribute."""
     import torch
 
     try:
         old = model.get_parameter_or_buffer(name)
-    except AttributeError:  # LoRA: some entries are not parameters or buffers
-        base, local_name = name.rsplit(".", 1)
-        old = getattr(model.get_submodule(base), local_name)
+    except AttributeError:
+        base, _, local_name = name.rpartition(".")
+        old = getattr(model.get_submodule(base) if base else model, local_name)
     fp8 = getattr(torch, "float8_e4m3fn", None)
     casting_dtype = old.dtype if full.dtype.is_floating_point and full.dtype != fp8 else None
     return old is not None and old.is_contiguous(), casting_dtype
