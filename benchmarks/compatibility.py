@@ -65,19 +65,47 @@ STOCK_ENV = {
 PROMPT = "a photo of sks dog"
 
 
+# the runner's launches in an official script's flags: "model", "common" (both launches), "first" (to
+# --steps), "resume" (to --resume-to; None: the script cannot resume, one launch); {model} {out} {steps}
+# {every} {resume_to} {more} (= resume_to - steps) substituted. A Spec's ``cli`` replaces some of these keys.
+OFFICIAL_CLI = {
+    "model": ["--pretrained_model_name_or_path", "{model}"],
+    "common": ["--seed", "0", "--output_dir", "{out}", "--checkpointing_steps", "{every}"],
+    "first": ["--max_train_steps", "{steps}"],
+    "resume": ["--max_train_steps", "{resume_to}", "--resume_from_checkpoint", "latest"],
+}
+
+
 @dataclass
 class Spec:
-    """How to run one official script on a tiny pipeline."""
-    path: str  # relative to examples/
+    """How to run one official script (or a field report's script, ``path`` under tests/) on a tiny pipeline."""
+    path: str  # relative to examples/, or to the repository when it starts with "tests/"
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    artifact: str  # "lora:<PipelineClass>:<component>" or "full:<ModelClass>:<subfolder>"
+    # "lora:<PipelineClass>:<component>", "full:<ModelClass>:<subfolder>", or "module:<module>.<Class>:<subfolder>"
+    # (a class of tests/scripts/ built from the tiny model folder, accelerate's save_model output loaded into it)
+    artifact: str
     extra: list[str] = field(default_factory=list)
+    cli: dict = field(default_factory=dict)  # keys of OFFICIAL_CLI this script spells otherwise
+    # the checkpoint whose master weights the artifact is compared with ("latest": the highest-numbered
+    # checkpoint-* written) and what the resumed launch's output must name
+    checkpoint: str = "checkpoint-{resume_to}"
+    resumed_from: str = "checkpoint-{steps}"
+    # "checkpoint": the artifact compared is the one the script's save hook wrote into that checkpoint (the
+    # final one in output_dir must load too, with the same tensors' names)
+    artifact_in: str = "output"
+    # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
+    # MockSafetyChecker): the witness passes a stand-in too
+    stand_ins: tuple = ()
 
     @property
     def name(self) -> str:
         return Path(self.path).name
+
+    @property
+    def script(self) -> Path:
+        return REPO / self.path if self.path.startswith("tests/") else UPSTREAM_EXAMPLES / self.path
 
 
 DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMPT]
@@ -111,6 +139,26 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # -- other image DiTs, video, discrete --
+    # no --max_train_steps / --checkpointing_steps / resume: 2 clips on 2 ranks at batch 1 make an epoch one
+    # step, so --num_train_epochs is the step count; it saves checkpoint-<epoch index> every
+    # --checkpointing_epochs but never after the last epoch, and its save hook writes the LoRA into it
+    Spec("cosmos/train_cosmos_predict25_lora.py", "Cosmos", "cosmos25", ["--train_data_dir", "{work}/data"],
+         "lora:Cosmos2_5_PredictBasePipeline:transformer",
+         ["--height", "32", "--width", "32", "--num_frames", "5", "--train_batch_size", "1", "--lora_rank", "4",
+          "--lora_alpha", "8", "--learning_rate", "1e-2", "--scheduler_warm_up_steps", "1",
+          "--dataloader_num_workers", "0"],
+         cli={"common": ["--seed", "0", "--output_dir", "{out}"],
+              "first": ["--num_train_epochs", "{steps}", "--checkpointing_epochs", "{every}"], "resume": None},
+         checkpoint="latest", artifact_in="checkpoint", stand_ins=("safety_checker",)),
+    # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
+    # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
+    Spec("tests/scripts/train_dit4dit.py", "DiT4DiT (field report)", "dit4dit", [],
+         "module:train_dit4dit.DiT4DiT:model",
+         cli={"model": ["--pretrained", "{model}"], "common": [],
+              "first": ["--steps", "{steps}", "--save-at", "{steps}", "--save-dir", "{out}/checkpoint-{steps}"],
+              "resume": ["--resume", "{out}/checkpoint-{steps}", "--start-step", "{steps}", "--steps", "{more}",
+                         "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]}),
 ]
 
 
@@ -129,6 +177,8 @@ BUILDERS = {
     # -- SD / SDXL UNet scripts --
     # -- Flux, Flux2, SD3 DiT scripts --
     # -- other image DiTs, video, discrete --
+    "cosmos25": "import tiny_dits as t; t.cosmos25_pipeline('{w}/model'); t.cosmos25_videos('{w}/data')",
+    "dit4dit": "import tiny_dits as t; t.dit4dit('{w}/model')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
 
@@ -262,21 +312,51 @@ def _norm(key: str) -> str:
     return re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
 
 
-def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
-    """(equal, what) for the final artifact in ``out`` against ``ckpt``'s fp32 master weights."""
+class _StandIn:
+    """An optional pipeline component the script replaces by a stand-in of its own (``Spec.stand_ins``)."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+
+def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
+    """The artifact in ``where_dir`` loaded as a user loads it: {name: tensor}."""
     import diffusers
     import torch
 
     kind, cls_name, where = spec.artifact.split(":")
-    master = _master(ckpt)
     if kind == "lora":
-        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
-        pipe.load_lora_weights(str(out))
-        got = {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+        stand_ins = {name: _StandIn() for name in spec.stand_ins}
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
+        pipe.load_lora_weights(str(where_dir))
+        return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+    if kind == "module":
+        import importlib
+
+        from accelerate.utils import load_checkpoint_in_model
+
+        module_name, cls = cls_name.rsplit(".", 1)
+        loaded = getattr(importlib.import_module(module_name), cls)(str(model))
+        load_checkpoint_in_model(loaded, str(where_dir / where), strict=True)
+        return loaded.state_dict()
+    loaded = getattr(diffusers, cls_name).from_pretrained(str(where_dir), subfolder=where or None)
+    return loaded.state_dict()
+
+
+def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
+    """(equal, what) for the final artifact in ``out`` (or the one in ``ckpt``: ``Spec.artifact_in``) against
+    ``ckpt``'s fp32 master weights."""
+    import torch
+
+    master = _master(ckpt)
+    if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
-    else:
-        loaded = getattr(diffusers, cls_name).from_pretrained(str(out), subfolder=where or None)
-        got = loaded.state_dict()
+    got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
+    if spec.artifact_in == "checkpoint":
+        final = _load_artifact(spec, model, out)
+        if set(final) != set(got):
+            return False, (f"the final artifact's tensors are not the checkpoint's: {len(set(final) ^ set(got))} "
+                           "names differ")
     missing = sorted(set(master) - set(got))
     if not master or missing:
         return False, f"{len(missing)} of {len(master)} master tensors not in the loaded artifact"
@@ -300,7 +380,7 @@ def fsdp_supported(script: Path) -> bool:
 
 
 def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_to: int, timeout: float) -> dict:
-    script = UPSTREAM_EXAMPLES / spec.path
+    script = spec.script
     work = root / spec.builder
     _build(spec.builder, work)
     cfgs = shipped_zero_configs(root)
@@ -314,12 +394,16 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
-    base = ["--config_file", str(cfg), str(script), "--pretrained_model_name_or_path", str(work / "model"), *data,
-            *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", str(every)]
-    runs = [launch(base + ["--max_train_steps", str(steps)], env, root, timeout)]
-    if runs[0]["code"] == 0:
-        runs.append(launch(base + ["--max_train_steps", str(resume_to), "--resume_from_checkpoint", "latest"],
-                           env, root, timeout))
+    cli = {**OFFICIAL_CLI, **spec.cli}
+    values = dict(model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to, more=resume_to - steps)
+
+    def fill(args: list[str]) -> list[str]:
+        return [a.format(**values) for a in args]
+
+    base = ["--config_file", str(cfg), str(script), *fill(cli["model"]), *data, *spec.extra, *fill(cli["common"])]
+    runs = [launch(base + fill(cli["first"]), env, root, timeout)]
+    if runs[0]["code"] == 0 and cli["resume"] is not None:
+        runs.append(launch(base + fill(cli["resume"]), env, root, timeout))
     row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
@@ -329,15 +413,23 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
                     "whose": "unknown (a hang)"}
         error, whose = first_error(failed["output"], script)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
-    last = out / f"checkpoint-{resume_to}"
-    if f"checkpoint-{steps}" not in runs[1]["output"] or not last.is_dir():
+    written = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                     key=lambda p: int(p.name.split("-")[-1]))
+    if spec.checkpoint == "latest":
+        last = written[-1] if written else out / "checkpoint-(none)"
+    else:
+        last = out / spec.checkpoint.format(**values)
+    resumed = cli["resume"] is None or spec.resumed_from.format(**values) in runs[1]["output"]
+    if not resumed or not last.is_dir():
+        expected = "" if cli["resume"] is None else f"resume from {spec.resumed_from.format(**values)} and "
         return {**row, "ok": False, "whose": "unknown",
-                "what": f"did not resume from checkpoint-{steps} and write checkpoint-{resume_to}: "
-                        f"{sorted(p.name for p in out.glob('checkpoint-*'))}"}
+                "what": f"did not {expected}write {last.name}: {[p.name for p in written]}"}
     try:
         ok, what = compare_artifact(spec, work / "model", out, last)
     except Exception as exc:  # noqa: BLE001 - the row records it
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+    if cli["resume"] is None:
+        what = f"one launch (the script has no resume option); {last.name}: {what}"
     return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
 
 
@@ -463,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
             if config == "fsdp2":
-                if fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
+                if fsdp_supported(spec.script):
                     new[key] = [key[0], spec.family, config, "–", "not run: no FSDP2 config in the runner yet",
                                 "", "", "", *stamp]
                 continue  # scripts that do not handle FSDP get no FSDP2 row

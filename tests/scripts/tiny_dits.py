@@ -1,0 +1,124 @@
+"""Tiny pipelines (real classes, random weights, no hub) and their data for diffusers v0.40.0's official
+scripts of the "other image DiTs, video, discrete" family in benchmarks/compatibility.py, plus the
+DiT4DiT-shaped field-report script (tests/scripts/train_dit4dit.py).
+
+Component sizes follow diffusers v0.40.0's own pipeline tests (``get_dummy_components`` of the file named
+at each builder); hub tokenizers are replaced by local ones (tiny_models.py, tiny_sd3_flux.py). Never
+imports accel_npu.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from tiny_models import _SPECIAL, qwen_tokenizer  # noqa: E402
+
+# the text-only part of Qwen2-VL's chat template (tokenizer_config.json of Qwen/Qwen2.5-VL-7B-Instruct):
+# the Cosmos 2.5 pipeline's _get_prompt_embeds calls apply_chat_template with text-only messages
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _write_model_index(folder: str, pipeline: str, components: dict) -> None:
+    """model_index.json as DiffusionPipeline.save_pretrained writes it, for pipelines whose __init__ cannot
+    run here (Cosmos 2.5 builds a CosmosSafetyChecker that needs the absent cosmos_guardrail package)."""
+    import diffusers
+
+    index = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__}
+    for name, obj in components.items():
+        if obj is None:
+            index[name] = [None, None]
+        else:
+            index[name] = [type(obj).__module__.split(".")[0], type(obj).__name__]
+            obj.save_pretrained(os.path.join(folder, name))
+    with open(os.path.join(folder, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+# -- Cosmos Predict 2.5 (cosmos/train_cosmos_predict25_lora.py) ------------------------------------------
+# tests/pipelines/cosmos/test_cosmos2_5_predict.py get_dummy_components, the hub Qwen2 tokenizer replaced
+# by tiny_models.qwen_tokenizer (so the text encoder's vocabulary is the local tokenizer's)
+COSMOS25_TRANSFORMER = dict(in_channels=16 + 1, out_channels=16, num_attention_heads=2, attention_head_dim=16,
+                            num_layers=2, mlp_ratio=2, text_embed_dim=32, adaln_lora_dim=4, max_size=(4, 32, 32),
+                            patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0), concat_padding_mask=True,
+                            extra_pos_embed_type="learnable")
+COSMOS25_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                    temperal_downsample=[False, True, True])
+# two layers of 16: _get_prompt_embeds concatenates every layer's hidden state, 2 x 16 = text_embed_dim
+COSMOS25_TEXT = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=1024,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]})
+COSMOS25_VISION = dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16)
+COSMOS25_FRAMES = 9  # written per video; the script takes --num_frames 5 (2 latent frames: 1 or 2 conditional)
+COSMOS25_SIZE = 32
+
+
+def cosmos25_pipeline(folder: str) -> None:
+    """A Cosmos2_5_PredictBasePipeline folder (transformer, Wan VAE, Qwen2.5-VL text encoder, tokenizer with a
+    chat template, UniPC scheduler; no safety checker: the script passes its own MockSafetyChecker)."""
+    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, UniPCMultistepScheduler
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    os.makedirs(folder, exist_ok=True)
+    tokenizer = qwen_tokenizer(os.path.join(folder, "tokenizer"))
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL}
+    torch.manual_seed(0)
+    transformer = CosmosTransformer3DModel(**COSMOS25_TRANSFORMER)
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**COSMOS25_VAE)
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={**COSMOS25_TEXT, "vocab_size": len(tokenizer), "pad_token_id": ids["<|endoftext|>"],
+                     "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
+        vision_config=COSMOS25_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"]))
+    _write_model_index(folder, "Cosmos2_5_PredictBasePipeline", {
+        "text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae,
+        "scheduler": UniPCMultistepScheduler(), "safety_checker": None})
+
+
+def cosmos25_videos(folder: str, count: int = 2) -> None:
+    """The script's --train_data_dir layout: ``videos/*.mp4`` (H.264 through imageio-ffmpeg, the script's
+    own requirement) and ``metas/<name>.txt`` captions."""
+    import imageio.v2 as imageio
+
+    os.makedirs(os.path.join(folder, "videos"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "metas"), exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        base = rng.integers(0, 256, size=(COSMOS25_SIZE, COSMOS25_SIZE, 3))
+        frames = [((base + 16 * t) % 256).astype(np.uint8) for t in range(COSMOS25_FRAMES)]
+        imageio.mimwrite(os.path.join(folder, "videos", f"clip_{i}.mp4"), frames, fps=8, codec="libx264",
+                         macro_block_size=16)
+        with open(os.path.join(folder, "metas", f"clip_{i}.txt"), "w") as f:
+            f.write(f"a robot arm moves block {i}\n")
+
+
+# -- DiT4DiT, the field report's shape (tests/scripts/train_dit4dit.py) -----------------------------------
+def dit4dit(folder: str) -> None:
+    """train_dit4dit.py's --pretrained folder: transformer/ (Cosmos), vae/ (Wan), text_encoder/ (T5), the
+    sizes of tests/test_checkpoints_dit4dit.py."""
+    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    CosmosTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, mlp_ratio=2.0,
+        text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 16, 16), patch_size=(1, 2, 2),
+        concat_padding_mask=False, extra_pos_embed_type="learnable").save_pretrained(os.path.join(folder, "transformer"))
+    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                     latents_mean=[0.0] * 4, latents_std=[1.0] * 4).save_pretrained(os.path.join(folder, "vae"))
+    T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                            decoder_start_token_id=0)).save_pretrained(os.path.join(folder, "text_encoder"))
