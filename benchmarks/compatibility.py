@@ -89,9 +89,10 @@ class Spec:
     extra: list[str] = field(default_factory=list)
     cli: dict = field(default_factory=dict)  # keys of OFFICIAL_CLI this script spells otherwise
     # the checkpoint whose master weights the artifact is compared with ("latest": the highest-numbered
-    # checkpoint-* written) and what the resumed launch's output must name
+    # checkpoint-* written) and what the resumed launch's output must name (None: a script that prints no such
+    # line; the witness is then DeepSpeed's own step count, global_steps, in that checkpoint = --resume-to)
     checkpoint: str = "checkpoint-{resume_to}"
-    resumed_from: str = "checkpoint-{steps}"
+    resumed_from: str | None = "checkpoint-{steps}"
     # "checkpoint": the artifact compared is the one the script's save hook wrote into that checkpoint (the
     # final one in output_dir must load too, with the same tensors' names)
     artifact_in: str = "output"
@@ -151,6 +152,15 @@ SPECS = [
          cli={"common": ["--seed", "0", "--output_dir", "{out}"],
               "first": ["--num_train_epochs", "{steps}", "--checkpointing_epochs", "{every}"], "resume": None},
          checkpoint="latest", artifact_in="checkpoint", stand_ins=("safety_checker",)),
+    Spec("dreambooth/train_dreambooth_lora_lumina2.py", "Lumina2", "lumina2", DREAMBOOTH,
+         "lora:Lumina2Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
+    Spec("dreambooth/train_dreambooth_lora_krea2.py", "Krea2", "krea2", DREAMBOOTH, "lora:Krea2Pipeline:transformer",
+         LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16", "--skip_final_inference"]),
+    Spec("dreambooth/train_dreambooth_lora_hidream.py", "HiDream", "hidream",
+         DREAMBOOTH + ["--pretrained_tokenizer_4_name_or_path", "{work}/model/tokenizer_4",
+                       "--pretrained_text_encoder_4_name_or_path", "{work}/model/text_encoder_4"],
+         "lora:HiDreamImagePipeline:transformer",
+         LORA_T + ["--max_sequence_length", "16", "--skip_final_inference"]),
     # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
     # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
     Spec("tests/scripts/train_dit4dit.py", "DiT4DiT (field report)", "dit4dit", [],
@@ -158,7 +168,8 @@ SPECS = [
          cli={"model": ["--pretrained", "{model}"], "common": [],
               "first": ["--steps", "{steps}", "--save-at", "{steps}", "--save-dir", "{out}/checkpoint-{steps}"],
               "resume": ["--resume", "{out}/checkpoint-{steps}", "--start-step", "{steps}", "--steps", "{more}",
-                         "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]}),
+                         "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]},
+         resumed_from=None),
 ]
 
 
@@ -179,6 +190,9 @@ BUILDERS = {
     # -- other image DiTs, video, discrete --
     "cosmos25": "import tiny_dits as t; t.cosmos25_pipeline('{w}/model'); t.cosmos25_videos('{w}/data')",
     "dit4dit": "import tiny_dits as t; t.dit4dit('{w}/model')",
+    "krea2": "import tiny_dits as t, tiny_models as m; t.krea2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "hidream": "import tiny_dits as t, tiny_models as m; t.hidream_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
 
@@ -284,6 +298,10 @@ KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
+    (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
+     "the script's, also on GPUs: fp32 activations into the bf16 DeepSpeed engine; the script relies on "
+     "accelerate's autocast, which accelerate skips under DeepSpeed (accelerate/accelerator.py native_amp), and "
+     "DeepSpeed casts inputs only under fp16.auto_cast (deepspeed/runtime/engine.py _forward_prologue)"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
@@ -306,6 +324,16 @@ def _master(ckpt: Path) -> dict:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def _global_steps(ckpt: Path) -> int | None:
+    """DeepSpeed's own optimizer-step count saved in a checkpoint (engine.global_steps, restored by a resume)."""
+    import torch
+
+    files = sorted(ckpt.glob("*/mp_rank_00_model_states.pt"))
+    if not files:
+        return None
+    return torch.load(files[0], map_location="cpu", weights_only=False).get("global_steps")
 
 
 def _norm(key: str) -> str:
@@ -404,6 +432,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     runs = [launch(base + fill(cli["first"]), env, root, timeout)]
     if runs[0]["code"] == 0 and cli["resume"] is not None:
         runs.append(launch(base + fill(cli["resume"]), env, root, timeout))
+    for i, r in enumerate(runs, 1):  # each launch's whole output beside its artifacts, for reading a ✘
+        (out / f"launch-{i}.log").write_text(r["output"])
     row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
@@ -419,9 +449,15 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         last = written[-1] if written else out / "checkpoint-(none)"
     else:
         last = out / spec.checkpoint.format(**values)
-    resumed = cli["resume"] is None or spec.resumed_from.format(**values) in runs[1]["output"]
+    if cli["resume"] is None:
+        resumed, expected = True, ""
+    elif spec.resumed_from is None:
+        counted = _global_steps(last)
+        resumed, expected = counted == resume_to, f"resume (DeepSpeed's global_steps in {last.name}: {counted}) and "
+    else:
+        resumed = spec.resumed_from.format(**values) in runs[1]["output"]
+        expected = f"resume from {spec.resumed_from.format(**values)} and "
     if not resumed or not last.is_dir():
-        expected = "" if cli["resume"] is None else f"resume from {spec.resumed_from.format(**values)} and "
         return {**row, "ok": False, "whose": "unknown",
                 "what": f"did not {expected}write {last.name}: {[p.name for p in written]}"}
     try:

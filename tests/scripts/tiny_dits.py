@@ -122,3 +122,90 @@ def dit4dit(folder: str) -> None:
                      latents_mean=[0.0] * 4, latents_std=[1.0] * 4).save_pretrained(os.path.join(folder, "vae"))
     T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                             decoder_start_token_id=0)).save_pretrained(os.path.join(folder, "text_encoder"))
+
+
+# -- Lumina2 (dreambooth/train_dreambooth_lora_lumina2.py) ------------------------------------------------
+# tests/pipelines/lumina2/test_pipeline_lumina2.py get_dummy_components; the hub dummy-gemma tokenizer
+# replaced by tiny_sana_sdxl.gemma_tokenizer
+def lumina2_pipeline(folder: str) -> None:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from tiny_sana_sdxl import gemma_tokenizer
+
+    tokenizer = gemma_tokenizer(os.path.join(folder, "tokenizer"))
+    torch.manual_seed(0)
+    transformer = Lumina2Transformer2DModel(
+        sample_size=4, patch_size=2, in_channels=4, hidden_size=8, num_layers=2, num_attention_heads=1,
+        num_kv_heads=1, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0,
+        axes_dim_rope=[4, 2, 2], cap_feat_dim=8)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
+                        shift_factor=0.0609, scaling_factor=1.5035)
+    torch.manual_seed(0)
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(tokenizer), head_dim=4, hidden_size=8, intermediate_size=8, num_attention_heads=2,
+        num_hidden_layers=2, num_key_value_heads=2, sliding_window=2, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2))
+    Lumina2Pipeline(transformer=transformer, vae=vae.eval(), scheduler=FlowMatchEulerDiscreteScheduler(),
+                    text_encoder=text_encoder, tokenizer=tokenizer).save_pretrained(folder)
+
+
+# -- Krea 2 (dreambooth/train_dreambooth_lora_krea2.py) ---------------------------------------------------
+# tests/pipelines/krea2/test_krea2.py get_dummy_components; the hub Qwen2 tokenizer replaced by
+# tiny_models.qwen_tokenizer
+def krea2_pipeline(folder: str) -> None:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, \
+        Krea2Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    tokenizer = qwen_tokenizer(os.path.join(folder, "tokenizer"))
+    torch.manual_seed(0)
+    transformer = Krea2Transformer2DModel(
+        in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16, num_text_layers=3,
+        text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=16,
+        num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2), rope_theta=1000.0)
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=4 * 6, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=6400)
+    torch.manual_seed(0)
+    text_encoder = Qwen3VLModel(Qwen3VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "head_dim": 8},
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": 16},
+        vocab_size=152064)).eval()
+    Krea2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                  transformer=transformer, text_encoder_select_layers=(0, 1, 2)).save_pretrained(folder)
+
+
+# -- HiDream-I1 (dreambooth/train_dreambooth_lora_hidream.py) --------------------------------------------
+# tests/pipelines/hidream_image/test_pipeline_hidream.py get_dummy_components; the hub CLIP / T5 / Llama
+# tokenizers and encoders replaced by tiny_sd3_flux's local CLIP + T5 pair and a tiny_models.llama of hidden
+# 16 (caption_channels [T5 32, Llama 16]) with tiny_models.qwen_tokenizer (the script loads it with
+# AutoTokenizer from --pretrained_tokenizer_4_name_or_path)
+def hidream_pipeline(folder: str) -> None:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, \
+        HiDreamImageTransformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
+    from tiny_models import llama
+    from tiny_sd3_flux import VAE, _encoders
+
+    parts = _encoders(folder, [CLIPTextModelWithProjection, CLIPTextModelWithProjection])
+    tokenizer_4 = qwen_tokenizer(os.path.join(folder, "tokenizer_4"))
+    text_encoder_4 = llama(vocab_size=len(tokenizer_4), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           tie_word_embeddings=False, pad_token_id=tokenizer_4.pad_token_id,
+                           eos_token_id=tokenizer_4.eos_token_id, bos_token_id=tokenizer_4.eos_token_id)
+    torch.manual_seed(0)
+    transformer = HiDreamImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=4, caption_channels=[32, 16], text_emb_dim=64, num_routed_experts=4,
+        num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1))
+    vae = AutoencoderKL(latent_channels=4, **{**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159})
+    HiDreamImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
+                         tokenizer_4=tokenizer_4, text_encoder_4=text_encoder_4, **parts).save_pretrained(folder)
