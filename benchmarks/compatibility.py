@@ -83,15 +83,17 @@ class Spec:
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    # "lora:<PipelineClass>:<component>", "full:<ModelClass>:<subfolder>", or "module:<module>.<Class>:<subfolder>"
+    # "lora:<PipelineClass>:<component>", "full:<ModelClass>:<subfolder>", "module:<module>.<Class>:<subfolder>"
     # (a class of tests/scripts/ built from the tiny model folder, accelerate's save_model output loaded into it)
+    # or "pretrained:<transformers class>:<subfolder>" (with checkpoint None: compare_pretrained)
     artifact: str
     extra: list[str] = field(default_factory=list)
     cli: dict = field(default_factory=dict)  # keys of OFFICIAL_CLI this script spells otherwise
     # the checkpoint whose master weights the artifact is compared with ("latest": the highest-numbered
-    # checkpoint-* written) and what the resumed launch's output must name (None: a script that prints no such
-    # line; the witness is then DeepSpeed's own step count, global_steps, in that checkpoint = --resume-to)
-    checkpoint: str = "checkpoint-{resume_to}"
+    # checkpoint-* written; None: the script writes no DeepSpeed checkpoint, see compare_pretrained) and what
+    # the resumed launch's output must name (None: a script that prints no such line; the witness is then
+    # DeepSpeed's own step count, global_steps, in that checkpoint = --resume-to)
+    checkpoint: str | None = "checkpoint-{resume_to}"
     resumed_from: str | None = "checkpoint-{steps}"
     # "checkpoint": the artifact compared is the one the script's save hook wrote into that checkpoint (the
     # final one in output_dir must load too, with the same tensors' names)
@@ -161,6 +163,20 @@ SPECS = [
                        "--pretrained_text_encoder_4_name_or_path", "{work}/model/text_encoder_4"],
          "lora:HiDreamImagePipeline:transformer",
          LORA_T + ["--max_sequence_length", "16", "--skip_final_inference"]),
+    Spec("cogview4-control/train_control_cogview4.py", "CogView4", "cogview4_control",
+         ["--jsonl_for_train", "{work}/control/train.jsonl", "--image_column", "image", "--caption_column", "text",
+          "--conditioning_image_column", "conditioning_image"],
+         "full:CogView4Transformer2DModel:", ["--resolution", "16", "--train_batch_size", "1", "--learning_rate",
+                                              "1e-3", "--dataloader_num_workers", "0", "--max_sequence_length", "16"]),
+    Spec("amused/train_amused.py", "aMUSEd", "amused", ["--instance_data_dir", "{work}/images"], "full:UVit2DModel:",
+         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]),
+    # no DeepSpeed checkpoint and no resume: it saves save_pretrained copies every --checkpointing_steps and
+    # final/; random-token data (--use_dummy_data) instead of the hub's wikitext
+    Spec("discrete_diffusion/train_llada2.py", "LLaDA2", "llada2", ["--use_dummy_data", "--num_dummy_samples", "16"],
+         "pretrained:AutoModelForCausalLM:final",
+         ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_length", "32",
+          "--prompt_length", "8", "--block_length", "8", "--lr_warmup_steps", "0", "--learning_rate", "1e-2"],
+         cli={"model": ["--model_name_or_path", "{model}"], "resume": None}, checkpoint=None),
     # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
     # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
     Spec("tests/scripts/train_dit4dit.py", "DiT4DiT (field report)", "dit4dit", [],
@@ -192,6 +208,9 @@ BUILDERS = {
     "dit4dit": "import tiny_dits as t; t.dit4dit('{w}/model')",
     "krea2": "import tiny_dits as t, tiny_models as m; t.krea2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     "hidream": "import tiny_dits as t, tiny_models as m; t.hidream_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "amused": "import tiny_dits as t, tiny_models as m; t.amused_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "cogview4_control": "import tiny_dits as t; t.cogview4_control_pipeline('{w}/model'); t.control_jsonl('{w}/control')",
+    "llada2": "import tiny_dits as t; t.llada2_model('{w}/model')",
     "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
@@ -401,6 +420,33 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     return True, f"{len(master)} tensors = master"
 
 
+def compare_pretrained(spec: Spec, model: Path, out: Path) -> tuple[bool, str]:
+    """(sound, what) for a script that saves its model with save_pretrained and no DeepSpeed checkpoint (no
+    master weights to compare with): the safetensors files read back hold every tensor of the architecture
+    their config describes, at its shape, finite, and each changed from the initial weights."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    _, cls_name, where = spec.artifact.split(":")
+    cls = getattr(transformers, cls_name)
+    saved = {}
+    for f in sorted((out / where).glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    skeleton = cls.from_config(transformers.AutoConfig.from_pretrained(str(out / where))).state_dict()
+    initial = cls.from_pretrained(str(model)).state_dict()
+    wrong = [k for k, v in skeleton.items() if k not in saved or saved[k].shape != v.shape]
+    if not saved or wrong:
+        return False, f"{len(wrong)} of {len(skeleton)} tensors missing or of another shape in {where}/"
+    bad = [k for k, v in saved.items() if not torch.isfinite(v.float()).all()]
+    unchanged = [k for k, v in saved.items() if k in initial and initial[k].shape == v.shape
+                 and torch.equal(v.float(), initial[k].to(v.dtype).float())]
+    if bad or unchanged:
+        return False, f"{where}/: {len(bad)} tensors not finite, {len(unchanged)} unchanged from the initial weights"
+    return True, (f"no DeepSpeed checkpoint (save_pretrained): {where}/ read back, {len(skeleton)} tensors of the "
+                  "architecture's shapes, finite, all trained")
+
+
 # -- one row ----------------------------------------------------------------------------------------
 def fsdp_supported(script: Path) -> bool:
     text = script.read_text()
@@ -443,6 +489,12 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
                     "whose": "unknown (a hang)"}
         error, whose = first_error(failed["output"], script)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
+    if spec.checkpoint is None:
+        try:
+            ok, what = compare_pretrained(spec, work / "model", out)
+        except Exception as exc:  # noqa: BLE001 - the row records it
+            ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+        return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
     written = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
                      key=lambda p: int(p.name.split("-")[-1]))
     if spec.checkpoint == "latest":

@@ -209,3 +209,112 @@ def hidream_pipeline(folder: str) -> None:
     vae = AutoencoderKL(latent_channels=4, **{**VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159})
     HiDreamImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer,
                          tokenizer_4=tokenizer_4, text_encoder_4=text_encoder_4, **parts).save_pretrained(folder)
+
+
+# -- CogView4 Control (cogview4-control/train_control_cogview4.py) ----------------------------------------
+# tests/pipelines/cogview4/test_cogview4.py get_dummy_components; the hub GLM-4 tokenizer replaced by
+# glm_tokenizer, the GLM vocabulary sized to it
+def glm_tokenizer(folder: str):
+    """tiny_models.qwen_tokenizer's byte-level BPE with GLM-4's prefix: every text starts with ``[gMASK]<sop>``
+    (THUDM/glm-4-9b-chat's tokenizer adds them), so the empty negative prompt the script encodes has tokens;
+    left padding, as GLM-4's."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = qwen_tokenizer(folder + ".bpe")
+    tok.add_special_tokens({"additional_special_tokens": ["[gMASK]", "<sop>"]})
+    backend = tok.backend_tokenizer
+    backend.post_processor = TemplateProcessing(
+        single="[gMASK] <sop> $A", special_tokens=[(t, tok.convert_tokens_to_ids(t)) for t in ("[gMASK]", "<sop>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                   padding_side="left")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def cogview4_control_pipeline(folder: str) -> None:
+    import shutil
+
+    from diffusers import AutoencoderKL, CogView4ControlPipeline, CogView4Transformer2DModel, \
+        FlowMatchEulerDiscreteScheduler
+    from transformers import GlmConfig, GlmModel
+
+    tokenizer = glm_tokenizer(os.path.join(folder, "tokenizer"))
+    shutil.rmtree(os.path.join(folder, "tokenizer.bpe"))
+    torch.manual_seed(0)
+    transformer = CogView4Transformer2DModel(patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4,
+                                             num_attention_heads=4, out_channels=4, text_embed_dim=32,
+                                             time_embed_dim=8, condition_dim=4)
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3,
+                        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+                        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], latent_channels=4, sample_size=128)
+    scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
+                                                use_dynamic_shifting=True, time_shift_type="linear")
+    torch.manual_seed(0)
+    text_encoder = GlmModel(GlmConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=8,
+                                            num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                                            pad_token_id=tokenizer.pad_token_id))
+    CogView4ControlPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                            scheduler=scheduler).save_pretrained(folder)
+
+
+def control_jsonl(folder: str, count: int = 4, size: int = 32) -> None:
+    """``folder/train.jsonl`` for --jsonl_for_train: image / text / conditioning_image (paths to PNGs)."""
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with open(os.path.join(folder, "train.jsonl"), "w") as f:
+        for i in range(count):
+            image = os.path.join(folder, f"image_{i}.png")
+            cond = os.path.join(folder, f"cond_{i}.png")
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(image)
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(cond)
+            f.write(json.dumps({"image": image, "text": f"a photo of block {i}", "conditioning_image": cond}) + "\n")
+
+
+# -- LLaDA2-style block refinement (discrete_diffusion/train_llada2.py) -----------------------------------
+# the script fine-tunes any AutoModelForCausalLM (default Qwen/Qwen2.5-0.5B): a 2-layer Qwen2ForCausalLM of
+# hidden 32 with tiny_models.qwen_tokenizer (the script adds its [MASK] token and resizes the embeddings)
+def llada2_model(folder: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = qwen_tokenizer(folder)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                 max_position_embeddings=128, tie_word_embeddings=False,
+                                 pad_token_id=tokenizer.pad_token_id)).save_pretrained(folder)
+
+
+# -- aMUSEd (amused/train_amused.py) ----------------------------------------------------------------------
+# tests/pipelines/amused/test_amused.py get_dummy_components (removed with the deprecated pipelines in
+# diffusers #11879; as of commit 62cce3045d); the hub CLIP tokenizer replaced by tiny_sd.write_tokenizer at
+# the script's hard-coded max_length 77
+def amused_pipeline(folder: str) -> None:
+    from diffusers import AmusedPipeline, AmusedScheduler, UVit2DModel, VQModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from tiny_sd import write_tokenizer
+
+    tokenizer, vocab = write_tokenizer(os.path.join(folder, "tokenizer"), max_length=77)
+    torch.manual_seed(0)
+    transformer = UVit2DModel(
+        hidden_size=8, use_bias=False, hidden_dropout=0.0, cond_embed_dim=8, micro_cond_encode_dim=2,
+        micro_cond_embed_dim=10, encoder_hidden_size=8, vocab_size=32, codebook_size=8, in_channels=8,
+        block_out_channels=8, num_res_blocks=1, downsample=True, upsample=True, block_num_heads=1,
+        num_hidden_layers=1, num_attention_heads=1, attention_dropout=0.0, intermediate_size=8,
+        layer_norm_eps=1e-06, ln_elementwise_affine=True)
+    torch.manual_seed(0)
+    vqvae = VQModel(act_fn="silu", block_out_channels=[8], down_block_types=["DownEncoderBlock2D"], in_channels=3,
+                    latent_channels=8, layers_per_block=1, norm_num_groups=8, num_vq_embeddings=8, out_channels=3,
+                    sample_size=8, up_block_types=["UpDecoderBlock2D"], mid_block_add_attention=False,
+                    lookup_from_codebook=True)
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(
+        bos_token_id=0, eos_token_id=1, hidden_size=8, intermediate_size=8, layer_norm_eps=1e-05,
+        num_attention_heads=1, num_hidden_layers=1, pad_token_id=1, vocab_size=vocab, projection_dim=8,
+        max_position_embeddings=77))
+    AmusedPipeline(vqvae=vqvae, tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer,
+                   scheduler=AmusedScheduler(mask_token_id=31)).save_pretrained(folder)
