@@ -248,7 +248,9 @@ def cogview4_control_pipeline(folder: str) -> None:
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=[32, 64], in_channels=3, out_channels=3,
                         down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
-                        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], latent_channels=4, sample_size=128)
+                        up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], latent_channels=4, sample_size=128,
+                        # the script normalizes latents with both (THUDM/CogView4-6B's vae/config.json: 0.0, 1.0)
+                        shift_factor=0.0, scaling_factor=1.0)
     scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
                                                 use_dynamic_shifting=True, time_shift_type="linear")
     torch.manual_seed(0)
