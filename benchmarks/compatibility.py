@@ -169,7 +169,8 @@ SPECS = [
          "full:CogView4Transformer2DModel:", ["--resolution", "16", "--train_batch_size", "1", "--learning_rate",
                                               "1e-3", "--dataloader_num_workers", "0", "--max_sequence_length", "16"]),
     Spec("amused/train_amused.py", "aMUSEd", "amused", ["--instance_data_dir", "{work}/images"], "full:UVit2DModel:",
-         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]),
+         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--report_to", "tensorboard"]),  # its default, wandb, must be installed (the others default to tensorboard)
     # no DeepSpeed checkpoint and no resume: it saves save_pretrained copies every --checkpointing_steps and
     # final/; random-token data (--use_dummy_data) instead of the hub's wikitext
     Spec("discrete_diffusion/train_llada2.py", "LLaDA2", "llada2", ["--use_dummy_data", "--num_dummy_samples", "16"],
