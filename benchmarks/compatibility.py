@@ -322,6 +322,11 @@ KNOWN_CAUSES = [
      "the script's, also on GPUs: fp32 activations into the bf16 DeepSpeed engine; the script relies on "
      "accelerate's autocast, which accelerate skips under DeepSpeed (accelerate/accelerator.py native_amp), and "
      "DeepSpeed casts inputs only under fp16.auto_cast (deepspeed/runtime/engine.py _forward_prologue)"),
+    (r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\) at non-singleton dimension 1\.  "
+     r"Target sizes: \[\d+, \d+\]",
+     "the script's, also on GPUs: its text attention mask (train_control_cogview4.py:1048, the caption's own "
+     "length) is shorter than the prompt embeddings CogView4ControlPipeline.encode_prompt pads to a multiple of 16 "
+     "(pipeline_cogview4_control.py:210); transformer_cogview4.py:173 cannot fit one into the other"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
