@@ -103,3 +103,13 @@ def test_each_script_is_launched_with_its_own_flags(tmp_path, monkeypatch):
     assert spec.script == REPO / "tests" / "scripts" / "train_dit4dit.py"
     assert calls[1][calls[1].index("--resume") + 1] == str(out / "checkpoint-4")
     assert not row["ok"] and "global_steps in checkpoint-6: 2" in row["what"]
+
+
+def test_a_script_given_a_spec_loses_its_not_run_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
+    name = f"`{compat.SPECS[0].name}`"
+    compat.write_rows({(name, "all"): [name, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]},
+                      ["compatibility.py"])
+    compat.write_rows({(name, "zero2"): [name, "F", "zero2", "✔", "x", "", "1 s", "0.10 GiB", "c", "d"]},
+                      ["compatibility.py"])
+    assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(name, "zero2")}
