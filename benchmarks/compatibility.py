@@ -355,7 +355,8 @@ def _global_steps(ckpt: Path) -> int | None:
     """DeepSpeed's own optimizer-step count saved in a checkpoint (engine.global_steps, restored by a resume)."""
     import torch
 
-    files = sorted(ckpt.glob("*/mp_rank_00_model_states.pt"))
+    # mp_rank_00_model_states.pt (ZeRO-1/2) or zero_pp_rank_<r>_mp_rank_00_model_states.pt (ZeRO-3)
+    files = sorted(ckpt.glob("*/*mp_rank_00_model_states.pt"))
     if not files:
         return None
     return torch.load(files[0], map_location="cpu", weights_only=False).get("global_steps")
