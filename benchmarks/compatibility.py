@@ -77,19 +77,50 @@ FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSD
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + model index, a DCP folder
 
 
+# the runner's launches in an official script's flags: "model", "common" (both launches), "first" (to
+# --steps), "resume" (to --resume-to; None: the script cannot resume, one launch); {model} {out} {steps}
+# {every} {resume_to} {more} (= resume_to - steps) substituted. A Spec's ``cli`` replaces some of these keys.
+OFFICIAL_CLI = {
+    "model": ["--pretrained_model_name_or_path", "{model}"],
+    "common": ["--seed", "0", "--output_dir", "{out}", "--checkpointing_steps", "{every}"],
+    "first": ["--max_train_steps", "{steps}"],
+    "resume": ["--max_train_steps", "{resume_to}", "--resume_from_checkpoint", "latest"],
+}
+
+
 @dataclass
 class Spec:
-    """How to run one official script on a tiny pipeline."""
-    path: str  # relative to examples/
+    """How to run one official script (or a field report's script, ``path`` under tests/) on a tiny pipeline."""
+    path: str  # relative to examples/, or to the repository when it starts with "tests/"
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    artifact: str  # "lora:<PipelineClass>:<component>" or "full:<ModelClass>:<subfolder>"
+    # "lora:<PipelineClass>:<component>", "full:<ModelClass>:<subfolder>", "module:<module>.<Class>:<subfolder>"
+    # (a class of tests/scripts/ built from the tiny model folder, accelerate's save_model output loaded into it)
+    # or "pretrained:<transformers class>:<subfolder>" (with checkpoint None: compare_pretrained)
+    artifact: str
     extra: list[str] = field(default_factory=list)
+    cli: dict = field(default_factory=dict)  # keys of OFFICIAL_CLI this script spells otherwise
+    # the checkpoint whose master weights the artifact is compared with ("latest": the highest-numbered
+    # checkpoint-* written; None: the script writes no DeepSpeed checkpoint, see compare_pretrained) and what
+    # the resumed launch's output must name (None: a script that prints no such line; the witness is then
+    # DeepSpeed's own step count, global_steps, in that checkpoint = --resume-to)
+    checkpoint: str | None = "checkpoint-{resume_to}"
+    resumed_from: str | None = "checkpoint-{steps}"
+    # "checkpoint": the artifact compared is the one the script's save hook wrote into that checkpoint (the
+    # final one in output_dir must load too, with the same tensors' names)
+    artifact_in: str = "output"
+    # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
+    # MockSafetyChecker): the witness passes a stand-in too
+    stand_ins: tuple = ()
 
     @property
     def name(self) -> str:
         return Path(self.path).name
+
+    @property
+    def script(self) -> Path:
+        return REPO / self.path if self.path.startswith("tests/") else UPSTREAM_EXAMPLES / self.path
 
 
 DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMPT]
@@ -143,6 +174,51 @@ SPECS = [
          "lora:ZImagePipeline:transformer", LORA_T + ["--max_sequence_length", "32"]),
     Spec("dreambooth/train_dreambooth_lora_ideogram4.py", "Ideogram4", "ideogram4", DREAMBOOTH,
          "lora:Ideogram4Pipeline:transformer", LORA_T + IDEOGRAM4),
+    # -- other image DiTs, video, discrete --
+    # no --max_train_steps / --checkpointing_steps / resume: 2 clips on 2 ranks at batch 1 make an epoch one
+    # step, so --num_train_epochs is the step count; it saves checkpoint-<epoch index> every
+    # --checkpointing_epochs but never after the last epoch, and its save hook writes the LoRA into it
+    Spec("cosmos/train_cosmos_predict25_lora.py", "Cosmos", "cosmos25", ["--train_data_dir", "{work}/data"],
+         "lora:Cosmos2_5_PredictBasePipeline:transformer",
+         ["--height", "32", "--width", "32", "--num_frames", "5", "--train_batch_size", "1", "--lora_rank", "4",
+          "--lora_alpha", "8", "--learning_rate", "1e-2", "--scheduler_warm_up_steps", "1",
+          "--dataloader_num_workers", "0"],
+         cli={"common": ["--seed", "0", "--output_dir", "{out}"],
+              "first": ["--num_train_epochs", "{steps}", "--checkpointing_epochs", "{every}"], "resume": None},
+         checkpoint="latest", artifact_in="checkpoint", stand_ins=("safety_checker",)),
+    Spec("dreambooth/train_dreambooth_lora_lumina2.py", "Lumina2", "lumina2", DREAMBOOTH,
+         "lora:Lumina2Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
+    Spec("dreambooth/train_dreambooth_lora_krea2.py", "Krea2", "krea2", DREAMBOOTH, "lora:Krea2Pipeline:transformer",
+         LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16", "--skip_final_inference"]),
+    Spec("dreambooth/train_dreambooth_lora_hidream.py", "HiDream", "hidream",
+         DREAMBOOTH + ["--pretrained_tokenizer_4_name_or_path", "{work}/model/tokenizer_4",
+                       "--pretrained_text_encoder_4_name_or_path", "{work}/model/text_encoder_4"],
+         "lora:HiDreamImagePipeline:transformer",
+         LORA_T + ["--max_sequence_length", "16", "--skip_final_inference"]),
+    Spec("cogview4-control/train_control_cogview4.py", "CogView4", "cogview4_control",
+         ["--jsonl_for_train", "{work}/control/train.jsonl", "--image_column", "image", "--caption_column", "text",
+          "--conditioning_image_column", "conditioning_image"],
+         "full:CogView4Transformer2DModel:", ["--resolution", "16", "--train_batch_size", "1", "--learning_rate",
+                                              "1e-3", "--dataloader_num_workers", "0", "--max_sequence_length", "16"]),
+    Spec("amused/train_amused.py", "aMUSEd", "amused", ["--instance_data_dir", "{work}/images"], "full:UVit2DModel:",
+         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--report_to", "tensorboard"]),  # its default, wandb, must be installed (the others default to tensorboard)
+    # no DeepSpeed checkpoint and no resume: it saves save_pretrained copies every --checkpointing_steps and
+    # final/; random-token data (--use_dummy_data) instead of the hub's wikitext
+    Spec("discrete_diffusion/train_llada2.py", "LLaDA2", "llada2", ["--use_dummy_data", "--num_dummy_samples", "16"],
+         "pretrained:AutoModelForCausalLM:final",
+         ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_length", "32",
+          "--prompt_length", "8", "--block_length", "8", "--lr_warmup_steps", "0", "--learning_rate", "1e-2"],
+         cli={"model": ["--model_name_or_path", "{model}"], "resume": None}, checkpoint=None),
+    # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
+    # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
+    Spec("tests/scripts/train_dit4dit.py", "DiT4DiT (field report)", "dit4dit", [],
+         "module:train_dit4dit.DiT4DiT:model",
+         cli={"model": ["--pretrained", "{model}"], "common": [],
+              "first": ["--steps", "{steps}", "--save-at", "{steps}", "--save-dir", "{out}/checkpoint-{steps}"],
+              "resume": ["--resume", "{out}/checkpoint-{steps}", "--start-step", "{steps}", "--steps", "{more}",
+                         "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]},
+         resumed_from=None),
 ]
 
 
@@ -168,6 +244,14 @@ BUILDERS = {
     "z_image": "import tiny_flux2 as t; t.z_image_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     "ideogram4": "import tiny_flux2 as t; t.ideogram4_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     # -- other image DiTs, video, discrete --
+    "cosmos25": "import tiny_dits as t; t.cosmos25_pipeline('{w}/model'); t.cosmos25_videos('{w}/data')",
+    "dit4dit": "import tiny_dits as t; t.dit4dit('{w}/model')",
+    "krea2": "import tiny_dits as t, tiny_models as m; t.krea2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "hidream": "import tiny_dits as t, tiny_models as m; t.hidream_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "amused": "import tiny_dits as t, tiny_models as m; t.amused_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "cogview4_control": "import tiny_dits as t; t.cogview4_control_pipeline('{w}/model'); t.control_jsonl('{w}/control')",
+    "llada2": "import tiny_dits as t; t.llada2_model('{w}/model')",
+    "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
 }
 
@@ -276,10 +360,15 @@ KNOWN_CAUSES = [
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
     (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
-     "the script's: fp32 inputs into a bf16 DeepSpeed engine, which casts no inputs (deepspeed/runtime/engine.py "
-     "forward; DDP autocasts, FSDP2 casts forward inputs). Flux2's: latents normalized by the VAE's fp32 BatchNorm statistics "
-     "(train_dreambooth_lora_flux2*.py `(model_input - latents_bn_mean) / latents_bn_std`); DeepSpeed's path is "
-     "the same on GPUs"),
+     "the script's, also on GPUs: fp32 activations into the bf16 DeepSpeed engine, which casts no inputs "
+     "(deepspeed/runtime/engine.py _forward_prologue casts only under fp16.auto_cast; accelerate skips its "
+     "autocast under DeepSpeed, accelerate/accelerator.py native_amp; DDP autocasts, FSDP2 casts forward inputs). "
+     "Flux2: latents normalized by the VAE's fp32 BatchNorm statistics (train_dreambooth_lora_flux2*.py)"),
+    (r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\) at non-singleton dimension 1\.  "
+     r"Target sizes: \[\d+, \d+\]",
+     "the script's, also on GPUs: its text attention mask (train_control_cogview4.py:1048, the caption's own "
+     "length) is shorter than the prompt embeddings CogView4ControlPipeline.encode_prompt pads to a multiple of 16 "
+     "(pipeline_cogview4_control.py:210); transformer_cogview4.py:173 cannot fit one into the other"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
 ]
@@ -318,6 +407,15 @@ def _fsdp_master(folder: Path) -> dict:
         dcp_to_torch_save(str(folder), str(target))
         state = torch.load(target, weights_only=False)
     return state["model"]
+def _global_steps(ckpt: Path) -> int | None:
+    """DeepSpeed's own optimizer-step count saved in a checkpoint (engine.global_steps, restored by a resume)."""
+    import torch
+
+    # mp_rank_00_model_states.pt (ZeRO-1/2) or zero_pp_rank_<r>_mp_rank_00_model_states.pt (ZeRO-3)
+    files = sorted(ckpt.glob("*/*mp_rank_00_model_states.pt"))
+    if not files:
+        return None
+    return torch.load(files[0], map_location="cpu", weights_only=False).get("global_steps")
 
 
 def _norm(key: str) -> str:
@@ -339,19 +437,51 @@ def _torchvision_importable() -> None:
 def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
     """(equal, what) for the final artifact in ``out`` against ``ckpt``'s fp32 master weights."""
     _torchvision_importable()
+class _StandIn:
+    """An optional pipeline component the script replaces by a stand-in of its own (``Spec.stand_ins``)."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+
+def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
+    """The artifact in ``where_dir`` loaded as a user loads it: {name: tensor}."""
     import diffusers
     import torch
 
     kind, cls_name, where = spec.artifact.split(":")
-    master = _master(ckpt)
     if kind == "lora":
-        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
-        pipe.load_lora_weights(str(out))
-        got = {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+        stand_ins = {name: _StandIn() for name in spec.stand_ins}
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
+        pipe.load_lora_weights(str(where_dir))
+        return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+    if kind == "module":
+        import importlib
+
+        from accelerate.utils import load_checkpoint_in_model
+
+        module_name, cls = cls_name.rsplit(".", 1)
+        loaded = getattr(importlib.import_module(module_name), cls)(str(model))
+        load_checkpoint_in_model(loaded, str(where_dir / where), strict=True)
+        return loaded.state_dict()
+    loaded = getattr(diffusers, cls_name).from_pretrained(str(where_dir), subfolder=where or None)
+    return loaded.state_dict()
+
+
+def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
+    """(equal, what) for the final artifact in ``out`` (or the one in ``ckpt``: ``Spec.artifact_in``) against
+    ``ckpt``'s fp32 master weights."""
+    import torch
+
+    master = _master(ckpt)
+    if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
-    else:
-        loaded = getattr(diffusers, cls_name).from_pretrained(str(out), subfolder=where or None)
-        got = loaded.state_dict()
+    got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
+    if spec.artifact_in == "checkpoint":
+        final = _load_artifact(spec, model, out)
+        if set(final) != set(got):
+            return False, (f"the final artifact's tensors are not the checkpoint's: {len(set(final) ^ set(got))} "
+                           "names differ")
     missing = sorted(set(master) - set(got))
     if not master or missing:
         return False, f"{len(missing)} of {len(master)} master tensors not in the loaded artifact"
@@ -368,6 +498,33 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     return True, f"{len(master)} tensors = master"
 
 
+def compare_pretrained(spec: Spec, model: Path, out: Path) -> tuple[bool, str]:
+    """(sound, what) for a script that saves its model with save_pretrained and no DeepSpeed checkpoint (no
+    master weights to compare with): the safetensors files read back hold every tensor of the architecture
+    their config describes, at its shape, finite, and each changed from the initial weights."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    _, cls_name, where = spec.artifact.split(":")
+    cls = getattr(transformers, cls_name)
+    saved = {}
+    for f in sorted((out / where).glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    skeleton = cls.from_config(transformers.AutoConfig.from_pretrained(str(out / where))).state_dict()
+    initial = cls.from_pretrained(str(model)).state_dict()
+    wrong = [k for k, v in skeleton.items() if k not in saved or saved[k].shape != v.shape]
+    if not saved or wrong:
+        return False, f"{len(wrong)} of {len(skeleton)} tensors missing or of another shape in {where}/"
+    bad = [k for k, v in saved.items() if not torch.isfinite(v.float()).all()]
+    unchanged = [k for k, v in saved.items() if k in initial and initial[k].shape == v.shape
+                 and torch.equal(v.float(), initial[k].to(v.dtype).float())]
+    if bad or unchanged:
+        return False, f"{where}/: {len(bad)} tensors not finite, {len(unchanged)} unchanged from the initial weights"
+    return True, (f"no DeepSpeed checkpoint (save_pretrained): {where}/ read back, {len(skeleton)} tensors of the "
+                  "architecture's shapes, finite, all trained")
+
+
 # -- one row ----------------------------------------------------------------------------------------
 def fsdp_supported(script: Path) -> bool:
     text = script.read_text()
@@ -375,7 +532,7 @@ def fsdp_supported(script: Path) -> bool:
 
 
 def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_to: int, timeout: float) -> dict:
-    script = UPSTREAM_EXAMPLES / spec.path
+    script = spec.script
     work = root / spec.builder
     _build(spec.builder, work)
     cfgs = shipped_zero_configs(root)
@@ -391,12 +548,18 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
-    base = ["--config_file", str(cfg), str(script), "--pretrained_model_name_or_path", str(work / "model"), *data,
-            *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", str(every)]
-    runs = [launch(base + ["--max_train_steps", str(steps)], env, root, timeout)]
-    if runs[0]["code"] == 0:
-        runs.append(launch(base + ["--max_train_steps", str(resume_to), "--resume_from_checkpoint", "latest"],
-                           env, root, timeout))
+    cli = {**OFFICIAL_CLI, **spec.cli}
+    values = dict(model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to, more=resume_to - steps)
+
+    def fill(args: list[str]) -> list[str]:
+        return [a.format(**values) for a in args]
+
+    base = ["--config_file", str(cfg), str(script), *fill(cli["model"]), *data, *spec.extra, *fill(cli["common"])]
+    runs = [launch(base + fill(cli["first"]), env, root, timeout)]
+    if runs[0]["code"] == 0 and cli["resume"] is not None:
+        runs.append(launch(base + fill(cli["resume"]), env, root, timeout))
+    for i, r in enumerate(runs, 1):  # each launch's whole output beside its artifacts, for reading a ✘
+        (out / f"launch-{i}.log").write_text(r["output"])
     row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
@@ -406,15 +569,35 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
                     "whose": "unknown (a hang)"}
         error, whose = first_error(failed["output"], script)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
-    last = out / f"checkpoint-{resume_to}"
-    if f"checkpoint-{steps}" not in runs[1]["output"] or not last.is_dir():
+    if spec.checkpoint is None:
+        try:
+            ok, what = compare_pretrained(spec, work / "model", out)
+        except Exception as exc:  # noqa: BLE001 - the row records it
+            ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+        return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
+    written = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                     key=lambda p: int(p.name.split("-")[-1]))
+    if spec.checkpoint == "latest":
+        last = written[-1] if written else out / "checkpoint-(none)"
+    else:
+        last = out / spec.checkpoint.format(**values)
+    if cli["resume"] is None:
+        resumed, expected = True, ""
+    elif spec.resumed_from is None:
+        counted = _global_steps(last)
+        resumed, expected = counted == resume_to, f"resume (DeepSpeed's global_steps in {last.name}: {counted}) and "
+    else:
+        resumed = spec.resumed_from.format(**values) in runs[1]["output"]
+        expected = f"resume from {spec.resumed_from.format(**values)} and "
+    if not resumed or not last.is_dir():
         return {**row, "ok": False, "whose": "unknown",
-                "what": f"did not resume from checkpoint-{steps} and write checkpoint-{resume_to}: "
-                        f"{sorted(p.name for p in out.glob('checkpoint-*'))}"}
+                "what": f"did not {expected}write {last.name}: {[p.name for p in written]}"}
     try:
         ok, what = compare_artifact(spec, work / "model", out, last)
     except Exception as exc:  # noqa: BLE001 - the row records it
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+    if cli["resume"] is None:
+        what = f"one launch (the script has no resume option); {last.name}: {what}"
     return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
 
 
@@ -462,6 +645,8 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
     rows.update(new)
     have = {s.name for s in SPECS}  # a script given a Spec since its "not run" row was written
     rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0].strip("`") in have)}
+    planned = {f"`{s.name}`" for s in SPECS}  # a script given a Spec since: its "not run" row goes
+    rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0] in planned)}
     order = {s.name: i for i, s in enumerate(SPECS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
                                        if k[1] in CONFIGS else len(CONFIGS)))
@@ -543,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec, config in plan:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
-            if config == "fsdp2" and not fsdp_supported(UPSTREAM_EXAMPLES / spec.path):
+            if config == "fsdp2" and not fsdp_supported(spec.script):
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)

@@ -4,6 +4,7 @@ plan or a row saying why not."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tests.launch_utils import REPO, UPSTREAM_EXAMPLES
 
@@ -57,8 +58,9 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypa
 
 
 def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
-    planned = {s.name for s in compat.SPECS}
-    assert all((UPSTREAM_EXAMPLES / s.path).is_file() for s in compat.SPECS)
+    assert all(s.script.is_file() for s in compat.SPECS)
+    # field reports' own scripts (tests/scripts/) are rows of the table too, beside the official ones
+    planned = {s.name for s in compat.SPECS if s.script.is_relative_to(UPSTREAM_EXAMPLES)}
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}
     assert planned | not_run == every and not planned & not_run
@@ -74,3 +76,61 @@ def test_an_fsdp_checkpoint_is_compared_with_its_consolidated_model_folder(tmp_p
     dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp_path / compat.FSDP_MODEL_DIR)))
     master = compat._master(tmp_path)
     assert master.keys() == state.keys() and all(torch.equal(master[k], v) for k, v in state.items())
+
+
+def _spec(name):
+    return next(s for s in compat.SPECS if s.name == name)
+
+
+def test_each_script_is_launched_with_its_own_flags(tmp_path, monkeypatch):
+    """Official scripts keep the runner's common flags; a Spec's ``cli`` replaces them (Cosmos: epochs, one
+    launch; DiT4DiT: its own flags, the resume witnessed by DeepSpeed's global_steps, which can fail)."""
+    import torch
+
+    calls = []
+
+    def fake_launch(args, env, cwd, timeout):
+        calls.append(args)
+        if "--final-save" in args:  # DiT4DiT's resumed launch: a checkpoint whose step count says "no resume"
+            ckpt = Path(args[args.index("--final-save") + 1]) / "pytorch_model"
+            ckpt.mkdir(parents=True)
+            torch.save({"global_steps": 2}, ckpt / "mp_rank_00_model_states.pt")
+        return {"code": 0, "output": "", "seconds": 1.0, "peak_rss": 0}
+
+    monkeypatch.setattr(compat, "launch", fake_launch)
+    monkeypatch.setattr(compat, "_build", lambda kind, work: None)
+    monkeypatch.setattr(compat, "shipped_zero_configs", lambda root: {"zero2": root / "z2.yaml"})
+
+    spec = _spec("train_dreambooth_lora_sd3.py")
+    row = compat.run_row(spec, "zero2", tmp_path, 4, 2, 6, 10)
+    out, model = tmp_path / f"{spec.name}-zero2", tmp_path / spec.builder / "model"
+    data = [a.format(work=tmp_path / spec.builder) for a in spec.data]
+    base = ["--config_file", str(tmp_path / "z2.yaml"), str(spec.script), "--pretrained_model_name_or_path",
+            str(model), *data, *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", "2"]
+    assert calls == [base + ["--max_train_steps", "4"],
+                     base + ["--max_train_steps", "6", "--resume_from_checkpoint", "latest"]]
+    assert not row["ok"] and "did not resume from checkpoint-4" in row["what"]
+
+    calls.clear()
+    row = compat.run_row(_spec("train_cosmos_predict25_lora.py"), "zero2", tmp_path, 4, 2, 6, 10)
+    assert len(calls) == 1 and "--max_train_steps" not in calls[0]
+    assert calls[0][-4:] == ["--num_train_epochs", "4", "--checkpointing_epochs", "2"]
+    assert not row["ok"] and "did not write checkpoint-(none)" in row["what"]
+
+    calls.clear()
+    spec = _spec("train_dit4dit.py")
+    row = compat.run_row(spec, "zero2", tmp_path, 4, 2, 6, 10)
+    out = tmp_path / f"{spec.name}-zero2"
+    assert spec.script == REPO / "tests" / "scripts" / "train_dit4dit.py"
+    assert calls[1][calls[1].index("--resume") + 1] == str(out / "checkpoint-4")
+    assert not row["ok"] and "global_steps in checkpoint-6: 2" in row["what"]
+
+
+def test_a_script_given_a_spec_loses_its_not_run_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
+    name = f"`{compat.SPECS[0].name}`"
+    compat.write_rows({(name, "all"): [name, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]},
+                      ["compatibility.py"])
+    compat.write_rows({(name, "zero2"): [name, "F", "zero2", "✔", "x", "", "1 s", "0.10 GiB", "c", "d"]},
+                      ["compatibility.py"])
+    assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(name, "zero2")}
