@@ -74,6 +74,8 @@ class Spec:
     data: list[str]  # arguments naming the data, {work} substituted
     artifact: str  # "lora:<PipelineClass>:<component>" or "full:<ModelClass>:<subfolder>"
     extra: list[str] = field(default_factory=list)
+    # arguments naming the tiny pipeline, {work} substituted (Kandinsky 2.2 takes a prior and a decoder)
+    model: list[str] = field(default_factory=lambda: ["--pretrained_model_name_or_path", "{work}/model"])
 
     @property
     def name(self) -> str:
@@ -84,6 +86,9 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+KANDINSKY = ["--pretrained_decoder_model_name_or_path", "{work}/model/decoder",
+             "--pretrained_prior_model_name_or_path", "{work}/model/prior"]
+KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -111,6 +116,17 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # -- Kandinsky, VQGAN, aMUSEd, unconditional --
+    # Kandinsky 2.2 and VQGAN
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
+         "full:UNet2DConditionModel:unet", SD, model=KANDINSKY),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
+         "lora:KandinskyV22Pipeline:unet", SD + ["--rank", "4"], model=KANDINSKY),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_prior.py", "Kandinsky", "kandinsky",
+         KANDINSKY_DATA + ["--caption_column", "text"], "full:PriorTransformer:prior", SD, model=KANDINSKY),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py", "Kandinsky", "kandinsky",
+         KANDINSKY_DATA + ["--caption_column", "text"], "lora:KandinskyV22PriorPipeline:prior", SD + ["--rank", "4"],
+         model=KANDINSKY),
 ]
 
 
@@ -130,6 +146,8 @@ BUILDERS = {
     # -- Flux, Flux2, SD3 DiT scripts --
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
+    # Kandinsky 2.2 and VQGAN
+    "kandinsky": "import tiny_kandinsky as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
 }
 
 
@@ -313,8 +331,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    data = [a.format(work=work) for a in spec.data]
-    base = ["--config_file", str(cfg), str(script), "--pretrained_model_name_or_path", str(work / "model"), *data,
+    model, data = ([a.format(work=work) for a in args] for args in (spec.model, spec.data))
+    base = ["--config_file", str(cfg), str(script), *model, *data,
             *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", str(every)]
     runs = [launch(base + ["--max_train_steps", str(steps)], env, root, timeout)]
     if runs[0]["code"] == 0:
