@@ -76,6 +76,8 @@ class Spec:
     extra: list[str] = field(default_factory=list)
     # arguments naming the tiny pipeline, {work} substituted (Kandinsky 2.2 takes a prior and a decoder)
     model: list[str] = field(default_factory=lambda: ["--pretrained_model_name_or_path", "{work}/model"])
+    env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
+    site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
 
     @property
     def name(self) -> str:
@@ -127,6 +129,13 @@ SPECS = [
     Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py", "Kandinsky", "kandinsky",
          KANDINSKY_DATA + ["--caption_column", "text"], "lora:KandinskyV22PriorPipeline:prior", SD + ["--rank", "4"],
          model=KANDINSKY),
+    # the perceptual loss's timm backbone: random weights in a local hub cache (tiny_kandinsky.vqgan)
+    Spec("vqgan/train_vqgan.py", "VQGAN", "vqgan",
+         ["--train_data_dir", "{work}/data", "--discriminator_config_name_or_path", "{work}/discriminator.json"],
+         "full:VQModel:vqmodel",
+         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--timm_model_backend", "test_resnet", "--timm_model_layers", "layer1", "--timm_model_offset", "3"],
+         env={"HF_HUB_CACHE": "{work}/hub"}, site=["timm==1.0.31"]),
 ]
 
 
@@ -148,6 +157,7 @@ BUILDERS = {
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
     # Kandinsky 2.2 and VQGAN
     "kandinsky": "import tiny_kandinsky as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
+    "vqgan": "import tiny_kandinsky as t; t.vqgan('{w}')",
 }
 
 
@@ -254,6 +264,10 @@ KNOWN_CAUSES = [
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
+    (r"LoRA\w*Processor\.__init__\(\) got an unexpected keyword argument",
+     "upstream (the script's, also on GPUs): diffusers 0.30 made LoRAAttnProcessor / LoRAAttnAddedKVProcessor "
+     "argument-less stubs (diffusers #8777, models/attention_processor.py); the Kandinsky 2.2 LoRA scripts still "
+     "build them with hidden_size= (diffusers #7606)"),
 ]
 
 
@@ -324,7 +338,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     cfgs = shipped_zero_configs(root)
     from tests.torchvision_site import with_torchvision
 
-    env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache")))
+    env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache"),
+                                    **{k: v.format(work=work) for k, v in spec.env.items()}), *spec.site)
     if config == "stock_zero2":
         env.update(STOCK_ENV)
     cfg = cfgs["zero2" if config == "stock_zero2" else config]

@@ -94,15 +94,53 @@ def build(model_dir: str, seed: int = 0) -> None:
     decoder_pipeline(os.path.join(model_dir, "decoder"), os.path.join(model_dir, "prior"), seed)
 
 
-def movq(folder: str, seed: int = 0):
-    """A VQModel saved at ``folder`` itself (train_vqgan.py: ``VQModel.from_pretrained(path)``, no subfolder)."""
+# train_vqgan.py's perceptual loss: a timm backbone it creates with pretrained=True. timm's smallest,
+# test_resnet (0.5 M parameters; its pretrained_cfg has the CenterCrop and Normalize the script requires),
+# with --timm_model_layers layer1 --timm_model_offset 3 (named child 4 -> feature index 1)
+TIMM_BACKBONE = "test_resnet"
+TIMM_HUB_ID = "timm/test_resnet.r160_in1k"  # its pretrained_cfg's hf_hub_id
+TIMM_REQUIREMENT = "timm==1.0.31"  # vqgan/requirements.txt names timm unpinned: the registry's newest
+
+
+def vqgan(folder: str, seed: int = 0) -> None:
+    """What train_vqgan.py reads, under ``folder``:
+
+    - model/: a MoVQ-shaped VQModel saved at the folder itself (``VQModel.from_pretrained(path)``);
+    - discriminator.json: a small config for the script's Paella discriminator
+      (--discriminator_config_name_or_path; its default has 512 hidden channels);
+    - hub/: a Hugging Face hub cache (the row's HF_HUB_CACHE, HF_HUB_OFFLINE=1) holding random weights
+      for TIMM_HUB_ID as huggingface_hub lays out a download (models--org--name/refs/main names the
+      snapshot), so timm's ``pretrained=True`` loads them without the hub;
+    - data/: tiny_sd.py's imagefolder dataset.
+    timm comes from tests/torchvision_site.package_site (its requirements would pull a CUDA torchvision).
+    """
+    import json
+
     import torch
     from diffusers import VQModel
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from tests.torchvision_site import package_site, torchvision_site
+
+    sys.path[:0] = [torchvision_site(), package_site(TIMM_REQUIREMENT)]
+    import timm
 
     torch.manual_seed(seed)
-    model = VQModel(**MOVQ)
-    model.save_pretrained(folder)
-    return model
+    VQModel(**MOVQ).save_pretrained(os.path.join(folder, "model"))
+    with open(os.path.join(folder, "discriminator.json"), "w") as f:
+        json.dump({"_class_name": "Discriminator", "in_channels": 3, "cond_channels": 0, "hidden_channels": 64,
+                   "depth": 4}, f)
+    backbone = timm.create_model(TIMM_BACKBONE, pretrained=False)
+    repo = os.path.join(folder, "hub", "models--" + TIMM_HUB_ID.replace("/", "--"))
+    snapshot = os.path.join(repo, "snapshots", "0" * 40)
+    os.makedirs(snapshot, exist_ok=True)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write("0" * 40)
+    save_file({k: v.contiguous() for k, v in backbone.state_dict().items()},
+              os.path.join(snapshot, "model.safetensors"))
+    write_dataset(os.path.join(folder, "data"))
 
 
 if __name__ == "__main__":
