@@ -268,6 +268,9 @@ KNOWN_CAUSES = [
      "upstream (the script's, also on GPUs): diffusers 0.30 made LoRAAttnProcessor / LoRAAttnAddedKVProcessor "
      "argument-less stubs (diffusers #8777, models/attention_processor.py); the Kandinsky 2.2 LoRA scripts still "
      "build them with hidden_size= (diffusers #7606)"),
+    (r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
+     "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
+     "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)"),
 ]
 
 

@@ -6,7 +6,9 @@ installed, so every stock half (``ACCEL_NPU_DISABLE=1``) that builds a transform
 fail at import instead of where it means to. Tests that need torchvision (its mismatch test,
 the upstream diffusers scripts, which import ``torchvision.transforms``) therefore get the
 paired wheel installed with ``--no-deps`` into a directory of its own, once per machine, and
-put that directory on the launched processes' PYTHONPATH.
+put that directory on the launched processes' PYTHONPATH. Packages that require torchvision
+(timm, for diffusers' vqgan/train_vqgan.py) get a directory of their own the same way
+(``package_site``, ``with_torchvision(env, "timm==...")``).
 """
 from __future__ import annotations
 
