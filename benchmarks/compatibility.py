@@ -417,7 +417,9 @@ def write_rows(new: dict, argv: list[str]) -> Path:
 
 
 def _write_rows(new: dict, argv: list[str]) -> Path:
-    rows = read_rows()
+    planned = {s.name for s in SPECS}
+    # a script given a plan since: its "not run" row from an earlier run goes
+    rows = {k: v for k, v in read_rows().items() if not (k[1] == "all" and k[0].strip("`") in planned)}
     rows.update(new)
     order = {s.name: i for i, s in enumerate(SPECS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
