@@ -35,6 +35,7 @@ def test_the_users_attribute_read_of_a_partition_gets_the_whole_parameter():
     expected = {k: v.detach().clone() for k, v in whole.state_dict().items()}
     model = _partitioned(whole)
     assert type(model).__name__ == "Prior" and isinstance(model, Prior)
+    optimizer = torch.optim.AdamW(model.parameters())  # the script's optimizer, made before the read
 
     clip_mean = model.clip_mean.clone()  # the script's read, before prepare
 
@@ -42,6 +43,8 @@ def test_the_users_attribute_read_of_a_partition_gets_the_whole_parameter():
     assert torch.equal(model.proj.weight, expected["proj.weight"])  # the whole model, not one tensor
     assert not any(hasattr(p, "ds_id") for p in model.parameters())
     assert type(model) is Prior and type(model.proj) is torch.nn.Linear  # the guard is gone with the rebuild
+    # the optimizer still holds the model's parameters, now whole (prepare partitions them as stock's)
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
 
 
 def test_library_reads_and_reads_inside_the_engine_leave_the_partitions():

@@ -341,7 +341,8 @@ def parameter_dtype(wrapped, instance, args, kwargs):
 
 
 def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
-    """Swap ``model``'s partitioned parameters for whole ones loaded as stock would (local, no collective).
+    """Make ``model``'s partitioned parameters whole, in place, with the data stock would load (local, no
+    collective).
 
     The casts and moves the script made since loading (``.to(dtype)``, ``.half()``, ``.to(device)``)
     are replayed on the fresh copy; ``requires_grad`` and train/eval mode stay the model's own.
@@ -370,9 +371,15 @@ def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
         source = fresh_params.get(name)
         if source is None:
             source = fresh_params[name.replace(".base_layer.", ".")]
-        new = torch.nn.Parameter(source.data, requires_grad=old.requires_grad)
-        for mod, a, _n in entries:
-            mod._parameters[a] = new
+        # the same Parameter object, made whole: an optimizer the script built from it before this read
+        # (kandinsky2_2 prior: AdamW(prior.parameters()), then prior.clip_mean) still holds the model's
+        # parameters. DeepSpeed's zero.Init set its partition state as attributes on the object
+        # (partition_parameters.py _convert_to_deepspeed_param): without ds_id it is a plain parameter
+        # again, which prepare partitions as it does a whole model's.
+        with torch.no_grad():
+            old.data = source.data
+        for attr in [a for a in vars(old) if a not in vars(source)]:
+            delattr(old, attr)
     del fresh
     object.__setattr__(model, markers.REBUILD, None)
     model.__dict__.pop(CASTS, None)
