@@ -421,6 +421,8 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
     # a script given a plan since: its "not run" row from an earlier run goes
     rows = {k: v for k, v in read_rows().items() if not (k[1] == "all" and k[0].strip("`") in planned)}
     rows.update(new)
+    have = {s.name for s in SPECS}  # a script given a Spec since its "not run" row was written
+    rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0].strip("`") in have)}
     order = {s.name: i for i, s in enumerate(SPECS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
                                        if k[1] in CONFIGS else len(CONFIGS)))

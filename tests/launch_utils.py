@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -136,6 +137,48 @@ def zero_config(stage: int, bf16: bool = False, **zero_extra) -> dict:
     }
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (from /proc/<pid>/stat), parents first."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    tree, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent and child not in tree:
+                tree.append(child)
+                frontier.append(child)
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it. torch's elastic agent starts each rank in a session
+    of its own (torch/distributed/elastic/multiprocessing/subprocess_handler: start_new_session=True), so
+    killing the launcher's process group leaves the ranks running, orphaned."""
+    for member in reversed(process_tree(pid)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path | None, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True), but a timeout kills the whole process tree."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
                       cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `accelerate launch ARGS` as a user would; returns the finished process (text output)."""
@@ -143,7 +186,7 @@ def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeou
         # accelerate's DeepSpeed path ignores MASTER_PORT (always 29500): pick a free port here.
         args = ["--main_process_port", str(free_port()), *args]
     cmd = [str(BIN / "accelerate"), "launch", *args]
-    return subprocess.run(cmd, env=env or base_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return _run(cmd, env or base_env(), cwd, timeout)
 
 
 def torchrun_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
@@ -153,7 +196,7 @@ def torchrun_launch(args: list[str], env: dict[str, str] | None = None, timeout:
     process on a CPU-only machine, so this is how a stock half gets its ranks."""
     env = env or base_env()
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", env["MASTER_PORT"], *args]
-    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return _run(cmd, env, cwd, timeout)
 
 
 def run_concurrently(*calls):

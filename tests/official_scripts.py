@@ -3,13 +3,13 @@ of a script (what a user writes after reading the misuse error), and LoRA tensor
 the saved file and diffusers' ``load_lora_weights`` each give them."""
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
+
+from tests.launch_utils import kill_tree
 
 FIX = "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:"
 
@@ -76,7 +76,7 @@ class StreamedLaunch:
         return self
 
     def kill(self):
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its workers (a session of their own)
+        kill_tree(self.proc.pid)  # the launcher and its ranks (each in a session of its own)
         self.proc.wait(30)
 
     @property

@@ -311,3 +311,71 @@ def collective_failed(exc: Exception):
     message = value.decode() if isinstance(value, bytes) else str(value)
     _acknowledge(store, rank)
     return CollectiveMisuseError(f"another rank stopped with: {message}")
+
+
+# -- wrappers (named by path in this package's patches) ------------------------------------------------
+def _idle_point(name: str):
+    """A wrapper for an accelerate call every rank reaches with nothing in flight (wait_for_everyone,
+    end_training): the step-boundary window closes there, and idle ranks serve rank 0's ZeRO-3 gathers."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if window_open():
+            clean_point(name)
+        if serving.zero3_multi_rank():
+            serving.idle(name)
+        return wrapped(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    return wrapper
+
+
+def backward(wrapped, instance, args, kwargs):
+    if not before_backward(instance):
+        return wrapped(*args, **kwargs)
+    try:
+        result = wrapped(*args, **kwargs)
+    except Exception as exc:
+        # ZeRO-3 waits for its all-gathers outside torch.distributed's functions (Work.wait): when one fails
+        # because rank 0 stopped with an accel-npu error, that error, not the transport's
+        clearer = collective_failed(exc)
+        if clearer is None:
+            raise
+        raise clearer from None
+    if instance.sync_gradients:
+        after_backward(instance)  # DeepSpeed: DeepSpeedEngineWrapper.backward has run engine.step()
+    return result
+
+
+def optimizer_step(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _w.enabled and instance.gradient_state.sync_gradients:
+        after_optimizer_step()  # FSDP: the step the script calls after backward
+    return result
+
+
+def dataloader_iter(wrapped, instance, args, kwargs):
+    if _w.enabled is False:
+        return wrapped(*args, **kwargs)
+    return _batches_after_clean_points(wrapped(*args, **kwargs), _w)
+
+
+def _batches_after_clean_points(batches, window):
+    """The DataLoader's batches; before each is drawn (a new epoch's RNG synchronisation included),
+    a window left open by the last optimizer step is closed: the next batch is a clean point."""
+    try:
+        while True:
+            if window.open:
+                clean_point("the next batch of the training DataLoader")
+            try:
+                batch = next(batches)
+            except StopIteration:
+                if window.enabled:
+                    open_window()  # the epoch ended: what the script does now is at the last step's state
+                return
+            yield batch
+    finally:
+        batches.close()
+
+
+wait_for_everyone = _idle_point("wait_for_everyone")
+end_training = _idle_point("end_training")

@@ -291,3 +291,9 @@ def zero3_multi_rank() -> bool:
         return plugin is not None and int(plugin.zero_stage or 0) == 3
     except Exception:  # noqa: BLE001 - not decidable: stock behaviour
         return False
+
+
+def gathered_enter(wrapped, instance, args, kwargs):
+    if getattr(instance, "enabled", False):
+        before_gather(instance.params, instance.src_rank)
+    return wrapped(*args, **kwargs)
