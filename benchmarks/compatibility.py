@@ -417,9 +417,7 @@ def write_rows(new: dict, argv: list[str]) -> Path:
 
 
 def _write_rows(new: dict, argv: list[str]) -> Path:
-    planned = {s.name for s in SPECS}
-    # a script given a plan since: its "not run" row from an earlier run goes
-    rows = {k: v for k, v in read_rows().items() if not (k[1] == "all" and k[0].strip("`") in planned)}
+    rows = read_rows()
     rows.update(new)
     have = {s.name for s in SPECS}  # a script given a Spec since its "not run" row was written
     rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0].strip("`") in have)}
