@@ -113,6 +113,8 @@ class Spec:
     # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
     # MockSafetyChecker): the witness passes a stand-in too
     stand_ins: tuple = ()
+    env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
+    site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
 
     @property
     def name(self) -> str:
@@ -134,6 +136,10 @@ IDEOGRAM4 = ["--max_sequence_length", "64", "--disable_training_autocast"]
 IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
            "--caption_column", "prompt",
            "--instance_prompt", PROMPT]
+# Kandinsky 2.2 takes a prior and a decoder ({work}: the builder's folder)
+KANDINSKY = ["--pretrained_decoder_model_name_or_path", "{work}/model/decoder",
+             "--pretrained_prior_model_name_or_path", "{work}/model/prior"]
+KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -219,6 +225,24 @@ SPECS = [
               "resume": ["--resume", "{out}/checkpoint-{steps}", "--start-step", "{steps}", "--steps", "{more}",
                          "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]},
          resumed_from=None),
+    # -- Kandinsky, VQGAN, aMUSEd, unconditional --
+    # Kandinsky 2.2 and VQGAN
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
+         "full:UNet2DConditionModel:unet", SD, cli={"model": KANDINSKY}),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
+         "lora:KandinskyV22Pipeline:unet", SD + ["--rank", "4"], cli={"model": KANDINSKY}),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_prior.py", "Kandinsky", "kandinsky",
+         KANDINSKY_DATA + ["--caption_column", "text"], "full:PriorTransformer:prior", SD, cli={"model": KANDINSKY}),
+    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py", "Kandinsky", "kandinsky",
+         KANDINSKY_DATA + ["--caption_column", "text"], "lora:KandinskyV22PriorPipeline:prior", SD + ["--rank", "4"],
+         cli={"model": KANDINSKY}),
+    # the perceptual loss's timm backbone: random weights in a local hub cache (tiny_kandinsky.vqgan)
+    Spec("vqgan/train_vqgan.py", "VQGAN", "vqgan",
+         ["--train_data_dir", "{work}/data", "--discriminator_config_name_or_path", "{work}/discriminator.json"],
+         "full:VQModel:vqmodel",
+         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--timm_model_backend", "test_resnet", "--timm_model_layers", "layer1", "--timm_model_offset", "3"],
+         env={"HF_HUB_CACHE": "{work}/hub"}, site=["timm==1.0.31"]),
 ]
 
 
@@ -253,6 +277,9 @@ BUILDERS = {
     "llada2": "import tiny_dits as t; t.llada2_model('{w}/model')",
     "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
+    # Kandinsky 2.2 and VQGAN
+    "kandinsky": "import tiny_kandinsky as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
+    "vqgan": "import tiny_kandinsky as t; t.vqgan('{w}')",
 }
 
 
@@ -371,6 +398,13 @@ KNOWN_CAUSES = [
      "(pipeline_cogview4_control.py:210); transformer_cogview4.py:173 cannot fit one into the other"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
+    (r"LoRA\w*Processor\.__init__\(\) got an unexpected keyword argument",
+     "upstream (the script's, also on GPUs): diffusers 0.30 made LoRAAttnProcessor / LoRAAttnAddedKVProcessor "
+     "argument-less stubs (diffusers #8777, models/attention_processor.py); the Kandinsky 2.2 LoRA scripts still "
+     "build them with hidden_size= (diffusers #7606)"),
+    (r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
+     "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
+     "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)"),
 ]
 
 
@@ -538,7 +572,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     cfgs = shipped_zero_configs(root)
     from tests.torchvision_site import with_torchvision
 
-    env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache")))
+    env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache"),
+                                    **{k: v.format(work=work) for k, v in spec.env.items()}), *spec.site)
     if config == "stock_zero2":
         env.update(STOCK_ENV)
     cfgs["fsdp2"] = root / "fsdp2.yaml"
@@ -549,7 +584,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
     cli = {**OFFICIAL_CLI, **spec.cli}
-    values = dict(model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to, more=resume_to - steps)
+    values = dict(work=work, model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to,
+                  more=resume_to - steps)
 
     def fill(args: list[str]) -> list[str]:
         return [a.format(**values) for a in args]

@@ -57,6 +57,17 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypa
     assert rows[("`a.py`", "zero2")][3::5] == ["✔", "new"] and rows[("`b.py`", "zero2")][3::5] == ["✔", "old"]
 
 
+def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
+    planned, unplanned = f"`{compat.SPECS[0].name}`", "`no_such_script.py`"
+    not_run = lambda script: [script, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]  # noqa: E731
+    (tmp_path / "compatibility.md").write_text("\n".join(
+        "| " + " | ".join(not_run(s)) + " |" for s in (planned, unplanned)) + "\n")
+    assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(planned, "all"), (unplanned, "all")}
+    compat.write_rows({}, ["compatibility.py"])
+    assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(unplanned, "all")}
+
+
 def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     assert all(s.script.is_file() for s in compat.SPECS)
     # field reports' own scripts (tests/scripts/) are rows of the table too, beside the official ones

@@ -6,7 +6,9 @@ installed, so every stock half (``ACCEL_NPU_DISABLE=1``) that builds a transform
 fail at import instead of where it means to. Tests that need torchvision (its mismatch test,
 the upstream diffusers scripts, which import ``torchvision.transforms``) therefore get the
 paired wheel installed with ``--no-deps`` into a directory of its own, once per machine, and
-put that directory on the launched processes' PYTHONPATH.
+put that directory on the launched processes' PYTHONPATH. Packages that require torchvision
+(timm, for diffusers' vqgan/train_vqgan.py) get a directory of their own the same way
+(``package_site``, ``with_torchvision(env, "timm==...")``).
 """
 from __future__ import annotations
 
@@ -33,27 +35,36 @@ def paired_version() -> str:
 
 def torchvision_site() -> str:
     """A directory holding torchvision (paired with this torch, installed --no-deps); made once."""
-    version = paired_version()
+    return package_site(f"torchvision=={paired_version()}")
+
+
+def package_site(requirement: str) -> str:
+    """A directory holding ``requirement`` ("name==version", the import name = the project name),
+    installed --no-deps from the registry; made once per machine. For packages whose own requirements
+    would pull a CUDA torchvision into the environment under test (timm requires torchvision)."""
+    name, version = requirement.split("==")
     root = Path(tempfile.gettempdir()) / "accel-npu-tests"
     root.mkdir(exist_ok=True)
-    site = root / f"torchvision-{version}-py{sys.version_info.major}{sys.version_info.minor}"
+    site = root / f"{name}-{version}-py{sys.version_info.major}{sys.version_info.minor}"
     with filelock.FileLock(str(site) + ".lock", timeout=600):
-        if not (site / "torchvision" / "__init__.py").is_file():
+        if not (site / name / "__init__.py").is_file():
             partial = Path(tempfile.mkdtemp(dir=root, prefix="partial-"))
             # --no-deps: its Requires-Dist pins torch; pip must not touch the torch under test.
             proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                                    "--disable-pip-version-check", "--target", str(partial),
-                                   f"torchvision=={version}"], capture_output=True, text=True, timeout=600)
+                                   requirement], capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 shutil.rmtree(partial, ignore_errors=True)
-                raise RuntimeError(f"pip could not install torchvision=={version}:\n{proc.stderr[-2000:]}")
+                raise RuntimeError(f"pip could not install {requirement}:\n{proc.stderr[-2000:]}")
             shutil.rmtree(site, ignore_errors=True)
             os.replace(partial, site)
     return str(site)
 
 
-def with_torchvision(env: dict) -> dict:
-    """``env`` with torchvision's directory first on PYTHONPATH."""
+def with_torchvision(env: dict, *requirements: str) -> dict:
+    """``env`` with torchvision's directory, and one per further ``requirements`` ("name==version",
+    package_site), first on PYTHONPATH."""
     env = dict(env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (torchvision_site(), env.get("PYTHONPATH", "")) if p)
+    sites = [torchvision_site(), *(package_site(r) for r in requirements)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*sites, env.get("PYTHONPATH", "")) if p)
     return env

@@ -221,7 +221,8 @@ def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers"
     no DeepSpeed engine holds it: a forward of any submodule, a ``state_dict()`` of any submodule
     (``ControlNetModel.from_unet(unet)`` copies the UNet's blocks' state dicts), and diffusers'
     ``model.dtype`` (dreambooth/controlnet scripts refuse a trainable model that is not fp32 before
-    ``prepare``: stock loads it whole in fp32; :func:`parameter_dtype`).
+    ``prepare``: stock loads it whole in fp32; :func:`parameter_dtype`), and a parameter the user's code
+    reads as an attribute (:func:`guard_parameter_reads`).
     """
     record_casts(model)
     handles = []
@@ -230,6 +231,7 @@ def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers"
         for h in handles:
             h.remove()
         handles.clear()
+        unguard_parameter_reads(model)
         rebuild_whole(model, load_whole)
 
     object.__setattr__(model, markers.REBUILD, rebuild)
@@ -243,6 +245,73 @@ def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers"
     on_first_forward(model, first_call)
     for sub in model.modules():
         handles.append(sub.register_state_dict_pre_hook(before_state_dict))
+    guard_parameter_reads(model, what)
+
+
+# -- a parameter read as an attribute -------------------------------------------------------------------
+#: submodule instance-dict key: the loaded model it belongs to (whose rebuild a read triggers)
+_OWNER = "_accel_npu_partitioned_owner"
+#: original class -> its guarded subclass (one per class, made on first use)
+_GUARDED: dict = {}
+
+
+def guard_parameter_reads(model, what: str = "diffusers") -> None:
+    """A parameter the user's code reads as an attribute while it is still a partition and no engine
+    holds the model is made whole first: stock returns the model whole, and a read like
+    ``prior.clip_mean.clone()`` before ``prepare`` (kandinsky2_2 train_text_to_image_prior.py) would
+    get DeepSpeed's empty placeholder. Parameters live in ``Module._parameters``, so such reads go
+    through the class's ``__getattr__``: each submodule's class is swapped for a subclass (same name,
+    module and qualname) whose ``__getattr__`` checks the value; reads by libraries (DeepSpeed building
+    the engine) pass through. The classes go back at the rebuild, or at the first read once the
+    engine holds the model (its ZeRO-3 hooks mark every module with ``ds_id``)."""
+    for sub in model.modules():
+        cls = type(sub)
+        if cls in _GUARDED.values():
+            continue
+        try:
+            sub.__class__ = _guarded_class(cls)
+        except TypeError:  # a class whose layout differs from a plain subclass's (__slots__): left as is
+            continue
+        sub.__dict__[_OWNER] = (model, what)
+
+
+def unguard_parameter_reads(model) -> None:
+    """Each submodule of ``model`` back to its own class."""
+    for sub in model.modules():
+        if sub.__dict__.pop(_OWNER, None) is not None and type(sub) in _GUARDED.values():
+            sub.__class__ = type(sub).__bases__[0]
+
+
+def _guarded_class(cls):
+    guarded = _GUARDED.get(cls)
+    if guarded is None:
+        def __getattr__(self, name):
+            value = cls.__getattr__(self, name)
+            if hasattr(value, "ds_id") and name in self.__dict__.get("_parameters", ()):
+                _partition_read(self, name)
+                value = cls.__getattr__(self, name)
+            return value
+
+        guarded = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__})
+        _GUARDED[cls] = guarded
+    return guarded
+
+
+def _partition_read(module, name: str) -> None:
+    """``module.<name>``, a partition, was read: the model whole first if the user's code read it
+    outside the engine; the guard removed once the engine holds the model."""
+    from accel_npu._torch.callsite import caller_is_library
+
+    model, what = module.__dict__.get(_OWNER, (None, ""))
+    if model is None:
+        return
+    if hasattr(model, "ds_id") or hasattr(module, "ds_id"):
+        unguard_parameter_reads(model)
+        return
+    if caller_is_library(depth=2):
+        return
+    made_whole_outside_engine(model, module, f"has its parameter `{name}` read", what)
 
 
 def made_whole_outside_engine(model, module, use: str, what: str = "diffusers") -> None:
@@ -272,7 +341,8 @@ def parameter_dtype(wrapped, instance, args, kwargs):
 
 
 def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
-    """Swap ``model``'s partitioned parameters for whole ones loaded as stock would (local, no collective).
+    """Make ``model``'s partitioned parameters whole, in place, with the data stock would load (local, no
+    collective).
 
     The casts and moves the script made since loading (``.to(dtype)``, ``.half()``, ``.to(device)``)
     are replayed on the fresh copy; ``requires_grad`` and train/eval mode stay the model's own.
@@ -301,9 +371,15 @@ def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
         source = fresh_params.get(name)
         if source is None:
             source = fresh_params[name.replace(".base_layer.", ".")]
-        new = torch.nn.Parameter(source.data, requires_grad=old.requires_grad)
-        for mod, a, _n in entries:
-            mod._parameters[a] = new
+        # the same Parameter object, made whole: an optimizer the script built from it before this read
+        # (kandinsky2_2 prior: AdamW(prior.parameters()), then prior.clip_mean) still holds the model's
+        # parameters. DeepSpeed's zero.Init set its partition state as attributes on the object
+        # (partition_parameters.py _convert_to_deepspeed_param): without ds_id it is a plain parameter
+        # again, which prepare partitions as it does a whole model's.
+        with torch.no_grad():
+            old.data = source.data
+        for attr in [a for a in vars(old) if a not in vars(source)]:
+            delattr(old, attr)
     del fresh
     object.__setattr__(model, markers.REBUILD, None)
     model.__dict__.pop(CASTS, None)
