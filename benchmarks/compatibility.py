@@ -151,7 +151,7 @@ BUILDERS = {
     # Flux.1 and SD3
     "flux_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.flux_pipeline('{w}/model'); "
                     "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
-    "sd3_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.sd3_pipeline('{w}/model'); "
+    "sd3_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.sd3_pipeline('{w}/model', num_layers=13); "
                    "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
