@@ -142,6 +142,9 @@ KANDINSKY = ["--pretrained_decoder_model_name_or_path", "{work}/model/decoder",
 KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+# Flux.1 and SD3: full fine-tunes (no --rank); the control scripts read a local parquet dataset (--dataset_name)
+FULL_T = ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+CONTROL = ["--dataset_name", "{work}/controlnet_data"]
 
 SPECS = [
     Spec("text_to_image/train_text_to_image.py", "SD", "sd",
@@ -167,6 +170,23 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # -- Flux, Flux2, SD3 DiT scripts --
+    # Flux.1 and SD3
+    Spec("dreambooth/train_dreambooth_flux.py", "Flux", "flux", DREAMBOOTH, "full:FluxTransformer2DModel:transformer",
+         FULL_T + ["--max_sequence_length", "16"]),
+    Spec("advanced_diffusion_training/train_dreambooth_lora_flux_advanced.py", "Flux", "flux", DREAMBOOTH,
+         "lora:FluxPipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
+    Spec("dreambooth/train_dreambooth_lora_flux_kontext.py", "Flux", "flux", DREAMBOOTH,
+         "lora:FluxKontextPipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
+    Spec("flux-control/train_control_flux.py", "Flux", "flux_control", CONTROL, "full:FluxTransformer2DModel:", FULL_T),
+    Spec("flux-control/train_control_lora_flux.py", "Flux", "flux_control", CONTROL,
+         "lora:FluxControlPipeline:transformer", LORA_T),
+    Spec("controlnet/train_controlnet_flux.py", "Flux", "flux_control", CONTROL, "full:FluxControlNetModel:",
+         FULL_T + ["--num_double_layers", "1", "--num_single_layers", "1"]),
+    Spec("dreambooth/train_dreambooth_sd3.py", "SD3", "sd3", DREAMBOOTH, "full:SD3Transformer2DModel:transformer",
+         FULL_T + ["--max_sequence_length", "16"]),
+    Spec("controlnet/train_controlnet_sd3.py", "SD3", "sd3_control", CONTROL, "full:SD3ControlNetModel:",
+         FULL_T + ["--max_sequence_length", "16"]),
     # Flux2, Z-Image, Ideogram4
     Spec("dreambooth/train_dreambooth_lora_flux2.py", "Flux2", "flux2", DREAMBOOTH, "lora:Flux2Pipeline:transformer",
          LORA_T + FLUX2_TEXT),
@@ -260,6 +280,11 @@ BUILDERS = {
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
     # -- Flux, Flux2, SD3 DiT scripts --
+    # Flux.1 and SD3
+    "flux_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.flux_pipeline('{w}/model'); "
+                    "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
+    "sd3_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.sd3_pipeline('{w}/model', num_layers=13); "
+                   "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
     # Flux2, Z-Image, Ideogram4
     "flux2": "import tiny_flux2 as t; t.flux2_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
              "t.img2img_dataset('{w}/img2img')",

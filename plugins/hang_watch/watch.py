@@ -264,7 +264,8 @@ class Watchdog(threading.Thread):
         self.next_idle_check = 0.0
         self.store = self._own_store()
         self.store_failed = False
-        atexit.register(self._mark_exited)
+        self.stopping = threading.Event()
+        atexit.register(self._stop_at_exit)
 
     # -- the store ---------------------------------------------------------------------------
     def _own_store(self):
@@ -296,6 +297,20 @@ class Watchdog(threading.Thread):
                         "show this rank only", exc)
             return None
 
+    def _stop_at_exit(self) -> None:
+        """atexit: end the loop and join it while Python is alive, then say this rank left.
+
+        A daemon thread that returns from a store call (pybind11 releases the GIL for it) after the
+        interpreter started finalizing is ended with ``pthread_exit``, whose forced unwind through
+        pybind11's ``gil_scoped_release`` destructor (noexcept) calls ``std::terminate``: SIGABRT
+        after training finished. atexit runs before finalization (CPython ``Py_FinalizeEx``).
+        """
+        self.stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            # one store call at most (its timeout), or a query round under way
+            self.join(timeout=2 * self.answer_wait + 5)
+        self._mark_exited()
+
     def _mark_exited(self) -> None:
         """Tell a rank that later idles (a long save on rank 0) that this one left, not stalled."""
         if self.store is not None and not self.store_failed:
@@ -310,8 +325,7 @@ class Watchdog(threading.Thread):
         import torch.distributed as dist
 
         try:
-            while True:
-                time.sleep(self.interval)
+            while not self.stopping.wait(self.interval):
                 if not dist.is_initialized():  # destroy_process_group: this group is over
                     self._mark_exited()
                     _disarm()

@@ -63,15 +63,20 @@ def _encoders(folder: str, clip_classes: list):
     return out
 
 
-def sd3_pipeline(folder: str):
-    """StableDiffusion3Pipeline.save_pretrained of a tiny SD3 (transformer, VAE, 2 CLIP + T5)."""
+def sd3_pipeline(folder: str, num_layers: int = 1):
+    """StableDiffusion3Pipeline.save_pretrained of a tiny SD3 (transformer, VAE, 2 CLIP + T5).
+
+    ``num_layers=13`` for train_controlnet_sd3.py: its ``SD3ControlNetModel.from_transformer`` builds 12
+    blocks and loads the transformer's first 12 into them, which must all be full joint blocks (the
+    transformer's last block is ``context_pre_only``, with other shapes), as in SD3's 24.
+    """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
         StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     parts = _encoders(folder, [CLIPTextModelWithProjection, CLIPTextModelWithProjection])
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1,
+    transformer = SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=num_layers,
                                         attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
                                         joint_attention_dim=32, pooled_projection_dim=64, out_channels=4)
     vae = AutoencoderKL(latent_channels=4, **VAE)
