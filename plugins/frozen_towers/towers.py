@@ -22,9 +22,10 @@ import logging
 from typing import Any
 
 from accel_npu import environment
+from accel_npu._torch import zero
 from accel_npu._torch.markers import HIDDEN_TOWERS as HIDDEN
 from accel_npu._torch.markers import hidden_towers, tower_state_dict
-from accel_npu._torch.zero import is_zero_partitioned, note_engine_built
+from accel_npu._torch.zero import is_zero_partitioned
 from accel_npu.errors import AccelNpuError, ConfigError
 from accel_npu.plugins.frozen_towers.rematerialize import rematerialize
 
@@ -249,7 +250,7 @@ def prepare_deepspeed(wrapped, instance, args, kwargs):
     result = _prepare_with_towers_hidden(wrapped, instance, args, kwargs)
     for engine in result if isinstance(result, (tuple, list)) else (result,):
         if isinstance(engine, DeepSpeedEngine):
-            note_engine_built(engine)  # models loaded while it lives are used outside it (loading plugin)
+            zero.note_engine_built(engine)  # models loaded while it lives are used outside it (loading plugin)
     return result
 
 
