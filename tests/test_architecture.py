@@ -135,6 +135,44 @@ def test_wrapt_style_wrappers_live_in_plugins():
             assert not signature.search(path.read_text()), name
 
 
+def wrapt_wrappers(source: str) -> list[str]:
+    """Functions (nested ones too) with wrapt's ``(wrapped, instance, args, kwargs)`` signature."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+            if len(params) == 4 and params[0] == "wrapped":
+                found.append(node.name)
+    return found
+
+
+#: plugin __init__.py files that may still define wrappers inline
+WRAPPERS_IN_INIT_ALLOWED = {
+    "plugins/deepspeed/__init__.py",  # its wrappers are being moved beside it
+}
+
+
+def test_the_wrapper_finder_sees_nested_and_module_level_wrappers():
+    source = ("def outer(name):\n    def wrapper(wrapped, instance, args, kwargs):\n        pass\n    return wrapper\n"
+              "def on_init(wrapped, cls, args, kwargs):\n    pass\n"
+              "def helper(wrapped, args):\n    pass\ndef other(model, instance, args, kwargs):\n    pass\n")
+    assert sorted(wrapt_wrappers(source)) == ["on_init", "wrapper"]
+
+
+def test_plugin_inits_are_manifests():
+    """A plugin package's __init__.py declares its patches (wrappers named by path in ``wrapper=``) and
+    hook implementations; the wrappers themselves live in the modules beside it."""
+    offenders = {}
+    for path in sorted((REPO / "plugins").rglob("__init__.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel in WRAPPERS_IN_INIT_ALLOWED:
+            continue
+        wrappers = wrapt_wrappers(path.read_text())
+        if wrappers:
+            offenders[rel] = wrappers
+    assert not offenders, f"wrappers defined in a plugin's __init__.py (move them beside it): {offenders}"
+
+
 ENV_READ = re.compile(r"""(environ|env)(\.get\(|\[|\.setdefault\(|\.pop\()\s*["']ACCEL_NPU_|getenv\(\s*["']ACCEL_NPU_""")
 
 

@@ -20,6 +20,7 @@ import torch
 
 import accel_npu
 from accel_npu.plugins import precision
+from accel_npu.plugins.precision import loss_scaling
 from tests.inprocess import stock
 
 from .launch_utils import SCRIPTS, base_env, explain, results, run_concurrently
@@ -78,7 +79,7 @@ def test_stock_disables_both_and_runs_fp32(runs):
 @pytest.fixture
 def active():
     accel_npu.patch()
-    precision._once.clear()
+    loss_scaling._once.clear()
     yield
     accel_npu.patch()
 
@@ -90,7 +91,7 @@ def test_other_scalers_untouched_and_cuda_passes_through(active, monkeypatch):
     with stock(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert torch.amp.GradScaler("cuda").is_enabled() is False
-    monkeypatch.setattr(precision, "cuda_available", lambda: True)
+    monkeypatch.setattr(loss_scaling, "cuda_available", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scaler = torch.amp.GradScaler("cuda")

@@ -62,7 +62,7 @@ def _trigger_all():
     from accel_npu.backend import current_backend, reset_backend_cache
     from accel_npu.cli import build_parser
     from accel_npu.cli.env import collect
-    from accel_npu.plugins.explain_errors import explanations
+    from accel_npu.plugins.explain_errors.excepthook import explanations
     from accel_npu.plugins.launch.launcher import prepare_worker_environment
 
     return {

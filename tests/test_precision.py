@@ -15,13 +15,14 @@ import torch
 import accel_npu
 from tests.inprocess import stock
 from accel_npu._torch.device import cuda_available
-from accel_npu.plugins import precision
+from accel_npu.plugins.precision import autocast, bf16_numpy, fused_adamw
 
 
 @pytest.fixture(autouse=True)
 def active():
     accel_npu.patch()
-    precision._once.clear()
+    for module in (autocast, bf16_numpy, fused_adamw):
+        module._once.clear()
     yield
     accel_npu.patch()
 
@@ -79,7 +80,7 @@ def test_autocast_remap_is_logged_once(caplog):
 def test_autocast_passes_through_where_cuda_is_available(monkeypatch):
     # On a CUDA machine the wrapper must hand "cuda" to torch untouched.
     seen = {}
-    monkeypatch.setattr(precision, "cuda_available", lambda: True)
+    monkeypatch.setattr(autocast, "cuda_available", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ctx = torch.autocast("cuda", dtype=torch.bfloat16)

@@ -12,7 +12,7 @@ import decord  # noqa: E402  (a test dependency: its absence is a failure, not a
 
 import accel_npu  # noqa: E402
 from tests.inprocess import stock  # noqa: E402
-from accel_npu.plugins import video  # noqa: E402
+from accel_npu.plugins.video import readers  # noqa: E402
 from tests.launch_utils import SCRIPTS  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
@@ -42,7 +42,7 @@ def active():
 
     assert not cuda_available()  # no real CUDA here (torch.cuda answers for the cpu backend under accel-npu)
     accel_npu.patch()
-    video._once.clear()
+    readers._once.clear()
     yield
     accel_npu.patch()
 
@@ -87,7 +87,7 @@ def test_av_reader_gpu_ctx_decodes_video_and_audio_on_cpu(tmp_path):
 def test_cpu_ctx_and_cuda_machines_untouched(clip, monkeypatch):
     path, _ = clip
     ctx = decord.cpu(0)
-    assert video._cpu_ctx_for(ctx, "VideoReader") is ctx
-    monkeypatch.setattr(video, "cuda_available", lambda: True)  # a CUDA machine: the GPU context is passed on as given
+    assert readers._cpu_ctx_for(ctx, "VideoReader") is ctx
+    monkeypatch.setattr(readers, "cuda_available", lambda: True)  # a CUDA machine: the GPU context is passed on as given
     gpu = decord.gpu(0)
-    assert video._cpu_ctx_for(gpu, "VideoReader") is gpu
+    assert readers._cpu_ctx_for(gpu, "VideoReader") is gpu

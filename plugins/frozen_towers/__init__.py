@@ -9,46 +9,18 @@ are made whole first: rematerialize.py).
 ``ACCEL_NPU_FROZEN_MODULES`` names them explicitly ("none" turns this off).
 The engines it returns are noted (``accel_npu._torch.zero.note_engine_built``): while one lives, the
 loading plugin builds models whole (they can only be used outside it).
+
+This module declares the patch and the ``accel-npu env`` section; ``towers.py`` holds the wrapper.
 """
 from __future__ import annotations
 
-import logging
-
 from accel_npu import environment
-from accel_npu._torch import zero
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.plugins.frozen_towers import towers
 
-log = logging.getLogger("accel_npu")
-
-
-def _prepare_deepspeed(wrapped, instance, args, kwargs):
-    from deepspeed import DeepSpeedEngine
-
-    result = _prepare_with_towers_hidden(wrapped, instance, args, kwargs)
-    for engine in result if isinstance(result, (tuple, list)) else (result,):
-        if isinstance(engine, DeepSpeedEngine):
-            zero.note_engine_built(engine)  # models loaded while it lives are used outside it (loading plugin)
-    return result
-
-
-def _prepare_with_towers_hidden(wrapped, instance, args, kwargs):
-    import torch
-
-    models = [a for a in args if isinstance(a, torch.nn.Module)]
-    if len(models) != 1 or towers.hidden_towers(models[0]):
-        return wrapped(*args, **kwargs)
-    model = models[0]
-    names = towers.select_towers(model)
-    if not names:
-        return wrapped(*args, **kwargs)
-    towers.hide(model, names, device=instance.device)
-    try:
-        return wrapped(*args, **kwargs)
-    except BaseException:
-        towers.restore(model)
-        raise
+# The wrapper lives beside this module (towers.py), named by path in `wrapper=`.
+_PKG = "accel_npu.plugins.frozen_towers"
 
 
 PREPARE_DEEPSPEED = Patch(
@@ -57,7 +29,7 @@ PREPARE_DEEPSPEED = Patch(
     reason="DeepSpeed casts a frozen fp32 VAE/text encoder held by the model to bf16 ('Input type "
            "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
     remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",
-    wrapper=_prepare_deepspeed,
+    wrapper=f"{_PKG}.towers:prepare_deepspeed",
 )
 
 

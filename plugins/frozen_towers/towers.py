@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 from accel_npu import environment
+from accel_npu._torch import zero
 from accel_npu._torch.markers import HIDDEN_TOWERS as HIDDEN
 from accel_npu._torch.markers import hidden_towers, tower_state_dict
 from accel_npu._torch.zero import is_zero_partitioned
@@ -30,7 +31,8 @@ from accel_npu.plugins.frozen_towers.rematerialize import rematerialize
 
 log = logging.getLogger("accel_npu")
 
-__all__ = ["select_towers", "hide", "restore", "hidden_towers", "tower_state_dict", "requested_names"]
+__all__ = ["select_towers", "hide", "restore", "hidden_towers", "tower_state_dict", "requested_names",
+           "prepare_deepspeed"]
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
@@ -238,3 +240,33 @@ def _describe(module) -> str:
     n = sum(p.numel() for p in module.parameters())
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters()})
     return f"{type(module).__name__}, {n / 1e6:.2f}M params, {'/'.join(dtypes)}"
+
+
+# --------------------------------------------------------------------------------------------
+# the wrapper of Accelerator._prepare_deepspeed (named by path in this package's patch)
+def prepare_deepspeed(wrapped, instance, args, kwargs):
+    from deepspeed import DeepSpeedEngine
+
+    result = _prepare_with_towers_hidden(wrapped, instance, args, kwargs)
+    for engine in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(engine, DeepSpeedEngine):
+            zero.note_engine_built(engine)  # models loaded while it lives are used outside it (loading plugin)
+    return result
+
+
+def _prepare_with_towers_hidden(wrapped, instance, args, kwargs):
+    import torch
+
+    models = [a for a in args if isinstance(a, torch.nn.Module)]
+    if len(models) != 1 or hidden_towers(models[0]):
+        return wrapped(*args, **kwargs)
+    model = models[0]
+    names = select_towers(model)
+    if not names:
+        return wrapped(*args, **kwargs)
+    hide(model, names, device=instance.device)
+    try:
+        return wrapped(*args, **kwargs)
+    except BaseException:
+        restore(model)
+        raise

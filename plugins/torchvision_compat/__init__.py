@@ -14,43 +14,18 @@ Here, while torchvision's operators are missing, their fake-impl registration is
 is no operator to attach it to) and one warning names the mismatch and the wheel to install;
 calling an operator still raises torchvision's own "Couldn't load custom C++ ops" error. With a
 matching torchvision the registrations pass straight through.
+
+This module declares the patch; ``fake_impls.py`` holds the wrapper of ``register_fake``, ``mismatch.py``
+the diagnosis (what torchvision was built for, the wheel that pairs).
 """
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch, argument
+from accel_npu.patching import Patch
 
-_NAMESPACE = "torchvision::"
-
-
-def _operator_exists(qualname: str) -> bool:
-    import torch
-
-    name = qualname[len(_NAMESPACE):].split(".", 1)[0]
-    return hasattr(torch.ops.torchvision, name)
-
-
-def _ops_missing_with_warning(op: str) -> bool:
-    # imported on torchvision's first register_fake: plugin modules load inside `import torch`
-    from accel_npu.plugins.torchvision_compat.mismatch import ops_missing, warn_once
-
-    if ops_missing() and not _operator_exists(op):
-        warn_once()
-        return True
-    return False
-
-
-def _skip_fake_impl_of_missing_torchvision_op(wrapped, instance, args, kwargs):
-    op = argument(args, kwargs, 0, "op")
-    if isinstance(op, str) and op.startswith(_NAMESPACE) and _ops_missing_with_warning(op):
-        if len(args) > 1 and args[1] is not None:  # register_fake(op, func)
-            return args[1]
-        return lambda func: func  # @register_fake(op): leave the function as it is
-    if len(args) > 1 and args[1] is not None:
-        # register_fake(op, func) records the caller's file and line `_stacklevel` frames up; this
-        # wrapper is one more frame (the decorator form registers from the caller's own frame).
-        kwargs["_stacklevel"] = kwargs.get("_stacklevel", 1) + 1
-    return wrapped(*args, **kwargs)
+# The wrapper lives beside this module (fake_impls.py), named by path in `wrapper=`: it is imported when
+# torch.library is (inside `import torch`), and imports mismatch.py on torchvision's first register_fake.
+_PKG = "accel_npu.plugins.torchvision_compat"
 
 
 FAKE_IMPL_OF_MISSING_OPS = Patch(
@@ -59,7 +34,7 @@ FAKE_IMPL_OF_MISSING_OPS = Patch(
     reason="A torchvision wheel built for another torch dies on import: 'operator torchvision::nms does "
            "not exist' (pytorch/vision#9085); its fake impls are skipped.",
     remove_when="torchvision/_meta_registrations.py guards register_fake with extension._has_ops()",
-    wrapper=_skip_fake_impl_of_missing_torchvision_op,
+    wrapper=f"{_PKG}.fake_impls:skip_fake_impl_of_missing_torchvision_op",
 )
 
 

@@ -555,7 +555,7 @@ def test_an_npu_used_in_a_forked_dataloader_worker_is_explained_after_the_traceb
      "TASK_QUEUE_ENABLE=1"),
 ])
 def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, monkeypatch):
-    from accel_npu.plugins.explain_errors import explanations
+    from accel_npu.plugins.explain_errors.excepthook import explanations
 
     monkeypatch.delenv("HCCL_IF_BASE_PORT", raising=False)
     try:

@@ -1,0 +1,69 @@
+"""The wrapper of ``torch.autocast.__init__`` (named by path in this package's patches): autocast("cuda")
+without CUDA runs on the active backend's device (npu, or cpu) with the requested dtype, where stock
+torch disables it and the script silently trains in fp32."""
+from __future__ import annotations
+
+import logging
+
+from accel_npu._torch.device import cuda_available
+from accel_npu._torch.once import FirstTime
+
+log = logging.getLogger("accel_npu")
+
+_once = FirstTime()  # one warning per process and cause
+
+
+def autocast_init(wrapped, instance, args, kwargs):
+    if args:
+        device_type, rest = args[0], args[1:]
+    elif "device_type" in kwargs:
+        device_type, rest = kwargs.pop("device_type"), ()
+    else:
+        return wrapped(*args, **kwargs)
+    if device_type != "cuda" or cuda_available():
+        return wrapped(device_type, *rest, **kwargs)
+    import torch
+
+    from accel_npu.backend import current_backend
+
+    target = current_backend().device_type
+    if target == "cuda":  # forced cuda backend without CUDA: nothing sensible to remap to
+        return wrapped(device_type, *rest, **kwargs)
+    # keep the dtype CUDA would have used: the explicit one, else CUDA's autocast default (fp16)
+    if rest:
+        dtype, rest = rest[0], rest[1:]
+    else:
+        dtype = kwargs.pop("dtype", None)
+    if dtype is None:
+        dtype = torch.get_autocast_dtype("cuda")
+    supported = _amp_dtypes(target)
+    if supported is not None and dtype not in supported:
+        # e.g. bf16 on a 910A: torch would disable autocast with a generic warning; say what happens
+        if _once(("autocast-unsupported", target, dtype)):
+            log.warning("accel-npu: torch.autocast('cuda', dtype=%s): this %s has no %s autocast (supported: %s; "
+                        "an Ascend 910A has no bf16), so autocast is off and the forward runs in float32. "
+                        "dtype=torch.float16 gives mixed precision here.", _name(dtype), target, _name(dtype),
+                        ", ".join(_name(d) for d in supported))
+        kwargs["enabled"] = False
+        return wrapped(target, dtype, *rest, **kwargs)
+    if _once(("autocast", target, dtype)):
+        log.warning("accel-npu: torch.autocast('cuda', dtype=%s) runs as torch.autocast(%r, dtype=%s) "
+                    "(no CUDA here; stock torch would disable autocast and run fp32)",
+                    str(dtype).replace("torch.", ""), target, str(dtype).replace("torch.", ""))
+    return wrapped(target, dtype, *rest, **kwargs)
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _amp_dtypes(device_type: str):
+    """The autocast dtypes of a device module that declares them (torch_npu: torch.npu, per SoC)."""
+    import torch
+
+    module = getattr(torch, device_type, None) if device_type not in ("cpu", "cuda") else None
+    getter = getattr(module, "get_amp_supported_dtype", None)
+    try:
+        return list(getter()) if getter is not None else None
+    except Exception:  # noqa: BLE001 - unknown: let torch decide
+        return None
