@@ -147,9 +147,7 @@ def wrapt_wrappers(source: str) -> list[str]:
 
 
 #: plugin __init__.py files that may still define wrappers inline
-WRAPPERS_IN_INIT_ALLOWED = {
-    "plugins/deepspeed/__init__.py",  # its wrappers are being moved beside it
-}
+WRAPPERS_IN_INIT_ALLOWED: set[str] = set()  # none: every plugin package's __init__ is a manifest
 
 
 def test_the_wrapper_finder_sees_nested_and_module_level_wrappers():
