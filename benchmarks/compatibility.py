@@ -74,6 +74,7 @@ class Spec:
     data: list[str]  # arguments naming the data, {work} substituted
     artifact: str  # "lora:<PipelineClass>:<component>" or "full:<ModelClass>:<subfolder>"
     extra: list[str] = field(default_factory=list)
+    model_flag: str = "--pretrained_model_name_or_path"  # the LCM distillation scripts name it --pretrained_teacher_model
 
     @property
     def name(self) -> str:
@@ -84,6 +85,11 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+# SDXL UNet: tiny_sdxl_family.py's VAE downsamples x8 (ControlNetModel.from_unet's conditioning embedding
+# does), so --resolution 32; the LCM wds scripts divide by --dataloader_num_workers and read --max_train_samples
+SDXL_T = ["--resolution", "32", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+SDXL_TEXT = ["--train_data_dir", "{work}/data/text", "--caption_column", "text"]
+SDXL_WDS = ["--train_shards_path_or_url", "{work}/data/shards/{{00000..00001}}.tar", "--max_train_samples", "8"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -98,6 +104,27 @@ SPECS = [
          "full:ControlNetModel:", SD),
     Spec("dreambooth/train_dreambooth_lora_sdxl.py", "SDXL", "sdxl", DREAMBOOTH,
          "lora:StableDiffusionXLPipeline:unet", LORA_T),
+    # SDXL UNet
+    Spec("text_to_image/train_text_to_image_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "full:UNet2DConditionModel:unet", SDXL_T),
+    Spec("text_to_image/train_text_to_image_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
+    Spec("controlnet/train_controlnet_sdxl.py", "SDXL", "sdxl_family", ["--train_data_dir", "{work}/data/controlnet"],
+         "full:ControlNetModel:", SDXL_T),
+    Spec("t2i_adapter/train_t2i_adapter_sdxl.py", "SDXL", "sdxl_adapter", ["--train_data_dir", "{work}/data/controlnet"],
+         "full:T2IAdapter:", SDXL_T),
+    Spec("instruct_pix2pix/train_instruct_pix2pix_sdxl.py", "SDXL", "sdxl_family",
+         ["--train_data_dir", "{work}/data/pix2pix"], "full:UNet2DConditionModel:unet", SDXL_T),
+    Spec("advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py", "SDXL", "sdxl_family",
+         ["--instance_data_dir", "{work}/data/instance", "--instance_prompt", PROMPT],
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
+    Spec("consistency_distillation/train_lcm_distill_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--lora_rank", "4"], model_flag="--pretrained_teacher_model"),
+    Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+         "lora:StableDiffusionXLPipeline:unet:unet_lora", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
+         model_flag="--pretrained_teacher_model"),
+    Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+         "full:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1"], model_flag="--pretrained_teacher_model"),
     Spec("dreambooth/train_dreambooth_lora_sd3.py", "SD3", "sd3", DREAMBOOTH,
          "lora:StableDiffusion3Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
     Spec("dreambooth/train_dreambooth_lora_flux.py", "Flux", "flux", DREAMBOOTH, "lora:FluxPipeline:transformer",
@@ -127,6 +154,9 @@ BUILDERS = {
     "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
+    # SDXL UNet
+    "sdxl_family": "import tiny_sdxl_family as t; t.build('{w}/model'); t.write_data('{w}/data')",
+    "sdxl_adapter": "import tiny_sdxl_family as t; t.build_adapter('{w}/model'); t.write_data('{w}/data')",
     # -- Flux, Flux2, SD3 DiT scripts --
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
@@ -267,11 +297,11 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     import diffusers
     import torch
 
-    kind, cls_name, where = spec.artifact.split(":")
+    kind, cls_name, where, *below = spec.artifact.split(":")  # lora:...:<component>:<folder under out>
     master = _master(ckpt)
     if kind == "lora":
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
-        pipe.load_lora_weights(str(out))
+        pipe.load_lora_weights(str(out.joinpath(*below)))
         got = {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     else:
@@ -314,7 +344,7 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
-    base = ["--config_file", str(cfg), str(script), "--pretrained_model_name_or_path", str(work / "model"), *data,
+    base = ["--config_file", str(cfg), str(script), spec.model_flag, str(work / "model"), *data,
             *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", str(every)]
     runs = [launch(base + ["--max_train_steps", str(steps)], env, root, timeout)]
     if runs[0]["code"] == 0:
