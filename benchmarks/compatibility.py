@@ -259,19 +259,29 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
     return (lines[-1][:300] if lines else "no output"), "unknown"
 
 
-# failures whose cause is known beyond the frame that raised them: (message pattern, whose)
+# failures whose cause is known beyond the frame that raised them: (pattern, whose), the pattern searched in
+# "<script name>: <first error or failed check>" (a pattern starting ^<script name> is that script's alone)
 KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
+    (r"accelerator\.prepare\(\) was given no DataLoader",
+     "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
+     "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
+     "(accelerate/accelerator.py Accelerator._prepare_deepspeed); the error is accel-npu's"),
+    (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
+     "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
+     "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "
+     "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0), so it drops the attention "
+     "LoRA silently; the saved file, converted, equals the master weights"),
 ]
 
 
 def _whose(path: str, message: str, script: Path) -> str:
     for pattern, whose in KNOWN_CAUSES:
-        if re.search(pattern, message):
+        if re.search(pattern, f"{script.name}: {message}"):
             return whose
     if "accel-npu" in message or "accel_npu" in path or f"{REPO}/plugins/" in path:
         return "ours (accel-npu)"
@@ -368,7 +378,7 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         ok, what = compare_artifact(spec, work / "model", out, last)
     except Exception as exc:  # noqa: BLE001 - the row records it
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
-    return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
+    return {**row, "ok": ok, "what": what, "whose": "" if ok else _whose("", what, script)}
 
 
 # -- the results file ---------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
     assert compat.first_error(dtype, SCRIPT)[1].startswith("the script's: fp16 frozen towers")
     ours = out.replace(f"{site}/diffusers/models/attention.py", f"{site}/accel_npu/plugins/loading/x.py")
     assert compat.first_error(ours, SCRIPT)[1] == "ours (accel-npu)"
+    lcm = UPSTREAM_EXAMPLES / "consistency_distillation" / "train_lcm_distill_lora_sdxl.py"
+    dropped = "64 of 158 master tensors not in the loaded artifact"
+    assert compat._whose("", dropped, lcm).startswith("diffusers': ")  # a cause scoped to one script
+    assert compat._whose("", dropped, SCRIPT) == "unknown"
     warned = "UserWarning: not an error\nKeyError: 'x'"
     assert compat.first_error(warned, SCRIPT)[0] == "KeyError: 'x'"
 
