@@ -267,6 +267,11 @@ KNOWN_CAUSES = [
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
     (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
                                "#2606); the error is accel-npu's"),
+    (r"^train_(controlnet|t2i_adapter)_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
+     r"float != c10::BFloat16",
+     "the script's: its collate_fn rebuilds the precomputed prompt embeddings as fp32 (torch.tensor of the "
+     "dataset's lists) and hands them uncast to the bf16 ControlNet engine / frozen UNet; DeepSpeed casts no "
+     "fp32 input, so GPUs fail alike (train_controlnet_sd3.py had the same bug: diffusers #11050)"),
     (r"accelerator\.prepare\(\) was given no DataLoader",
      "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
      "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
