@@ -48,8 +48,8 @@ DIFFUSERS_CONFIG_CHANGE = Patch(
     target="diffusers.configuration_utils:ConfigMixin.register_to_config",
     supports="diffusers>=0.35,<0.43",
     # Called by the script on a model loaded into ZeRO-3 partitions, before prepare: made whole first.
-    reason="train_instruct_pix2pix{,_sdxl}.py register in_channels=8, then copy conv_in.weight into a wider "
-           "conv: a model loaded into ZeRO-3 partitions has empty tensors there.",
+    reason="train_instruct_pix2pix{,_sdxl}.py set in_channels=8, then copy conv_in.weight into a wider conv: "
+           "a model loaded into ZeRO-3 partitions has none.",
     remove_when="diffusers builds models under zero.Init itself (then stock breaks the script alike)",
     wrapper=f"{_PKG}.placement.zero3:config_changed",
 )
