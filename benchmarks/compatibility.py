@@ -140,6 +140,11 @@ IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--con
 KANDINSKY = ["--pretrained_decoder_model_name_or_path", "{work}/model/decoder",
              "--pretrained_prior_model_name_or_path", "{work}/model/prior"]
 KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
+# SDXL UNet: tiny_sdxl_family.py's VAE downsamples x8 (ControlNetModel.from_unet's conditioning embedding
+# does), so --resolution 32; the LCM wds scripts divide by --dataloader_num_workers and read --max_train_samples
+SDXL_T = ["--resolution", "32", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+SDXL_TEXT = ["--train_data_dir", "{work}/data/text", "--caption_column", "text"]
+SDXL_WDS = ["--train_shards_path_or_url", "{work}/data/shards/{{00000..00001}}.tar", "--max_train_samples", "8"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 # Flux.1 and SD3: full fine-tunes (no --rank); the control scripts read a local parquet dataset (--dataset_name)
@@ -157,6 +162,27 @@ SPECS = [
          "full:ControlNetModel:", SD),
     Spec("dreambooth/train_dreambooth_lora_sdxl.py", "SDXL", "sdxl", DREAMBOOTH,
          "lora:StableDiffusionXLPipeline:unet", LORA_T),
+    # SDXL UNet
+    Spec("text_to_image/train_text_to_image_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "full:UNet2DConditionModel:unet", SDXL_T),
+    Spec("text_to_image/train_text_to_image_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
+    Spec("controlnet/train_controlnet_sdxl.py", "SDXL", "sdxl_family", ["--train_data_dir", "{work}/data/controlnet"],
+         "full:ControlNetModel:", SDXL_T),
+    Spec("t2i_adapter/train_t2i_adapter_sdxl.py", "SDXL", "sdxl_adapter", ["--train_data_dir", "{work}/data/controlnet"],
+         "full:T2IAdapter:", SDXL_T),
+    Spec("instruct_pix2pix/train_instruct_pix2pix_sdxl.py", "SDXL", "sdxl_family",
+         ["--train_data_dir", "{work}/data/pix2pix"], "full:UNet2DConditionModel:unet", SDXL_T),
+    Spec("advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py", "SDXL", "sdxl_family",
+         ["--instance_data_dir", "{work}/data/instance", "--instance_prompt", PROMPT],
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
+    Spec("consistency_distillation/train_lcm_distill_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
+         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--lora_rank", "4"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+         "lora:StableDiffusionXLPipeline:unet:unet_lora", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
+         cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+         "full:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
     Spec("dreambooth/train_dreambooth_lora_sd3.py", "SD3", "sd3", DREAMBOOTH,
          "lora:StableDiffusion3Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
     Spec("dreambooth/train_dreambooth_lora_flux.py", "Flux", "flux", DREAMBOOTH, "lora:FluxPipeline:transformer",
@@ -279,6 +305,9 @@ BUILDERS = {
     "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
+    # SDXL UNet
+    "sdxl_family": "import tiny_sdxl_family as t; t.build('{w}/model'); t.write_data('{w}/data')",
+    "sdxl_adapter": "import tiny_sdxl_family as t; t.build_adapter('{w}/model'); t.write_data('{w}/data')",
     # -- Flux, Flux2, SD3 DiT scripts --
     # Flux.1 and SD3
     "flux_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.flux_pipeline('{w}/model'); "
@@ -406,11 +435,26 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
     return (lines[-1][:300] if lines else "no output"), "unknown"
 
 
-# failures whose cause is known beyond the frame that raised them: (message pattern, whose)
+# failures whose cause is known beyond the frame that raised them: (pattern, whose), the pattern searched in
+# "<script name>: <first error or failed check>" (a pattern starting ^<script name> is that script's alone)
 KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
+    (r"^train_(controlnet|t2i_adapter)_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
+     r"float != c10::BFloat16",
+     "the script's: its collate_fn rebuilds the precomputed prompt embeddings as fp32 (torch.tensor of the "
+     "dataset's lists) and hands them uncast to the bf16 ControlNet engine / frozen UNet; DeepSpeed casts no "
+     "fp32 input, so GPUs fail alike (train_controlnet_sd3.py had the same bug: diffusers #11050)"),
+    (r"accelerator\.prepare\(\) was given no DataLoader",
+     "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
+     "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
+     "(accelerate/accelerator.py Accelerator._prepare_deepspeed); the error is accel-npu's"),
+    (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
+     "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
+     "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "
+     "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0), so it drops the attention "
+     "LoRA silently; the saved file, converted, equals the master weights"),
     (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
      "the script's, also on GPUs: fp32 activations into the bf16 DeepSpeed engine, which casts no inputs "
      "(deepspeed/runtime/engine.py _forward_prologue casts only under fp16.auto_cast; accelerate skips its "
@@ -435,7 +479,7 @@ KNOWN_CAUSES = [
 
 def _whose(path: str, message: str, script: Path) -> str:
     for pattern, whose in KNOWN_CAUSES:
-        if re.search(pattern, message):
+        if re.search(pattern, f"{script.name}: {message}"):
             return whose
     if "accel-npu" in message or "accel_npu" in path or f"{REPO}/plugins/" in path:
         return "ours (accel-npu)"
@@ -493,9 +537,6 @@ def _torchvision_importable() -> None:
         sys.path.insert(0, torchvision_site())
 
 
-def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
-    """(equal, what) for the final artifact in ``out`` against ``ckpt``'s fp32 master weights."""
-    _torchvision_importable()
 class _StandIn:
     """An optional pipeline component the script replaces by a stand-in of its own (``Spec.stand_ins``)."""
 
@@ -508,11 +549,11 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
     import diffusers
     import torch
 
-    kind, cls_name, where = spec.artifact.split(":")
+    kind, cls_name, where, *below = spec.artifact.split(":")  # lora:...:<component>[:<folder under the artifact dir>]
     if kind == "lora":
         stand_ins = {name: _StandIn() for name in spec.stand_ins}
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
-        pipe.load_lora_weights(str(where_dir))
+        pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
     if kind == "module":
         import importlib
@@ -532,6 +573,7 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     ``ckpt``'s fp32 master weights."""
     import torch
 
+    _torchvision_importable()
     master = _master(ckpt)
     if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
@@ -659,7 +701,7 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
     if cli["resume"] is None:
         what = f"one launch (the script has no resume option); {last.name}: {what}"
-    return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
+    return {**row, "ok": ok, "what": what, "whose": "" if ok else _whose("", what, script)}
 
 
 # -- the results file ---------------------------------------------------------------------------------

@@ -41,6 +41,10 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
         "[rank0]: ValueError: not enough values to unpack (expected 2, got 1)"])
     assert compat.first_error(chained, SCRIPT) == ("ValueError: not enough values to unpack (expected 2, got 1)",
                                                    "ours (accel-npu)")
+    lcm = UPSTREAM_EXAMPLES / "consistency_distillation" / "train_lcm_distill_lora_sdxl.py"
+    dropped = "64 of 158 master tensors not in the loaded artifact"
+    assert compat._whose("", dropped, lcm).startswith("diffusers': ")  # a cause scoped to one script
+    assert compat._whose("", dropped, SCRIPT) == "unknown"
     warned = "UserWarning: not an error\nKeyError: 'x'"
     assert compat.first_error(warned, SCRIPT)[0] == "KeyError: 'x'"
 

@@ -74,3 +74,35 @@ def test_no_partitioned_load_without_zero3(hf_zero3):
     assert zero3_loading.zero3_config() is None
     hf_zero3(stage=3)
     assert zero3_loading.zero3_config() is not None
+
+
+def test_a_config_change_by_the_script_makes_a_partitioned_model_whole(hf_zero3, tmp_path, monkeypatch):
+    """train_instruct_pix2pix{,_sdxl}.py: ``unet.register_to_config(in_channels=8)``, then
+    ``new_conv_in.weight[:, :4].copy_(unet.conv_in.weight)`` before prepare. Loaded into partitions, the
+    weight is empty; the script's config change makes the model whole (the files' fp32, as stock) first.
+    diffusers' own register_to_config calls (from_pretrained's _name_or_path) leave the partitions alone."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file
+
+    from accel_npu._torch.zero import is_zero_partitioned
+
+    torch.manual_seed(0)
+    UNet2DConditionModel(block_out_channels=(8,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
+                         down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
+                         cross_attention_dim=8, attention_head_dim=2, norm_num_groups=4).save_pretrained(tmp_path)
+    files = load_file(str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # as accelerate launch sets them (zero.Init reads LOCAL_RANK)
+    hf_zero3()
+    unet = UNet2DConditionModel.from_pretrained(tmp_path)
+    # the load itself: partitions (read through _parameters: an attribute read by this file, user code, would
+    # make the model whole, as the script's own reads do)
+    assert is_zero_partitioned(unet) and unet.conv_in._parameters["weight"].numel() == 0
+    unet.register_to_config(in_channels=8)
+    assert not is_zero_partitioned(unet) and unet.config.in_channels == 8
+    state = unet.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in files.items())  # whole, the files' fp32 (stock's)
+    new = torch.zeros(8, 8, 3, 3)
+    new[:, :4].copy_(unet.conv_in.weight)  # the script's next line
+    assert torch.equal(new[:, :4], files["conv_in.weight"])

@@ -44,6 +44,16 @@ DIFFUSERS_DTYPE = Patch(
     wrapper=f"{_PKG}.placement.zero3:parameter_dtype",
 )
 
+DIFFUSERS_CONFIG_CHANGE = Patch(
+    target="diffusers.configuration_utils:ConfigMixin.register_to_config",
+    supports="diffusers>=0.35,<0.43",
+    # Called by the script on a model loaded into ZeRO-3 partitions, before prepare: made whole first.
+    reason="train_instruct_pix2pix{,_sdxl}.py set in_channels=8, then copy conv_in.weight into a wider conv: "
+           "a model loaded into ZeRO-3 partitions has none.",
+    remove_when="diffusers builds models under zero.Init itself (then stock breaks the script alike)",
+    wrapper=f"{_PKG}.placement.zero3:config_changed",
+)
+
 TRANSFORMERS_MODEL = Patch(
     target="transformers.modeling_utils:PreTrainedModel.from_pretrained",
     supports="transformers>=4.50,<5.30",
@@ -105,7 +115,7 @@ TRANSFORMERS_FROM_CONFIG = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [DIFFUSERS_MODEL, DIFFUSERS_DTYPE, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM,
+    return [DIFFUSERS_MODEL, DIFFUSERS_DTYPE, DIFFUSERS_CONFIG_CHANGE, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM,
             FSDP2_LOAD_FULL_STATE_DICT, ZERO3_INIT_FLAG, TRANSFORMERS_FROM_CONFIG]
 
 

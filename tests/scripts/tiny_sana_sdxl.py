@@ -66,11 +66,12 @@ def sana_pipeline(folder: str) -> None:
                  scheduler=scheduler).save_pretrained(folder)
 
 
-def sdxl_pipeline(folder: str) -> None:
+def sdxl_pipeline(folder: str, vae_blocks: int = 2, **unet_over) -> None:
     """UNet2DConditionModel (addition_embed_type text_time) + CLIPTextModel + CLIPTextModelWithProjection
     + AutoencoderKL + two CLIP tokenizers + DDPMScheduler, saved by StableDiffusionXLPipeline.save_pretrained.
     cross_attention_dim = the two encoders' hidden sizes side by side; the added embedding takes 6 time ids
-    of addition_time_embed_dim each plus the second encoder's projection."""
+    of addition_time_embed_dim each plus the second encoder's projection. ``vae_blocks``: the VAE downsamples
+    by 2 ** (vae_blocks - 1); ``unet_over`` replaces UNet arguments."""
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -83,16 +84,17 @@ def sdxl_pipeline(folder: str) -> None:
                               bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=32)
 
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(
+    unet = UNet2DConditionModel(**{**dict(
         block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
         addition_time_embed_dim=8, transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=8)
+        cross_attention_dim=64, norm_num_groups=8), **unet_over})
     torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
+    vae = AutoencoderKL(block_out_channels=(8,) * vae_blocks, in_channels=3, out_channels=3, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * vae_blocks,
+                        up_block_types=("UpDecoderBlock2D",) * vae_blocks, norm_num_groups=4,
+                        sample_size=8 * 2 ** (vae_blocks - 1))
     torch.manual_seed(0)
     text_encoder = CLIPTextModel(clip_config())
     torch.manual_seed(1)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from accel_npu import environment
 from accel_npu._torch import markers
+from accel_npu._torch.callsite import caller_is_library
 from accel_npu._torch.dist import collective_device
 from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.packing import pack_by_budget
@@ -41,6 +42,8 @@ from accel_npu.plugins.loading.lazy import LazyTensors, progress_bar
 from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
+
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 
 #: bytes of whole parameters a rank holds at once while partitioning (per group)
 GROUP_BYTES = 64 << 20
@@ -221,8 +224,9 @@ def attach_rebuild(model, load_whole: Callable[[], Any], what: str = "diffusers"
     no DeepSpeed engine holds it: a forward of any submodule, a ``state_dict()`` of any submodule
     (``ControlNetModel.from_unet(unet)`` copies the UNet's blocks' state dicts), and diffusers'
     ``model.dtype`` (dreambooth/controlnet scripts refuse a trainable model that is not fp32 before
-    ``prepare``: stock loads it whole in fp32; :func:`parameter_dtype`), and a parameter the user's code
-    reads as an attribute (:func:`guard_parameter_reads`).
+    ``prepare``: stock loads it whole in fp32; :func:`parameter_dtype`), a parameter the user's code
+    reads as an attribute (:func:`guard_parameter_reads`), and the script's ``register_to_config``
+    (:func:`config_changed`).
     """
     record_casts(model)
     handles = []
@@ -337,6 +341,17 @@ def parameter_dtype(wrapped, instance, args, kwargs):
     model = argument(args, kwargs, 0, "parameter")
     if model is not None:  # returns at once unless this plugin attached a rebuild to it
         made_whole_outside_engine(model, model, "has its dtype read")
+    return wrapped(*args, **kwargs)
+
+
+def config_changed(wrapped, instance, args, kwargs):
+    """diffusers' ``ConfigMixin.register_to_config`` called by the user's script (not a library) on a model
+    this plugin loaded into ZeRO-3 partitions, before an engine holds it: the script is reshaping the model
+    from its weights, which stock diffusers hands it whole. train_instruct_pix2pix{,_sdxl}.py set
+    ``in_channels=8``, then copy ``unet.conv_in.weight`` into a wider conv_in ("The size of tensor a (3)
+    must match the size of tensor b (0)" on an empty partition), so the model is made whole first."""
+    if instance is not None and not caller_is_library(skip=(_HERE,)):
+        made_whole_outside_engine(instance, instance, "has its config changed by the script")
     return wrapped(*args, **kwargs)
 
 
