@@ -82,12 +82,25 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
     assert torch.allclose(got.float(), want.float(), atol=2e-2)
     warnings = [r.getMessage() for r in caplog.records if "engine's boundary" in r.getMessage()]
     assert len(warnings) == 1 and "float16 argument 0" in warnings[0] and f"{__file__}:" in warnings[0], warnings
-    # fp32 (timesteps, sigmas: models cast them themselves) and integers pass through as DeepSpeed passes them
+    # a 1-D fp32 input (timesteps, sigmas: models cast them themselves) passes through as DeepSpeed passes it
     with pytest.raises(RuntimeError, match="same dtype"):
-        engine(x)
+        engine(x[0])
+    # fp32 activations (2-D or more): stock stops at the first matmul; accel-npu runs the forward under
+    # torch.autocast of the engine's dtype, as accelerate runs it under DDP with mixed precision
     with stock():
         with pytest.raises(RuntimeError, match="same dtype"):
             engine(x)
+    with caplog.at_level("WARNING", logger="accel_npu"):
+        got = engine(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = engine.module(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    assert any("torch.autocast(bfloat16)" in r.getMessage() and f"{__file__}:" in r.getMessage()
+               for r in caplog.records)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.backward(got.float().pow(2).mean())  # and it trains: the step moves the bf16 weights
+    engine.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
     # an fp32 engine (no bf16/fp16 in its config) is left alone: stock's error, nothing cast
     engine = _engine(bf16=False)
     with pytest.raises(RuntimeError, match="same dtype"):

@@ -102,8 +102,8 @@ ENGINE_INPUT_DTYPE = Patch(
     supports="deepspeed>=0.16,<0.20",
     # diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py run frozen towers in fp16 under a
     # bf16 config and stop with 'mat1 and mat2 must have the same dtype' (models/embeddings.py).
-    reason="DeepSpeed casts inputs only under fp16.auto_cast (runtime/engine.py _cast_inputs_half): "
-           "fp16 inputs to a bf16 engine fail; cast to the engine's dtype.",
+    reason="DeepSpeed casts inputs only under fp16.auto_cast: other-half inputs are cast; fp32 activations run "
+           "under torch.autocast, as accelerate runs them under DDP.",
     remove_when="DeepSpeed casts floating-point inputs to the engine's dtype itself (auto_cast for bf16)",
     wrapper=f"{_PKG}.input_dtype:cast_other_half_inputs",
 )

@@ -9,9 +9,16 @@ examples/cogvideo/train_cogvideox_lora.py and train_cogvideox_image_to_video_lor
 ``weight_dtype = torch.float16`` when the DeepSpeed config says bf16 ("mat1 and mat2 must have the
 same dtype, but got Half and BFloat16", diffusers models/embeddings.py). Such an input can only
 fail there, so it is cast to the engine's dtype, as auto_cast would, with one warning per script
-line. fp32 inputs are left alone, as DeepSpeed leaves them: timesteps and sigmas reach models in
-fp32 on purpose (diffusers' timestep embeddings compute in fp32, then cast), and casting them would
-change the numerics of scripts that train today.
+line.
+
+fp32 inputs are not cast: timesteps and sigmas reach models in fp32 on purpose (diffusers' timestep
+embeddings compute in fp32, then cast). But a script written for accelerate's mixed precision may hand
+the engine fp32 *activations* (latents normalised by fp32 statistics in diffusers' Flux2 LoRA scripts,
+prompt embeddings rebuilt as fp32 in train_controlnet_sdxl.py, Cosmos 2.5's inputs): under DDP
+accelerate runs its forward under ``torch.autocast`` (accelerate/accelerator.py ``native_amp``), under
+DeepSpeed it does not, and the first matmul fails ("expected m1 and m2 to have the same dtype"), on GPUs
+too. A forward given a floating fp32 input of two or more dimensions runs under ``torch.autocast`` of the
+engine's dtype, as that script runs under DDP; engines given no such input run as before.
 """
 from __future__ import annotations
 
@@ -56,17 +63,42 @@ def _cast(value, half, other, found: list, name: str):
     return value
 
 
+def _fp32_activations(values, found: list, name: str) -> None:
+    """Names of floating fp32 tensors of two or more dimensions in ``values`` (nested lists, tuples, dicts)."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.float32 and values.dim() >= 2:
+            found.append(name)
+    elif isinstance(values, (list, tuple)):
+        for i, v in enumerate(values):
+            _fp32_activations(v, found, f"{name}[{i}]")
+    elif isinstance(values, dict):
+        for k, v in values.items():
+            _fp32_activations(v, found, f"{name}[{k!r}]")
+
+
 def cast_other_half_inputs(wrapped, instance, args, kwargs):
-    """``DeepSpeedEngine.forward`` with inputs of the other half dtype cast to the engine's."""
+    """``DeepSpeedEngine.forward`` with inputs of the other half dtype cast to the engine's, and under
+    ``torch.autocast`` of the engine's dtype when it is given fp32 activations."""
     import torch
 
     half = _engine_dtype(instance)
-    if half is None:
+    device_type = getattr(getattr(instance, "device", None), "type", None) or "cpu"
+    if half is None or torch.is_autocast_enabled(device_type):  # the script's own autocast decides
         return wrapped(*args, **kwargs)
     other = torch.float16 if half == torch.bfloat16 else torch.bfloat16
     found: list[str] = []
     new_args = tuple(_cast(v, half, other, found, f"argument {i}") for i, v in enumerate(args))
     new_kwargs = {k: _cast(v, half, other, found, k) for k, v in kwargs.items()}
+    fp32: list[str] = []
+    _fp32_activations(new_args, fp32, "argument")
+    for k, v in new_kwargs.items():
+        _fp32_activations(v, fp32, k)
+    if fp32:
+        _warn_autocast(fp32, half)
+        with torch.autocast(device_type, dtype=half):
+            return wrapped(*new_args, **new_kwargs)
     if not found:
         return wrapped(*args, **kwargs)
     site = user_frame()
@@ -80,6 +112,20 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
                     where, names[other], ", ".join(found), names[half], "bf16" if half == torch.bfloat16 else "fp16",
                     names[half], names[other])
     return wrapped(*new_args, **new_kwargs)
+
+
+def _warn_autocast(names: list[str], half) -> None:
+    import torch
+
+    site = user_frame()
+    if ("autocast", site) in _warned:
+        return
+    _warned.add(("autocast", site))
+    where = f"{site[0]}:{site[1]}" if site else "the script"
+    log.warning("accel-npu: %s passes float32 %s to a DeepSpeed engine whose weights are %s: its forward runs under "
+                "torch.autocast(%s), as accelerate runs it under DDP with mixed precision (DeepSpeed casts no "
+                "float32 input).", where, ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""),
+                "bfloat16" if half == torch.bfloat16 else "float16", "bfloat16" if half == torch.bfloat16 else "float16")
 
 
 _warned_cast: set = set()
