@@ -22,6 +22,7 @@ launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
 Rows are merged into the results file: a partial run (``--only``, ``--family``, ``--configs``) replaces
 its rows and keeps the others with their own commit and date. Scripts not run get a row saying why.
 
+needs: pip install ".[test,matrix]" (setup.cfg)
 usage: python benchmarks/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [--configs zero2,...]
        python benchmarks/compatibility.py --list
 """
@@ -72,8 +73,13 @@ class Spec:
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    artifact: str  # "lora:<PipelineClass>:<component>" or "full:<ModelClass>:<subfolder>"
+    # "lora:<PipelineClass>:<component>[:<folder in output_dir>]", "full:<ModelClass>:<subfolder>" or
+    # "attn_procs:<PipelineClass>:<component>:<weight file>" (save_attn_procs at output_dir)
+    artifact: str
     extra: list[str] = field(default_factory=list)
+    model_flag: str | None = "--pretrained_model_name_or_path"  # None: the script builds its model from a config
+    seed_flag: str | None = "--seed"
+    epoch_steps: int = 0  # > 0: the script counts --num_epochs, not --max_train_steps; optimizer steps an epoch
 
     @property
     def name(self) -> str:
@@ -84,6 +90,8 @@ DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMP
 LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
           "--dataloader_num_workers", "0"]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
+# the LCM scripts' webdataset loader divides by its worker count: at least one worker
+LCM = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "1"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -111,6 +119,36 @@ SPECS = [
          ["--height", "16", "--width", "16"]),
     Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
          "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    # -- SD / SDXL UNet scripts --
+    # SD 1.x UNet
+    Spec("text_to_image/train_text_to_image_lora.py", "SD", "sd",
+         ["--train_data_dir", "{work}/data", "--caption_column", "text"], "lora:StableDiffusionPipeline:unet",
+         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--rank", "4"]),
+    Spec("advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py", "SD", "sd_family", DREAMBOOTH,
+         "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"]),
+    # upstream's README adds a modifier token; without one the script's final `for token in
+    # args.modifier_token` fails on None after saving
+    Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
+         ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
+         "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
+         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"]),
+    Spec("instruct_pix2pix/train_instruct_pix2pix.py", "SD", "sd15_data", ["--dataset_name", "{work}/pix2pix_data"],
+         "full:UNet2DConditionModel:unet", SD),
+    Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_data",
+         ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
+         "full:UNet2DConditionModel:unet", LCM, model_flag="--pretrained_teacher_model"),
+    Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_data",
+         ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
+         "lora:StableDiffusionPipeline:unet:unet_lora", LCM + ["--lora_rank", "4"],
+         model_flag="--pretrained_teacher_model"),
+    # builds its UNet2DModel from a config and counts epochs (4 images, batch 1 on 2 ranks: 2 steps an epoch)
+    Spec("unconditional_image_generation/train_unconditional.py", "unconditional", "sd15_data",
+         ["--train_data_dir", "{work}/unconditional/images", "--model_config_name_or_path",
+          "{work}/unconditional/unet"], "full:UNet2DModel:unet",
+         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100",
+          "--save_model_epochs", "100"], model_flag=None, seed_flag=None, epoch_steps=2),
 ]
 
 
@@ -127,6 +165,10 @@ BUILDERS = {
     "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
+    # SD 1.x UNet
+    "sd15_data": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model'); "
+                 "t.write_pix2pix_dataset('{w}/pix2pix_data'); t.write_shards('{w}/shards'); "
+                 "t.write_unconditional('{w}/unconditional')",
     # -- Flux, Flux2, SD3 DiT scripts --
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
@@ -259,6 +301,7 @@ def _master(ckpt: Path) -> dict:
 
 
 def _norm(key: str) -> str:
+    key = key.removeprefix("base_model.model.")  # a model the script wrapped with peft's get_peft_model
     return re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
 
 
@@ -267,13 +310,23 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     import diffusers
     import torch
 
-    kind, cls_name, where = spec.artifact.split(":")
+    kind, cls_name, where, *inside = spec.artifact.split(":")
     master = _master(ckpt)
     if kind == "lora":
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
-        pipe.load_lora_weights(str(out))
+        pipe.load_lora_weights(str(out.joinpath(*inside)))
         got = {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
+    elif kind == "attn_procs":
+        # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th
+        # entry of the model's attn_processors (diffusers/loaders/utils.py)
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
+        component = getattr(pipe, where)
+        component.load_attn_procs(str(out), weight_name=inside[0])
+        names = list(component.attn_processors)
+        got = {f"layers.{i}.{k}": v for i, name in enumerate(names)
+               for k, v in component.attn_processors[name].state_dict().items()}
+        master = {k: v for k, v in master.items() if k.startswith("layers.")}
     else:
         loaded = getattr(diffusers, cls_name).from_pretrained(str(out), subfolder=where or None)
         got = loaded.state_dict()
@@ -314,12 +367,19 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
-    base = ["--config_file", str(cfg), str(script), "--pretrained_model_name_or_path", str(work / "model"), *data,
-            *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", str(every)]
-    runs = [launch(base + ["--max_train_steps", str(steps)], env, root, timeout)]
+    model = [spec.model_flag, str(work / "model")] if spec.model_flag else []
+    seed = [spec.seed_flag, "0"] if spec.seed_flag else []
+    base = ["--config_file", str(cfg), str(script), *model, *data, *spec.extra, *seed, "--output_dir", str(out),
+            "--checkpointing_steps", str(every)]
+
+    def until(step: int) -> list[str]:
+        if spec.epoch_steps:
+            return ["--num_epochs", str(step // spec.epoch_steps)]
+        return ["--max_train_steps", str(step)]
+
+    runs = [launch(base + until(steps), env, root, timeout)]
     if runs[0]["code"] == 0:
-        runs.append(launch(base + ["--max_train_steps", str(resume_to), "--resume_from_checkpoint", "latest"],
-                           env, root, timeout))
+        runs.append(launch(base + until(resume_to) + ["--resume_from_checkpoint", "latest"], env, root, timeout))
     row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
