@@ -80,6 +80,7 @@ class Spec:
     model_flag: str | None = "--pretrained_model_name_or_path"  # None: the script builds its model from a config
     seed_flag: str | None = "--seed"
     epoch_steps: int = 0  # > 0: the script counts --num_epochs, not --max_train_steps; optimizer steps an epoch
+    causes: list[tuple[str, str]] = field(default_factory=list)  # this script's known causes, as KNOWN_CAUSES
 
     @property
     def name(self) -> str:
@@ -92,6 +93,9 @@ LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--lea
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 # the LCM scripts' webdataset loader divides by its worker count: at least one worker
 LCM = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "1"]
+LCM_CAUSES = [(r"given no DataLoader", "the config's \"auto\" micro batch size: the script prepares no DataLoader "
+                "(its webdataset WebLoader stays outside accelerator.prepare), so nothing gives it; stock accelerate "
+                "stops the same (accelerate/accelerator.py Accelerator._prepare_deepspeed); the error is accel-npu's")]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 
@@ -126,22 +130,29 @@ SPECS = [
          ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
           "--rank", "4"]),
     Spec("advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py", "SD", "sd_family", DREAMBOOTH,
-         "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"]),
-    # upstream's README adds a modifier token; without one the script's final `for token in
-    # args.modifier_token` fails on None after saving
+         "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"],
+         causes=[(r"^IndexError: list index out of range", "the script's: its load_model_hook (lines 1406-1411) "
+                  "loads the checkpoint's LoRA again with load_lora_into_unet, which injects a second adapter the "
+                  "optimizer does not hold (the call diffusers #6514 removed from train_dreambooth_lora_sdxl.py); "
+                  "without those lines the resume passes")]),
+    # with upstream README's --modifier_token
     Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
          ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
          "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
-         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"]),
+         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"],
+         causes=[(r"multiple models when using DeepSpeed", "accelerate's: one model per Accelerator under DeepSpeed "
+                  "(accelerate/accelerator.py Accelerator.prepare), and with --modifier_token the script prepares "
+                  "custom_diffusion_layers and text_encoder together; without it, the script's final `for token in "
+                  "args.modifier_token` (line 1333) fails on None")]),
     Spec("instruct_pix2pix/train_instruct_pix2pix.py", "SD", "sd15_data", ["--dataset_name", "{work}/pix2pix_data"],
          "full:UNet2DConditionModel:unet", SD),
     Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_data",
          ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
-         "full:UNet2DConditionModel:unet", LCM, model_flag="--pretrained_teacher_model"),
+         "full:UNet2DConditionModel:unet", LCM, model_flag="--pretrained_teacher_model", causes=LCM_CAUSES),
     Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_data",
          ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
          "lora:StableDiffusionPipeline:unet:unet_lora", LCM + ["--lora_rank", "4"],
-         model_flag="--pretrained_teacher_model"),
+         model_flag="--pretrained_teacher_model", causes=LCM_CAUSES),
     # builds its UNet2DModel from a config and counts epochs (4 images, batch 1 on 2 ranks: 2 steps an epoch)
     Spec("unconditional_image_generation/train_unconditional.py", "unconditional", "sd15_data",
          ["--train_data_dir", "{work}/unconditional/images", "--model_config_name_or_path",
@@ -257,7 +268,7 @@ _ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception
 _FRAME = re.compile(r'^(?:\[rank\d+\]: )?\s*File "([^"]+)", line (\d+)')
 
 
-def first_error(text: str, script: Path) -> tuple[str, str]:
+def first_error(text: str, script: Path, causes=()) -> tuple[str, str]:
     """(the first error line, whose it is) from a failed launch's output."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -267,7 +278,7 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
         frames = [f.group(1) for f in (_FRAME.match(x) for x in lines[max(0, i - 80):i]) if f]
         # torch raises for whatever called it wrongly: the innermost frame outside torch says whose call it was
         outside = [f for f in frames if "site-packages/torch/" not in f] or frames
-        return m.group(1)[:300], _whose(outside[-1] if outside else "", m.group(1), script)
+        return m.group(1)[:300], _whose(outside[-1] if outside else "", m.group(1), script, causes)
     return (lines[-1][:300] if lines else "no output"), "unknown"
 
 
@@ -281,8 +292,8 @@ KNOWN_CAUSES = [
 ]
 
 
-def _whose(path: str, message: str, script: Path) -> str:
-    for pattern, whose in KNOWN_CAUSES:
+def _whose(path: str, message: str, script: Path, causes=()) -> str:
+    for pattern, whose in [*causes, *KNOWN_CAUSES]:
         if re.search(pattern, message):
             return whose
     if "accel-npu" in message or "accel_npu" in path or f"{REPO}/plugins/" in path:
@@ -352,6 +363,18 @@ def fsdp_supported(script: Path) -> bool:
     return "DistributedType.FSDP" in text or "fsdp_plugin" in text
 
 
+def launch_args(spec: Spec, cfg: Path, work: Path, out: Path, every: int, until: int, resume: bool = False) -> list:
+    """``accelerate launch`` arguments: the script trained to step ``until``, checkpointing every ``every``."""
+    model = [spec.model_flag, str(work / "model")] if spec.model_flag else []
+    seed = [spec.seed_flag, "0"] if spec.seed_flag else []
+    steps = (["--num_epochs", str(until // spec.epoch_steps)] if spec.epoch_steps
+             else ["--max_train_steps", str(until)])
+    data = [a.format(work=work) for a in spec.data]
+    return ["--config_file", str(cfg), str(UPSTREAM_EXAMPLES / spec.path), *model, *data, *spec.extra, *seed,
+            "--output_dir", str(out), "--checkpointing_steps", str(every), *steps,
+            *(["--resume_from_checkpoint", "latest"] if resume else [])]
+
+
 def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_to: int, timeout: float) -> dict:
     script = UPSTREAM_EXAMPLES / spec.path
     work = root / spec.builder
@@ -366,20 +389,9 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    data = [a.format(work=work) for a in spec.data]
-    model = [spec.model_flag, str(work / "model")] if spec.model_flag else []
-    seed = [spec.seed_flag, "0"] if spec.seed_flag else []
-    base = ["--config_file", str(cfg), str(script), *model, *data, *spec.extra, *seed, "--output_dir", str(out),
-            "--checkpointing_steps", str(every)]
-
-    def until(step: int) -> list[str]:
-        if spec.epoch_steps:
-            return ["--num_epochs", str(step // spec.epoch_steps)]
-        return ["--max_train_steps", str(step)]
-
-    runs = [launch(base + until(steps), env, root, timeout)]
+    runs = [launch(launch_args(spec, cfg, work, out, every, steps), env, root, timeout)]
     if runs[0]["code"] == 0:
-        runs.append(launch(base + until(resume_to) + ["--resume_from_checkpoint", "latest"], env, root, timeout))
+        runs.append(launch(launch_args(spec, cfg, work, out, every, resume_to, resume=True), env, root, timeout))
     row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
@@ -387,7 +399,7 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         if failed["code"] == "timeout":
             return {**row, "ok": False, "what": f"{which}: no exit within {timeout:.0f} s (killed)",
                     "whose": "unknown (a hang)"}
-        error, whose = first_error(failed["output"], script)
+        error, whose = first_error(failed["output"], script, spec.causes)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
     last = out / f"checkpoint-{resume_to}"
     if f"checkpoint-{steps}" not in runs[1]["output"] or not last.is_dir():
