@@ -53,3 +53,33 @@ def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}
     assert planned | not_run == every and not planned & not_run
+
+
+def test_launch_args_follow_each_scripts_own_flags(tmp_path):
+    by_name = {s.name: s for s in compat.SPECS}
+    args = lambda name, **kw: compat.launch_args(by_name[name], tmp_path / "c.yaml", tmp_path, tmp_path / "o",  # noqa: E731
+                                                 2, 6, **kw)
+    plain = args("train_text_to_image_lora.py")
+    assert plain[plain.index("--pretrained_model_name_or_path") + 1] == str(tmp_path / "model")
+    assert plain[-2:] == ["--max_train_steps", "6"] and "--seed" in plain
+    # train_unconditional.py builds its model from a config, has no --seed and counts epochs (2 steps each)
+    uncond = args("train_unconditional.py", resume=True)
+    assert not {"--pretrained_model_name_or_path", "--seed", "--max_train_steps"} & set(uncond)
+    assert uncond[-4:] == ["--num_epochs", "3", "--resume_from_checkpoint", "latest"]
+    lcm = args("train_lcm_distill_sd_wds.py")
+    assert lcm[lcm.index("--pretrained_teacher_model") + 1] == str(tmp_path / "model")
+    assert lcm[lcm.index("--train_shards_path_or_url") + 1] == f"{tmp_path}/shards/shard-{{000000..000001}}.tar"
+
+
+def test_a_specs_own_causes_name_whose_error_it_is():
+    out = "\n".join(["[rank0]: Traceback (most recent call last):",
+                     '[rank0]:   File "/v/lib/python3.11/site-packages/deepspeed/runtime/zero/stage_1_and_2.py", line 2229',
+                     "[rank0]: IndexError: list index out of range"])
+    advanced = next(s for s in compat.SPECS if s.name == "train_dreambooth_lora_sd15_advanced.py")
+    assert compat.first_error(out, SCRIPT) == ("IndexError: list index out of range", "deepspeed's")
+    assert compat.first_error(out, SCRIPT, advanced.causes)[1].startswith("the script's: its load_model_hook")
+
+
+def test_peft_wrapped_lora_keys_match_the_pipelines():
+    assert compat._norm("base_model.model.up_blocks.0.attn.to_q.lora_A.default.weight") == \
+        compat._norm("up_blocks.0.attn.to_q.lora_A.default_0.weight") == "up_blocks.0.attn.to_q.lora_A.weight"
