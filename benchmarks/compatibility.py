@@ -131,10 +131,11 @@ SPECS = [
           "--rank", "4"]),
     Spec("advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py", "SD", "sd_family", DREAMBOOTH,
          "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"],
-         causes=[(r"^IndexError: list index out of range", "the script's: its load_model_hook (lines 1406-1411) "
-                  "loads the checkpoint's LoRA again with load_lora_into_unet, which injects a second adapter the "
-                  "optimizer does not hold (the call diffusers #6514 removed from train_dreambooth_lora_sdxl.py); "
-                  "without those lines the resume passes")]),
+         causes=[(r"^IndexError: list index out of range|no attribute 'ds_active_sub_modules'",
+                  "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
+                  "load_lora_into_unet, which injects a second adapter the optimizer does not hold (the call "
+                  "diffusers #6514 removed from train_dreambooth_lora_sdxl.py); without those lines the ZeRO-2 "
+                  "resume passes")]),
     # with upstream README's --modifier_token
     Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
          ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
@@ -145,7 +146,11 @@ SPECS = [
                   "custom_diffusion_layers and text_encoder together; without it, the script's final `for token in "
                   "args.modifier_token` (line 1333) fails on None")]),
     Spec("instruct_pix2pix/train_instruct_pix2pix.py", "SD", "sd15_data", ["--dataset_name", "{work}/pix2pix_data"],
-         "full:UNet2DConditionModel:unet", SD),
+         "full:UNet2DConditionModel:unet", SD,
+         causes=[(r"must match the size of tensor b \(0\)", "ours (accel-npu): under zero3_init_flag the UNet is loaded "
+                  "into ZeRO-3 partitions (plugins/loading/placement/zero3.py) and the script copies "
+                  "unet.conv_in.weight, an empty partition, into its 8-channel conv_in before prepare (line 520); "
+                  "stock loads it whole, as with ACCEL_NPU_ZERO3_INIT=0")]),
     Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_data",
          ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
          "full:UNet2DConditionModel:unet", LCM, model_flag="--pretrained_teacher_model", causes=LCM_CAUSES),
@@ -159,7 +164,11 @@ SPECS = [
           "{work}/unconditional/unet"], "full:UNet2DModel:unet",
          ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
           "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100",
-          "--save_model_epochs", "100"], model_flag=None, seed_flag=None, epoch_steps=2),
+          "--save_model_epochs", "100"], model_flag=None, seed_flag=None, epoch_steps=2,
+         causes=[(r"no exit within", "the script's: at an epoch's end rank 0 alone samples with DDPMPipeline from the "
+                  "ZeRO-3 model (lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to the next "
+                  "epoch: the parameter all-gathers never pair (py-spy: rank 0 in fetch_sub_module, rank 1 in the "
+                  "DataLoader's RNG broadcast); a hang on GPUs too")]),
 ]
 
 
@@ -397,8 +406,9 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     if failed is not None:
         which = "first launch" if failed is runs[0] else "resumed launch"
         if failed["code"] == "timeout":
-            return {**row, "ok": False, "what": f"{which}: no exit within {timeout:.0f} s (killed)",
-                    "whose": "unknown (a hang)"}
+            what = f"{which}: no exit within {timeout:.0f} s (killed)"
+            whose = next((w for pattern, w in spec.causes if re.search(pattern, what)), "unknown (a hang)")
+            return {**row, "ok": False, "what": what, "whose": whose}
         error, whose = first_error(failed["output"], script, spec.causes)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
     last = out / f"checkpoint-{resume_to}"
