@@ -151,10 +151,10 @@ SPECS = [
                   "into ZeRO-3 partitions (plugins/loading/placement/zero3.py) and the script copies "
                   "unet.conv_in.weight, an empty partition, into its 8-channel conv_in before prepare (line 520); "
                   "stock loads it whole, as with ACCEL_NPU_ZERO3_INIT=0")]),
-    Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_data",
+    Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_lcm",
          ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
          "full:UNet2DConditionModel:unet", LCM, model_flag="--pretrained_teacher_model", causes=LCM_CAUSES),
-    Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_data",
+    Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_lcm",
          ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"],
          "lora:StableDiffusionPipeline:unet:unet_lora", LCM + ["--lora_rank", "4"],
          model_flag="--pretrained_teacher_model", causes=LCM_CAUSES),
@@ -189,6 +189,9 @@ BUILDERS = {
     "sd15_data": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model'); "
                  "t.write_pix2pix_dataset('{w}/pix2pix_data'); t.write_shards('{w}/shards'); "
                  "t.write_unconditional('{w}/unconditional')",
+    # the LCM scripts tokenize their unconditional prompt to a fixed 77 tokens
+    "sd15_lcm": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model', max_length=77); "
+                "t.write_shards('{w}/shards')",
     # -- Flux, Flux2, SD3 DiT scripts --
     # -- other image DiTs, video, discrete --
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
