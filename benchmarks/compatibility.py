@@ -468,6 +468,8 @@ def write_rows(new: dict, argv: list[str]) -> Path:
 def _write_rows(new: dict, argv: list[str]) -> Path:
     rows = read_rows()
     rows.update(new)
+    planned = {f"`{s.name}`" for s in SPECS}  # a script given a Spec since: its "not run" row goes
+    rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0] in planned)}
     order = {s.name: i for i, s in enumerate(SPECS)}
     keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
                                        if k[1] in CONFIGS else len(CONFIGS)))

@@ -83,3 +83,13 @@ def test_a_specs_own_causes_name_whose_error_it_is():
 def test_peft_wrapped_lora_keys_match_the_pipelines():
     assert compat._norm("base_model.model.up_blocks.0.attn.to_q.lora_A.default.weight") == \
         compat._norm("up_blocks.0.attn.to_q.lora_A.default_0.weight") == "up_blocks.0.attn.to_q.lora_A.weight"
+
+
+def test_a_script_given_a_spec_loses_its_not_run_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
+    name = f"`{compat.SPECS[0].name}`"
+    stale = [name, "F", "all", "–", "not run: no tiny builder", "", "", "", "old", "2026-01-01 00:00"]
+    compat.write_rows({(name, "all"): stale}, ["compatibility.py"])
+    ran = [name, "F", "zero2", "✔", "x", "", "1 s", "0.10 GiB", "new", "2026-01-02 00:00"]
+    compat.write_rows({(name, "zero2"): ran}, ["compatibility.py", "--only", "x"])
+    assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(name, "zero2")}
