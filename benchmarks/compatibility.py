@@ -134,8 +134,8 @@ SPECS = [
          causes=[(r"^IndexError: list index out of range|no attribute 'ds_active_sub_modules'",
                   "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
                   "load_lora_into_unet, which injects a second adapter the optimizer does not hold (the call "
-                  "diffusers #6514 removed from train_dreambooth_lora_sdxl.py); without those lines the ZeRO-2 "
-                  "resume passes")]),
+                  "diffusers #6514 removed from train_dreambooth_lora_sdxl.py); without those lines the resume "
+                  "passes (zero2, zero3_t0)")]),
     # with upstream README's --modifier_token
     Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
          ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
