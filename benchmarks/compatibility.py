@@ -25,6 +25,7 @@ launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
 Rows are merged into the results file: a partial run (``--only``, ``--family``, ``--configs``) replaces
 its rows and keeps the others with their own commit and date. Scripts not run get a row saying why.
 
+needs: pip install ".[test,matrix]" (setup.cfg: webdataset for the LCM scripts, tensorboard for train_unconditional.py)
 usage: python benchmarks/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [--configs zero2,...]
        python benchmarks/compatibility.py --list
 """
@@ -113,6 +114,7 @@ class Spec:
     # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
     # MockSafetyChecker): the witness passes a stand-in too
     stand_ins: tuple = ()
+    epoch_steps: int = 0  # > 0: optimizer steps per epoch of a script counting epochs ({epochs}, {resume_epochs})
     env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
     site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
 
@@ -145,6 +147,9 @@ KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
 SDXL_T = ["--resolution", "32", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 SDXL_TEXT = ["--train_data_dir", "{work}/data/text", "--caption_column", "text"]
 SDXL_WDS = ["--train_shards_path_or_url", "{work}/data/shards/{{00000..00001}}.tar", "--max_train_samples", "8"]
+# the LCM scripts' webdataset loader divides by its worker count: at least one worker
+LCM = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "1"]
+LCM_WDS = ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"]
 COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
        "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
 # Flux.1 and SD3: full fine-tunes (no --rank); the control scripts read a local parquet dataset (--dataset_name)
@@ -162,6 +167,36 @@ SPECS = [
          "full:ControlNetModel:", SD),
     Spec("dreambooth/train_dreambooth_lora_sdxl.py", "SDXL", "sdxl", DREAMBOOTH,
          "lora:StableDiffusionXLPipeline:unet", LORA_T),
+    # -- SD / SDXL UNet scripts --
+    # SD 1.x UNet
+    Spec("text_to_image/train_text_to_image_lora.py", "SD", "sd",
+         ["--train_data_dir", "{work}/data", "--caption_column", "text"], "lora:StableDiffusionPipeline:unet",
+         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--rank", "4"]),
+    Spec("advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py", "SD", "sd_family", DREAMBOOTH,
+         "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"]),
+    # with upstream README's --modifier_token
+    Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
+         ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
+         "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
+         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"]),
+    Spec("instruct_pix2pix/train_instruct_pix2pix.py", "SD", "sd15_data", ["--dataset_name", "{work}/pix2pix_data"],
+         "full:UNet2DConditionModel:unet", SD),
+    Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
+         "full:UNet2DConditionModel:unet", LCM, cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
+         "lora:StableDiffusionPipeline:unet:unet_lora", LCM + ["--lora_rank", "4"],
+         cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    # builds its UNet2DModel from a config and counts epochs (4 images, batch 1 on 2 ranks: 2 steps an epoch)
+    Spec("unconditional_image_generation/train_unconditional.py", "unconditional", "sd15_data",
+         ["--train_data_dir", "{work}/unconditional/images", "--model_config_name_or_path",
+          "{work}/unconditional/unet"], "full:UNet2DModel:unet",
+         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
+          "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100",
+          "--save_model_epochs", "100"], epoch_steps=2,
+         cli={"model": [], "common": ["--output_dir", "{out}", "--checkpointing_steps", "{every}"],
+              "first": ["--num_epochs", "{epochs}"], "resume": ["--num_epochs", "{resume_epochs}",
+                                                                "--resume_from_checkpoint", "latest"]}),
     # SDXL UNet
     Spec("text_to_image/train_text_to_image_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
          "full:UNet2DConditionModel:unet", SDXL_T),
@@ -305,6 +340,13 @@ BUILDERS = {
     "cog_t2v": "import tiny_cogvideox as t; t.pipeline('t2v', '{w}/model'); t.videos('{w}/videos')",
     "cog_i2v": "import tiny_cogvideox as t; t.pipeline('i2v', '{w}/model'); t.videos('{w}/videos')",
     # -- SD / SDXL UNet scripts --
+    # SD 1.x UNet
+    "sd15_data": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model'); "
+                 "t.write_pix2pix_dataset('{w}/pix2pix_data'); t.write_shards('{w}/shards'); "
+                 "t.write_unconditional('{w}/unconditional')",
+    # the LCM scripts tokenize their unconditional prompt to a fixed 77 tokens
+    "sd15_lcm": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model', max_length=77); "
+                "t.write_shards('{w}/shards')",
     # SDXL UNet
     "sdxl_family": "import tiny_sdxl_family as t; t.build('{w}/model'); t.write_data('{w}/data')",
     "sdxl_adapter": "import tiny_sdxl_family as t; t.build_adapter('{w}/model'); t.write_data('{w}/data')",
@@ -438,6 +480,19 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
 # failures whose cause is known beyond the frame that raised them: (pattern, whose), the pattern searched in
 # "<script name>: <first error or failed check>" (a pattern starting ^<script name> is that script's alone)
 KNOWN_CAUSES = [
+    (r"^train_dreambooth_lora_sd15_advanced\.py: .*(IndexError: list index out of range|no attribute "
+     r"'ds_active_sub_modules')",
+     "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
+     "load_lora_into_unet, which injects a second adapter the optimizer does not hold (the call diffusers #6514 "
+     "removed from train_dreambooth_lora_sdxl.py); without those lines the resume passes (zero2, zero3_t0)"),
+    (r"^train_custom_diffusion\.py: .*multiple models when using DeepSpeed",
+     "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
+     "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
+     "script's final `for token in args.modifier_token` (line 1333) fails on None"),
+    (r"^train_unconditional\.py: .*no exit within",
+     "the script's: at an epoch's end rank 0 alone samples with DDPMPipeline from the ZeRO-3 model (lines 677-692, "
+     "under `if accelerator.is_main_process`) while rank 1 goes on to the next epoch: the parameter all-gathers "
+     "never pair (py-spy: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG broadcast); a hang on GPUs too"),
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
@@ -522,6 +577,7 @@ def _global_steps(ckpt: Path) -> int | None:
 
 
 def _norm(key: str) -> str:
+    key = key.removeprefix("base_model.model.")  # a model the script wrapped with peft's get_peft_model
     return re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", key)
 
 
@@ -555,6 +611,13 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
         pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+    if kind == "attn_procs":
+        # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th entry of
+        # the model's attn_processors (diffusers/loaders/utils.py)
+        component = getattr(getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32), where)
+        component.load_attn_procs(str(where_dir), weight_name=below[0])
+        return {f"layers.{i}.{k}": v for i, name in enumerate(component.attn_processors)
+                for k, v in component.attn_processors[name].state_dict().items()}
     if kind == "module":
         import importlib
 
@@ -575,6 +638,8 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
 
     _torchvision_importable()
     master = _master(ckpt)
+    if spec.artifact.startswith("attn_procs:"):
+        master = {k: v for k, v in master.items() if k.startswith("layers.")}
     if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
@@ -651,8 +716,9 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     out.mkdir(parents=True)
     data = [a.format(work=work) for a in spec.data]
     cli = {**OFFICIAL_CLI, **spec.cli}
+    per_epoch = spec.epoch_steps or 1
     values = dict(work=work, model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to,
-                  more=resume_to - steps)
+                  more=resume_to - steps, epochs=steps // per_epoch, resume_epochs=resume_to // per_epoch)
 
     def fill(args: list[str]) -> list[str]:
         return [a.format(**values) for a in args]
@@ -668,8 +734,9 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     if failed is not None:
         which = "first launch" if failed is runs[0] else "resumed launch"
         if failed["code"] == "timeout":
-            return {**row, "ok": False, "what": f"{which}: no exit within {timeout:.0f} s (killed)",
-                    "whose": "unknown (a hang)"}
+            what = f"{which}: no exit within {timeout:.0f} s (killed)"
+            whose = _whose("", what, script)
+            return {**row, "ok": False, "what": what, "whose": "unknown (a hang)" if whose == "unknown" else whose}
         error, whose = first_error(failed["output"], script)
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
     if spec.checkpoint is None:

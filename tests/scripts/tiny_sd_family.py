@@ -25,11 +25,12 @@ from tiny_sd import save_pipeline, write_tokenizer  # noqa: E402
 CAPTIONS = ["a red square", "a blue circle", "a photo of the dog", "a green cat"]
 
 
-def build(model_dir: str, seed: int = 0):
+def build(model_dir: str, seed: int = 0, max_length: int = 16):
+    """``max_length``: the tokenizer's model_max_length and the text encoder's positions."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
-    tokenizer, vocab_size = write_tokenizer(os.path.join(model_dir, "tokenizer"))
+    tokenizer, vocab_size = write_tokenizer(os.path.join(model_dir, "tokenizer"), max_length)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
         block_out_channels=(16,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
