@@ -499,8 +499,9 @@ KNOWN_CAUSES = [
     (r"^train_(controlnet|t2i_adapter)_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
      r"float != c10::BFloat16",
      "the script's: its collate_fn rebuilds the precomputed prompt embeddings as fp32 (torch.tensor of the "
-     "dataset's lists) and hands them uncast to the bf16 ControlNet engine / frozen UNet; DeepSpeed casts no "
-     "fp32 input, so GPUs fail alike (train_controlnet_sd3.py had the same bug: diffusers #11050)"),
+     "dataset's lists) and hands them uncast to the frozen bf16 UNet, outside any engine (accel-npu autocasts the "
+     "engine's forward; accelerate autocasts only prepared models, so DDP fails alike; diffusers #11050 fixed "
+     "train_controlnet_sd3.py)"),
     (r"accelerator\.prepare\(\) was given no DataLoader",
      "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
      "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
@@ -511,10 +512,9 @@ KNOWN_CAUSES = [
      "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0), so it drops the attention "
      "LoRA silently; the saved file, converted, equals the master weights"),
     (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
-     "the script's, also on GPUs: fp32 activations into the bf16 DeepSpeed engine, which casts no inputs "
-     "(deepspeed/runtime/engine.py _forward_prologue casts only under fp16.auto_cast; accelerate skips its "
-     "autocast under DeepSpeed, accelerate/accelerator.py native_amp; DDP autocasts, FSDP2 casts forward inputs). "
-     "Flux2: latents normalized by the VAE's fp32 BatchNorm statistics (train_dreambooth_lora_flux2*.py)"),
+     "the script's, also on GPUs: fp32 activations into bf16 weights outside what accelerate autocasts under DDP "
+     "(accel-npu runs a DeepSpeed engine's forward under autocast when given fp32 activations: "
+     "plugins/deepspeed/input_dtype.py)"),
     (r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\) at non-singleton dimension 1\.  "
      r"Target sizes: \[\d+, \d+\]",
      "the script's, also on GPUs: its text attention mask (train_control_cogview4.py:1048, the caption's own "
