@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -50,7 +49,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
 from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402
-from tests.launch_utils import BIN, UPSTREAM_EXAMPLES, base_env, free_port, shipped_zero_configs  # noqa: E402
+from tests.launch_utils import (BIN, UPSTREAM_EXAMPLES, base_env, free_port, kill_tree, process_tree,  # noqa: E402
+                                shipped_zero_configs)
 
 RESULT_FILE = RESULTS / "compatibility.md"
 CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
@@ -393,26 +393,6 @@ def _build(kind: str, work: Path) -> None:
 
 
 # -- measuring a launch -------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    """``pid`` and its descendants, from /proc/<pid>/stat."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, ppid in parents.items():
-            if ppid == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    return sorted(tree)
-
-
 def _rss_anon(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -434,7 +414,7 @@ def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], sum(_rss_anon(p) for p in _children(proc.pid)))
+            peak[0] = max(peak[0], sum(_rss_anon(p) for p in process_tree(proc.pid)))
             done.wait(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -443,12 +423,7 @@ def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        # torch's elastic agent starts the ranks in sessions of their own: kill the whole tree
-        for pid in reversed(_children(proc.pid)):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)  # the ranks run in sessions of their own (torch's elastic agent)
         out, _ = proc.communicate()
         code = "timeout"
     done.set()
