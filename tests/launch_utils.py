@@ -76,8 +76,13 @@ def one_rank_deepspeed_group(monkeypatch):
         monkeypatch.setenv(k, v)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        import deepspeed
+        import importlib
 
+        import deepspeed
+        import deepspeed.utils.groups
+
+        # DeepSpeed caches its groups per process: those of an earlier test's (destroyed) group are stale
+        importlib.reload(deepspeed.utils.groups)
         # DeepSpeed's comm backend set up now, with accel-npu active (no shm op build); stock halves reuse it
         deepspeed.comm.init_distributed(dist_backend="gloo")
         yield

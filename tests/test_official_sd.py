@@ -288,7 +288,8 @@ def test_compatibility_doc_rows_are_true(runs):
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         for kind, path in SCRIPT.items():
-            if line.startswith(f"| `{Path(path).name}` |"):
+            # this test's own table (its rows name it), not the matrix table's rows for the same scripts
+            if line.startswith(f"| `{Path(path).name}` |") and cells[-1] == "tests/test_official_sd.py":
                 rows[(kind, cells[1])] = cells
     assert set(rows) == {(k, c) for k in SCRIPT for c in ("cpu_zero2", "ZeRO-3, threshold 0")}, rows
     for kind in KINDS:

@@ -97,10 +97,6 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
     assert any("torch.autocast(bfloat16)" in r.getMessage() and f"{__file__}:" in r.getMessage()
                for r in caplog.records)
-    before = [p.detach().clone() for p in engine.module.parameters()]
-    engine.backward(got.float().pow(2).mean())  # and it trains: the step moves the bf16 weights
-    engine.step()
-    assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
     # an fp32 engine (no bf16/fp16 in its config) is left alone: stock's error, nothing cast
     engine = _engine(bf16=False)
     with pytest.raises(RuntimeError, match="same dtype"):

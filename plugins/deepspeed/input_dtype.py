@@ -17,8 +17,8 @@ the engine fp32 *activations* (latents normalised by fp32 statistics in diffuser
 prompt embeddings rebuilt as fp32 in train_controlnet_sdxl.py, Cosmos 2.5's inputs): under DDP
 accelerate runs its forward under ``torch.autocast`` (accelerate/accelerator.py ``native_amp``), under
 DeepSpeed it does not, and the first matmul fails ("expected m1 and m2 to have the same dtype"), on GPUs
-too. A forward given a floating fp32 input of two or more dimensions runs under ``torch.autocast`` of the
-engine's dtype, as that script runs under DDP; engines given no such input run as before.
+too. A forward given a floating fp32 tensor of two or more dimensions directly as an argument runs under
+``torch.autocast`` of the engine's dtype, as that script runs under DDP; engines given no such input run as before.
 """
 from __future__ import annotations
 
@@ -63,19 +63,13 @@ def _cast(value, half, other, found: list, name: str):
     return value
 
 
-def _fp32_activations(values, found: list, name: str) -> None:
-    """Names of floating fp32 tensors of two or more dimensions in ``values`` (nested lists, tuples, dicts)."""
+def _fp32_activations(named) -> list[str]:
+    """Names of the floating fp32 tensors of two or more dimensions passed directly as arguments. Tensors
+    nested in tuples, lists or dicts are left out: those are the model's own fp32 side inputs by design
+    (rotary embeddings as (cos, sin), as diffusers' CogVideoX scripts pass them)."""
     import torch
 
-    if isinstance(values, torch.Tensor):
-        if values.dtype == torch.float32 and values.dim() >= 2:
-            found.append(name)
-    elif isinstance(values, (list, tuple)):
-        for i, v in enumerate(values):
-            _fp32_activations(v, found, f"{name}[{i}]")
-    elif isinstance(values, dict):
-        for k, v in values.items():
-            _fp32_activations(v, found, f"{name}[{k!r}]")
+    return [name for name, v in named if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() >= 2]
 
 
 def cast_other_half_inputs(wrapped, instance, args, kwargs):
@@ -91,18 +85,11 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
     found: list[str] = []
     new_args = tuple(_cast(v, half, other, found, f"argument {i}") for i, v in enumerate(args))
     new_kwargs = {k: _cast(v, half, other, found, k) for k, v in kwargs.items()}
-    fp32: list[str] = []
-    _fp32_activations(new_args, fp32, "argument")
-    for k, v in new_kwargs.items():
-        _fp32_activations(v, fp32, k)
-    if fp32:
-        _warn_autocast(fp32, half)
-        with torch.autocast(device_type, dtype=half):
-            return wrapped(*new_args, **new_kwargs)
-    if not found:
+    fp32 = _fp32_activations([*((f"argument {i}", v) for i, v in enumerate(new_args)), *new_kwargs.items()])
+    if not found and not fp32:
         return wrapped(*args, **kwargs)
     site = user_frame()
-    if site not in _warned:
+    if found and site not in _warned:
         _warned.add(site)
         where = f"{site[0]}:{site[1]}" if site else "the script"
         names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -111,6 +98,10 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
                     "casts inputs. Models the script runs in %s outside the engine stay as they are.",
                     where, names[other], ", ".join(found), names[half], "bf16" if half == torch.bfloat16 else "fp16",
                     names[half], names[other])
+    if fp32:
+        _warn_autocast(fp32, half)
+        with torch.autocast(device_type, dtype=half):
+            return wrapped(*new_args, **new_kwargs)
     return wrapped(*new_args, **new_kwargs)
 
 
