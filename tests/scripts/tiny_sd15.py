@@ -15,7 +15,7 @@ import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sd_family import CAPTIONS, _images  # noqa: E402
+from tiny_sd_family import CAPTIONS, _images, image_pair_dataset  # noqa: E402
 
 # diffusers v0.40.0 tests/pipelines/ddpm/test_ddpm.py dummy_uncond_unet
 UNCOND_UNET = dict(block_out_channels=(4, 8), layers_per_block=1, norm_num_groups=4, sample_size=16, in_channels=3,
@@ -26,15 +26,7 @@ UNCOND_UNET = dict(block_out_channels=(4, 8), layers_per_block=1, norm_num_group
 def write_pix2pix_dataset(folder: str, n: int = 4, size: int = 32) -> None:
     """A parquet file with train_instruct_pix2pix.py's default columns (input_image, edit_prompt,
     edited_image), read by its ``load_dataset(--dataset_name <this folder>)``."""
-    import datasets
-
-    os.makedirs(folder, exist_ok=True)
-    features = datasets.Features({"input_image": datasets.Image(), "edit_prompt": datasets.Value("string"),
-                                  "edited_image": datasets.Image()})
-    data = datasets.Dataset.from_dict({"input_image": _images(n, size, seed=4),
-                                       "edit_prompt": [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
-                                       "edited_image": _images(n, size, seed=5)}, features=features)
-    data.to_parquet(os.path.join(folder, "train.parquet"))
+    image_pair_dataset(folder, ("input_image", "edit_prompt", "edited_image"), n, size, seeds=(4, 5))
 
 
 def write_shards(folder: str, shards: int = 2, per_shard: int = 4, size: int = 32) -> list[str]:

@@ -56,16 +56,23 @@ def write_instance_images(folder: str, n: int = 4, size: int = 32) -> None:
         image.save(os.path.join(folder, f"img{i}.png"))
 
 
-def write_controlnet_dataset(folder: str, n: int = 4, size: int = 32) -> None:
+def image_pair_dataset(folder: str, columns: tuple[str, str, str], n: int = 4, size: int = 32,
+                       seeds: tuple[int, int] = (2, 3)) -> None:
+    """``folder/train.parquet``: an image column, a caption column and a second image column (a ControlNet's
+    conditioning image, InstructPix2Pix's edited image), read by the scripts' ``load_dataset(<folder>)``."""
     import datasets
 
+    first, text, second = columns
     os.makedirs(folder, exist_ok=True)
-    features = datasets.Features({"image": datasets.Image(), "text": datasets.Value("string"),
-                                  "conditioning_image": datasets.Image()})
-    data = datasets.Dataset.from_dict({"image": _images(n, size, seed=2),
-                                       "text": [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
-                                       "conditioning_image": _images(n, size, seed=3)}, features=features)
+    features = datasets.Features({first: datasets.Image(), text: datasets.Value("string"), second: datasets.Image()})
+    data = datasets.Dataset.from_dict({first: _images(n, size, seed=seeds[0]),
+                                       text: [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
+                                       second: _images(n, size, seed=seeds[1])}, features=features)
     data.to_parquet(os.path.join(folder, "train.parquet"))
+
+
+def write_controlnet_dataset(folder: str, n: int = 4, size: int = 32) -> None:
+    image_pair_dataset(folder, ("image", "text", "conditioning_image"), n, size)
 
 
 if __name__ == "__main__":
