@@ -305,8 +305,6 @@ def _guarded_class(cls):
 def _partition_read(module, name: str) -> None:
     """``module.<name>``, a partition, was read: the model whole first if the user's code read it
     outside the engine; the guard removed once the engine holds the model."""
-    from accel_npu._torch.callsite import caller_is_library
-
     model, what = module.__dict__.get(_OWNER, (None, ""))
     if model is None:
         return
