@@ -16,6 +16,8 @@ import sys
 import types
 
 from accel_npu._torch import callsite
+from accel_npu.patching import argument
+
 from .target import attention_device, log_once
 
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
@@ -68,7 +70,7 @@ def attention_set_xformers(wrapped, instance, args, kwargs):
     where diffusers' default ``AttnProcessor2_0`` is set (what xformers' plain ``XFormersAttnProcessor``
     would replace); other processors (LoRA, IP-Adapter, custom diffusion, added-KV, joint) are kept,
     as SDPA. On cpu the SDPA processor stays."""
-    valid = args[0] if args else kwargs.get("use_memory_efficient_attention_xformers", False)
+    valid = argument(args, kwargs, 0, "use_memory_efficient_attention_xformers", False)
     device = attention_device()
     if not valid or device is None:
         return wrapped(*args, **kwargs)
@@ -94,7 +96,7 @@ def attention_module_set_xformers(wrapped, instance, args, kwargs):
     (Ascend/pytorch docs/zh/api/native_api/pytorch_2-13-0/torch-nn-functional.md). diffusers' own
     "_native_npu" backend takes fp16/bf16 inputs only (attention_dispatch.py
     ``_check_qkv_dtype_bf16_or_fp16``), which an fp32 forward would not meet."""
-    valid = args[0] if args else kwargs.get("use_memory_efficient_attention_xformers", False)
+    valid = argument(args, kwargs, 0, "use_memory_efficient_attention_xformers", False)
     device = attention_device()
     if not valid or device is None:
         return wrapped(*args, **kwargs)

@@ -9,13 +9,15 @@ we leave it to transformers. On cpu the model gets SDPA (eager where the model h
 """
 from __future__ import annotations
 
+from accel_npu.patching import argument
+
 from .target import attention_device, log_once
 
 FLASH_ATTENTION_2 = "flash_attention_2"
 
 
 def check_and_adjust_attn_implementation(wrapped, instance, args, kwargs):
-    requested = args[0] if args else kwargs.get("attn_implementation")
+    requested = argument(args, kwargs, 0, "attn_implementation")
     if requested != FLASH_ATTENTION_2 or not getattr(instance, "_supports_flash_attn", False):
         return wrapped(*args, **kwargs)  # other requests, and models without FA2 support: stock's answer
     device = attention_device()

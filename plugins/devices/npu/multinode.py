@@ -20,7 +20,7 @@ from accel_npu._torch.nodes import parse_socket_ifname, usable_interfaces
 #: HCCL_CONNECT_TIMEOUT's range in CANN's environment variable reference (HCCL_CONNECT_TIMEOUT,
 #: envref_07_0077): whole seconds in [120, 7200], default 120
 CONNECT_TIMEOUT_RANGE = (120, 7200)
-#: the npu backend's default for a job of up to ~8K processes (field report 001, 5.1)
+#: the npu backend's default: above the guide's line below at 8K processes (0.18 s x 8000 - 300 s = 1140 s)
 CONNECT_TIMEOUT_DEFAULT = 1200
 #: CANN's HCCL test guide: 240 s at 3K cards, 600 s at 5K (figures not in the HCCL_CONNECT_TIMEOUT
 #: reference above, which gives only the range); the line through those two points, 0.18 s per card - 300 s
