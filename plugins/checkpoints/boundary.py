@@ -88,7 +88,8 @@ def _decide(accelerator) -> bool:
         _dist.collective_hooks.failed = collective_failed
         if not _w.main and serving.zero3_multi_rank():
             _w.pinned = serving.pin([p for m in getattr(accelerator, "_models", ()) for p in m.parameters()])
-        atexit.register(_at_exit)
+        atexit.register(_at_exit)  # and before a plugin closes the group at exit:
+        _dist.before_group_close.append(_at_exit)
     return _w.enabled
 
 
@@ -407,10 +408,12 @@ def _called_by_the_script() -> bool:
 
 
 def _at_exit() -> None:
-    """atexit (registered after the gloo group's own close, so it runs first): the end of the script is
-    a clean point. A rank that finishes while rank 0 saves alone serves it, then says it read the
+    """At exit, while the process group is up (atexit, and first thing in a plugin's own close of the group):
+    the end of the script is a clean point. A rank that finishes while rank 0 saves alone serves it, then says it read the
     release; rank 0, which hosts the store, waits for that (at most _EXIT_WAIT_S) before leaving.
     Skipped after an uncaught exception."""
+    if _at_exit in _dist.before_group_close:
+        _dist.before_group_close.remove(_at_exit)  # runs once
     if not _w.open or getattr(sys, "last_value", None) is not None:
         return
     step = _w.step
