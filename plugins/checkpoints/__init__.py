@@ -88,14 +88,9 @@ TRANSFORMERS_SAVE_PRETRAINED = Patch(
            "(train_llada2.py's checkpoints); the trained model is lost.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
     wrapper=f"{_PKG}.partitioned:transformers_save_pretrained")
-TRANSFORMERS_SAFE_SAVE_FILE = Patch(
-    target="transformers.modeling_utils:safe_save_file", supports="transformers>=5.0,<5.30",
-    # bound at import: the save_file patch reaches it only when safetensors was patched before
-    reason="save_pretrained writes its shards with transformers/modeling_utils.py's own alias of "
-           "safetensors' save_file; ZeRO-3 partitions are gathered there.",
-    remove_when="with the PreTrainedModel.save_pretrained patch",
-    wrapper=f"{_PKG}.partitioned:save_file")
 SAFETENSORS_SAVE_FILE = Patch(
+    # transformers/modeling_utils.py binds its alias safe_save_file at import, after this is applied
+    # (safetensors.torch imports torch, which activates accel-npu): save_pretrained's shards come here too
     target="safetensors.torch:save_file", supports="safetensors>=0.4,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
@@ -143,8 +138,7 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 @hookimpl
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, TRANSFORMERS_SAFE_SAVE_FILE,
-            SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
+            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
             BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 

@@ -11,8 +11,8 @@ Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, 
 - transformers ``PreTrainedModel.save_pretrained`` (5.x): the same meta state dict. transformers
   drops tied duplicates by the parameter objects behind meta entries, may rename keys
   (``revert_weight_conversion``) and writes each shard with ``transformers.modeling_utils.safe_save_file``,
-  its own alias of save_file (patched too): each meta entry is known by identity, so a renamed one
-  is still gathered from its parameter;
+  its own alias of save_file, bound to the patched save_file: each meta entry is known by identity,
+  so a renamed one is still gathered from its parameter;
 - ``safetensors.torch.save_file`` given partitioned parameters themselves: the same;
 - what cannot be completed fails before anything is written, with the reason: ``torch.save``
   (pickle) shards, a weight conversion that computes new tensors from partitioned ones, no
@@ -30,7 +30,6 @@ from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu._torch.zero import whole_shape
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints import serving
-from accel_npu.patching import get_ledger
 
 GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
 _sources = contextvars.ContextVar("accel_npu_partitioned_sources", default=None)
@@ -202,10 +201,9 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
     if bound.arguments.get("safe_serialization", True) is False:
         refuse(what, "Only safetensors shards can be written gathered slice by slice.",
                "Pass safe_serialization=True (the default).")
-    alias = get_ledger().find(TRANSFORMERS_SAFE_SAVE_FILE)
-    if alias is None or not alias.applied:
-        refuse(what, "This transformers version writes with an alias of save_file that accel-npu does not wrap "
-               f"({alias.status if alias is not None else 'no patch'}).",
+    if not _alias_gathers():
+        refuse(what, "transformers.modeling_utils was imported before accel-npu was active, so its alias of "
+               "safetensors' save_file (safe_save_file) would write them as they are.",
                "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
                "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
     if not _group_alive():
@@ -217,7 +215,14 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
 
 
-TRANSFORMERS_SAFE_SAVE_FILE = "transformers.modeling_utils:safe_save_file"
+def _alias_gathers() -> bool:
+    """transformers' ``safe_save_file``, the alias it bound of safetensors' ``save_file``, is that
+    function wrapped by :func:`save_file` (safetensors.torch imports torch, which activates accel-npu,
+    so the patch is in place before transformers binds it; not when accel-npu was activated later)."""
+    import sys
+
+    alias = getattr(sys.modules.get("transformers.modeling_utils"), "safe_save_file", None)
+    return getattr(alias, "_self_wrapper", None) is save_file
 
 
 def _refuse_computed_entries(what: str, model) -> None:
