@@ -291,8 +291,18 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
 def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_path):
     """The same save_model with the other rank idle in wait_for_everyone: it joins rank 0's gathers
     (each parameter a ZeRO-3 partition: threshold 0) and the file holds the whole model, equal to
-    get_state_dict gathered on every rank afterwards."""
+    get_state_dict gathered on every rank afterwards.
+
+    The same launch then saves as diffusers' train_llada2.py does: transformers' save_pretrained inside
+    `if accelerator.is_main_process:` right after wait_for_everyone while the other rank trains on (served
+    at its next batch), and again at the end while the other rank simply finishes (served at its exit).
+    Both load with from_pretrained, tensor for tensor equal to the weights gathered on every rank before
+    each save (the tied lm_head included). The stock half is test_transformers_save_pretrained_of_zero3_
+    partitions_loads_and_stock_writes_empty_tensors (in-process: on CPU, ACCEL_NPU_DISABLE=1 makes every
+    rank rank 0 of 1)."""
+    import torch
     from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
 
     from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
         zero_config
@@ -305,8 +315,58 @@ def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_p
     rec = results(proc)
     assert len(rec) == 1 and rec[0]["result"] == "saved", explain(proc)
     saved = load_file(str(out / "model.safetensors"))
-    assert {k: v.float().sum().item() for k, v in saved.items()} == rec[0]["reference"]
-    assert saved["0.weight"].shape == (32, 16)
+    reference = dict(rec[0]["reference"])
+    # save_model writes a tied weight once (lm_head is embed_tokens), as stock does
+    assert reference.pop("lm_head.weight") == reference["model.embed_tokens.weight"]
+    assert {k: v.float().sum().item() for k, v in saved.items()} == reference
+    assert saved["model.layers.0.mlp.up_proj.weight"].shape == (32, 16)
+    assert (out / "ckpt" / "model.safetensors").is_file()
+    assert len(list((out / "final").glob("model-*-of-*.safetensors"))) >= 2  # max_shard_size="20KB"
+    for name in ("ckpt", "final"):
+        reference = torch.load(out / f"reference_{name}.pt")
+        loaded = Qwen2ForCausalLM.from_pretrained(out / name).state_dict()
+        assert set(loaded) == set(reference), name
+        for key, value in reference.items():
+            assert loaded[key].dtype == value.dtype == torch.float32 and torch.equal(loaded[key], value), (name, key)
+    assert not torch.equal(torch.load(out / "reference_ckpt.pt")["lm_head.weight"],
+                           torch.load(out / "reference_final.pt")["lm_head.weight"])  # the second step trained
+
+
+def test_transformers_save_pretrained_of_zero3_partitions_loads_and_stock_writes_empty_tensors(tmp_path, monkeypatch):
+    """transformers' save_pretrained of a model built under zero.Init (every parameter a ZeRO-3 partition,
+    bf16; a 1-rank group in-process): with accel-npu the sharded safetensors checkpoint loads with
+    from_pretrained equal to the gathered weights, tied lm_head included; stock (every patch removed) writes
+    shape-[0] tensors that from_pretrained refuses."""
+    import deepspeed
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from accel_npu.plugins.checkpoints import serving
+    from tests.inprocess import stock
+    from tests.launch_utils import ZERO3_BF16_T0, one_rank_deepspeed_group
+
+    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    with one_rank_deepspeed_group(monkeypatch):
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=ZERO3_BF16_T0):
+            model = Qwen2ForCausalLM(config)
+        params = list(model.parameters())
+        assert params and all(serving.is_partitioned(p) for p in params)
+        model.save_pretrained(tmp_path / "ours", save_function=torch.save, max_shard_size="2KB")
+        with stock():
+            model.save_pretrained(tmp_path / "stock")
+        with deepspeed.zero.GatheredParameters(params):
+            gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert (tmp_path / "ours" / "model.safetensors.index.json").is_file()
+    loaded = Qwen2ForCausalLM.from_pretrained(tmp_path / "ours").state_dict()
+    assert set(loaded) == set(gathered)
+    for key, value in gathered.items():
+        assert loaded[key].dtype == value.dtype == torch.bfloat16 and torch.equal(loaded[key], value), key
+    # stock: exit 0, every tensor of shape [0], and from_pretrained refuses the file
+    assert {tuple(v.shape) for v in load_file(tmp_path / "stock" / "model.safetensors").values()} == {(0,)}
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        Qwen2ForCausalLM.from_pretrained(tmp_path / "stock")
 
 
 FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",

@@ -29,6 +29,17 @@ class CollectiveHooks:
 
 collective_hooks = CollectiveHooks()
 
+#: callables to run at interpreter exit while the process group is still up, before any plugin closes it
+#: (plugins/devices/cpu.py's atexit close re-registers itself at every PartialState(), so atexit's own order
+#: cannot put them first): each runs once, from :func:`run_before_group_close`
+before_group_close: list = []
+
+
+def run_before_group_close() -> None:
+    """Run (and forget) the :data:`before_group_close` callables; registered with atexit too, by their owners."""
+    while before_group_close:
+        before_group_close.pop(0)()
+
 
 def rank_and_world() -> tuple[int, int]:
     """(global rank, world size): from the process group when it is up, else the launcher's env."""

@@ -84,11 +84,13 @@ DIFFUSERS_SAVE_PRETRAINED = Patch(
     wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained")
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
     target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.50,<5.30",
-    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0: refused before "
-           "writing, saying how to pass the gathered state dict.",
+    reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
+           "(train_llada2.py's checkpoints); the trained model is lost.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
     wrapper=f"{_PKG}.partitioned:transformers_save_pretrained")
 SAFETENSORS_SAVE_FILE = Patch(
+    # transformers/modeling_utils.py binds its alias safe_save_file at import, after this is applied
+    # (safetensors.torch imports torch, which activates accel-npu): save_pretrained's shards come here too
     target="safetensors.torch:save_file", supports="safetensors>=0.4,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",

@@ -19,7 +19,12 @@ optimizer, scheduler and RNG states are exactly what the checkpoint must hold. S
   until rank 0 posts ``release``;
 - rank 0 never waits: at its own clean point it sets the window's ``release`` key to ``go`` (one
   store write); when it has appended events in the window (a save_state, a gather), it marks the
-  key ``log`` first and appends ``release`` to the log instead.
+  key ``log`` first and appends ``release`` to the log instead;
+- ``wait_for_everyone`` closes the window and opens a new one after its barrier: every rank is there
+  with nothing in flight, so a save rank 0 makes alone right after it (train_llada2.py's
+  ``wait_for_everyone(); if accelerator.is_main_process: model.save_pretrained(...)``, the other rank
+  training on) is served at the other ranks' next clean point, the end of the script included
+  (an atexit hook: the others' clean point when they simply finish).
 
 A ``save_state`` rank 0 makes outside a window (mid-step), or one the others do not come to in
 ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds, fails as before (``state.rendezvous``) and is published
@@ -31,9 +36,11 @@ with the collectives of their next step.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import logging
+import sys
 import time
 import weakref
 
@@ -45,6 +52,7 @@ log = logging.getLogger("accel_npu")
 
 _ABORT_KEY = "accel_npu/boundary/abort"
 _ACK_WAIT_S = 5.0
+_EXIT_WAIT_S = 10.0  # rank 0 at exit, for the others to read its last release (a peer that died is not waited for)
 _inside = contextvars.ContextVar("accel_npu_boundary_inside", default=False)
 
 
@@ -60,6 +68,7 @@ class _Window:
         self.saves = 0  # save_state calls made (or served) within the current window
         self.logged = False  # rank 0 appended events to the log within the current window
         self.accelerator = None  # weak reference, for the save_state a paused rank serves
+        self.pinned = ()  # a waiting rank's ZeRO-3 parameters, kept servable after the script drops its model
 
 
 _w = _Window()
@@ -77,6 +86,10 @@ def _decide(accelerator) -> bool:
             serving.before_append = _mark_logged
         _dist.collective_hooks.before = _before_collective
         _dist.collective_hooks.failed = collective_failed
+        if not _w.main and serving.zero3_multi_rank():
+            _w.pinned = serving.pin([p for m in getattr(accelerator, "_models", ()) for p in m.parameters()])
+        atexit.register(_at_exit)  # and before a plugin closes the group at exit:
+        _dist.before_group_close.append(_at_exit)
     return _w.enabled
 
 
@@ -314,16 +327,23 @@ def collective_failed(exc: Exception):
 
 
 # -- wrappers (named by path in this package's patches) ------------------------------------------------
-def _idle_point(name: str):
+def _idle_point(name: str, reopens: bool):
     """A wrapper for an accelerate call every rank reaches with nothing in flight (wait_for_everyone,
-    end_training): the step-boundary window closes there, and idle ranks serve rank 0's ZeRO-3 gathers."""
+    end_training): the step-boundary window closes there, and idle ranks serve rank 0's ZeRO-3 gathers.
+    With ``reopens``, a new window opens after it: what rank 0 does alone next is served at the others'
+    next clean point."""
 
     def wrapper(wrapped, instance, args, kwargs):
         if window_open():
             clean_point(name)
         if serving.zero3_multi_rank():
             serving.idle(name)
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        if reopens and _w.enabled and not _inside.get() and _called_by_the_script():
+            open_window()  # every rank calls it from the same line: the windows stay paired
+        elif not reopens:
+            _w.pinned = ()
+        return result
 
     wrapper.__name__ = wrapper.__qualname__ = name
     return wrapper
@@ -377,5 +397,40 @@ def _batches_after_clean_points(batches, window):
         batches.close()
 
 
-wait_for_everyone = _idle_point("wait_for_everyone")
-end_training = _idle_point("end_training")
+def _called_by_the_script() -> bool:
+    """The script called ``wait_for_everyone`` itself (through accelerate's wrappers of the same name),
+    not a library inside a call that rank 0 may make alone."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_name in ("wait_for_everyone", "wrapper")
+                                 or frame.f_code.co_filename.startswith("<wrapt")):
+        frame = frame.f_back
+    return frame is not None and (frame.f_globals.get("__name__", "") or "").split(".")[0] not in callsite.LIBRARIES
+
+
+def _at_exit() -> None:
+    """At exit, while the process group is up (atexit, and first thing in a plugin's own close of the group):
+    the end of the script is a clean point. A rank that finishes while rank 0 saves alone serves it, then says it read the
+    release; rank 0, which hosts the store, waits for that (at most _EXIT_WAIT_S) before leaving.
+    Skipped after an uncaught exception."""
+    if _at_exit in _dist.before_group_close:
+        _dist.before_group_close.remove(_at_exit)  # runs once
+    if not _w.open or getattr(sys, "last_value", None) is not None:
+        return
+    step = _w.step
+    try:
+        clean_point("the end of the script")
+        sess = serving._session()
+        if sess is not None:
+            store, world, rank, _ = sess
+            if rank == 0:
+                serving._wait(store, [f"{_release_key(step)}/read/{r}" for r in range(1, world)], _EXIT_WAIT_S)
+            else:
+                store.set(f"{_release_key(step)}/read/{rank}", "1")
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
+        log.warning("accel-npu: serving rank 0 at the end of the script failed: %s", exc)
+    finally:
+        _w.pinned = ()
+
+
+wait_for_everyone = _idle_point("wait_for_everyone", reopens=True)
+end_training = _idle_point("end_training", reopens=False)

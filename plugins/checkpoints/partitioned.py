@@ -8,9 +8,14 @@ Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, 
   sizes and writes its config as always; the ``save_file`` of each shard is then written by
   :func:`write_streaming`: gathered a group at a time (the idle ranks join, plugins/checkpoints/
   serving.py), streamed to a hidden file, renamed into place when complete;
+- transformers ``PreTrainedModel.save_pretrained`` (5.x): the same meta state dict. transformers
+  drops tied duplicates by the parameter objects behind meta entries, may rename keys
+  (``revert_weight_conversion``) and writes each shard with ``transformers.modeling_utils.safe_save_file``,
+  its own alias of save_file, bound to the patched save_file: each meta entry is known by identity,
+  so a renamed one is still gathered from its parameter;
 - ``safetensors.torch.save_file`` given partitioned parameters themselves: the same;
 - what cannot be completed fails before anything is written, with the reason: ``torch.save``
-  (pickle) shards, transformers' ``save_pretrained`` (it calls its own alias of save_file), no
+  (pickle) shards, a weight conversion that computes new tensors from partitioned ones, no
   process group any more (after ``end_training``).
 """
 from __future__ import annotations
@@ -25,7 +30,6 @@ from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu._torch.zero import whole_shape
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints import serving
-from accel_npu.patching import argument
 
 GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
 _sources = contextvars.ContextVar("accel_npu_partitioned_sources", default=None)
@@ -50,7 +54,8 @@ def refuse(what: str, reason: str, fix: str):
 @contextlib.contextmanager
 def meta_state_dict(module):
     """Inside, ``module.state_dict()`` gives whole-shape meta tensors for partitioned parameters,
-    and :func:`write_streaming` knows which parameter each such key stands for."""
+    and :func:`save_file` knows which parameter each such key (or meta tensor: a library may rename
+    the keys) stands for."""
     import torch
 
     original = module.state_dict
@@ -58,6 +63,7 @@ def meta_state_dict(module):
     by_name = dict(module.named_parameters(remove_duplicate=False))
     sources: dict = {}
     metas: dict = {}
+    by_meta: dict = {}  # id(meta tensor) -> parameter; the meta tensors live as long as this context
 
     def state_dict(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -67,12 +73,13 @@ def meta_state_dict(module):
             if param is not None and serving.is_partitioned(param):
                 if id(param) not in metas:
                     metas[id(param)] = torch.empty(whole_shape(param), dtype=param.dtype, device="meta")
+                    by_meta[id(metas[id(param)])] = param
                 out[key] = metas[id(param)]
                 sources[key] = param
         return out
 
     module.state_dict = state_dict
-    token = _sources.set(sources)
+    token = _sources.set((sources, by_meta))
     try:
         yield sources
     finally:
@@ -132,11 +139,24 @@ def save_file(wrapped, instance, args, kwargs):
     tensors = bound.arguments.get("tensors")
     if not isinstance(tensors, dict):
         return wrapped(*args, **kwargs)
-    known = _sources.get() or {}
-    sources = {k: known[k] for k in tensors if k in known}
-    sources.update({k: t for k, t in tensors.items() if k not in sources and serving.is_partitioned(t)})
+    by_key, by_meta = _sources.get() or ({}, {})
+    sources = {}
+    for k, t in tensors.items():
+        param = by_meta.get(id(t)) if getattr(t, "is_meta", False) else None
+        if param is None:
+            param = by_key.get(k)  # diffusers' keys are the state dict's own
+        if param is None and serving.is_partitioned(t):
+            param = t
+        if param is not None:
+            sources[k] = param
     if not sources:
         return wrapped(*args, **kwargs)
+    unknown = [k for k, t in tensors.items() if k not in sources and getattr(t, "is_meta", False)]
+    if unknown:
+        refuse(f"safetensors save_file({bound.arguments.get('filename')!r})",
+               f"Entries {unknown[:5]} are meta tensors computed from partitioned parameters (a weight conversion), "
+               "not parameters that can be gathered.", "Save the gathered weights instead: state_dict = "
+               "accelerator.get_state_dict(model) on every rank, then save it on the main process.")
     if not _group_alive():
         refuse(f"safetensors save_file({bound.arguments.get('filename')!r})",
                "The process group is gone (accelerator.end_training() was called), so the slices cannot be gathered.",
@@ -165,12 +185,60 @@ def diffusers_save_pretrained(wrapped, instance, args, kwargs):
 
 
 def transformers_save_pretrained(wrapped, instance, args, kwargs):
-    """``PreTrainedModel.save_pretrained`` of a partitioned model: refused before writing (it
-    writes with its own alias of save_file, which the gathered writer does not see)."""
+    """``PreTrainedModel.save_pretrained`` of a partitioned model: shards planned by the real sizes,
+    written gathered by the patched ``safe_save_file`` alias (see the module docstring)."""
     if not partitioned(instance) or kwargs.get("state_dict") is not None:
         return wrapped(*args, **kwargs)
-    save_directory = argument(args, kwargs, 0, "save_directory")
-    refuse(f"{type(instance).__name__}.save_pretrained({save_directory!r})",
-           "transformers' save_pretrained writes them as they are on this rank.",
-           "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
-           "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # stock raises its own error
+    if bound.arguments.get("distributed_checkpoint"):
+        return wrapped(*args, **kwargs)  # FSDP/TP's DCP writer; transformers refuses a DeepSpeed model itself
+    what = f"{type(instance).__name__}.save_pretrained({bound.arguments.get('save_directory')!r})"
+    # transformers 4.x wrote torch.save shards with safe_serialization=False; 5.x has no such argument
+    # (it lands in **kwargs, ignored with save_function: every shard goes through safe_save_file)
+    if bound.arguments.get("safe_serialization", True) is False:
+        refuse(what, "Only safetensors shards can be written gathered slice by slice.",
+               "Pass safe_serialization=True (the default).")
+    if not _alias_gathers():
+        refuse(what, "transformers.modeling_utils was imported before accel-npu was active, so its alias of "
+               "safetensors' save_file (safe_save_file) would write them as they are.",
+               "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
+               "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
+    if not _group_alive():
+        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
+               "be gathered.", "Save before accelerator.end_training().")
+    with meta_state_dict(instance):
+        if bound.arguments.get("save_original_format", True):
+            _refuse_computed_entries(what, instance)
+        return wrapped(*args, **kwargs)
+
+
+def _alias_gathers() -> bool:
+    """transformers' ``safe_save_file``, the alias it bound of safetensors' ``save_file``, is that
+    function wrapped by :func:`save_file` (safetensors.torch imports torch, which activates accel-npu,
+    so the patch is in place before transformers binds it; not when accel-npu was activated later)."""
+    import sys
+
+    alias = getattr(sys.modules.get("transformers.modeling_utils"), "safe_save_file", None)
+    return getattr(alias, "_self_wrapper", None) is save_file
+
+
+def _refuse_computed_entries(what: str, model) -> None:
+    """transformers' ``revert_weight_conversion`` (a model with a weight-conversion mapping, MoE experts)
+    may compute new tensors from several parameters: from meta ones, meta tensors no gather can fill.
+    Run it on the meta state dict first (meta operations, no data) and refuse before writing."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return
+    state = model.state_dict()
+    by_meta = (_sources.get() or ({}, {}))[1]
+    converted = revert_weight_conversion(model, dict(state))
+    computed = [k for k, t in converted.items() if getattr(t, "is_meta", False) and id(t) not in by_meta]
+    if computed:
+        refuse(what, f"transformers converts weights on saving (revert_weight_conversion): {computed[:5]} are computed "
+               "from several partitioned parameters, which cannot be gathered slice by slice.",
+               "Pass save_original_format=False, or the gathered weights: state_dict = accelerator.get_state_dict(model) "
+               "on every rank, then model.save_pretrained(dir, state_dict=state_dict) on the main process.")

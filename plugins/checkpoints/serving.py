@@ -297,3 +297,12 @@ def gathered_enter(wrapped, instance, args, kwargs):
     if getattr(instance, "enabled", False):
         before_gather(instance.params, instance.src_rank)
     return wrapped(*args, **kwargs)
+
+
+def pin(params) -> tuple:
+    """Strong references to these ZeRO-3 parameters (and known by ds_id): a rank that serves rank 0 at
+    the end of the script does so after the script's own references are gone."""
+    pinned = tuple(p for p in params if hasattr(p, "ds_id"))
+    for p in pinned:
+        _params_by_id[p.ds_id] = p
+    return pinned

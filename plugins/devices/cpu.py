@@ -18,6 +18,7 @@ import os
 import sys
 
 from accel_npu import environment
+from accel_npu._torch import dist as _dist
 from accel_npu.backend import Backend, cpu_fallback_refusal, current_backend, is_distributed_launch
 from accel_npu.errors import NoUsableDeviceError
 from accel_npu.hookspecs import hookimpl
@@ -111,6 +112,10 @@ def _close_gloo_group_at_exit() -> None:
     """
     if not CLOSE_GLOO_AT_EXIT.applied or getattr(sys, "last_value", None) is not None:
         return
+    try:
+        _dist.run_before_group_close()  # e.g. a rank that serves rank 0's save at the end of the script
+    except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
+        log.warning("accel-npu: an exit hook failed before the gloo group was closed: %s", exc)
     try:
         import torch.distributed as dist
 
