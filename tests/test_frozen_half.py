@@ -78,6 +78,16 @@ def test_trained_fp32_and_unfrozen_models_are_left_as_they_are(caplog):
     unfrozen.conv_out.requires_grad_(True)
     with pytest.raises(RuntimeError, match="same dtype"):
         unfrozen(latents, t, encoder_hidden_states=embeds)
+    assert unfrozen not in frozen_half._hooked and not unfrozen._forward_pre_hooks and not unfrozen._forward_hooks
+
+    # frozen when cast, a LoRA adapter added afterwards (diffusers' LoRA scripts: requires_grad_(False),
+    # .to(weight_dtype), add_adapter): trained, so stock's error
+    from peft import LoraConfig
+
+    lora = _tiny_unet().requires_grad_(False).to(torch.bfloat16)
+    lora.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k"]))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        lora(latents, t, encoder_hidden_states=embeds)
 
     # a frozen fp32 model: no hook, runs in fp32 as stock
     fp32 = _tiny_unet().requires_grad_(False).to(torch.float32)

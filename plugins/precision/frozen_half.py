@@ -14,8 +14,10 @@ runs under DDP with mixed precision, with one warning per model class naming the
 Which calls: the same rule as the DeepSpeed engine's autocast (``accel_npu._torch.activations``). Which
 models: diffusers' ModelMixin / transformers' PreTrainedModel cast ``.to(<half dtype>)`` while no
 parameter requires grad get a forward pre-hook and an always-called forward hook (the pair enters and
-leaves the autocast context); at each call the hook checks again that the model is still frozen and all
-half. Models never cast that way carry no hook; trained and fp32 models run as before.
+leaves the autocast context). A call given fp32 activations checks again that the model is still frozen
+and all half; one found trained (an adapter added after the cast, as diffusers' LoRA scripts add it)
+loses the hooks until it is cast while frozen again. Models never cast that way carry no hook; trained
+and fp32 models run as before.
 """
 from __future__ import annotations
 
@@ -61,23 +63,41 @@ def cast_to(wrapped, instance, args, kwargs):
     return result
 
 
+TRAINED = "trained"
+
+
 def frozen_half_dtype(model):
     """(dtype, device type) of a model no parameter of which requires grad and whose floating parameters
-    are all bf16 or all fp16; None for any other model."""
+    are all bf16 or all fp16; ``TRAINED`` when a parameter requires grad; None for any other model.
+
+    Walks ``_parameters`` / ``_modules`` itself: ``Module.parameters()`` builds every submodule's dotted
+    name, about twice the cost, and this runs on each call given fp32 activations (adapters added after
+    the cast, as diffusers' LoRA scripts add them, must be seen)."""
     import torch
 
     dtype = device = None
-    for p in model.parameters():
-        if p.requires_grad:
-            return None
-        if p.is_floating_point():
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        for p in module._parameters.values():
+            if p is None:
+                continue
+            if p.requires_grad:
+                return TRAINED
             if dtype is None:
-                dtype, device = p.dtype, p.device
-            elif p.dtype != dtype:
+                if p.is_floating_point():
+                    dtype, device = p.dtype, p.device
+            elif p.dtype != dtype and p.is_floating_point():
                 return None
+        stack.extend(m for m in module._modules.values() if m is not None)
     if dtype not in (torch.bfloat16, torch.float16):
         return None
     return dtype, device.type
+
+
+def _unhook(model) -> None:
+    for handle in _hooked.pop(model, ()):
+        handle.remove()
 
 
 def _before_forward(model, args, kwargs):
@@ -87,6 +107,9 @@ def _before_forward(model, args, kwargs):
     import torch
 
     found = frozen_half_dtype(model)
+    if found is TRAINED:  # trained since its cast (an adapter added, a layer unfrozen): as stock from now on
+        _unhook(model)
+        return None
     if found is None:
         return None
     dtype, device_type = found
