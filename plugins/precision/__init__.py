@@ -117,8 +117,8 @@ LUMINA2_FREQS_CIS = Patch(
 FROZEN_HALF_DIFFUSERS = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.to",
     supports="diffusers>=0.33,<0.43",
-    reason="A frozen bf16/fp16 model given fp32 activations outside any engine cannot compute (accelerate autocasts "
-           "only prepared models); its forward runs under torch.autocast.",
+    reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
+           "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
     wrapper=f"{_PKG}.frozen_half:cast_to",
 )
@@ -126,8 +126,8 @@ FROZEN_HALF_DIFFUSERS = Patch(
 FROZEN_HALF_TRANSFORMERS = Patch(
     target="transformers.modeling_utils:PreTrainedModel.to",
     supports="transformers>=4.50,<5.30",
-    reason="A frozen bf16/fp16 model given fp32 activations outside any engine cannot compute (accelerate autocasts "
-           "only prepared models); its forward runs under torch.autocast.",
+    reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
+           "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
     wrapper=f"{_PKG}.frozen_half:cast_to",
 )
