@@ -471,12 +471,13 @@ KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
-    (r"^train_(controlnet|t2i_adapter)_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
+    (r"^train_t2i_adapter_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
      r"float != c10::BFloat16",
-     "the script's: its collate_fn rebuilds the precomputed prompt embeddings as fp32 (torch.tensor of the "
-     "dataset's lists) and hands them uncast to the frozen bf16 UNet, outside any engine (accel-npu autocasts the "
-     "engine's forward; accelerate autocasts only prepared models, so DDP fails alike; diffusers #11050 fixed "
-     "train_controlnet_sd3.py)"),
+     "the script's, also on GPUs: it never freezes its UNet (train_t2i_adapter_sdxl.py:926-930 freeze the VAE and "
+     "text encoders, then unet.train()), casts it to bf16 (line 1011) and hands it the prompt embeddings its "
+     "collate_fn rebuilds as fp32 (line 770) outside any engine (line 1216); accel-npu autocasts only frozen half "
+     "models (plugins/precision/frozen_half.py: no parameter requires grad) and the engine's forward; accelerate "
+     "autocasts only prepared models, so DDP fails alike"),
     (r"accelerator\.prepare\(\) was given no DataLoader",
      "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
      "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "

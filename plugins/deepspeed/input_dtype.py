@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from accel_npu._torch.activations import fp32_activations
 from accel_npu._torch.callsite import user_frame
 
 log = logging.getLogger("accel_npu")
@@ -63,15 +64,6 @@ def _cast(value, half, other, found: list, name: str):
     return value
 
 
-def _fp32_activations(named) -> list[str]:
-    """Names of the floating fp32 tensors of two or more dimensions passed directly as arguments. Tensors
-    nested in tuples, lists or dicts are left out: those are the model's own fp32 side inputs by design
-    (rotary embeddings as (cos, sin), as diffusers' CogVideoX scripts pass them)."""
-    import torch
-
-    return [name for name, v in named if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() >= 2]
-
-
 def cast_other_half_inputs(wrapped, instance, args, kwargs):
     """``DeepSpeedEngine.forward`` with inputs of the other half dtype cast to the engine's, and under
     ``torch.autocast`` of the engine's dtype when it is given fp32 activations."""
@@ -85,7 +77,7 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
     found: list[str] = []
     new_args = tuple(_cast(v, half, other, found, f"argument {i}") for i, v in enumerate(args))
     new_kwargs = {k: _cast(v, half, other, found, k) for k, v in kwargs.items()}
-    fp32 = _fp32_activations([*((f"argument {i}", v) for i, v in enumerate(new_args)), *new_kwargs.items()])
+    fp32 = fp32_activations(new_args, new_kwargs)
     if not found and not fp32:
         return wrapped(*args, **kwargs)
     site = user_frame()

@@ -21,9 +21,13 @@
   (diffusers #10428); diffusers downcasts its RoPE tables on "npu" devices
   (``maybe_adjust_dtype_for_device``) except where a model guards only "mps". ``float64.py`` covers
   those paths in the models the official training scripts train.
+- a frozen bf16/fp16 model (``.to(half)`` while no parameter requires grad) given fp32 activations outside
+  any engine: stock stops at the first matmul ("expected m1 and m2 to have the same dtype"); its forward
+  runs under ``torch.autocast`` of its dtype, as accelerate runs a prepared model (``frozen_half.py``).
 
 This module declares the patches; the wrappers sit beside it: ``autocast.py``, ``loss_scaling.py``
-(GradScaler, accelerate's fp16 on cpu), ``bf16_numpy.py``, ``fused_adamw.py``, ``float64.py``.
+(GradScaler, accelerate's fp16 on cpu), ``bf16_numpy.py``, ``fused_adamw.py``, ``float64.py``,
+``frozen_half.py``.
 """
 from __future__ import annotations
 
@@ -107,6 +111,29 @@ LUMINA2_FREQS_CIS = Patch(
 )
 
 
+# -- 8. frozen bf16/fp16 models given fp32 activations (frozen_half.py) ------------------------------------
+# diffusers v0.40.0 controlnet/train_controlnet_sdxl.py and t2i_adapter/train_t2i_adapter_sdxl.py hand the
+# frozen bf16 UNet prompt embeddings their collate_fn rebuilt as fp32 ('expected m1 and m2 to have the same dtype').
+FROZEN_HALF_DIFFUSERS = Patch(
+    target="diffusers.models.modeling_utils:ModelMixin.to",
+    supports="diffusers>=0.33,<0.43",
+    reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
+           "(no autocast there); it runs under torch.autocast.",
+    remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
+    wrapper=f"{_PKG}.frozen_half:cast_to",
+)
+
+FROZEN_HALF_TRANSFORMERS = Patch(
+    target="transformers.modeling_utils:PreTrainedModel.to",
+    supports="transformers>=4.50,<5.30",
+    reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
+           "(no autocast there); it runs under torch.autocast.",
+    remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
+    wrapper=f"{_PKG}.frozen_half:cast_to",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, GRAD_SCALER, ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS]
+    return [AUTOCAST, GRAD_SCALER, ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS,
+            FROZEN_HALF_DIFFUSERS, FROZEN_HALF_TRANSFORMERS]
