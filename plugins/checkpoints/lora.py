@@ -230,4 +230,5 @@ def peft_state_dict(wrapped, instance, args, kwargs):
                 full[key] = value  # the Parameter itself: gathered when written
     except Exception:
         return wrapped(*args, **kwargs)
-    return wrapped(model, *args[1:], state_dict=full, **kwargs)
+    # peft's own PeftModel.save_pretrained passes state_dict=None by keyword (peft/peft_model.py)
+    return wrapped(*args, **dict(kwargs, state_dict=full))
