@@ -477,10 +477,20 @@ KNOWN_CAUSES = [
      "dataset's lists) and hands them uncast to the frozen bf16 UNet, outside any engine (accel-npu autocasts the "
      "engine's forward; accelerate autocasts only prepared models, so DDP fails alike; diffusers #11050 fixed "
      "train_controlnet_sd3.py)"),
-    (r"accelerator\.prepare\(\) was given no DataLoader",
-     "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
-     "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
-     "(accelerate/accelerator.py Accelerator._prepare_deepspeed); the error is accel-npu's"),
+    (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
+     r"tensor b \(0\)",
+     "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
+     "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): train_lcm_distill_sd_wds.py:1371, "
+     "train_lcm_distill_sdxl_wds.py:1474; the loop at line 432)"),
+    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: IndexError: list index out of range",
+     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+     "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
+     "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
+     "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket"),
+    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: RuntimeError: Error\(s\) in loading state_dict for PeftModel",
+     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061) calls peft's "
+     "load_adapter on the ZeRO-3-partitioned UNet after DeepSpeed restored the engine (peft/utils/save_and_load.py "
+     "set_peft_model_state_dict)"),
     (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
      "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
      "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "
