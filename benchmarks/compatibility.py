@@ -487,6 +487,11 @@ KNOWN_CAUSES = [
      "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
      "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
      "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket"),
+    (r"^train_lcm_distill_(lora_)?sdxl_wds\.py: RuntimeError: mat1 and mat2 shapes cannot be multiplied \(\d+x1328 ",
+     "the tiny pipeline's: the script builds its unconditional embeddings with SDXL's real sizes, "
+     "torch.zeros(bs, 77, 2048) and torch.zeros(bs, 1280) (train_lcm_distill_sdxl_wds.py:1228-1229, "
+     "train_lcm_distill_lora_sdxl_wds.py:1227-1228), which the tiny SDXL UNet's add embedding cannot take; "
+     "a tiny SDXL with 2048 cross-attention and 1280 pooled dims would run it"),
     (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: RuntimeError: Error\(s\) in loading state_dict for PeftModel",
      "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061) calls peft's "
      "load_adapter on the ZeRO-3-partitioned UNet after DeepSpeed restored the engine (peft/utils/save_and_load.py "
