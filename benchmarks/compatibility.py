@@ -488,10 +488,11 @@ KNOWN_CAUSES = [
      "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
      "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
      "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket"),
-    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: RuntimeError: Error\(s\) in loading state_dict for PeftModel",
-     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061) calls peft's "
-     "load_adapter on the ZeRO-3-partitioned UNet after DeepSpeed restored the engine (peft/utils/save_and_load.py "
-     "set_peft_model_state_dict)"),
+    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: AttributeError: 'Parameter' object has no attribute 'ds_status'",
+     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+     "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 LoRA "
+     "parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which ZeRO-3 never partitioned: "
+     "the next forward's fetch finds no ds_status"),
     (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
      "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
      "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "

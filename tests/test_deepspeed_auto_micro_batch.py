@@ -99,3 +99,37 @@ def test_a_config_that_reads_the_micro_batch_at_initialize_is_one_error(accelera
     with pytest.raises(AutoBatchSizeError, match=f'"{KEY}": "auto" .* "data_efficiency"'):
         accelerator.prepare(model, optimizer)
     assert accelerator.deepspeed_plugin.deepspeed_config[KEY] == "auto"
+
+
+def test_a_loader_without_a_batch_size_prepared_alone_before_the_model(accelerator_factory):
+    """A loader whose dataset yields whole batches (batch_size=None, no batch_sampler), prepared in a call of its
+    own, then the model: stock stops at both calls; the engine takes 5 from its first training batch."""
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class WholeBatches(IterableDataset):
+        def __iter__(self):
+            for _ in range(4):
+                yield torch.randn(5, 4)
+
+    accelerator = accelerator_factory(2)
+    model, optimizer = _model_and_optimizer()
+    with stock():
+        with pytest.raises(ValueError, match="has `None` as batch size"):
+            accelerator.prepare(DataLoader(WholeBatches(), batch_size=None))
+    loader = accelerator.prepare(DataLoader(WholeBatches(), batch_size=None))
+    assert accelerator.deepspeed_plugin.deepspeed_config[KEY] == "auto"  # no engine yet: still to be resolved
+    with stock():
+        with pytest.raises(ValueError, match="requires you to pass at least one of training or evaluation"):
+            accelerator.prepare(model, optimizer)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    shapes = []
+    for x in loader:
+        with accelerator.accumulate(engine):
+            accelerator.backward(engine(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        shapes.append(tuple(x.shape))
+    assert shapes == [(5, 4)] * 4
+    assert engine.train_micro_batch_size_per_gpu() == 5 and engine.train_batch_size() == 10
+    assert engine.global_steps == 2 and engine.global_samples == 20
