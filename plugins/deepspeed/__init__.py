@@ -92,7 +92,7 @@ AUTO_MICRO_BATCH_SIZE = Patch(
     supports="accelerate>=1.10,<1.16",
     # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no
     # DataLoader (webdataset batches); the engine's first training forward sets the value (a forward
-    # pre-hook on that engine, removed after). What cannot be resolved is one error naming the key and file.
+    # pre-hook on that engine, removed after). A data_efficiency config is one error naming the key and file.
     reason="'auto' micro batch size is read from DataLoader.batch_size only (accelerator.py _prepare_deepspeed): "
            "batch_sampler= or no DataLoader fail prepare; read from the sampler or the first training batch.",
     remove_when="accelerate resolves an 'auto' micro batch size without a DataLoader.batch_size",

@@ -1,31 +1,32 @@
 """``"train_micro_batch_size_per_gpu": "auto"`` where accelerate cannot read it.
 
 accelerate 1.15 (``Accelerator._prepare_deepspeed``) fills the "auto" from ``DataLoader.batch_size``
-of the loaders passed to the same ``prepare`` call, and stops otherwise. Two shapes of unchanged
-scripts meet that:
+of the loaders passed to the same ``prepare`` call, and stops otherwise. Unchanged scripts meet that:
 
 - a DataLoader built with ``batch_sampler=`` (bucketing samplers: diffusers'
   train_dreambooth_lora_{qwen_image,flux,sana,...}.py) has ``batch_size=None`` ("At least one of the
   dataloaders ... has `None` as batch size"). The sampler knows its batch size; it is read there, as
   accelerate itself does when it shards such a loader (``data_loader.batch_sampler.batch_size`` in
   accelerate/data_loader.py).
-- no DataLoader in the call at all: diffusers' consistency_distillation/train_lcm_distill_*_wds.py
-  batch inside a webdataset pipeline (``wds.WebLoader(..., batch_size=None)``) and prepare only
-  ``unet, optimizer, lr_scheduler`` ("requires you to pass at least one of training or evaluation
-  dataloaders"). Under accelerate the micro batch size takes no part in the math: DeepSpeed scales
-  the loss by the accumulation steps and averages gradients over the data-parallel ranks
-  (deepspeed/runtime/engine.py), and accelerate averages nothing by batch size. DeepSpeed needs an
-  integer at ``deepspeed.initialize`` for its bookkeeping only — ``train_batch_size()``, the throughput
-  timer, ``global_samples`` and the monitor, and the ``ds_config`` its checkpoints record. So prepare
-  goes on with accelerate's own placeholder (1, as ``DeepSpeedPlugin.set_deepspeed_weakref`` uses for
-  an "auto" micro batch), and the engine's first training forward (grad enabled) sets the real value
-  from the batch dimension of its first tensor input, through DeepSpeed's own
-  ``set_train_micro_batch_size``, in every place the value was cached.
+- no DataLoader in the call: diffusers' consistency_distillation/train_lcm_distill_*_wds.py batch inside
+  a webdataset pipeline (``wds.WebLoader(..., batch_size=None)``) and prepare only ``unet, optimizer,
+  lr_scheduler`` ("requires you to pass at least one of training or evaluation dataloaders"); likewise a
+  loader with no batch size anywhere (an IterableDataset yielding whole batches), or a loader prepared in
+  a call of its own before the model.
 
-Left as one error naming the key and the DeepSpeed file that says "auto": a config whose
-``data_efficiency`` section is enabled (random-LTD reads the micro batch size inside
-``deepspeed.initialize``), a prepare call with neither DataLoader nor model, and a DataLoader with no
-batch size anywhere (an IterableDataset yielding whole batches).
+Under accelerate the micro batch size takes no part in the math: DeepSpeed scales the loss by the
+accumulation steps and averages gradients over the data-parallel ranks (deepspeed/runtime/engine.py), and
+accelerate averages nothing by batch size. DeepSpeed needs an integer at ``deepspeed.initialize`` for its
+bookkeeping only — ``train_batch_size()``, the throughput timer, ``global_samples`` and the monitor, and the
+``ds_config`` its checkpoints record. So prepare goes on with accelerate's own placeholder (1, as
+``DeepSpeedPlugin.set_deepspeed_weakref`` uses for an "auto" micro batch), and the engine's first training
+forward (grad enabled) sets the real value from the batch dimension of its first tensor input, through
+DeepSpeed's own ``set_train_micro_batch_size``, in every place the value was cached. A call without a model
+initializes no engine (accelerate fills the DeepSpeed config only then): the placeholder serves that call
+alone and "auto" is put back.
+
+Left as one error naming the key and the DeepSpeed file that says "auto": a config whose ``data_efficiency``
+section is enabled (random-LTD reads the micro batch size inside ``deepspeed.initialize``).
 """
 from __future__ import annotations
 
@@ -96,36 +97,41 @@ def _read_at_initialize(config: dict) -> str | None:
     return None
 
 
-def fill_auto_micro_batch_size(accelerator, args) -> bool:
-    """Before accelerate reads it: resolve "auto" from batch samplers, or set the placeholder for the
-    engine's first forward to correct (returns True then), or raise the one error."""
+#: what prepare does after the call: nothing; correct the placeholder at the engine's first training forward;
+#: put "auto" back (no model in the call: accelerate fills the DeepSpeed config only when it initializes one)
+RESOLVED, AT_FIRST_FORWARD, THIS_CALL_ONLY = "resolved", "at first forward", "this call only"
+
+
+def fill_auto_micro_batch_size(accelerator, args) -> str:
+    """Before accelerate reads it: resolve "auto" from batch samplers, or set accelerate's placeholder (for the
+    engine's first forward to correct, or for this call only), or raise the one error."""
     import torch
 
     plugin = accelerator.deepspeed_plugin
     if plugin is None or not plugin.is_auto(KEY):
-        return False
-    if not any(isinstance(obj, torch.utils.data.DataLoader) for obj in args):
-        if not any(isinstance(obj, torch.nn.Module) for obj in args):
-            # no model: this call initializes no engine, nothing could take the value from a forward
-            raise _error(plugin, "accelerator.prepare() was given no DataLoader to take the batch size from")
-        section = _read_at_initialize(plugin.deepspeed_config)
-        if section is not None:
-            raise _error(plugin, "accelerator.prepare() was given no DataLoader to take the batch size from, and "
-                                 f'the config\'s "{section}" reads it inside deepspeed.initialize')
-        plugin.deepspeed_config[KEY] = PROVISIONAL
-        return True
+        return RESOLVED
     sizes, unresolved = micro_batch_sizes(args)
-    if unresolved:
-        raise _error(plugin, f"the DataLoader passed to accelerator.prepare(), {_describe(unresolved[0])}, has no "
-                             "batch size (nor does its batch_sampler)")
-    if all(_positive_int(getattr(obj, "batch_size", None)) for obj in args if hasattr(obj, "batch_size")):
-        return False  # accelerate's own path: every loader has its batch_size
-    if accelerator.split_batches:
-        sizes = [size // accelerator.num_processes for size in sizes]
-    value = min(sizes) if plugin.is_train_batch_min else max(sizes)
-    plugin.deepspeed_config[KEY] = value
-    log.info('accel-npu: "%s": "auto" -> %d, the DataLoader\'s batch_sampler batch size', KEY, value)
-    return False
+    if any(isinstance(obj, torch.utils.data.DataLoader) for obj in args) and not unresolved:
+        if all(_positive_int(getattr(obj, "batch_size", None)) for obj in args if hasattr(obj, "batch_size")):
+            return RESOLVED  # accelerate's own path: every loader has its batch_size
+        if accelerator.split_batches:
+            sizes = [size // accelerator.num_processes for size in sizes]
+        value = min(sizes) if plugin.is_train_batch_min else max(sizes)
+        plugin.deepspeed_config[KEY] = value
+        log.info('accel-npu: "%s": "auto" -> %d, the DataLoader\'s batch_sampler batch size', KEY, value)
+        return RESOLVED
+    # nothing in this call says the batch size: no DataLoader, or one without a batch size anywhere
+    if not any(isinstance(obj, torch.nn.Module) for obj in args):
+        plugin.deepspeed_config[KEY] = PROVISIONAL
+        return THIS_CALL_ONLY
+    section = _read_at_initialize(plugin.deepspeed_config)
+    if section is not None:
+        what = (f"the DataLoader passed to accelerator.prepare(), {_describe(unresolved[0])}, has no batch size "
+                "(nor does its batch_sampler)" if unresolved else
+                "accelerator.prepare() was given no DataLoader to take the batch size from")
+        raise _error(plugin, f'{what}, and the config\'s "{section}" reads it inside deepspeed.initialize')
+    plugin.deepspeed_config[KEY] = PROVISIONAL
+    return AT_FIRST_FORWARD
 
 
 def _first_batch_dimension(value):
@@ -181,7 +187,7 @@ def resolve_at_first_forward(engine, configs) -> None:
             return None
         set_engine_micro_batch_size(engine, value, configs)
         log.info('accel-npu: "%s": "auto" -> %d, the batch dimension of the DeepSpeed engine\'s first training '
-                 "forward (accelerator.prepare() was given no DataLoader; train_batch_size %d)",
+                 "forward (no DataLoader batch size in accelerator.prepare(); train_batch_size %d)",
                  KEY, value, engine.train_batch_size())
         return None
 
@@ -197,16 +203,22 @@ def prepare_with_auto_micro_batch_size(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     plugin = instance.deepspeed_plugin
     before = {k: plugin.deepspeed_config.get(k) for k in (KEY, TRAIN_BATCH)} if plugin is not None else {}
-    provisional = fill_auto_micro_batch_size(instance, args)
+    after = fill_auto_micro_batch_size(instance, args)
+
+    def restore():  # "auto" again, for a later prepare to resolve afresh
+        for key, value in before.items():
+            if value is not None:
+                plugin.deepspeed_config[key] = value
+
     try:
         result = wrapped(*args, **kwargs)
     except BaseException:
-        if provisional:  # "auto" again, for a later prepare to resolve afresh
-            for key, value in before.items():
-                if value is not None:
-                    plugin.deepspeed_config[key] = value
+        if after != RESOLVED:
+            restore()
         raise
-    if provisional:
+    if after == THIS_CALL_ONLY:
+        restore()
+    elif after == AT_FIRST_FORWARD:
         from deepspeed.runtime.engine import DeepSpeedEngine
 
         configs = [plugin.deepspeed_config, getattr(instance, "deepspeed_config", None)]
