@@ -93,8 +93,8 @@ AUTO_MICRO_BATCH_SIZE = Patch(
     # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no
     # DataLoader (webdataset batches); the engine's first training forward sets the value (a forward
     # pre-hook on that engine, removed after). A data_efficiency config is one error naming the key and file.
-    reason="'auto' micro batch size is read from DataLoader.batch_size only (accelerator.py _prepare_deepspeed): "
-           "batch_sampler= or no DataLoader fail prepare; read from the sampler or the first training batch.",
+    reason="accelerator.py _prepare_deepspeed reads an 'auto' micro batch from DataLoader.batch_size only; "
+           "taken from a batch_sampler or the first training batch.",
     remove_when="accelerate resolves an 'auto' micro batch size without a DataLoader.batch_size",
     wrapper=f"{_PKG}.auto_batch_size:prepare_with_auto_micro_batch_size",
 )
