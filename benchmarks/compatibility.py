@@ -213,10 +213,10 @@ SPECS = [
          "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
     Spec("consistency_distillation/train_lcm_distill_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
          "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--lora_rank", "4"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
-    Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+    Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
          "lora:StableDiffusionXLPipeline:unet:unet_lora", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
          cli={"model": ["--pretrained_teacher_model", "{model}"]}),
-    Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_family", SDXL_WDS,
+    Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
          "full:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
     Spec("dreambooth/train_dreambooth_lora_sd3.py", "SD3", "sd3", DREAMBOOTH,
          "lora:StableDiffusion3Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
@@ -350,6 +350,7 @@ BUILDERS = {
     # SDXL UNet
     "sdxl_family": "import tiny_sdxl_family as t; t.build('{w}/model'); t.write_data('{w}/data')",
     "sdxl_adapter": "import tiny_sdxl_family as t; t.build_adapter('{w}/model'); t.write_data('{w}/data')",
+    "sdxl_lcm": "import tiny_sdxl_family as t; t.build_lcm('{w}/model'); t.write_data('{w}/data')",
     # -- Flux, Flux2, SD3 DiT scripts --
     # Flux.1 and SD3
     "flux_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.flux_pipeline('{w}/model'); "
@@ -478,10 +479,21 @@ KNOWN_CAUSES = [
      "collate_fn rebuilds as fp32 (line 770) outside any engine (line 1216); accel-npu autocasts only frozen half "
      "models (plugins/precision/frozen_half.py: no parameter requires grad) and the engine's forward; accelerate "
      "autocasts only prepared models, so DDP fails alike"),
-    (r"accelerator\.prepare\(\) was given no DataLoader",
-     "the script's: its DataLoader (the LCM wds scripts' webdataset WebLoader) never reaches accelerator.prepare(), "
-     "so DeepSpeed's \"auto\" micro batch size has nothing to be read from; stock accelerate raises the same "
-     "(accelerate/accelerator.py Accelerator._prepare_deepspeed); the error is accel-npu's"),
+    (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
+     r"tensor b \(0\)",
+     "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
+     "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): train_lcm_distill_sd_wds.py:1371, "
+     "train_lcm_distill_sdxl_wds.py:1474; the loop at line 432)"),
+    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: IndexError: list index out of range",
+     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+     "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
+     "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
+     "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket"),
+    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: AttributeError: 'Parameter' object has no attribute 'ds_status'",
+     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+     "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 LoRA "
+     "parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which ZeRO-3 never partitioned: "
+     "the next forward's fetch finds no ds_status"),
     (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
      "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
      "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "

@@ -2,8 +2,9 @@
 
 Stock accelerate reads the "auto" from ``DataLoader.batch_size`` only, which is None for a loader
 built with ``batch_sampler=`` (diffusers' train_dreambooth_lora_qwen_image.py and its bucketing
-siblings): prepare fails. With accel-npu the sampler's batch size is used; where none exists the
-error names the key and the DeepSpeed file.
+siblings): prepare fails. With accel-npu the sampler's batch size is used. A loader with no batch size
+anywhere, prepared in a call of its own, is prepared and leaves "auto" for the model's call (that case,
+trained, and prepare without a DataLoader: tests/test_deepspeed_auto_micro_batch.py).
 """
 import pytest
 
@@ -15,7 +16,6 @@ SCRIPT = "tests/scripts/batch_sampler_auto.py"
 @pytest.mark.slow
 def test_auto_micro_batch_size_from_a_batch_sampler(tmp_path):
     config = write_deepspeed_config(tmp_path, zero_config(2), num_processes=2)
-    ds_file = str(tmp_path / "ds_config.json")
 
     # Stock accelerate's prepare, everything else of accel-npu on: fully stock accelerate cannot form
     # the DeepSpeed group of CPU ranks at all (every rank is rank 0 of 1; plugins/devices/cpu.py).
@@ -32,6 +32,4 @@ def test_auto_micro_batch_size_from_a_batch_sampler(tmp_path):
         # 12 samples in batches of 3, the batches dealt out to 2 ranks: 2 steps of 3 each
         assert r["shapes"] == [[3, 4], [3, 4]], r
         assert r["engine_micro_batch"] == 3 and r["engine_train_batch"] == 6, r
-        error = r["unresolvable"]
-        assert error.startswith("AutoBatchSizeError: ") and '"train_micro_batch_size_per_gpu": "auto"' in error, error
-        assert ds_file in error and "WholeBatches" in error, error
+        assert r["whole_batches"] == "prepared" and r["after_whole_batches"] == "auto", r

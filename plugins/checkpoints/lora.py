@@ -215,7 +215,9 @@ def peft_state_dict(wrapped, instance, args, kwargs):
     """peft's ``get_peft_model_state_dict`` of a ZeRO-3 partitioned model hands back the adapter's
     partitioned parameters themselves (not their empty ``state_dict()`` copies), so the
     ``save_file`` that follows (diffusers' ``save_lora_weights``) gathers them whole
-    (plugins/checkpoints/partitioned.py) instead of writing shape-[0] tensors."""
+    (plugins/checkpoints/partitioned.py) instead of writing shape-[0] tensors. peft's own
+    ``PeftModel.save_pretrained`` clones entries that share a storage (all partitions are empty) before
+    its save_file: the answer is remembered, so those clones are written gathered too."""
     model = argument(args, kwargs, 0, "model")
     if model is None or kwargs.get("state_dict") is not None or len(args) > 1:
         return wrapped(*args, **kwargs)
@@ -230,4 +232,10 @@ def peft_state_dict(wrapped, instance, args, kwargs):
                 full[key] = value  # the Parameter itself: gathered when written
     except Exception:
         return wrapped(*args, **kwargs)
-    return wrapped(model, *args[1:], state_dict=full, **kwargs)
+    # peft's own PeftModel.save_pretrained passes state_dict=None by keyword (peft/peft_model.py)
+    answer = wrapped(*args, **dict(kwargs, state_dict=full))
+    if isinstance(answer, dict):
+        from accel_npu.plugins.checkpoints.partitioned import remember_sources
+
+        remember_sources(answer, {k: v for k, v in answer.items() if serving.is_partitioned(v)})
+    return answer

@@ -33,6 +33,26 @@ from accel_npu.plugins.checkpoints import serving
 
 GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
 _sources = contextvars.ContextVar("accel_npu_partitioned_sources", default=None)
+#: (state dict, {key: partitioned parameter}) of the latest peft get_peft_model_state_dict answers: peft's
+#: PeftModel.save_pretrained clones entries that share a storage before save_file (peft/peft_model.py, "Safetensors
+#: does not allow tensor aliasing"), and every partition is an empty tensor, so the clones lose the parameter
+_answered: list = []
+
+
+def remember_sources(tensors: dict, sources: dict) -> None:
+    """``tensors`` (a state dict handed to a caller) holds these partitioned parameters under these keys."""
+    if sources:
+        _answered[:] = [e for e in _answered if e[0] is not tensors][-3:] + [(tensors, sources)]
+
+
+def _remembered(tensors: dict) -> dict:
+    """{key: partitioned parameter} for the entries of a remembered state dict that still hold the parameter
+    or an empty copy of it (a clone of its partition), never a tensor with data of its own."""
+    for answered, sources in _answered:
+        if answered is tensors:
+            return {k: p for k, p in sources.items() if k in tensors and (
+                tensors[k] is p or getattr(tensors[k], "numel", lambda: 1)() == 0)}
+    return {}
 
 
 def partitioned(module) -> list:
@@ -140,11 +160,12 @@ def save_file(wrapped, instance, args, kwargs):
     if not isinstance(tensors, dict):
         return wrapped(*args, **kwargs)
     by_key, by_meta = _sources.get() or ({}, {})
+    remembered = _remembered(tensors) if not by_key and not by_meta else {}
     sources = {}
     for k, t in tensors.items():
         param = by_meta.get(id(t)) if getattr(t, "is_meta", False) else None
         if param is None:
-            param = by_key.get(k)  # diffusers' keys are the state dict's own
+            param = by_key.get(k) or remembered.get(k)  # diffusers' keys are the state dict's own
         if param is None and serving.is_partitioned(t):
             param = t
         if param is not None:

@@ -13,6 +13,9 @@
 - ``@torch.inference_mode()`` eval under ZeRO-3: parameters gathered under
   inference mode become inference tensors and the next training forward fails ("Inference
   tensors cannot be saved for backward"). ZeRO-3 parameter fetches run outside inference mode.
+- ``"train_micro_batch_size_per_gpu": "auto"`` where accelerate reads no DataLoader.batch_size (a
+  ``batch_sampler=`` loader, or no DataLoader in ``prepare`` as the LCM webdataset scripts do): read from
+  the sampler, or set from the engine's first training batch (auto_batch_size.py).
 - inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
   scripts make them) are cast at the engine's boundary (input_dtype.py).
 
@@ -83,15 +86,16 @@ ZERO3_FETCH = Patch(
 )
 
 
-# -- "auto" micro batch size from a batch_sampler ----------------------------------------------------
+# -- "auto" micro batch size where accelerate cannot read it -----------------------------------------
 AUTO_MICRO_BATCH_SIZE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
     supports="accelerate>=1.10,<1.16",
-    # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; an unresolvable "auto" is one
-    # error naming the key and the DeepSpeed file.
-    reason="A micro batch size of 'auto' is read from DataLoader.batch_size only, so batch_sampler= "
-           "fails prepare ('has `None` as batch size'); read from the sampler.",
-    remove_when="accelerate reads a DataLoader's batch_sampler.batch_size for the 'auto' micro batch size",
+    # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no
+    # DataLoader (webdataset batches); the engine's first training forward sets the value (a forward
+    # pre-hook on that engine, removed after). A data_efficiency config is one error naming the key and file.
+    reason="accelerator.py _prepare_deepspeed reads an 'auto' micro batch from DataLoader.batch_size only; "
+           "taken from a batch_sampler or the first training batch.",
+    remove_when="accelerate resolves an 'auto' micro batch size without a DataLoader.batch_size",
     wrapper=f"{_PKG}.auto_batch_size:prepare_with_auto_micro_batch_size",
 )
 

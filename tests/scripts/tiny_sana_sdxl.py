@@ -66,39 +66,43 @@ def sana_pipeline(folder: str) -> None:
                  scheduler=scheduler).save_pretrained(folder)
 
 
-def sdxl_pipeline(folder: str, vae_blocks: int = 2, **unet_over) -> None:
+def sdxl_pipeline(folder: str, vae_blocks: int = 2, text_hidden: tuple = (32, 32), projection_dim: int = 32,
+                  **unet_over) -> None:
     """UNet2DConditionModel (addition_embed_type text_time) + CLIPTextModel + CLIPTextModelWithProjection
     + AutoencoderKL + two CLIP tokenizers + DDPMScheduler, saved by StableDiffusionXLPipeline.save_pretrained.
     cross_attention_dim = the two encoders' hidden sizes side by side; the added embedding takes 6 time ids
     of addition_time_embed_dim each plus the second encoder's projection. ``vae_blocks``: the VAE downsamples
-    by 2 ** (vae_blocks - 1); ``unet_over`` replaces UNet arguments."""
+    by 2 ** (vae_blocks - 1); ``text_hidden``: the two encoders' hidden sizes, ``projection_dim`` the second's
+    pooled size (the UNet's cross_attention_dim and added embedding follow them); ``unet_over`` replaces UNet
+    arguments."""
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     tokenizer, vocab_size = write_clip_tokenizer(os.path.join(folder, "tokenizer"))
     tokenizer_2, _ = write_clip_tokenizer(os.path.join(folder, "tokenizer_2"))
 
-    def clip_config():
-        return CLIPTextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    def clip_config(hidden_size):
+        return CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=4, max_position_embeddings=tokenizer.model_max_length,
-                              bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=32)
+                              bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=projection_dim)
 
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**{**dict(
         block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-        addition_time_embed_dim=8, transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=8), **unet_over})
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 1),
+        projection_class_embeddings_input_dim=6 * 8 + projection_dim, cross_attention_dim=sum(text_hidden),
+        norm_num_groups=8), **unet_over})
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=(8,) * vae_blocks, in_channels=3, out_channels=3, latent_channels=4,
                         down_block_types=("DownEncoderBlock2D",) * vae_blocks,
                         up_block_types=("UpDecoderBlock2D",) * vae_blocks, norm_num_groups=4,
                         sample_size=8 * 2 ** (vae_blocks - 1))
     torch.manual_seed(0)
-    text_encoder = CLIPTextModel(clip_config())
+    text_encoder = CLIPTextModel(clip_config(text_hidden[0]))
     torch.manual_seed(1)
-    text_encoder_2 = CLIPTextModelWithProjection(clip_config())
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config(text_hidden[1]))
     scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="scaled_linear", clip_sample=False)
     StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
                               tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler).save_pretrained(folder)

@@ -39,6 +39,13 @@ def build(model_dir: str) -> None:
     sdxl_pipeline(model_dir, vae_blocks=4)
 
 
+def build_lcm(model_dir: str) -> None:
+    """The same, with SDXL's text sizes: the LCM wds scripts build their unconditional embeddings as
+    ``torch.zeros(bs, 77, 2048)`` and ``torch.zeros(bs, 1280)`` (train_lcm_distill_sdxl_wds.py:1228-1229), so
+    the encoders' hidden sizes add up to 2048 and the second projects to 1280 (2 layers, 64-wide MLPs)."""
+    sdxl_pipeline(model_dir, vae_blocks=4, text_hidden=(1024, 1024), projection_dim=1280)
+
+
 def build_adapter(model_dir: str) -> None:
     """SDXL's block widths and layout (DownBlock2D, two CrossAttnDownBlock2D) with one layer per block,
     small attention and a 64-wide text context."""
