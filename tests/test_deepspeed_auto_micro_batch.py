@@ -133,3 +133,17 @@ def test_a_loader_without_a_batch_size_prepared_alone_before_the_model(accelerat
     assert shapes == [(5, 4)] * 4
     assert engine.train_micro_batch_size_per_gpu() == 5 and engine.train_batch_size() == 10
     assert engine.global_steps == 2 and engine.global_samples == 20
+
+
+def test_auto_micro_batch_size_from_an_integer_train_batch_size(accelerator_factory):
+    """An integer "train_batch_size" beside the "auto" micro batch: DeepSpeed's own derivation
+    (runtime/config.py: train_batch_size // (gradient_accumulation_steps * world)), at prepare."""
+    import torch
+
+    accelerator = accelerator_factory(2, train_batch_size=12)
+    model, optimizer = _model_and_optimizer()
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (6, 12)
+    loss = engine(torch.randn(3, 4)).pow(2).mean()  # a batch of another size changes nothing: it was given
+    accelerator.backward(loss)
+    assert (engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()) == (6, 12)

@@ -68,7 +68,9 @@ class _Window:
         self.saves = 0  # save_state calls made (or served) within the current window
         self.logged = False  # rank 0 appended events to the log within the current window
         self.accelerator = None  # weak reference, for the save_state a paused rank serves
-        self.pinned = ()  # a waiting rank's ZeRO-3 parameters, kept servable after the script drops its model
+        self.pins = False  # a rank other than 0 under ZeRO-3: it may serve rank 0's gathers at its exit
+        self.pinned = ()  # its prepared models' ZeRO-3 parameters, kept servable after the script drops them
+        self.pinned_for = ()  # ids of the models pinned: re-pinned when the prepared models change
 
 
 _w = _Window()
@@ -86,8 +88,7 @@ def _decide(accelerator) -> bool:
             serving.before_append = _mark_logged
         _dist.collective_hooks.before = _before_collective
         _dist.collective_hooks.failed = collective_failed
-        if not _w.main and serving.zero3_multi_rank():
-            _w.pinned = serving.pin([p for m in getattr(accelerator, "_models", ()) for p in m.parameters()])
+        _w.pins = not _w.main and serving.zero3_multi_rank()
         atexit.register(_at_exit)  # and before a plugin closes the group at exit:
         _dist.before_group_close.append(_at_exit)
     return _w.enabled
@@ -104,8 +105,21 @@ def after_backward(accelerator) -> None:
     open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step)."""
     if _w.accelerator is None or _w.accelerator() is not accelerator:
         _w.accelerator = weakref.ref(accelerator)
+    _pin_prepared_models(accelerator)
     if not _w.fsdp:
         open_window()
+
+
+def _pin_prepared_models(accelerator) -> None:
+    """On a rank that may serve at its exit: hold the prepared models' parameters (the latest ones only:
+    after ``free_memory`` and a new ``prepare`` the earlier models are let go)."""
+    if not _w.pins:
+        return
+    models = tuple(getattr(accelerator, "_models", ()))
+    ids = tuple(id(m) for m in models)
+    if ids != _w.pinned_for:
+        _w.pinned = serving.pin([p for m in models for p in m.parameters()])
+        _w.pinned_for = ids
 
 
 def after_optimizer_step() -> None:
@@ -169,13 +183,24 @@ def clean_point(where: str) -> None:
     _pause(store, rank, lg, where)
 
 
+def _wait_limit() -> float:
+    """How long a paused rank waits for rank 0: as long as a stock collective would, the script's own
+    process-group timeout where it set a longer one (``InitProcessGroupKwargs(timeout=...)``:
+    train_unconditional.py's 7200 s for rank 0's sampling), else 30 minutes."""
+    accelerator = _w.accelerator() if _w.accelerator is not None else None
+    timeout = getattr(getattr(accelerator, "init_handler", None), "timeout", None)
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else 0.0
+    return max(serving._IDLE_LIMIT, seconds)
+
+
 def _pause(store, rank, lg, where: str) -> None:
     step = _w.step
     started = time.monotonic()
+    limit = _wait_limit()
     key = _release_key(step)
     while not serving._wait(store, [key], 60.0):
-        if time.monotonic() - started > serving._IDLE_LIMIT:
-            raise CollectiveMisuseError(f"rank {rank} waited {serving._IDLE_LIMIT:g} s at {where} after optimizer "
+        if time.monotonic() - started > limit:
+            raise CollectiveMisuseError(f"rank {rank} waited {limit:g} s at {where} after optimizer "
                                         f"step {step} for rank 0 to reach its next batch or collective")
     if serving._get(store, key) == "go":
         return
@@ -183,8 +208,8 @@ def _pause(store, rank, lg, where: str) -> None:
         i = lg.cursor
         ev = serving._read(store, i, 60.0)
         if ev is None:
-            if time.monotonic() - started > serving._IDLE_LIMIT:
-                raise CollectiveMisuseError(f"rank {rank} waited {serving._IDLE_LIMIT:g} s at {where} after optimizer "
+            if time.monotonic() - started > limit:
+                raise CollectiveMisuseError(f"rank {rank} waited {limit:g} s at {where} after optimizer "
                                             f"step {step} for rank 0 to reach its next batch or collective")
             continue
         lg.cursor += 1
@@ -342,7 +367,7 @@ def _idle_point(name: str, reopens: bool):
         if reopens and _w.enabled and not _inside.get() and _called_by_the_script():
             open_window()  # every rank calls it from the same line: the windows stay paired
         elif not reopens:
-            _w.pinned = ()
+            _w.pinned, _w.pinned_for = (), ()
         return result
 
     wrapper.__name__ = wrapper.__qualname__ = name
@@ -429,7 +454,7 @@ def _at_exit() -> None:
     except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
         log.warning("accel-npu: serving rank 0 at the end of the script failed: %s", exc)
     finally:
-        _w.pinned = ()
+        _w.pinned, _w.pinned_for = (), ()
 
 
 wait_for_everyone = _idle_point("wait_for_everyone", reopens=True)

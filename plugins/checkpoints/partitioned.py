@@ -164,8 +164,11 @@ def save_file(wrapped, instance, args, kwargs):
     sources = {}
     for k, t in tensors.items():
         param = by_meta.get(id(t)) if getattr(t, "is_meta", False) else None
-        if param is None:
-            param = by_key.get(k) or remembered.get(k)  # diffusers' keys are the state dict's own
+        if param is None and (getattr(t, "is_meta", False) or t.numel() == 0):
+            # diffusers' keys are the state dict's own; a tensor with data of its own is written as it is
+            param = by_key.get(k)
+            if param is None:
+                param = remembered.get(k)  # not `or`: a partitioned Parameter has no truth value
         if param is None and serving.is_partitioned(t):
             param = t
         if param is not None:
@@ -231,7 +234,8 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
         refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
                "be gathered.", "Save before accelerator.end_training().")
     with meta_state_dict(instance):
-        if bound.arguments.get("save_original_format", True):
+        # an adapter-only save (transformers' add_adapter) skips the weight conversion
+        if bound.arguments.get("save_original_format", True) and not getattr(instance, "_hf_peft_config_loaded", False):
             _refuse_computed_entries(what, instance)
         return wrapped(*args, **kwargs)
 

@@ -130,6 +130,14 @@ def fill_auto_micro_batch_size(accelerator, args) -> str:
                 "(nor does its batch_sampler)" if unresolved else
                 "accelerator.prepare() was given no DataLoader to take the batch size from")
         raise _error(plugin, f'{what}, and the config\'s "{section}" reads it inside deepspeed.initialize')
+    total = plugin.deepspeed_config.get(TRAIN_BATCH)
+    if _positive_int(total):  # an integer train_batch_size: DeepSpeed's own derivation (runtime/config.py)
+        gas = plugin.deepspeed_config.get("gradient_accumulation_steps")
+        gas = gas if _positive_int(gas) else accelerator.gradient_accumulation_steps
+        value = max(1, total // (gas * accelerator.num_processes))
+        plugin.deepspeed_config[KEY] = value
+        log.info('accel-npu: "%s": "auto" -> %d, from "%s": %d', KEY, value, TRAIN_BATCH, total)
+        return RESOLVED
     plugin.deepspeed_config[KEY] = PROVISIONAL
     return AT_FIRST_FORWARD
 

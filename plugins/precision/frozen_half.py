@@ -101,6 +101,8 @@ def _unhook(model) -> None:
 
 
 def _before_forward(model, args, kwargs):
+    stack = _entered.__dict__.setdefault("stack", [])
+    stack.append((model, None))  # one entry per call, popped by _after_forward: re-entrant calls pair up
     names = fp32_activations(args, kwargs)
     if not names:
         return None
@@ -108,6 +110,7 @@ def _before_forward(model, args, kwargs):
 
     found = frozen_half_dtype(model)
     if found is TRAINED:  # trained since its cast (an adapter added, a layer unfrozen): as stock from now on
+        stack.pop()  # its post-hook is removed with the pre-hook: this call's entry goes now
         _unhook(model)
         return None
     if found is None:
@@ -121,17 +124,20 @@ def _before_forward(model, args, kwargs):
         half = str(dtype).removeprefix("torch.")
         log.warning("accel-npu: %s passes float32 %s to the frozen %s %s (no parameter requires grad, "
                     "outside any engine or autocast): its forward runs under torch.autocast(%s), as accelerate "
-                    "runs a prepared model with mixed precision; stock stops at the first matmul.", where,
+                    "runs a prepared model with mixed precision; stock stops at the first matmul that meets them.", where,
                     ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""), half, type(model).__name__, half)
     context = torch.autocast(device_type, dtype=dtype)
     context.__enter__()
-    stack = _entered.__dict__.setdefault("stack", [])
-    stack.append((model, context))
+    stack[-1] = (model, context)
     return None
 
 
 def _after_forward(model, args, output):
-    stack = getattr(_entered, "stack", None)
-    if stack and stack[-1][0] is model:
-        stack.pop()[1].__exit__(None, None, None)
+    stack = getattr(_entered, "stack", None) or []
+    for i in range(len(stack) - 1, -1, -1):  # this model's innermost open call
+        if stack[i][0] is model:
+            context = stack.pop(i)[1]
+            if context is not None:
+                context.__exit__(None, None, None)
+            break
     return None
