@@ -45,6 +45,11 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
     dropped = "64 of 158 master tensors not in the loaded artifact"
     assert compat._whose("", dropped, lcm).startswith("diffusers': ")  # a cause scoped to one script
     assert compat._whose("", dropped, SCRIPT) == "unknown"
+    # a script's own cause comes before the generic one of the same error
+    misuse = "accel_npu._torch.dist.CollectiveMisuseError: x.py:692 enters all_gather_into_tensor, a collective"
+    unconditional = UPSTREAM_EXAMPLES / "unconditional_image_generation" / "train_unconditional.py"
+    assert "DDPMPipeline" in compat._whose("", misuse, unconditional)
+    assert "save_state inside" in compat._whose("", misuse, SCRIPT)
     warned = "UserWarning: not an error\nKeyError: 'x'"
     assert compat.first_error(warned, SCRIPT)[0] == "KeyError: 'x'"
 
