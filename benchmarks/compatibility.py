@@ -388,8 +388,10 @@ def _build(kind: str, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     code = BUILDERS[kind].format(w=work)
     env = dict(base_env(), PYTHONPATH=str(REPO / "tests" / "scripts"))
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600, env=env,
-                   cwd=str(REPO / "tests" / "scripts"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=str(REPO / "tests" / "scripts"))
+    if done.returncode:  # the builder's own error: a missing matrix extra (`pip install ".[matrix]"`), a bad config
+        raise SystemExit(f"building {kind!r} in {work} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     marker.write_text("ok")
 
 

@@ -68,6 +68,7 @@ class _Window:
         self.saves = 0  # save_state calls made (or served) within the current window
         self.logged = False  # rank 0 appended events to the log within the current window
         self.accelerator = None  # weak reference, for the save_state a paused rank serves
+        self.opened_by = "an optimizer step"  # what opened the current window (for the error messages)
         self.pins = False  # a rank other than 0 under ZeRO-3: it may serve rank 0's gathers at its exit
         self.pinned = ()  # its prepared models' ZeRO-3 parameters, kept servable after the script drops them
         self.pinned_for = ()  # ids of the models pinned: re-pinned when the prepared models change
@@ -127,11 +128,12 @@ def after_optimizer_step() -> None:
         open_window()
 
 
-def open_window() -> None:
+def open_window(by: str = "an optimizer step") -> None:
     """Open a window (after an optimizer step, or when an epoch's batches ran out: the state is still the
     last step's). Every rank opens the same windows in the same order: their number is the window's name."""
     _w.step += 1
     _w.open = True
+    _w.opened_by = by
     _w.saves = 0
     _w.logged = False
 
@@ -308,7 +310,7 @@ def _before_collective(name: str) -> None:
         if guard is not None:
             _w.open = False
             message = (f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
-                       f"right after an optimizer step: under DeepSpeed ZeRO or FSDP (a sharded model gathers its layers) "
+                       f"right after {_w.opened_by}: under DeepSpeed ZeRO or FSDP (a sharded model gathers its layers) "
                        f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
                        f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
                        f"`{callsite.FIX.replace('DEEPSPEED', 'FSDP') if _w.fsdp else callsite.FIX}` "
@@ -365,7 +367,7 @@ def _idle_point(name: str, reopens: bool):
             serving.idle(name)
         result = wrapped(*args, **kwargs)
         if reopens and _w.enabled and not _inside.get() and _called_by_the_script():
-            open_window()  # every rank calls it from the same line: the windows stay paired
+            open_window(f"accelerator.{name}()")  # every rank calls it from the same line: the windows stay paired
         elif not reopens:
             _w.pinned, _w.pinned_for = (), ()
         return result
