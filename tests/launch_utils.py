@@ -38,6 +38,9 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_NPU_", "ACCELERATE_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())})
+    # stock DeepSpeed JIT-builds its shm comm op under a lock file (torch/utils/file_baton.py): one build
+    # folder per venv, so two venvs' runs never rebuild each other's, nor wait on a lock a killed build left
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -87,10 +90,18 @@ def one_rank_deepspeed_group(monkeypatch):
         deepspeed.comm.init_distributed(dist_backend="gloo")
         yield
     finally:
+        import gc
+
         from transformers.integrations import unset_hf_deepspeed_config
+
+        from accel_npu._torch import zero
 
         unset_hf_deepspeed_config()
         dist.destroy_process_group()
+        # this test's engines are done: one still referenced somewhere must not make a later test's
+        # loads in this worker "beside a live engine" (built whole)
+        gc.collect()
+        zero._engines.clear()
 
 
 #: ZeRO-3 bf16, every parameter partitioned: what accelerate's plugin hands transformers/diffusers in tests
