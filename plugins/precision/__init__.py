@@ -112,8 +112,8 @@ LUMINA2_FREQS_CIS = Patch(
 
 
 # -- 8. frozen bf16/fp16 models given fp32 activations (frozen_half.py) ------------------------------------
-# diffusers v0.40.0 controlnet/train_controlnet_sdxl.py and t2i_adapter/train_t2i_adapter_sdxl.py hand the
-# frozen bf16 UNet prompt embeddings their collate_fn rebuilt as fp32 ('expected m1 and m2 to have the same dtype').
+# diffusers v0.40.0 controlnet/train_controlnet_sdxl.py hands the frozen bf16 UNet prompt embeddings its
+# collate_fn rebuilt as fp32 ('expected m1 and m2 to have the same dtype').
 FROZEN_HALF_DIFFUSERS = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.to",
     supports="diffusers>=0.33,<0.43",

@@ -5,9 +5,9 @@ diffusers' examples freeze the models they do not train and cast them to the mix
 wrapper: accelerate runs only the models it prepared under ``torch.autocast`` (accelerate/accelerator.py
 ``native_amp``), DeepSpeed none. A script that hands such a model fp32 activations stops at its first
 matmul ("expected m1 and m2 to have the same dtype"), on GPUs too: v0.40.0's
-controlnet/train_controlnet_sdxl.py and t2i_adapter/train_t2i_adapter_sdxl.py rebuild the precomputed
-prompt embeddings as fp32 in their collate_fn (``torch.tensor`` of the dataset's lists) and pass them to
-the frozen bf16 UNet. A frozen model whose floating parameters are all one half dtype cannot compute on
+controlnet/train_controlnet_sdxl.py rebuilds the precomputed prompt embeddings as fp32 in its
+collate_fn (``torch.tensor`` of the dataset's lists) and passes them to the frozen bf16 UNet
+(t2i_adapter/train_t2i_adapter_sdxl.py does the same to a UNet it never freezes: not covered). A frozen model whose floating parameters are all one half dtype cannot compute on
 such an input at all; its forward runs under ``torch.autocast`` of that dtype instead, as a prepared model
 runs under DDP with mixed precision, with one warning per model class naming the script's line.
 
