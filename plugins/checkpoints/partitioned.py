@@ -65,6 +65,13 @@ def _group_alive() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def refuse_if_group_gone(what: str) -> None:
+    """The slices can only be gathered while the process group is up."""
+    if not _group_alive():
+        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
+               "be gathered.", "Save before accelerator.end_training().")
+
+
 def refuse(what: str, reason: str, fix: str):
     raise CheckpointError(f"{what}: the model's parameters are ZeRO-3 partitions (each rank holds a slice; "
                           f"stock would write shape-[0] tensors that from_pretrained cannot load). {reason} "
@@ -181,10 +188,7 @@ def save_file(wrapped, instance, args, kwargs):
                f"Entries {unknown[:5]} are meta tensors computed from partitioned parameters (a weight conversion), "
                "not parameters that can be gathered.", "Save the gathered weights instead: state_dict = "
                "accelerator.get_state_dict(model) on every rank, then save it on the main process.")
-    if not _group_alive():
-        refuse(f"safetensors save_file({bound.arguments.get('filename')!r})",
-               "The process group is gone (accelerator.end_training() was called), so the slices cannot be gathered.",
-               "Save before accelerator.end_training().")
+    refuse_if_group_gone(f"safetensors save_file({bound.arguments.get('filename')!r})")
     write_streaming(tensors, sources, bound.arguments["filename"], bound.arguments.get("metadata"))
 
 
@@ -201,9 +205,7 @@ def diffusers_save_pretrained(wrapped, instance, args, kwargs):
     if not bound.arguments.get("safe_serialization", True) or bound.arguments.get("use_flashpack"):
         refuse(what, "Only safetensors shards can be written gathered slice by slice.",
                "Pass safe_serialization=True (the default).")
-    if not _group_alive():
-        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
-               "be gathered.", "Save before accelerator.end_training().")
+    refuse_if_group_gone(what)
     with meta_state_dict(instance):
         return wrapped(*args, **kwargs)
 
@@ -230,9 +232,7 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
                "safetensors' save_file (safe_save_file) would write them as they are.",
                "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
                "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
-    if not _group_alive():
-        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
-               "be gathered.", "Save before accelerator.end_training().")
+    refuse_if_group_gone(what)
     with meta_state_dict(instance):
         # an adapter-only save (transformers' add_adapter) skips the weight conversion
         if bound.arguments.get("save_original_format", True) and not getattr(instance, "_hf_peft_config_loaded", False):
