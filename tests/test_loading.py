@@ -454,3 +454,64 @@ def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boun
     for k, t in got:
         with real(ckpt.path(ckpt.weight_map[k]), framework="pt") as f:
             assert torch.equal(t, f.get_tensor(k).float()), k
+
+
+# ------------------------------------------------------------------------------------------------
+# reading while the model is built (plugins/loading/prefetch.py)
+# ------------------------------------------------------------------------------------------------
+def _record_takes(monkeypatch):
+    from accel_npu.plugins.loading import prefetch
+
+    taken = {}
+    real_take = prefetch.Prefetch.take
+
+    def take(self, key):
+        got = real_take(self, key)
+        if got is not None:
+            taken[key] = got
+        return got
+
+    monkeypatch.setattr(prefetch.Prefetch, "take", take)
+    return taken
+
+
+def test_prefetch_guesses_the_kept_keys_before_the_model_exists(ckpts):
+    from accel_npu._torch.safetensors_io import open_checkpoint
+    from accel_npu.plugins.loading.prefetch import predicted_keys
+
+    ckpt = open_checkpoint(str(ckpts["qwen"]))
+    for depth in (2, 4):
+        model = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=depth)
+        kept = {k for k in model.state_dict() if k in ckpt.weight_map}
+        assert set(predicted_keys(ckpt, depth, 4)) == kept, depth
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_prefetched_casts_are_what_the_model_holds(ckpts, threads, monkeypatch):
+    # bf16 file, fp32 model: every tensor is cast, in the load threads, while the model is built
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)
+    taken = _record_takes(monkeypatch)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+    sd = ours.state_dict()
+    from_file = {k for k in sd if not k.startswith("pos_embed.")}
+    assert set(taken) == from_file
+    assert all(sd[k].data_ptr() == taken[k].data_ptr() for k in taken)  # used, not read again
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
+
+
+def test_a_wrong_dtype_guess_is_read_again(ckpts, monkeypatch):
+    # guess fp16 where the model is built in fp32: each guessed tensor is refused and read from the file
+    import accel_npu.plugins.loading.prefetch as prefetch
+
+    real_init = prefetch.Prefetch.__init__
+
+    def guess_fp16(self, ckpt, keys, target_dtype, threads):
+        real_init(self, ckpt, keys, lambda k, s: None if target_dtype(k, s) is None else torch.float16, threads)
+
+    monkeypatch.setattr(prefetch.Prefetch, "__init__", guess_fp16)
+    taken = _record_takes(monkeypatch)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"])
+    assert taken and all(t.dtype == torch.float16 for t in taken.values())
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"])))

@@ -3,7 +3,7 @@
 This module declares the plugin (its patches and its ``accel-npu env`` section); the machinery
 sits beside it (docs/loading.md): ``diffusers.py`` and ``transformers.py`` (the two
 ``from_pretrained``), ``frozen.py`` (loads kept outside zero.Init), ``placement/`` (zero3, fsdp,
-local), ``slots.py``, ``lazy.py``, ``truncation.py``, ``job.py``. Every wrapper hands calls it
+local), ``slots.py``, ``lazy.py``, ``prefetch.py``, ``truncation.py``, ``job.py``. Every wrapper hands calls it
 does not improve to the stock implementation (hub ids, device_map, quantization, variants,
 pickled checkpoints, ...).
 """

@@ -4,9 +4,11 @@ What happens to such a call (anything else — hub ids, ``device_map``, quantiza
 goes to the stock implementation unchanged, before a byte is read):
 
 1. **Plan** (:func:`plan_load`): only calls we can take over, with a local checkpoint.
-2. **Build on meta** (:func:`build_on_meta`): exactly stock diffusers' construction (parameters on
-   meta, buffers and plain tensor attributes real). A depth override (``num_layers=2``, or
-   ``ACCEL_NPU_TRUNCATE=Class:2``) builds the shallow model: only its tensors are ever read.
+2. **Build on meta** (:func:`read_config`, :func:`build_on_meta`): exactly stock diffusers'
+   construction (parameters on meta, buffers and plain tensor attributes real). A depth override
+   (``num_layers=2``, or ``ACCEL_NPU_TRUNCATE=Class:2``) builds the shallow model: only its tensors
+   are ever read. A load read on this rank starts reading the keys it will most likely keep before
+   construction (:func:`start_prefetch`, prefetch.py): the threads read and cast while it builds.
 3. **Check before reading** (:func:`check_job`): every needed shard is opened (header only) and
    every key checked; a missing shard, a corrupt file or a key no shard has is one
    :class:`~accel_npu.errors.LoadError` naming the file and the key. Asking for more layers than
@@ -29,7 +31,7 @@ from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of, open_checkpoint, validate
 from accel_npu.environment import truthy
 from accel_npu.errors import LoadError
-from accel_npu.plugins.loading import truncation
+from accel_npu.plugins.loading import prefetch, truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.job import LoadJob
 from accel_npu.plugins.loading.placement import fsdp, local, zero3
@@ -117,10 +119,8 @@ class _Depth:
     requested: Any           # what this call asks for (None: as the checkpoint)
 
 
-def build_on_meta(cls, plan: _Plan):
-    """(model on meta, depth) exactly as stock constructs it; nothing is read."""
-    import accelerate
-    import torch
+def read_config(cls, plan: _Plan) -> tuple[dict, dict, _Depth]:
+    """(config, the kwargs it does not take, depth) exactly as stock reads them; nothing is built."""
     from diffusers.models import modeling_utils as mu
 
     kwargs = dict(plan.kwargs)
@@ -142,7 +142,16 @@ def build_on_meta(cls, plan: _Plan):
     if truncate_to is not None and dkey and dkey not in unused_kwargs and dkey not in kwargs:
         unused_kwargs[dkey] = truncate_to
     depth = _Depth(dkey, config.get(dkey) if dkey else None, unused_kwargs.get(dkey) if dkey else None)
+    return config, unused_kwargs, depth
 
+
+def build_on_meta(cls, plan: _Plan, configured: tuple[dict, dict, _Depth] | None = None):
+    """(model on meta, depth) exactly as stock constructs it; nothing is read."""
+    import accelerate
+    import torch
+    from diffusers.models import modeling_utils as mu
+
+    config, unused_kwargs, depth = configured or read_config(cls, plan)
     torch_dtype = plan.torch_dtype
     dtype_orig = cls._set_default_torch_dtype(torch_dtype) if torch_dtype is not None else None
     try:
@@ -168,8 +177,6 @@ def check_job(cls, plan: _Plan, model, depth: _Depth) -> tuple[LoadJob, list[str
 
     Returns (job, keys the checkpoint lacks, names still on meta after construction).
     """
-    import torch
-
     ckpt = plan.ckpt
     model_sd = model.state_dict()
     expected = list(model_sd.keys())
@@ -198,7 +205,7 @@ def check_job(cls, plan: _Plan, model, depth: _Depth) -> tuple[LoadJob, list[str
     for k in kept:
         t = model_sd[k]
         dt = t.dtype if torch_dtype is None or not t.is_floating_point() else torch_dtype
-        out_bytes += t.numel() * (torch.empty((), dtype=dt).element_size())
+        out_bytes += t.numel() * dt.itemsize
     job = LoadJob(cls=cls, model=model, model_sd=model_sd, ckpt=ckpt, kept=kept, needed_files=needed_files,
                   nbytes=nbytes_of(ckpt, kept), out_bytes=out_bytes, torch_dtype=torch_dtype,
                   keep_in_fp32=_keep_in_fp32(cls), unexpected=unexpected, path=plan.path, folder=plan.folder,
@@ -206,13 +213,37 @@ def check_job(cls, plan: _Plan, model, depth: _Depth) -> tuple[LoadJob, list[str
     return job, missing, on_meta
 
 
-def place(job: LoadJob, ds_config: dict | None) -> float:
+def place(job: LoadJob, ds_config: dict | None, early: prefetch.Prefetch | None = None) -> float:
     """Fill the model's parameters (see placement/); returns the seconds it took."""
     if ds_config is not None:  # ZeRO-3 zero.Init: straight into partitions, read once by rank 0
         return zero3.place(job, ds_config)
     if fsdp.reads_elsewhere():  # FSDP cpu_ram_efficient_loading: rank 0 reads for this rank
         return fsdp.place(job)
-    return local.place(job)
+    return local.place(job, early)
+
+
+def start_prefetch(cls, plan: _Plan, depth: _Depth, ds_config: dict | None) -> prefetch.Prefetch | None:
+    """For a load read here (not into ZeRO-3 partitions, not left to FSDP): start reading the keys it
+    will most likely keep, cast as ``torch_dtype`` will have them (see prefetch.py)."""
+    import torch
+
+    if ds_config is not None or fsdp.reads_elsewhere():
+        return None
+    keep, torch_dtype, default = _keep_in_fp32(cls), plan.torch_dtype, torch.get_default_dtype()
+
+    def target_dtype(key: str, stored: str):
+        if stored not in ("F64", "F32", "F16", "BF16"):
+            return None  # not floating: never cast
+        if torch_dtype is None:
+            return default  # the dtype the model is built in
+        return torch.float32 if keep and any(m in key.split(".") for m in keep) else torch_dtype
+
+    keys = prefetch.predicted_keys(plan.ckpt, depth.requested, depth.in_checkpoint)
+    try:
+        early = prefetch.Prefetch(plan.ckpt, keys, target_dtype, threads=0)
+    except LoadError:  # a file the guess names is bad: check_job reports what the model really needs
+        return None
+    return early.start(f"{cls.__name__} from {plan.folder}")
 
 
 def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
@@ -243,9 +274,15 @@ def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
 def load(cls, plan: _Plan):
     """The whole load: build on meta, check, place, finish. Returns what stock returns."""
     ds_config = zero3.zero3_config()
-    model, depth = build_on_meta(cls, plan)
-    job, missing, on_meta = check_job(cls, plan, model, depth)
-    seconds = place(job, ds_config)
+    configured = read_config(cls, plan)
+    early = start_prefetch(cls, plan, configured[2], ds_config)
+    try:
+        model, depth = build_on_meta(cls, plan, configured)
+        job, missing, on_meta = check_job(cls, plan, model, depth)
+        seconds = place(job, ds_config, early)
+    finally:
+        if early is not None:
+            early.close()
     malloc_trim()
     finish(job, depth, seconds)
     model.register_to_config(_name_or_path=plan.original)

@@ -21,8 +21,10 @@ class Readahead:
     just read), and only the listed tensors' ranges. Best effort: a failure requests nothing.
     """
 
-    def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES):
+    def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES,
+                 done: dict[str, list[tuple[int, int]]] | None = None):
         self.ckpt, self.window = ckpt, window
+        self.done = done or {}  # file -> byte ranges already requested (by a prefetch): not asked again
         self.ranges: list[tuple[str, int, int]] = []  # (file, begin, end) in read order, adjacent ones merged
         self.starts: dict[str, int] = {}  # key -> bytes of the ranges before it (its position in the stream)
         total = 0
@@ -55,6 +57,8 @@ class Readahead:
             name, begin, end = self.ranges[self.next]
             self.next += 1
             self.requested += end - begin
+            if any(b <= begin and end <= e for b, e in self.done.get(name, ())):
+                continue
             try:
                 fd = self.fds.get(name)
                 if fd is None:
@@ -85,9 +89,11 @@ class LazyTensors:
     Results are identical and yielded in the same order.
     """
 
-    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None, convert=None, threads: int = 1):
+    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None, convert=None, threads: int = 1,
+                 prefetch=None):
         self.ckpt, self.keys, self.progress = ckpt, keys, progress
         self.convert, self.threads = convert, threads
+        self.prefetch = prefetch  # prefetch.Prefetch: tensors read and cast while the model was built
         self.read = 0
         self._unshown = 0  # bytes read but not yet passed to the progress bar
 
@@ -121,10 +127,10 @@ class LazyTensors:
         files = self.files(only)
         order = [(name, k) for name, keys in files.items() for k in keys]
         left = {name: len(keys) for name, keys in files.items()}  # tensors of each shard not yet yielded
-        ahead = Readahead(self.ckpt, files)
+        ahead = Readahead(self.ckpt, files, done=self.prefetch.requested if self.prefetch is not None else None)
         shards = _OpenShards(self.ckpt)
         pool = None
-        if self.convert is not None and self.threads > 1:
+        if self.convert is not None and self.threads > 1 and self.prefetch is None:
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(self.threads, thread_name_prefix="accel-npu-load")
@@ -158,6 +164,17 @@ class LazyTensors:
         import collections
 
         todo = iter(order)
+        if self.prefetch is not None:
+            for name, k in todo:
+                early = self.prefetch.take(k)
+                # taken only where the real cast leaves it as it is: the same result as reading it now
+                if early is not None and (self.convert is None or self.convert(k, early) is early):
+                    yield name, k, early
+                    continue
+                ahead.reached(k)
+                tensor = shards.get(name, k)
+                yield name, k, (tensor if self.convert is None else self.convert(k, tensor))
+            return
         if pool is None:
             for name, k in todo:
                 ahead.reached(k)

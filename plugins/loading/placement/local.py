@@ -12,8 +12,9 @@ from accel_npu.plugins.loading.slots import load_slot, load_threads, slot_count
 log = logging.getLogger("accel_npu")
 
 
-def place(job) -> float:
-    """Fill ``job.model`` from its files on this rank; returns the seconds the read took."""
+def place(job, early=None) -> float:
+    """Fill ``job.model`` from its files on this rank (taking what ``early``, a prefetch.Prefetch, has
+    read); returns the seconds the read took."""
     started = time.perf_counter()
     budget = max(job.nbytes, job.out_bytes)
     slots = slot_count(budget)
@@ -21,7 +22,8 @@ def place(job) -> float:
     with load_slot(budget, what=f"{job.cls.__name__} from {job.folder}", slots=slots):
         bar = progress_bar(job.nbytes, job.desc, len(job.needed_files))
         try:
-            job.load_into_meta(LazyTensors(job.ckpt, job.kept, progress=bar, convert=job.cast(), threads=threads))
+            job.load_into_meta(LazyTensors(job.ckpt, job.kept, progress=bar, convert=job.cast(), threads=threads,
+                                          prefetch=early))
         finally:
             if bar is not None:
                 bar.close()
