@@ -463,15 +463,15 @@ def _record_takes(monkeypatch):
     from accel_npu.plugins.loading import prefetch
 
     taken = {}
-    real_take = prefetch.Prefetch.take
+    real_future = prefetch.Prefetch.future
 
-    def take(self, key):
-        got = real_take(self, key)
+    def future(self, key):
+        got = real_future(self, key)
         if got is not None:
-            taken[key] = got
+            taken[key] = got.result()
         return got
 
-    monkeypatch.setattr(prefetch.Prefetch, "take", take)
+    monkeypatch.setattr(prefetch.Prefetch, "future", future)
     return taken
 
 

@@ -130,7 +130,7 @@ class LazyTensors:
         ahead = Readahead(self.ckpt, files, done=self.prefetch.requested if self.prefetch is not None else None)
         shards = _OpenShards(self.ckpt)
         pool = None
-        if self.convert is not None and self.threads > 1 and self.prefetch is None:
+        if self.convert is not None and self.threads > 1:
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(self.threads, thread_name_prefix="accel-npu-load")
@@ -160,26 +160,31 @@ class LazyTensors:
     def _read(self, order: list[tuple[str, str]], shards: "_OpenShards", pool, ahead: Readahead):
         """(shard, key, tensor) in ``order``. With a pool, the next ``2 * threads`` tensors are read
         and cast ahead — across shard boundaries, so no thread idles while the last (large) tensor
-        of a shard is cast."""
+        of a shard is cast. A tensor the prefetch cast is taken where the real cast leaves it as it
+        is (the same result as casting it now), else read again."""
         import collections
 
-        todo = iter(order)
-        if self.prefetch is not None:
-            for name, k in todo:
-                early = self.prefetch.take(k)
-                # taken only where the real cast leaves it as it is: the same result as reading it now
-                if early is not None and (self.convert is None or self.convert(k, early) is early):
-                    yield name, k, early
-                    continue
-                ahead.reached(k)
+        def start(name, k):
+            early = self.prefetch.future(k) if self.prefetch is not None else None
+            if early is not None:
+                return early, True
+            ahead.reached(k)
+            if pool is None:
                 tensor = shards.get(name, k)
-                yield name, k, (tensor if self.convert is None else self.convert(k, tensor))
-            return
+                return (tensor if self.convert is None else self.convert(k, tensor)), False
+            return pool.submit(self.convert, k, shards.get(name, k)), False
+
+        def result(name, k, got, early):
+            tensor = got.result() if early or pool is not None else got
+            if early and self.convert is not None and self.convert(k, tensor) is not tensor:
+                tensor = self.convert(k, shards.get(name, k))  # the dtype was guessed wrong
+            return tensor
+
+        todo = iter(order)
         if pool is None:
             for name, k in todo:
-                ahead.reached(k)
-                tensor = shards.get(name, k)
-                yield name, k, (tensor if self.convert is None else self.convert(k, tensor))
+                got, early = start(name, k)
+                yield name, k, result(name, k, got, early)
             return
         pending: collections.deque = collections.deque()
         depth = 2 * self.threads
@@ -188,13 +193,11 @@ class LazyTensors:
                 nxt = next(todo, None)
                 if nxt is None:
                     break
-                name, k = nxt
-                ahead.reached(k)
-                pending.append((name, k, pool.submit(self.convert, k, shards.get(name, k))))
+                pending.append((*nxt, *start(*nxt)))
             if not pending:
                 return
-            name, k, fut = pending.popleft()
-            yield name, k, fut.result()
+            name, k, got, early = pending.popleft()
+            yield name, k, result(name, k, got, early)
 
 
 class _OpenShards:

@@ -46,7 +46,7 @@ def predicted_keys(ckpt: Checkpoint, depth_requested: int | None, depth_in_check
 
 class Prefetch:
     """Reads and casts ``keys`` in file order in ``threads`` threads, from inside this rank's load
-    slot (held until :meth:`close`); :meth:`take` hands a tensor over once."""
+    slot (held until :meth:`close`); :meth:`future` hands each pending cast over once."""
 
     def __init__(self, ckpt: Checkpoint, keys: list[str], target_dtype, threads: int):
         self.ckpt, self.target_dtype, self.threads = ckpt, target_dtype, threads
@@ -96,8 +96,9 @@ class Prefetch:
         return self
 
     def _run(self, casts) -> None:
-        """Ask for the first bytes, then submit each cast in file order (the threads cast while the
-        main thread builds the model)."""
+        """Ask for the first bytes, then submit the casts of the first ``window`` bytes in file order
+        (the threads cast while the main thread builds the model; the placement reads the rest as it
+        reads any load, so memory and readahead stay bounded as there)."""
         ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
         try:
             first = next((k for keys in self.files.values() for k in keys), None)
@@ -116,34 +117,27 @@ class Prefetch:
                     pool.shutdown(wait=False)
                     return
                 self._pool = pool
+            submitted = 0
             for name, k, target in casts:
+                begin, end = self.ckpt.headers[name][k][2:4]
+                if submitted and submitted + end - begin > READAHEAD_BYTES:
+                    break
+                submitted += end - begin
                 with self._lock:
                     if self._stop:
                         return
-                    ahead.reached(k)
                     self._futures[k] = pool.submit(_cast, shards.get(name, k), target)
-            self.requested = _requested(ahead)
         except Exception:  # a guess that failed (the placement reads those tensors itself)
             return
         finally:
             ahead.close()
 
-    def take(self, key: str):
-        """The prefetched tensor for ``key`` (once), or None."""
-        self._wait_submitted(key)
-        with self._lock:
-            fut = self._futures.pop(key, None)
-        if fut is None:
-            return None
-        try:
-            return fut.result()
-        except Exception:
-            return None
-
-    def _wait_submitted(self, key: str) -> None:
-        # the driver may not have reached this key yet: tensors are taken in the order it submits
+    def future(self, key: str):
+        """The pending cast of ``key`` (handed over once), or None."""
         if self._driver is not None and key not in self._futures:
-            self._driver.join()
+            self._driver.join()  # submitting takes no time: wait for it rather than guess
+        with self._lock:
+            return self._futures.pop(key, None)
 
     def close(self) -> None:
         """Stop, drop what was not taken, release the load slot."""
