@@ -506,9 +506,10 @@ KNOWN_CAUSES = [
      "the next forward's fetch finds no ds_status"),
     (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
      "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
-     "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_weights converts "
-     "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0), so it drops the attention "
-     "LoRA silently; the saved file, converted, equals the master weights"),
+     "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_adapter converts "
+     "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0; diffusers #14548), so the "
+     "attention layers are never injected (only peft's RuntimeWarning about extra target modules says so); "
+     "accel-npu's load_lora_adapter patch reads every key (plugins/checkpoints/lora.py): ✘ only with it off"),
     (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
      "the script's, also on GPUs: fp32 activations into bf16 weights outside what accelerate autocasts under DDP "
      "(accel-npu runs a DeepSpeed engine's forward under autocast when given fp32 activations: "

@@ -1,6 +1,7 @@
 """Checkpoints under DeepSpeed: atomic ``save_state``, checked ``load_state``, saves made on rank 0
 alone (diffusers #2606) completed by the other ranks, ZeRO-3 models gathered for a save a group at
-a time, and ``accel-npu consolidate``. docs/checkpoints.md describes each.
+a time, ``accel-npu consolidate``, and a saved LoRA that loads whole whatever its first key. docs/checkpoints.md
+describes each.
 
 This module declares the plugin: its patches, its command and its ``accel-npu env`` section. The
 wrappers and machinery sit beside it: ``accelerator.py`` (the wrapped Accelerator methods),
@@ -107,6 +108,17 @@ PEFT_STATE_DICT = Patch(
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
+DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
+    target="diffusers.loaders.peft:PeftAdapterMixin.load_lora_adapter",
+    supports="diffusers>=0.35,<0.43",
+    # Keys already in peft's naming are left as they are.
+    reason="load_lora_adapter converts old-style LoRA keys only if the first key is one (diffusers #14548): "
+           "train_lcm_distill_lora_sdxl.py's LoRA loads without attention.",
+    remove_when="diffusers converts every old-style key in load_lora_adapter, not only a state dict whose first "
+                "key is one",
+    wrapper=f"{_PKG}.lora:load_lora_adapter",
+)
+
 BACKWARD = _patch(
     "backward",
     # Marks the step boundary (accelerate's DeepSpeedEngineWrapper.backward runs engine.step()).
@@ -139,7 +151,7 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
             DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
-            BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
+            DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl

@@ -12,19 +12,30 @@ it), and peft's ``adapter_config.json`` beside it. The merged weights are peft's
 The LoraConfig is not in DeepSpeed's files: it is read from the LoRA file the script's save hook
 wrote into the checkpoint (diffusers' ``save_lora_weights``: ``lora_adapter_metadata``) or from
 an ``adapter_config.json`` there (peft's ``save_pretrained``).
+
+Loading (``adapter_keys``): diffusers' ``load_lora_adapter`` converts a state dict from its old LoRA
+naming (``to_k.lora.down``) to peft's only when the FIRST key lacks ``lora_A``; a UNet LoRA saved the
+way diffusers' own ``convert_state_dict_to_diffusers`` writes it (attention in the old naming, every
+other layer ``lora_A``) loads only the layers named like its first key.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from accel_npu._torch.once import FirstTime
 from accel_npu.errors import CheckpointError
 from accel_npu.plugins.checkpoints.files import write_json
-from accel_npu.patching import argument
+from accel_npu.patching import argument, with_argument
+
+log = logging.getLogger("accel_npu")
+_first = FirstTime()
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -239,3 +250,52 @@ def peft_state_dict(wrapped, instance, args, kwargs):
 
         remember_sources(answer, {k: v for k, v in answer.items() if serving.is_partitioned(v)})
     return answer
+
+
+def adapter_keys(state_dict: Mapping, prefix: str | None) -> dict | None:
+    """``state_dict`` with the keys under ``prefix`` all in peft's naming, or None when stock
+    ``load_lora_adapter`` already reads every one of them (or they are not a mix it half-reads).
+
+    diffusers/loaders/peft.py ``load_lora_adapter`` (v0.35 to v0.42) runs ``convert_unet_state_dict_to_peft``
+    only when the first key lacks ``lora_A`` (diffusers #14548). ``convert_state_dict_to_diffusers`` of a
+    UNet's peft state dict renames only to_q/to_k/to_v/to_out.0 (utils/state_dict_utils.py
+    PEFT_TO_DIFFUSERS), so the saved file's first key, a resnet's or a downsampler's, is ``lora_A``: the
+    attention keys then match no module, and diffusers' unexpected-key warning (utils/peft_utils.py
+    ``_maybe_warn_for_unhandled_keys``) looks only for ``.lora_``. The same conversion stock applies to a
+    file whose first key is old-style is applied here to every key; keys already in peft's naming match
+    none of its patterns and stay as they are."""
+    from diffusers.utils.state_dict_utils import UNET_TO_DIFFUSERS, convert_unet_state_dict_to_peft
+
+    mine = [k for k in state_dict if prefix is None or k.startswith(f"{prefix}.")]
+    if not mine or "lora_A" not in mine[0]:
+        return None  # nothing to load, or stock converts every key itself
+    if not any(pattern in k for k in mine for pattern in UNET_TO_DIFFUSERS):
+        return None
+    converted = convert_unet_state_dict_to_peft({k: state_dict[k] for k in mine})
+    if len(converted) != len(mine):
+        return None  # one layer saved under both namings: which one loads stays stock's choice
+    out = {k: v for k, v in state_dict.items() if not (prefix is None or k.startswith(f"{prefix}."))}
+    out.update(converted)
+    return out
+
+
+def load_lora_adapter(wrapped, instance, args, kwargs):
+    """diffusers' ``PeftAdapterMixin.load_lora_adapter`` given a state dict (what every pipeline's
+    ``load_lora_weights`` passes) whose keys mix diffusers' old LoRA naming with peft's loads all of
+    them (``adapter_keys``). A path given to the model's method directly is read by stock as before."""
+    state_dict = argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict")
+    if not isinstance(state_dict, Mapping):
+        return wrapped(*args, **kwargs)
+    prefix = argument(args, kwargs, 1, "prefix", "transformer")
+    try:
+        converted = adapter_keys(state_dict, prefix)
+    except Exception:
+        converted = None
+    if converted is None:
+        return wrapped(*args, **kwargs)
+    if _first((type(instance).__name__, prefix)):
+        log.info("accel-npu: the %s LoRA of %s mixes diffusers' old key naming (to_k.lora.down) with peft's "
+                 "(lora_A); every key is read, not only those named like the first (diffusers #14548)",
+                 prefix or "", type(instance).__name__)
+    args, kwargs = with_argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict", converted)
+    return wrapped(*args, **kwargs)
