@@ -60,7 +60,7 @@ CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # torchvision fails stock's imports here), and deepspeed_setup's training-time patches off
 STOCK_ENV = {
     "ACCEL_NPU_DISABLED_PLUGINS": "npu,cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-                                  "launch_settings,hang_watch",
+                                  "launch_settings,hang_watch,trackers",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
                                   "deepspeed.runtime.zero.partitioned_param_coordinator:"
                                   "PartitionedParameterCoordinator.fetch_sub_module,"
