@@ -472,13 +472,6 @@ KNOWN_CAUSES = [
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
      "all-gathers never pair, a hang on GPUs too (stock: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG "
      "broadcast); accel-npu stops both ranks at the first gather, naming line 692; the error is accel-npu's"),
-    (r"^train_cosmos_predict25_lora\.py: .*ValueError: value should be one of int, float, str, bool, or "
-     r"torch\.Tensor",
-     "the script's, also on GPUs: it hands vars(args) to init_trackers (line 589) under its default --report_to "
-     "tensorboard, and its --conditional_frames_probs is a dict (default {1: 0.5, 2: 0.5}, line 206) that torch's "
-     "add_hparams refuses (torch/utils/tensorboard/summary.py hparams, from accelerate/tracking.py "
-     "TensorBoardTracker.store_init_configuration); without tensorboard installed accelerate drops the tracker "
-     "and the rows pass"),
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
