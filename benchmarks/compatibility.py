@@ -475,13 +475,6 @@ KNOWN_CAUSES = [
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
-    (r"^train_t2i_adapter_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
-     r"float != c10::BFloat16",
-     "the script's, also on GPUs: it never freezes its UNet (train_t2i_adapter_sdxl.py:926-930 freeze the VAE and "
-     "text encoders, then unet.train()), casts it to bf16 (line 1011) and hands it the prompt embeddings its "
-     "collate_fn rebuilds as fp32 (line 770) outside any engine (line 1216); accel-npu autocasts only frozen half "
-     "models (plugins/precision/frozen_half.py: no parameter requires grad) and the engine's forward; accelerate "
-     "autocasts only prepared models, so DDP fails alike"),
     (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
      r"tensor b \(0\)",
      "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
