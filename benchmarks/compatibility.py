@@ -60,7 +60,7 @@ CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # torchvision fails stock's imports here), and deepspeed_setup's training-time patches off
 STOCK_ENV = {
     "ACCEL_NPU_DISABLED_PLUGINS": "npu,cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-                                  "launch_settings,hang_watch",
+                                  "launch_settings,hang_watch,trackers",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
                                   "deepspeed.runtime.zero.partitioned_param_coordinator:"
                                   "PartitionedParameterCoordinator.fetch_sub_module,"
@@ -472,23 +472,9 @@ KNOWN_CAUSES = [
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
      "all-gathers never pair, a hang on GPUs too (stock: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG "
      "broadcast); accel-npu stops both ranks at the first gather, naming line 692; the error is accel-npu's"),
-    (r"^train_cosmos_predict25_lora\.py: .*ValueError: value should be one of int, float, str, bool, or "
-     r"torch\.Tensor",
-     "the script's, also on GPUs: it hands vars(args) to init_trackers (line 589) under its default --report_to "
-     "tensorboard, and its --conditional_frames_probs is a dict (default {1: 0.5, 2: 0.5}, line 206) that torch's "
-     "add_hparams refuses (torch/utils/tensorboard/summary.py hparams, from accelerate/tracking.py "
-     "TensorBoardTracker.store_init_configuration); without tensorboard installed accelerate drops the tracker "
-     "and the rows pass"),
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
-    (r"^train_t2i_adapter_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
-     r"float != c10::BFloat16",
-     "the script's, also on GPUs: it never freezes its UNet (train_t2i_adapter_sdxl.py:926-930 freeze the VAE and "
-     "text encoders, then unet.train()), casts it to bf16 (line 1011) and hands it the prompt embeddings its "
-     "collate_fn rebuilds as fp32 (line 770) outside any engine (line 1216); accel-npu autocasts only frozen half "
-     "models (plugins/precision/frozen_half.py: no parameter requires grad) and the engine's forward; accelerate "
-     "autocasts only prepared models, so DDP fails alike"),
     (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
      r"tensor b \(0\)",
      "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
