@@ -45,6 +45,7 @@ import time
 import weakref
 
 from accel_npu._torch import dist as _dist
+from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu.plugins.checkpoints import callsite, serving
 
@@ -303,7 +304,7 @@ def _acknowledge(store, rank: int) -> None:
 # --------------------------------------------------------------------------------------------
 # collectives
 def _before_collective(name: str) -> None:
-    if not _w.open or _inside.get() or serving.in_request():
+    if not _w.open or _inside.get() or serving.in_request() or _dist.every_rank_collective():
         return
     if _w.main:
         site, guard = _guarded_caller()
@@ -324,17 +325,7 @@ def _before_collective(name: str) -> None:
 def _guarded_caller():
     """((file, line), guard) of the innermost script frame under ``if ...is_main_process...:`` (a
     helper the script calls there counts too: log_validation(...)), else (None, None)."""
-    import sys
-
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        if name.split(".")[0] not in callsite.LIBRARIES:
-            guard = callsite.main_process_guard(frame.f_code.co_filename, frame.f_lineno)
-            if guard is not None:
-                return (frame.f_code.co_filename, frame.f_lineno), guard
-        frame = frame.f_back
-    return None, None
+    return guarded_caller(sys._getframe(2))
 
 
 def collective_failed(exc: Exception):
