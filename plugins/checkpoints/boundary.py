@@ -108,8 +108,32 @@ def after_backward(accelerator) -> None:
     if _w.accelerator is None or _w.accelerator() is not accelerator:
         _w.accelerator = weakref.ref(accelerator)
     _pin_prepared_models(accelerator)
+    _hook_forwards(accelerator)
     if not _w.fsdp:
         open_window()
+
+
+_forward_hooked: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _hook_forwards(accelerator) -> None:
+    """The next forward of a prepared ZeRO-3 engine is a clean point, before its first gather: a script that draws
+    its batches outside a prepared DataLoader (diffusers' LCM *_wds.py scripts: webdataset) otherwise pauses
+    inside ZeRO-3's fetch of its first layer, whose parameters DeepSpeed already marked in flight, and the
+    save it serves there fails ("expected to be released", partitioned_param_coordinator.py
+    release_and_reset_all)."""
+    for model in getattr(accelerator, "_models", ()):
+        if model not in _forward_hooked:
+            _forward_hooked.add(model)
+            partitioned = getattr(model, "zero_optimization_partition_weights", None)
+            if partitioned is not None and partitioned():  # a ZeRO-2 forward makes no collective: not a clean point
+                model.register_forward_pre_hook(_before_forward, prepend=True)
+
+
+def _before_forward(module, args):
+    if _w.open:
+        _before_collective("the forward of a prepared model (its ZeRO-3 / FSDP gathers)",
+                           point="the next forward of a prepared model")
 
 
 def _pin_prepared_models(accelerator) -> None:
@@ -303,7 +327,7 @@ def _acknowledge(store, rank: int) -> None:
 
 # --------------------------------------------------------------------------------------------
 # collectives
-def _before_collective(name: str) -> None:
+def _before_collective(name: str, point: str = "") -> None:
     if not _w.open or _inside.get() or serving.in_request() or _dist.every_rank_collective():
         return
     if _w.main:
@@ -319,7 +343,7 @@ def _before_collective(name: str) -> None:
             error = CollectiveMisuseError(message)
             publish_abort(message)
             raise error
-    clean_point(f"torch.distributed.{name}")
+    clean_point(point or f"torch.distributed.{name}")
 
 
 def _guarded_caller():

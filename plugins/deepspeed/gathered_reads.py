@@ -83,6 +83,8 @@ def _partitioned(param, not_available) -> bool:
 
 def _gathered(engine, items, method: str):
     """The engine's (named) parameters, those that are partitioned gathered a group at a time."""
+    import torch
+    import torch.distributed
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
 
     named = method == "named_parameters"
@@ -120,7 +122,7 @@ def _gathered(engine, items, method: str):
         try:
             yield from group
         finally:
-            written = [p for p, version, ptr in held if _changed(p, version, ptr)]
+            written = [p for p, version, ptr in held if _changed(p, version, ptr, torch)]
             with dist.every_rank_collectives():  # DeepSpeed's sanity checks, when on, all-reduce here
                 gathered.__exit__(None, None, None)
             if written:
@@ -129,22 +131,18 @@ def _gathered(engine, items, method: str):
             return
 
 
-def _changed(param, version: int, ptr: int) -> bool:
+def _changed(param, version: int, ptr: int, torch) -> bool:
     """``param`` was written while gathered: its version counter or storage changed (``p.mul_()``,
     ``p.detach().add_()``, ``p.data = ...``), or this rank's slice of it no longer equals this rank's
     partition, which the gather left in place (``p.data.copy_()``: ``.data`` has a version counter of its
     own). Every rank checks its own slice, so a write every rank makes is seen by one of them at least."""
-    import torch
-
     if param._version != version or param.data.data_ptr() != ptr:
         return True
     part = getattr(param, "ds_tensor", None)
     if part is None or hasattr(part, "ds_quant_scale") or part.numel() == 0 or part.dtype != param.dtype:
         return False  # no comparable partition here (NVMe-swapped, quantized)
-    import torch.distributed as tdist
-
     size = part.ds_numel if hasattr(part, "ds_numel") else part.numel()
-    start = size * tdist.get_rank(group=param.ds_process_group)
+    start = size * torch.distributed.get_rank(group=param.ds_process_group)
     count = min(size, param.ds_numel - start)
     if count <= 0:
         return False  # this rank's partition is padding only
