@@ -467,6 +467,13 @@ KNOWN_CAUSES = [
      "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
      "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
      "script's final `for token in args.modifier_token` (line 1333) fails on None"),
+    (r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
+     "the script's, also on GPUs: after accelerator.backward, which under DeepSpeed is the engine's backward and "
+     "optimizer step (accelerate/utils/deepspeed.py DeepSpeedEngineWrapper.backward), it zeroes rows of the text "
+     "encoder's embedding .grad (lines 1192-1205), which ZeRO keeps in its partitions (param.grad None; "
+     "deepspeed.utils.safe_get_full_grad reads it before the step); stock stops earlier, at accelerate's "
+     "'multiple models when using DeepSpeed' (accel-npu prepares custom_diffusion_layers and text_encoder as one "
+     "engine)"),
     (r"^train_unconditional\.py: .*CollectiveMisuseError",
      "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
@@ -637,7 +644,10 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     _torchvision_importable()
     master = _master(ckpt)
     if spec.artifact.startswith("attn_procs:"):
-        master = {k: v for k, v in master.items() if k.startswith("layers.")}
+        # AttnProcsLayers' parameters; under one engine with other models prepared together (accel-npu's
+        # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
+        master = {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items()
+                  if re.match(r"^(\d+\.)?layers\.", k)}
     if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)

@@ -33,7 +33,8 @@ def accelerator_factory(monkeypatch):
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin
 
-        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                        "reduce_bucket_size": "auto"},
                   "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                   "gradient_accumulation_steps": 1}
         return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
@@ -134,6 +135,8 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     p_text.train()
     assert text_encoder.training
     engine = accelerator._models[0]
+    # "auto" bucket sizes come from model.config.hidden_size (accelerate's _prepare_deepspeed): the text encoder's
+    assert engine.zero_reduce_bucket_size() == 8 * 8
 
     initial = {k: v.clone() for k, v in _master({"layers": layers, "text_encoder": text_encoder}).items()}
     ref_layers, ref_text = reference
