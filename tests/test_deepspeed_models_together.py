@@ -120,8 +120,9 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
         with pytest.raises(AssertionError, match=STOCK):
             accelerator.prepare(layers, text_encoder, optimizer, loader, scheduler)
 
-    saved_by_hooks = []
+    saved_by_hooks, loaded_by_hooks = [], []
     accelerator.register_save_state_pre_hook(lambda models, weights, out: saved_by_hooks.append(list(models)))
+    accelerator.register_load_state_pre_hook(lambda models, in_dir: loaded_by_hooks.append(list(models)))
     p_layers, p_text, p_opt, p_loader, p_sched = accelerator.prepare(layers, text_encoder, optimizer, loader,
                                                                      scheduler)
     # what the script reaches through each position: the model (unwrap_model, .module), a DeepSpeedEngine as stock
@@ -178,6 +179,7 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     moved = _master({"layers": layers, "text_encoder": text_encoder})
     assert any(not torch.equal(moved[k], after[k]) for k in after)
     accelerator.load_state(str(tmp_path / "ckpt"))
+    assert loaded_by_hooks[0] == [layers, text_encoder]
     restored = _master({"layers": layers, "text_encoder": text_encoder})
     for key, value in after.items():
         assert torch.equal(restored[key], value), key
