@@ -22,6 +22,7 @@ import pytest
 import accel_npu
 from tests.inprocess import stock
 
+NEW_TOKEN = 3  # the script's --modifier_token, whose embedding row alone trains
 STOCK = "You can't use same `Accelerator\\(\\)` instance with multiple models when using DeepSpeed"
 
 
@@ -92,7 +93,10 @@ def _batches():
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 40, (2, 5), generator=g) for _ in range(4)]
+    batches = [torch.randint(0, 40, (2, 5), generator=g) for _ in range(4)]
+    for ids in batches:
+        ids[:, 1] = NEW_TOKEN  # "a photo of <new1> dog": every prompt holds the new token
+    return batches
 
 
 def _master(models: dict) -> dict:
@@ -143,15 +147,26 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     ref_layers, ref_text = reference
     ref_opt = _optimizer(ref_layers, ref_text)
     batches = [b for (b,) in p_loader]
+    others = torch.arange(40) != NEW_TOKEN
     for step, ids in enumerate(batches[:2]):
         with accelerator.accumulate(p_layers), accelerator.accumulate(p_text):
             loss = _loss(p_layers.module, p_text, ids)  # the script calls text_encoder(...) as prepare returned it
             accelerator.backward(loss)
+            # the script zeroes the embedding gradient of all but its new token before the step (lines 1192-1205)
+            grad = p_text.module.get_input_embeddings().weight.grad
+            if stage == 2:
+                grad.data[others, :] = grad.data[others, :].fill_(0)
+            else:  # partitioned: no whole gradient to show
+                assert grad is None
+            assert engine.global_steps == step  # the step is the optimizer's, as the script takes it
             p_opt.step()
             p_sched.step()
             p_opt.zero_grad()
         ref_loss = _loss(ref_layers, ref_text, ids)
         ref_loss.backward()
+        if stage == 2:
+            ref_grad = ref_text.get_input_embeddings().weight.grad
+            ref_grad.data[others, :] = ref_grad.data[others, :].fill_(0)
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(loss.detach(), ref_loss.detach())
@@ -164,6 +179,10 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     for key, value in after.items():
         torch.testing.assert_close(value, expected[key], msg=key)
         assert not torch.equal(value, initial[key]), f"{key} did not train"
+    embedding = next(k for k in after if "token_embedding" in k)
+    if stage == 2:  # the zeroed rows reached DeepSpeed's step: only the new token's embedding moved
+        assert torch.equal(after[embedding][others], initial[embedding][others])
+        assert not torch.equal(after[embedding][NEW_TOKEN], initial[embedding][NEW_TOKEN])
 
     # one DeepSpeed checkpoint holding both models (each under its index, keys as the model names them)
     accelerator.save_state(str(tmp_path / "ckpt"))

@@ -25,6 +25,15 @@ own, prefixed with its index, so models with state-dict hooks (diffusers' AttnPr
 keys) save and load as they do alone. Save/load hooks get the models themselves (the checkpoints plugin
 reads ``accel_npu._torch.markers.models_prepared_together``).
 
+The step is taken where the script takes it, at ``optimizer.step()``, as under DDP for which such a script is
+written, not inside ``accelerator.backward`` (accelerate's DeepSpeedEngineWrapper.backward steps there for its one
+model): such a script edits gradients between the two (train_custom_diffusion.py zeroes the embedding rows of all but
+its new tokens, lines 1192-1205). Where a parameter is whole (ZeRO-1/2) and DeepSpeed holds its gradient in its
+partitions (``param.grad`` None), the gradient is shown as ``param.grad`` (``deepspeed.utils.safe_get_full_grad``, in
+the dtype DeepSpeed keeps it) and what the script leaves there is written back (``safe_set_full_grad``) before
+``engine.step()``. Under ZeRO-3 a parameter is partitioned (shape [0]) and ``param.grad`` stays None. A backward at
+an accumulation boundary with a step still pending (the script never called ``optimizer.step()``) takes it first.
+
 Left as accelerate's assertion, with the reason appended: several optimizers (a GAN's generator and
 discriminator, diffusers' vqgan/train_vqgan.py), no optimizer, a trainable parameter of a model outside the
 optimizer (or an optimizer parameter outside the models), a model with nothing to train, models sharing
@@ -245,6 +254,100 @@ def _prepared_together_class():
     return PreparedTogether
 
 
+def _step_classes():
+    if "step" in _CLASSES:
+        return _CLASSES["step"]
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper
+
+    class StepAtOptimizerStep(DeepSpeedEngineWrapper):
+        """accelerate's engine wrapper, the optimizer step left to ``optimizer.step()``."""
+
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.pending = False
+            self.shown: list = []
+
+        def backward(self, loss, sync_gradients=True, **kwargs):
+            if self.pending and sync_gradients:
+                _warn_once("accel-npu: accelerator.backward() again without optimizer.step() after the last "
+                           "one: the pending optimizer step is taken first")
+                self.step()
+            self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+            self.engine.backward(loss, **kwargs)
+            if sync_gradients:
+                self.pending = True
+                self.shown = _show_gradients(self.engine)
+
+        def step(self):
+            if not self.pending:
+                return
+            import torch
+            from deepspeed.utils import safe_set_full_grad
+
+            shown, self.shown, self.pending = self.shown, [], False
+            for param, grad in shown:
+                edited = param.grad if param.grad is not None else torch.zeros_like(grad)  # set to None: zero
+                param.grad = None  # safe_set_full_grad writes into param.grad when there is one
+                safe_set_full_grad(param, edited)
+            self.engine.step()
+
+    class OptimizerStepsEngine(DeepSpeedOptimizerWrapper):
+        """accelerate's optimizer wrapper whose ``step()`` is the shared engine's step (taken in backward by
+        accelerate for one model)."""
+
+        def step(self):
+            self.__dict__[_STEPPER].step()
+
+    _CLASSES["step"] = (StepAtOptimizerStep, OptimizerStepsEngine)
+    return _CLASSES["step"]
+
+
+_STEPPER = "_accel_npu_steps_engine"
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def _show_gradients(engine) -> list:
+    """Each whole trainable parameter whose gradient DeepSpeed holds in its partitions (ZeRO-1/2: ``param.grad``
+    None after its backward) given that gradient as ``param.grad``; [(param, shown gradient)]. Collective: every
+    rank reconstructs the same parameters in the same order (``safe_get_full_grad`` all-reduces)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    shown = []
+    for param in engine.module.parameters():
+        if not param.requires_grad or param.grad is not None or hasattr(param, "ds_id") \
+                or getattr(param, "_hp_mapping", None) is None:
+            continue
+        grad = safe_get_full_grad(param)
+        if grad is None:
+            continue
+        grad = grad.to(param.dtype)  # the dtype DeepSpeed keeps it in (get_full_hp_grad upcasts that copy)
+        param.grad = grad
+        shown.append((param, grad))
+    return shown
+
+
+def _step_at_optimizer_step(accelerator, engine, prepared) -> bool:
+    """accelerate's engine and optimizer wrappers of ``engine`` made to step at ``optimizer.step()``."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper
+
+    wrapper = accelerator.deepspeed_engine_wrapped
+    optimizer = next((o for o in prepared if type(o) is DeepSpeedOptimizerWrapper), None)
+    if type(wrapper) is not DeepSpeedEngineWrapper or wrapper.engine is not engine or optimizer is None:
+        return False
+    engine_class, optimizer_class = _step_classes()
+    stepper = engine_class(engine)
+    accelerator.deepspeed_engine_wrapped = stepper
+    optimizer.__class__ = optimizer_class
+    optimizer.__dict__[_STEPPER] = stepper
+    return True
+
+
 def prepare_models_together(prepare, accelerator, args, kwargs):
     """``prepare(*args, **kwargs)`` (Accelerator.prepare under DeepSpeed), with two or more models and one
     optimizer over them given one engine; anything else as stock."""
@@ -271,6 +374,7 @@ def prepare_models_together(prepare, accelerator, args, kwargs):
         out.append(views[i] if i in views else next(rest))
     for view in views.values():
         view._is_accelerate_prepared = True
+    _step_at_optimizer_step(accelerator, engine, out)
     log.info("accel-npu: %s prepared as one DeepSpeed engine (one optimizer over all their parameters; "
              "accelerate allows one model per engine)", ", ".join(type(m).__name__ for m in models))
     return tuple(out)
