@@ -13,6 +13,10 @@ DS_CONFIG_SOURCE = "_accel_npu_ds_source"
 #: module instance-dict key: the models one ``accelerator.prepare`` call put under one DeepSpeed engine, in
 #: order, on the container module that engine wraps (deepspeed -> checkpoints: save/load hooks get the models)
 MODELS_PREPARED_TOGETHER = "_accel_npu_models_prepared_together"
+#: instance-dict key of accelerate's DeepSpeedEngineWrapper (``accelerator.deepspeed_engine_wrapped``) whose engine
+#: steps at the script's ``optimizer.step()``, not inside ``accelerator.backward``: the callables to call after each
+#: such step (deepspeed sets it, checkpoints adds its step boundary)
+STEPS_AT_OPTIMIZER_STEP = "_accel_npu_steps_at_optimizer_step"
 
 
 def models_prepared_together(module) -> tuple | None:

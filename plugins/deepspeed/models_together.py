@@ -10,7 +10,7 @@ parameters (``itertools.chain``), as a DDP script may.
 When exactly one optimizer is in the call and it holds every trainable parameter of every model (and
 nothing else), the job is one engine's: the models become the children of one container module
 (``ModelsTrainedTogether``) and DeepSpeed wraps that, owning the script's one optimizer as it asked.
-``accelerator.backward`` is the engine's backward and step, as for one model; ZeRO-3 registers its
+``accelerator.backward`` is the engine's backward, ``optimizer.step()`` its step (below); ZeRO-3 registers its
 gather hooks on every submodule of the container, so the script's direct calls of each model (and of the
 UNet whose attention processors are custom_diffusion_layers) gather as they do for one model.
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 
-from accel_npu._torch.markers import MODELS_PREPARED_TOGETHER
+from accel_npu._torch.markers import MODELS_PREPARED_TOGETHER, STEPS_AT_OPTIMIZER_STEP
 
 log = logging.getLogger("accel_npu")
 
@@ -266,6 +266,7 @@ def _step_classes():
             super().__init__(engine)
             self.pending = False
             self.shown: list = []
+            self.__dict__[STEPS_AT_OPTIMIZER_STEP] = []  # called after each step (the checkpoints' step boundary)
 
         def backward(self, loss, sync_gradients=True, **kwargs):
             if self.pending and sync_gradients:
@@ -290,6 +291,8 @@ def _step_classes():
                 param.grad = None  # safe_set_full_grad writes into param.grad when there is one
                 safe_set_full_grad(param, edited)
             self.engine.step()
+            for after_step in list(self.__dict__[STEPS_AT_OPTIMIZER_STEP]):
+                after_step()
 
     class OptimizerStepsEngine(DeepSpeedOptimizerWrapper):
         """accelerate's optimizer wrapper whose ``step()`` is the shared engine's step (taken in backward by
@@ -320,8 +323,9 @@ def _show_gradients(engine) -> list:
 
     shown = []
     for param in engine.module.parameters():
+        # _hp_mapping is None where the parameter lies outside this rank's partition: it still takes part
         if not param.requires_grad or param.grad is not None or hasattr(param, "ds_id") \
-                or getattr(param, "_hp_mapping", None) is None:
+                or not hasattr(param, "_hp_mapping"):
             continue
         grad = safe_get_full_grad(param)
         if grad is None:
