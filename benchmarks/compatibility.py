@@ -618,11 +618,17 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
     if kind == "attn_procs":
         # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th entry of
-        # the model's attn_processors (diffusers/loaders/utils.py)
+        # the model's attn_processors (diffusers/loaders/utils.py). The file is read into processors by diffusers'
+        # own reader (UNet2DConditionModel._process_custom_diffusion): diffusers 0.42's load_attn_procs sets them
+        # only when given _pipeline (set_attn_processor sits under `if _pipeline is not None:`), and then wants
+        # one per attention layer, where the script's save_attn_procs writes the trained attn2 ones only
+        from safetensors.torch import load_file
+
         component = getattr(getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32), where)
-        component.load_attn_procs(str(where_dir), weight_name=below[0])
-        return {f"layers.{i}.{k}": v for i, name in enumerate(component.attn_processors)
-                for k, v in component.attn_processors[name].state_dict().items()}
+        names = list(component.attn_processors)
+        read = component._process_custom_diffusion(state_dict=load_file(str(where_dir / below[0])))
+        return {f"layers.{names.index(name)}.{k}": v for name, processor in read.items()
+                for k, v in processor.state_dict().items()}
     if kind == "module":
         import importlib
 
