@@ -468,12 +468,11 @@ KNOWN_CAUSES = [
      "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
      "script's final `for token in args.modifier_token` (line 1333) fails on None"),
     (r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
-     "the script's, also on GPUs: after accelerator.backward, which under DeepSpeed is the engine's backward and "
-     "optimizer step (accelerate/utils/deepspeed.py DeepSpeedEngineWrapper.backward), it zeroes rows of the text "
-     "encoder's embedding .grad (lines 1192-1205), which ZeRO keeps in its partitions (param.grad None; "
-     "deepspeed.utils.safe_get_full_grad reads it before the step); stock stops earlier, at accelerate's "
-     "'multiple models when using DeepSpeed' (accel-npu prepares custom_diffusion_layers and text_encoder as one "
-     "engine)"),
+     "the script's, under ZeRO-3: between accelerator.backward and optimizer.step() it zeroes rows of the text "
+     "encoder's embedding .grad (lines 1192-1205), and a ZeRO-3 parameter is partitioned (shape [0]), its gradient "
+     "in DeepSpeed's partitions: param.grad is None (under ZeRO-1/2 accel-npu shows the whole gradient there and "
+     "writes it back before the step); stock stops earlier, at accelerate's 'multiple models when using "
+     "DeepSpeed'"),
     (r"^train_unconditional\.py: .*CollectiveMisuseError",
      "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
