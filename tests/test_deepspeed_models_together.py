@@ -8,9 +8,13 @@ with multiple models when using DeepSpeed". accel-npu puts both under one engine
 state-dict hooks rename its keys) over two processors called directly, as the UNet calls them, and a
 CLIPTextModel whose token embedding alone trains, as the script freezes it.
 
+The engine steps at the script's ``optimizer.step()``; in between, under ZeRO-2, the script zeroes the embedding
+gradient of all but its new token, as train_custom_diffusion.py does (lines 1192-1205).
+
 In-process, one rank, stock beside ours. Witnesses: the models' parameters after two steps against the same
-steps taken without DeepSpeed, read from DeepSpeed's own fp32 master weights (``safe_get_full_fp32_param``);
-the checkpoint ``save_state`` writes (its model-states file opened); the parameters after ``load_state``.
+steps (and gradient edits) taken without DeepSpeed, read from DeepSpeed's own fp32 master weights
+(``safe_get_full_fp32_param``); DeepSpeed's ``global_steps``; the checkpoint ``save_state`` writes (its model-states
+file opened); the parameters after ``load_state``; what save/load hooks receive.
 """
 from __future__ import annotations
 
