@@ -467,6 +467,12 @@ KNOWN_CAUSES = [
      "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
      "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
      "script's final `for token in args.modifier_token` (line 1333) fails on None"),
+    (r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
+     "the script's, under ZeRO-3: between accelerator.backward and optimizer.step() it zeroes rows of the text "
+     "encoder's embedding .grad (lines 1192-1205), and a ZeRO-3 parameter is partitioned (shape [0]), its gradient "
+     "in DeepSpeed's partitions: param.grad is None (under ZeRO-1/2 accel-npu shows the whole gradient there and "
+     "writes it back before the step); stock stops earlier, at accelerate's 'multiple models when using "
+     "DeepSpeed'"),
     (r"^train_unconditional\.py: .*CollectiveMisuseError",
      "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
@@ -598,11 +604,17 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
     if kind == "attn_procs":
         # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th entry of
-        # the model's attn_processors (diffusers/loaders/utils.py)
+        # the model's attn_processors (diffusers/loaders/utils.py). The file is read into processors by diffusers'
+        # own reader (UNet2DConditionModel._process_custom_diffusion): diffusers 0.42's load_attn_procs sets them
+        # only when given _pipeline (set_attn_processor sits under `if _pipeline is not None:`), and then wants
+        # one per attention layer, where the script's save_attn_procs writes the trained attn2 ones only
+        from safetensors.torch import load_file
+
         component = getattr(getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32), where)
-        component.load_attn_procs(str(where_dir), weight_name=below[0])
-        return {f"layers.{i}.{k}": v for i, name in enumerate(component.attn_processors)
-                for k, v in component.attn_processors[name].state_dict().items()}
+        names = list(component.attn_processors)
+        read = component._process_custom_diffusion(state_dict=load_file(str(where_dir / below[0])))
+        return {f"layers.{names.index(name)}.{k}": v for name, processor in read.items()
+                for k, v in processor.state_dict().items()}
     if kind == "module":
         import importlib
 
@@ -624,7 +636,10 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     _torchvision_importable()
     master = _master(ckpt)
     if spec.artifact.startswith("attn_procs:"):
-        master = {k: v for k, v in master.items() if k.startswith("layers.")}
+        # AttnProcsLayers' parameters; under one engine with other models prepared together (accel-npu's
+        # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
+        master = {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items()
+                  if re.match(r"^(\d+\.)?layers\.", k)}
     if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)

@@ -47,6 +47,7 @@ import weakref
 from accel_npu._torch import dist as _dist
 from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu._torch.markers import STEPS_AT_OPTIMIZER_STEP
 from accel_npu.plugins.checkpoints import callsite, serving
 
 log = logging.getLogger("accel_npu")
@@ -104,11 +105,18 @@ def before_backward(accelerator) -> bool:
 
 def after_backward(accelerator) -> None:
     """A backward that syncs gradients finished on this rank. Under DeepSpeed the optimizer step ran in it:
-    open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step)."""
+    open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step), and so
+    for an engine over several models prepared together (it calls back after its step)."""
     if _w.accelerator is None or _w.accelerator() is not accelerator:
         _w.accelerator = weakref.ref(accelerator)
     _pin_prepared_models(accelerator)
     _hook_forwards(accelerator)
+    after_step = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "__dict__", {}).get(
+        STEPS_AT_OPTIMIZER_STEP)
+    if after_step is not None:  # an engine that steps at the script's optimizer.step() (several models in one)
+        if _after_engine_step not in after_step:
+            after_step.append(_after_engine_step)
+        return
     if not _w.fsdp:
         open_window()
 
@@ -134,6 +142,9 @@ def _before_forward(module, args):
     if _w.open:
         _before_collective("the forward of a prepared model (its ZeRO-3 / FSDP gathers)",
                            point="the next forward of a prepared model")
+def _after_engine_step() -> None:
+    if _w.enabled:
+        open_window()
 
 
 def _pin_prepared_models(accelerator) -> None:

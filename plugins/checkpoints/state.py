@@ -20,6 +20,7 @@ from typing import Any
 from accel_npu import environment
 from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu._torch.markers import models_prepared_together
 from accel_npu.errors import CheckpointError
 
 from accel_npu.plugins.checkpoints import callsite
@@ -241,9 +242,10 @@ class WeightsSavedByDeepSpeed:
 
 def _with_one_weight_per_model(hook):
     def hook_with_weights(models, weights, output_dir):
-        if not weights and models:
-            weights = [WeightsSavedByDeepSpeed() for _ in models]  # a copy: accelerate's list stays empty
-        return hook(models_as_prepared(models), weights, output_dir)
+        prepared = models_as_prepared(models)
+        if not weights and prepared:
+            weights = [WeightsSavedByDeepSpeed() for _ in prepared]  # a copy: accelerate's list stays empty
+        return hook(prepared, weights, output_dir)
 
     return hook_with_weights
 
@@ -252,11 +254,16 @@ def models_as_prepared(models: list) -> list:
     """The models a save/load hook sees: each DeepSpeed engine's module, as hooks get the model itself
     under DDP (accelerate keeps the model, not its DDP wrapper, in ``_models``). Hooks written for
     that path (diffusers' Sana/SDXL DreamBooth LoRA scripts) test ``isinstance(model, type(unet))``
-    and raise "unexpected save model: DeepSpeedEngine" on the engine. A new list: accelerate's
-    ``_models`` keeps the engines."""
+    and raise "unexpected save model: DeepSpeedEngine" on the engine. An engine over several models
+    prepared together (the deepspeed plugin's container) gives each model, in the order prepare got them.
+    A new list: accelerate's ``_models`` keeps the engines."""
     from deepspeed import DeepSpeedEngine
 
-    return [m.module if isinstance(m, DeepSpeedEngine) else m for m in models]
+    out = []
+    for m in models:
+        module = m.module if isinstance(m, DeepSpeedEngine) else m
+        out.extend(models_prepared_together(module) or (module,))
+    return out
 
 
 def load_hooks_see_models(accelerator):
