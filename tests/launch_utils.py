@@ -77,6 +77,9 @@ def one_rank_deepspeed_group(monkeypatch):
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
                  "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(k, v)
+    # accelerate's DeepSpeedPlugin sets ACCELERATE_USE_DEEPSPEED in os.environ: a later test's Accelerator()
+    # in this worker would then take the DeepSpeed path
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", os.environ.get("ACCELERATE_USE_DEEPSPEED", "false"))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         import importlib

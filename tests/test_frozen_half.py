@@ -67,15 +67,17 @@ def _inputs():
 def nothing_prepared():
     """No prepared optimizer or DeepSpeed engine left alive by an earlier test in this worker; the Accelerator
     a test makes is reset on leaving."""
+    from accelerate.state import AcceleratorState, GradientState
+
     from accel_npu._torch import zero
 
     accel_npu.patch()
+    AcceleratorState._reset_state(True)  # an earlier test's DeepSpeed state would make Accelerator() use it
+    GradientState._reset_state()
     frozen_half._prepared.clear()
     frozen_half._first.clear()
     zero._engines.clear()
     yield
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     frozen_half._prepared.clear()

@@ -159,9 +159,11 @@ def _hidden_size(model):
 
 
 #: DeepSpeedEngine methods a PreparedTogether runs for its own model (the rest are the shared engine's)
+# also the parameter iterators another plugin may have wrapped on DeepSpeedEngine (gathered reads): this
+# model's own parameters, through the same wrapper
 _OWN = frozenset({"forward", "train", "eval", "module_state_dict", "load_module_state_dict",
                   "_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict", "save_16bit_model",
-                  "save_fp16_model"})
+                  "save_fp16_model", "parameters", "named_parameters"})
 _CLASSES: dict = {}
 
 
