@@ -22,7 +22,7 @@ from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu.errors import CheckpointError
 
-from accel_npu.plugins.checkpoints import callsite
+from accel_npu.plugins.checkpoints import adapter_reload, callsite
 from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_path, fsync_tree, is_our_temp,
                                                  old_dir, partial_dir, write_json)
 
@@ -269,7 +269,8 @@ def load_hooks_see_models(accelerator):
     module in a list of their own (accelerate's stays empty, so it loads nothing twice); what
     they load is what the engine has just restored. Under ZeRO-3 a ``load_state_dict`` they make
     into the partitioned model gathers one submodule's parameters at a time, as transformers'
-    ZeRO-3 loader does (every rank runs load_state, so every rank joins each gather).
+    ZeRO-3 loader does (every rank runs load_state, so every rank joins each gather). A LoRA they load
+    again into an adapter the model has goes into its existing parameters (``adapter_reload.py``).
     """
     import contextlib
 
@@ -280,6 +281,7 @@ def load_hooks_see_models(accelerator):
         def hook_with_models(models, input_dir):
             prepared = models_as_prepared(accelerator._models)
             with contextlib.ExitStack() as stack:
+                stack.enter_context(adapter_reload.resuming(prepared))
                 for model in prepared:
                     stack.enter_context(_zero3_loadable(model))
                 return hook(models or prepared, input_dir)
