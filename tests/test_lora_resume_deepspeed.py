@@ -45,6 +45,11 @@ def accelerator_factory(monkeypatch):
         config = {"zero_optimization": zero, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
                   "gradient_accumulation_steps": 1}
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
+        if made:  # a new launch: accelerate's process-wide state starts afresh
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
         made.append(plugin)
         return Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
 
@@ -164,41 +169,50 @@ def _step(accelerator, engine, optimizer, seed):
     optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("script", ["lcm", "sd15_advanced"])
-def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_parameters(
-        accelerator_factory, tmp_path, stage, script):
+def _prepared(make, stage, script):
+    """A fresh Accelerator, the tiny UNet with its LoRA as the script adds it, prepared; the script's hooks."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from accel_npu.plugins.checkpoints import DIFFUSERS_LOAD_LORA_ADAPTER, PEFT_LOAD_ADAPTER
-
-    accelerator = accelerator_factory(stage)
+    accelerator = make(stage)
     unet = _unet()
     unet.requires_grad_(False)
     if script == "lcm":
         unet = get_peft_model(unet, LoraConfig(r=4, lora_alpha=4, target_modules=TARGETS))
-        hooks, patch = _lcm_hooks, PEFT_LOAD_ADAPTER
     else:
         unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=TARGETS))
-        hooks, patch = _sd15_hooks, DIFFUSERS_LOAD_LORA_ADAPTER
     optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-2)
     engine, optimizer = accelerator.prepare(unet, optimizer)
-    save_hook, load_hook = hooks(accelerator, engine)
+    save_hook, load_hook = (_lcm_hooks if script == "lcm" else _sd15_hooks)(accelerator, engine)
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
     module = accelerator.unwrap_model(engine)
-    lora = _lora(module)
-    assert lora and all(p.dtype == torch.bfloat16 for p in lora.values())
+    return accelerator, engine, optimizer, module, _lora(module)
 
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("script", ["lcm", "sd15_advanced"])
+def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_parameters(
+        accelerator_factory, tmp_path, stage, script):
+    """Each launch of the script as a fresh Accelerator and engine: the first trains 2 steps and saves, the
+    resumed one loads (ours), the stock one loads with the patch off."""
+    import torch
+
+    from accel_npu.plugins.checkpoints import DIFFUSERS_LOAD_LORA_ADAPTER, PEFT_LOAD_ADAPTER
+
+    patch = PEFT_LOAD_ADAPTER if script == "lcm" else DIFFUSERS_LOAD_LORA_ADAPTER
+    accelerator, engine, optimizer, module, lora = _prepared(accelerator_factory, stage, script)
+    assert lora and all(p.dtype == torch.bfloat16 for p in lora.values())
+    initial = _values(lora)
     for seed in (1, 2):
         _step(accelerator, engine, optimizer, seed)
     ckpt = tmp_path / "checkpoint-2"
     accelerator.save_state(str(ckpt))
     saved = _values(lora)
-    _step(accelerator, engine, optimizer, 3)  # the live state moves on from the checkpoint
-    assert any(not torch.equal(saved[n][1], v[1]) for n, v in _values(lora).items())
+    assert all(not torch.equal(saved[n][1], initial[n][1]) for n in lora)  # trained: a fresh model differs
 
+    # the resumed launch
+    accelerator, engine, optimizer, module, lora = _prepared(accelerator_factory, stage, script)
     accelerator.load_state(str(ckpt))
     assert _lora(module).keys() == lora.keys() and all(_lora(module)[n] is p for n, p in lora.items())
     assert list(module.peft_config) == ["default"]
@@ -210,12 +224,13 @@ def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_paramete
     if stage == 2:  # the ZeRO-2 optimizer's own parameter groups hold these very parameters
         held = {id(p) for group in engine.optimizer.bit16_groups for p in group}
         assert all(id(p) in held for p in lora.values())
-    _step(accelerator, engine, optimizer, 4)
+    _step(accelerator, engine, optimizer, 3)
     after = _values(lora)
     assert all(not torch.equal(after[n][1], restored[n][1]) for n in lora)  # the step trained every LoRA tensor
     assert all(not torch.equal(after[n][0], restored[n][0]) for n in lora if "lora_B" in n)
 
-    # stock: the hook's load replaces the parameters (peft's fp32 cast) or adds an adapter, and the next step fails
+    # stock: the hook's load replaces the parameters (peft's fp32 cast) or adds an adapter; the next step fails
+    accelerator, engine, optimizer, module, lora = _prepared(accelerator_factory, stage, script)
     with without(patch):
         accelerator.load_state(str(ckpt))
     if script == "lcm":
@@ -228,4 +243,4 @@ def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_paramete
         (AttributeError, RuntimeError), "'Parameter' object has no attribute 'ds_|invalid gradient .* expected shape "
                                         "compatible with \\[0\\]")
     with pytest.raises(expected[0], match=expected[1]):
-        _step(accelerator, engine, optimizer, 5)
+        _step(accelerator, engine, optimizer, 4)
