@@ -111,8 +111,8 @@ PEFT_LOAD_ADAPTER = Patch(
     target="peft.peft_model:PeftModel.load_adapter",
     supports="peft>=0.13,<0.22",
     # Only inside load_state's hooks under DeepSpeed, for an adapter the engine-held model already has.
-    reason="A load hook's load_adapter after DeepSpeed restored the engine casts the bf16 LoRA to new fp32 "
-           "parameters the optimizer does not hold (train_lcm_distill_lora_*_wds.py resume fails).",
+    reason="On resume, a load hook's load_adapter casts the engine's bf16 LoRA to new fp32 parameters the "
+           "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
     remove_when="peft loads an existing adapter without replacing its parameters, or diffusers' LCM LoRA "
                 "scripts stop loading the adapter again in their load hook",
     wrapper=f"{_PKG}.adapter_reload:peft_load_adapter",
@@ -121,8 +121,8 @@ DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     target="diffusers.loaders.peft:PeftAdapterMixin.load_lora_adapter",
     supports="diffusers>=0.35,<0.43",
     # Only inside load_state's hooks under DeepSpeed, for keys matching an adapter the model already has.
-    reason="A load hook's load_lora_into_unet after DeepSpeed restored the engine injects a second adapter "
-           "the optimizer does not hold (train_dreambooth_lora_sd15_advanced.py resume fails).",
+    reason="On resume, a load hook's load_lora_into_unet injects a second adapter the DeepSpeed optimizer "
+           "does not hold (train_dreambooth_lora_sd15_advanced.py).",
     remove_when="diffusers' sd15 advanced script drops the second load from its load hook (as #6514 did for "
                 "train_dreambooth_lora_sdxl.py)",
     wrapper=f"{_PKG}.adapter_reload:diffusers_load_lora_adapter",
