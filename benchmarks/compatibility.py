@@ -96,7 +96,8 @@ class Spec:
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    # "lora:<PipelineClass>:<component>", "full:<ModelClass>:<subfolder>", "module:<module>.<Class>:<subfolder>"
+    # "lora:<PipelineClass>:<component>", "peft:<ModelClass>:<subfolder>" (peft's save_pretrained loaded with
+    # PeftModel.from_pretrained), "full:<ModelClass>:<subfolder>", "module:<module>.<Class>:<subfolder>"
     # (a class of tests/scripts/ built from the tiny model folder, accelerate's save_model output loaded into it)
     # or "pretrained:<transformers class>:<subfolder>" (with checkpoint None: compare_pretrained)
     artifact: str
@@ -184,8 +185,12 @@ SPECS = [
          "full:UNet2DConditionModel:unet", SD),
     Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
          "full:UNet2DConditionModel:unet", LCM, cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    # the LoRA the LCM LoRA scripts save with save_lora_weights (unet_lora/) keeps peft's "base_model.model."
+    # prefix (get_peft_model_state_dict of their PeftModel), which load_lora_weights refuses on any hardware
+    # (NoMatchingPeftModuleError); their other final save, unet.save_pretrained(output_dir) in peft's format
+    # ("to be able to load them back"), loads with PeftModel.from_pretrained
     Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
-         "lora:StableDiffusionPipeline:unet:unet_lora", LCM + ["--lora_rank", "4"],
+         "peft:UNet2DConditionModel:unet", LCM + ["--lora_rank", "4"],
          cli={"model": ["--pretrained_teacher_model", "{model}"]}),
     # builds its UNet2DModel from a config and counts epochs (4 images, batch 1 on 2 ranks: 2 steps an epoch)
     Spec("unconditional_image_generation/train_unconditional.py", "unconditional", "sd15_data",
@@ -213,8 +218,9 @@ SPECS = [
          "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
     Spec("consistency_distillation/train_lcm_distill_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
          "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--lora_rank", "4"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    # the artifact: see train_lcm_distill_lora_sd_wds.py's
     Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
-         "lora:StableDiffusionXLPipeline:unet:unet_lora", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
+         "peft:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
          cli={"model": ["--pretrained_teacher_model", "{model}"]}),
     Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
          "full:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
@@ -602,6 +608,12 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
         pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+    if kind == "peft":  # peft's save_pretrained (adapter_config.json + adapter_model.safetensors), as peft loads it
+        from peft import PeftModel
+
+        base = getattr(diffusers, cls_name).from_pretrained(str(model), subfolder=where, torch_dtype=torch.float32)
+        loaded = PeftModel.from_pretrained(base, str(where_dir.joinpath(*below)))
+        return {_norm(k): v for k, v in loaded.state_dict().items() if ".lora_" in k}
     if kind == "attn_procs":
         # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th entry of
         # the model's attn_processors (diffusers/loaders/utils.py). The file is read into processors by diffusers'
@@ -640,7 +652,7 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
         # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
         master = {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items()
                   if re.match(r"^(\d+\.)?layers\.", k)}
-    if spec.artifact.startswith("lora:"):
+    if spec.artifact.startswith(("lora:", "peft:")):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
     if spec.artifact_in == "checkpoint":

@@ -12,3 +12,21 @@ def stock():
         yield
     finally:
         accel_npu.patch()
+
+
+@contextlib.contextmanager
+def without(*patches):
+    """Run the body with these patches removed (the exact originals back), as ACCEL_NPU_DISABLED_PATCHES
+    leaves a launch; then re-applied."""
+    from accel_npu.patching import get_ledger
+
+    ledger = get_ledger()
+    found = [ledger.find(p.target) for p in patches]
+    assert all(p is not None and p.applied for p in found), [p.target for p in patches]
+    for p in found:
+        ledger.unpatch(p)
+    try:
+        yield
+    finally:
+        for p in found:
+            ledger.apply(p)

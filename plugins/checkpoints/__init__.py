@@ -6,8 +6,8 @@ describes each.
 This module declares the plugin: its patches, its command and its ``accel-npu env`` section. The
 wrappers and machinery sit beside it: ``accelerator.py`` (the wrapped Accelerator methods),
 ``state.py``, ``streaming.py`` (save_model one shard at a time), ``serving.py`` and ``boundary.py``
-(idle ranks serve rank 0's gathers and save_state), ``partitioned.py``, ``lora.py``, ``callsite.py``,
-``consolidate.py``, ``files.py``.
+(idle ranks serve rank 0's gathers and save_state), ``partitioned.py``, ``lora.py``, ``adapter_reload.py``
+(a load hook's second LoRA load on resume), ``callsite.py``, ``consolidate.py``, ``files.py``.
 """
 from __future__ import annotations
 
@@ -108,14 +108,25 @@ PEFT_STATE_DICT = Patch(
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
 
+PEFT_LOAD_ADAPTER = Patch(
+    target="peft.peft_model:PeftModel.load_adapter",
+    supports="peft>=0.13,<0.22",
+    # Only inside load_state's hooks under DeepSpeed, for an adapter the engine-held model already has.
+    reason="On resume, a load hook's load_adapter casts the engine's bf16 LoRA to new fp32 parameters the "
+           "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
+    remove_when="peft loads an existing adapter without replacing its parameters, or diffusers' LCM LoRA "
+                "scripts stop loading the adapter again in their load hook",
+    wrapper=f"{_PKG}.adapter_reload:peft_load_adapter",
+)
 DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     target="diffusers.loaders.peft:PeftAdapterMixin.load_lora_adapter",
     supports="diffusers>=0.35,<0.43",
-    # Keys already in peft's naming are left as they are.
-    reason="load_lora_adapter converts old-style LoRA keys only if the first key is one (diffusers #14548): "
-           "train_lcm_distill_lora_sdxl.py's LoRA loads without attention.",
-    remove_when="diffusers converts every old-style key in load_lora_adapter, not only a state dict whose first "
-                "key is one",
+    # Keys already in peft's naming are left as they are; the in-place load only inside load_state's hooks
+    # under DeepSpeed, for keys matching an adapter the model already has.
+    reason="A LoRA mixing old and peft key names loads in part (diffusers #14548); on resume a load hook's "
+           "load_lora_into_unet adds an adapter the optimizer lacks.",
+    remove_when="diffusers converts every old-style key (not only when the first key is one), and its sd15 "
+                "advanced script drops the second load from its load hook (as #6514 did for the SDXL one)",
     wrapper=f"{_PKG}.lora:load_lora_adapter",
 )
 
@@ -151,7 +162,7 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
             DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
-            DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
+            PEFT_LOAD_ADAPTER, DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl

@@ -280,22 +280,30 @@ def adapter_keys(state_dict: Mapping, prefix: str | None) -> dict | None:
 
 
 def load_lora_adapter(wrapped, instance, args, kwargs):
-    """diffusers' ``PeftAdapterMixin.load_lora_adapter`` given a state dict (what every pipeline's
-    ``load_lora_weights`` passes) whose keys mix diffusers' old LoRA naming with peft's loads all of
-    them (``adapter_keys``). A path given to the model's method directly is read by stock as before."""
+    """diffusers' ``PeftAdapterMixin.load_lora_adapter``: a state dict (what every pipeline's
+    ``load_lora_weights`` passes) whose keys mix diffusers' old LoRA naming with peft's loads all of them
+    (``adapter_keys``); then, on resume under DeepSpeed, one matching an adapter the model already has
+    goes into it in place (adapter_reload.py). A path given to the model's method directly is read by
+    stock as before."""
+    from accel_npu.plugins.checkpoints import adapter_reload
+
+    args, kwargs = _every_key_read(instance, args, kwargs)
+    return adapter_reload.diffusers_load_lora_adapter(wrapped, instance, args, kwargs)
+
+
+def _every_key_read(instance, args, kwargs):
     state_dict = argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict")
     if not isinstance(state_dict, Mapping):
-        return wrapped(*args, **kwargs)
+        return args, kwargs
     prefix = argument(args, kwargs, 1, "prefix", "transformer")
     try:
         converted = adapter_keys(state_dict, prefix)
     except Exception:
         converted = None
     if converted is None:
-        return wrapped(*args, **kwargs)
+        return args, kwargs
     if _first((type(instance).__name__, prefix)):
         log.info("accel-npu: the %s LoRA of %s mixes diffusers' old key naming (to_k.lora.down) with peft's "
                  "(lora_A); every key is read, not only those named like the first (diffusers #14548)",
                  prefix or "", type(instance).__name__)
-    args, kwargs = with_argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict", converted)
-    return wrapped(*args, **kwargs)
+    return with_argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict", converted)

@@ -23,7 +23,7 @@ from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import models_prepared_together
 from accel_npu.errors import CheckpointError
 
-from accel_npu.plugins.checkpoints import callsite
+from accel_npu.plugins.checkpoints import adapter_reload, callsite
 from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_path, fsync_tree, is_our_temp,
                                                  old_dir, partial_dir, write_json)
 
@@ -284,6 +284,8 @@ def load_hooks_see_models(accelerator):
     t2i_adapter/train_t2i_adapter_sdxl.py reads ``args.control_type`` in its load hook (line 917), an
     argument it never defines (AttributeError on GPUs under DDP too); stock DeepSpeed resumes it. A hook
     that fails on the empty list as well raises its first error.
+    A LoRA they load again into an adapter the model has goes into its existing parameters
+    (``adapter_reload.py``).
     """
     import contextlib
 
@@ -297,6 +299,7 @@ def load_hooks_see_models(accelerator):
             prepared = models_as_prepared(accelerator._models)
             try:
                 with contextlib.ExitStack() as stack:
+                    stack.enter_context(adapter_reload.resuming(prepared))
                     for model in prepared:
                         stack.enter_context(_zero3_loadable(model))
                     return hook(prepared, input_dir)
