@@ -80,8 +80,8 @@ GATHERED_ENTER = Patch(
 ZERO3_FORWARD_FETCH = Patch(
     target="deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
     supports="deepspeed>=0.16,<0.20",
-    reason="A ZeRO-3 forward rank 0 runs alone after a step (train_unconditional.py's DDPMPipeline sampling) "
-           "hangs in its parameter gathers; in the step window the paused ranks join each fetch.",
+    # In the step window (boundary.py) the paused ranks join each of rank 0's fetches.
+    reason="A ZeRO-3 forward run on rank 0 alone (train_unconditional.py's sampling) hangs in its gathers.",
     remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
     wrapper=f"{_PKG}.boundary:pre_sub_module_forward")
 DIFFUSERS_SAVE_PRETRAINED = Patch(
