@@ -49,6 +49,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("explain_errors", "accel_npu.plugins.explain_errors"),
     ("launch_settings", "accel_npu.plugins.launch.settings"),
     ("hang_watch", "accel_npu.plugins.hang_watch"),
+    ("trackers", "accel_npu.plugins.trackers"),
 )
 
 #: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.

@@ -60,7 +60,7 @@ CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # torchvision fails stock's imports here), and deepspeed_setup's training-time patches off
 STOCK_ENV = {
     "ACCEL_NPU_DISABLED_PLUGINS": "npu,cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-                                  "launch_settings,hang_watch",
+                                  "launch_settings,hang_watch,trackers",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
                                   "deepspeed.runtime.zero.partitioned_param_coordinator:"
                                   "PartitionedParameterCoordinator.fetch_sub_module,"
@@ -467,28 +467,20 @@ KNOWN_CAUSES = [
      "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
      "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
      "script's final `for token in args.modifier_token` (line 1333) fails on None"),
+    (r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
+     "the script's, under ZeRO-3: between accelerator.backward and optimizer.step() it zeroes rows of the text "
+     "encoder's embedding .grad (lines 1192-1205), and a ZeRO-3 parameter is partitioned (shape [0]), its gradient "
+     "in DeepSpeed's partitions: param.grad is None (under ZeRO-1/2 accel-npu shows the whole gradient there and "
+     "writes it back before the step); stock stops earlier, at accelerate's 'multiple models when using "
+     "DeepSpeed'"),
     (r"^train_unconditional\.py: .*CollectiveMisuseError",
      "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
      "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
      "all-gathers never pair, a hang on GPUs too (stock: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG "
      "broadcast); accel-npu stops both ranks at the first gather, naming line 692; the error is accel-npu's"),
-    (r"^train_cosmos_predict25_lora\.py: .*ValueError: value should be one of int, float, str, bool, or "
-     r"torch\.Tensor",
-     "the script's, also on GPUs: it hands vars(args) to init_trackers (line 589) under its default --report_to "
-     "tensorboard, and its --conditional_frames_probs is a dict (default {1: 0.5, 2: 0.5}, line 206) that torch's "
-     "add_hparams refuses (torch/utils/tensorboard/summary.py hparams, from accelerate/tracking.py "
-     "TensorBoardTracker.store_init_configuration); without tensorboard installed accelerate drops the tracker "
-     "and the rows pass"),
     (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
      "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
      "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
-    (r"^train_t2i_adapter_sdxl\.py: RuntimeError: expected m1 and m2 to have the same dtype, but got: "
-     r"float != c10::BFloat16",
-     "the script's, also on GPUs: it never freezes its UNet (train_t2i_adapter_sdxl.py:926-930 freeze the VAE and "
-     "text encoders, then unet.train()), casts it to bf16 (line 1011) and hands it the prompt embeddings its "
-     "collate_fn rebuilds as fp32 (line 770) outside any engine (line 1216); accel-npu autocasts only frozen half "
-     "models (plugins/precision/frozen_half.py: no parameter requires grad) and the engine's forward; accelerate "
-     "autocasts only prepared models, so DDP fails alike"),
     (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
      r"tensor b \(0\)",
      "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
@@ -612,11 +604,17 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
     if kind == "attn_procs":
         # the engine's module is diffusers' AttnProcsLayers: parameter "layers.<i>.<name>" is the i-th entry of
-        # the model's attn_processors (diffusers/loaders/utils.py)
+        # the model's attn_processors (diffusers/loaders/utils.py). The file is read into processors by diffusers'
+        # own reader (UNet2DConditionModel._process_custom_diffusion): diffusers 0.42's load_attn_procs sets them
+        # only when given _pipeline (set_attn_processor sits under `if _pipeline is not None:`), and then wants
+        # one per attention layer, where the script's save_attn_procs writes the trained attn2 ones only
+        from safetensors.torch import load_file
+
         component = getattr(getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32), where)
-        component.load_attn_procs(str(where_dir), weight_name=below[0])
-        return {f"layers.{i}.{k}": v for i, name in enumerate(component.attn_processors)
-                for k, v in component.attn_processors[name].state_dict().items()}
+        names = list(component.attn_processors)
+        read = component._process_custom_diffusion(state_dict=load_file(str(where_dir / below[0])))
+        return {f"layers.{names.index(name)}.{k}": v for name, processor in read.items()
+                for k, v in processor.state_dict().items()}
     if kind == "module":
         import importlib
 
@@ -638,7 +636,10 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     _torchvision_importable()
     master = _master(ckpt)
     if spec.artifact.startswith("attn_procs:"):
-        master = {k: v for k, v in master.items() if k.startswith("layers.")}
+        # AttnProcsLayers' parameters; under one engine with other models prepared together (accel-npu's
+        # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
+        master = {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items()
+                  if re.match(r"^(\d+\.)?layers\.", k)}
     if spec.artifact.startswith("lora:"):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)

@@ -111,6 +111,55 @@ def test_hooks_written_for_ddp_see_the_model_and_load_into_zero3_partitions(zero
     assert got["1.weight"].shape == (4, 8) and got["1.weight"].abs().sum() > 0  # untouched, still there
 
 
+def test_a_hook_failing_given_the_models_runs_as_stock_runs_it(zero3_engine, tmp_path, caplog):
+    """t2i_adapter/train_t2i_adapter_sdxl.py's load hook (v0.40.0 lines 909-920) pops the model, loads the saved
+    adapter, then reads ``args.control_type``, an argument the script never defines: given the model it raises
+    (on GPUs under DDP too); on accelerate's empty list under DeepSpeed it does nothing and stock resumes. It
+    runs again as stock runs it, the module as the engine restored it; a hook failing both ways raises."""
+    import logging
+    from argparse import Namespace
+
+    import deepspeed
+    import torch
+
+    from accel_npu.plugins.checkpoints import state
+
+    args = Namespace(output_dir=str(tmp_path))
+    calls = []
+
+    def load_model_hook(models, input_dir):
+        calls.append(len(models))
+        while len(models) > 0:
+            model = models.pop()
+            if args.control_type != "style":
+                model.register_to_config()
+            model.load_state_dict({})
+
+    def broken_hook(models, input_dir):
+        raise KeyError("always")
+
+    class Accelerator:  # what load_hooks_see_models reads of accelerate's Accelerator
+        _models = [zero3_engine]
+        _load_model_state_pre_hook = {0: load_model_hook, 1: broken_hook}
+
+    load_model_hook([], str(tmp_path))  # stock: accelerate's empty list
+    with pytest.raises(AttributeError, match="control_type"):
+        load_model_hook([zero3_engine.module], str(tmp_path))
+    with deepspeed.zero.GatheredParameters(list(zero3_engine.module.parameters())):
+        before = {k: v.clone() for k, v in zero3_engine.module.state_dict().items()}
+    acc = Accelerator()
+    calls.clear()
+    with state.load_hooks_see_models(acc), caplog.at_level(logging.WARNING, logger="accel_npu"):
+        acc._load_model_state_pre_hook[0]([], str(tmp_path))
+        with pytest.raises(KeyError, match="always"):
+            acc._load_model_state_pre_hook[1]([], str(tmp_path))
+    assert calls == [1, 0]  # given the module, then as stock gives it
+    with deepspeed.zero.GatheredParameters(list(zero3_engine.module.parameters())):
+        after = zero3_engine.module.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert any("load_model_hook" in r.getMessage() and "control_type" in r.getMessage() for r in caplog.records)
+
+
 def test_models_loaded_while_a_deepspeed_engine_lives_are_built_whole(zero3_engine, tmp_path):
     """After ``prepare`` a loaded model can only be used outside the engine, and diffusers' scripts load
     their final pipeline's VAE on rank 0 alone (train_dreambooth_lora_sdxl.py: a partitioned load there

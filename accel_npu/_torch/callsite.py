@@ -2,6 +2,7 @@
 the caller of a patched function is an installed library or the user's own code."""
 from __future__ import annotations
 
+import ast
 import os
 import sys
 
@@ -64,3 +65,50 @@ def caller_is_library(depth: int = 1, skip: tuple[str, ...] = ()) -> bool:
             _LIBRARY_DIRS = _library_dirs()
         known = _library_file[filename] = filename.startswith(_LIBRARY_DIRS)
     return known
+
+
+# -- rank-0-only code: the `if accelerator.is_main_process:` around a line ----------------------------
+# A collective entered by rank 0 alone is nearly always inside such an `if` (diffusers'
+# train_text_to_image.py around ``accelerator.save_state``, diffusers #2606).
+_guards: dict = {}
+
+
+def main_process_guard(filename: str, line: int):
+    """(line, source) of the innermost ``if ...is_main_process...:`` whose body holds ``line``, or None."""
+    key = (filename, line)
+    if key not in _guards:  # asked once per optimizer step at most: parse each file once per line
+        _guards[key] = _main_process_guard(filename, line)
+    return _guards[key]
+
+
+def _main_process_guard(filename: str, line: int):
+    try:
+        with open(filename, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source, filename)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    best = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or not node.body:
+            continue
+        test = ast.get_source_segment(source, node.test) or ""
+        if "is_main_process" not in test and "is_local_main_process" not in test:
+            continue
+        first, last = node.body[0].lineno, max(getattr(n, "end_lineno", n.lineno) for n in node.body)
+        if first <= line <= last and (best is None or node.lineno > best[0]):
+            best = (node.lineno, f"if {test}:")
+    return best
+
+
+def guarded_caller(frame):
+    """((file, line), guard) of the innermost script frame from ``frame`` outward that runs under
+    ``if ...is_main_process...:`` (a helper the script calls there counts too), else (None, None)."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        if name.split(".")[0] not in LIBRARIES:
+            guard = main_process_guard(frame.f_code.co_filename, frame.f_lineno)
+            if guard is not None:
+                return (frame.f_code.co_filename, frame.f_lineno), guard
+        frame = frame.f_back
+    return None, None

@@ -1,6 +1,8 @@
 """torch.distributed helpers that work before, without and after a process group exists."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import time
@@ -28,6 +30,27 @@ class CollectiveHooks:
 
 
 collective_hooks = CollectiveHooks()
+
+_every_rank = contextvars.ContextVar("accel_npu_every_rank_collective", default=False)
+
+
+@contextlib.contextmanager
+def every_rank_collectives():
+    """The collectives inside are made by every rank from the same call, checked beforehand (a
+    :func:`rendezvous`), and change no training state: e.g. the ZeRO-3 gathers of parameters a script
+    reads after an optimizer step. They are no clean point for plugins/checkpoints' step-boundary
+    window (a rank-0-only save that follows in the same window is still served)."""
+    token = _every_rank.set(True)
+    try:
+        yield
+    finally:
+        _every_rank.reset(token)
+
+
+def every_rank_collective() -> bool:
+    """Inside :func:`every_rank_collectives`."""
+    return _every_rank.get()
+
 
 #: callables to run at interpreter exit while the process group is still up, before any plugin closes it
 #: (plugins/devices/cpu.py's atexit close re-registers itself at every PartialState(), so atexit's own order
@@ -81,11 +104,13 @@ def _store_and_world():
         return None, 1, 0
 
 
-def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO") -> None:
+def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO", call: str = "",
+               stock: str = "") -> None:
     """Return once every rank has entered ``rendezvous(op)``; else, after ``timeout`` seconds, raise
     :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice`` (a string, or
     a callable returning one, called only then: e.g. to name the caller's line). ``under`` names what
-    makes ``op`` a collective here (DeepSpeed ZeRO, FSDP).
+    makes ``op`` a collective here (DeepSpeed ZeRO, FSDP); ``call`` what the user called (default
+    ``accelerator.<op>()``) and ``stock`` what stock does instead (default: waits or gathers to this rank).
 
     Uses the process group's key-value store (no collective, so it cannot hang). Calls pair up by
     *generation*, not by a per-process call count: a generation ends "done" when the last rank
@@ -120,11 +145,12 @@ def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO"
     missing = [r for r in range(world) if r not in present]
     if callable(advice):
         advice = advice()
+    stock = stock or ("Stock accelerate would wait here until the process group times out, or gather the whole "
+                      "model into this rank's memory.")
     raise CollectiveMisuseError(
-        f"accelerator.{op}() under {under} is a collective, but only rank(s) {present} "
+        f"{call or f'accelerator.{op}()'} under {under} is a collective, but only rank(s) {present} "
         f"entered it; rank(s) {missing} did not within {timeout:g} s "
-        f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). Stock accelerate would wait here until the process "
-        f"group times out, or gather the whole model into this rank's memory. "
+        f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). {stock} "
         f"{advice}")
 
 

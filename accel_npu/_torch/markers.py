@@ -10,6 +10,18 @@ SOURCE = "_accel_npu_source"
 HIDDEN_TOWERS = "_accel_npu_hidden_towers"
 #: DeepSpeedPlugin attribute: where its DeepSpeed config came from (a path, "<script>", ...)
 DS_CONFIG_SOURCE = "_accel_npu_ds_source"
+#: module instance-dict key: the models one ``accelerator.prepare`` call put under one DeepSpeed engine, in
+#: order, on the container module that engine wraps (deepspeed -> checkpoints: save/load hooks get the models)
+MODELS_PREPARED_TOGETHER = "_accel_npu_models_prepared_together"
+#: instance-dict key of accelerate's DeepSpeedEngineWrapper (``accelerator.deepspeed_engine_wrapped``) whose engine
+#: steps at the script's ``optimizer.step()``, not inside ``accelerator.backward``: the callables to call after each
+#: such step (deepspeed sets it, checkpoints adds its step boundary)
+STEPS_AT_OPTIMIZER_STEP = "_accel_npu_steps_at_optimizer_step"
+
+
+def models_prepared_together(module) -> tuple | None:
+    """The models under ``module`` when it is the container of several models prepared together, else None."""
+    return getattr(module, "__dict__", {}).get(MODELS_PREPARED_TOGETHER)
 
 
 def hidden_towers(model) -> dict:

@@ -58,6 +58,11 @@ def note_engine_built(engine) -> None:
     _engines.add(engine)
 
 
+def live_engines() -> list:
+    """The DeepSpeed engines ``accelerator.prepare`` returned that are still alive."""
+    return list(_engines)
+
+
 def engine_built() -> bool:
     """A DeepSpeed engine is alive: a model loaded now can only be used outside it (a frozen tower,
     the final pipeline a script builds on rank 0 alone)."""

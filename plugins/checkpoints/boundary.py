@@ -50,7 +50,9 @@ import time
 import weakref
 
 from accel_npu._torch import dist as _dist
+from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu._torch.markers import STEPS_AT_OPTIMIZER_STEP
 from accel_npu.patching.arguments import argument
 from accel_npu.plugins.checkpoints import callsite, serving
 
@@ -110,11 +112,45 @@ def before_backward(accelerator) -> bool:
 
 def after_backward(accelerator) -> None:
     """A backward that syncs gradients finished on this rank. Under DeepSpeed the optimizer step ran in it:
-    open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step)."""
+    open the window; under FSDP it comes with the script's ``optimizer.step()`` (after_optimizer_step), and so
+    for an engine over several models prepared together (it calls back after its step)."""
     if _w.accelerator is None or _w.accelerator() is not accelerator:
         _w.accelerator = weakref.ref(accelerator)
     _pin_prepared_models(accelerator)
+    _hook_forwards(accelerator)
+    after_step = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "__dict__", {}).get(
+        STEPS_AT_OPTIMIZER_STEP)
+    if after_step is not None:  # an engine that steps at the script's optimizer.step() (several models in one)
+        if _after_engine_step not in after_step:
+            after_step.append(_after_engine_step)
+        return
     if not _w.fsdp:
+        open_window()
+
+
+_forward_hooked: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _hook_forwards(accelerator) -> None:
+    """The next forward of a prepared ZeRO-3 engine is a clean point, before its first gather: a script that draws
+    its batches outside a prepared DataLoader (diffusers' LCM *_wds.py scripts: webdataset) otherwise pauses
+    inside ZeRO-3's fetch of its first layer, whose parameters DeepSpeed already marked in flight, and the
+    save it serves there fails ("expected to be released", partitioned_param_coordinator.py
+    release_and_reset_all)."""
+    for model in getattr(accelerator, "_models", ()):
+        if model not in _forward_hooked:
+            _forward_hooked.add(model)
+            partitioned = getattr(model, "zero_optimization_partition_weights", None)
+            if partitioned is not None and partitioned():  # a ZeRO-2 forward makes no collective: not a clean point
+                model.register_forward_pre_hook(_before_forward, prepend=True)
+
+
+def _before_forward(module, args):
+    if _w.open:
+        _before_collective("the forward of a prepared model (its ZeRO-3 / FSDP gathers)",
+                           point="the next forward of a prepared model")
+def _after_engine_step() -> None:
+    if _w.enabled:
         open_window()
 
 
@@ -310,8 +346,8 @@ def _acknowledge(store, rank: int) -> None:
 
 # --------------------------------------------------------------------------------------------
 # collectives
-def _before_collective(name: str) -> None:
-    if not _w.open or _inside.get() or serving.in_request():
+def _before_collective(name: str, point: str = "") -> None:
+    if not _w.open or _inside.get() or serving.in_request() or _dist.every_rank_collective():
         return
     if _w.main:
         site, guard = _guarded_caller()
@@ -326,7 +362,7 @@ def _before_collective(name: str) -> None:
             error = CollectiveMisuseError(message)
             publish_abort(message)
             raise error
-    clean_point(f"torch.distributed.{name}")
+    clean_point(point or f"torch.distributed.{name}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -423,17 +459,7 @@ def pre_sub_module_forward(wrapped, instance, args, kwargs):
 def _guarded_caller():
     """((file, line), guard) of the innermost script frame under ``if ...is_main_process...:`` (a
     helper the script calls there counts too: log_validation(...)), else (None, None)."""
-    import sys
-
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "") or ""
-        if name.split(".")[0] not in callsite.LIBRARIES:
-            guard = callsite.main_process_guard(frame.f_code.co_filename, frame.f_lineno)
-            if guard is not None:
-                return (frame.f_code.co_filename, frame.f_lineno), guard
-        frame = frame.f_back
-    return None, None
+    return guarded_caller(sys._getframe(2))
 
 
 def collective_failed(exc: Exception):

@@ -6,42 +6,9 @@ error names that line and the `if` so the one-line fix can be given verbatim.
 """
 from __future__ import annotations
 
-import ast
-
-from accel_npu._torch.callsite import LIBRARIES, user_frame  # noqa: F401  (re-exported: the misuse messages use it)
+from accel_npu._torch.callsite import LIBRARIES, main_process_guard, user_frame  # noqa: F401  (re-exported: the misuse messages use it)
 
 FIX = "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:"
-
-
-_guards: dict = {}
-
-
-def main_process_guard(filename: str, line: int):
-    """(line, source) of the innermost ``if ...is_main_process...:`` whose body holds ``line``, or None."""
-    key = (filename, line)
-    if key not in _guards:  # asked once per optimizer step at most (boundary.py): parse each file once per line
-        _guards[key] = _main_process_guard(filename, line)
-    return _guards[key]
-
-
-def _main_process_guard(filename: str, line: int):
-    try:
-        with open(filename, encoding="utf-8") as f:
-            source = f.read()
-        tree = ast.parse(source, filename)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    best = None
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.If) or not node.body:
-            continue
-        test = ast.get_source_segment(source, node.test) or ""
-        if "is_main_process" not in test and "is_local_main_process" not in test:
-            continue
-        first, last = node.body[0].lineno, max(getattr(n, "end_lineno", n.lineno) for n in node.body)
-        if first <= line <= last and (best is None or node.lineno > best[0]):
-            best = (node.lineno, f"if {test}:")
-    return best
 
 
 def describe(call: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from accel_npu import environment
 from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu._torch.markers import models_prepared_together
 from accel_npu.errors import CheckpointError
 
 from accel_npu.plugins.checkpoints import callsite
@@ -241,9 +242,10 @@ class WeightsSavedByDeepSpeed:
 
 def _with_one_weight_per_model(hook):
     def hook_with_weights(models, weights, output_dir):
-        if not weights and models:
-            weights = [WeightsSavedByDeepSpeed() for _ in models]  # a copy: accelerate's list stays empty
-        return hook(models_as_prepared(models), weights, output_dir)
+        prepared = models_as_prepared(models)
+        if not weights and prepared:
+            weights = [WeightsSavedByDeepSpeed() for _ in prepared]  # a copy: accelerate's list stays empty
+        return hook(prepared, weights, output_dir)
 
     return hook_with_weights
 
@@ -252,11 +254,16 @@ def models_as_prepared(models: list) -> list:
     """The models a save/load hook sees: each DeepSpeed engine's module, as hooks get the model itself
     under DDP (accelerate keeps the model, not its DDP wrapper, in ``_models``). Hooks written for
     that path (diffusers' Sana/SDXL DreamBooth LoRA scripts) test ``isinstance(model, type(unet))``
-    and raise "unexpected save model: DeepSpeedEngine" on the engine. A new list: accelerate's
-    ``_models`` keeps the engines."""
+    and raise "unexpected save model: DeepSpeedEngine" on the engine. An engine over several models
+    prepared together (the deepspeed plugin's container) gives each model, in the order prepare got them.
+    A new list: accelerate's ``_models`` keeps the engines."""
     from deepspeed import DeepSpeedEngine
 
-    return [m.module if isinstance(m, DeepSpeedEngine) else m for m in models]
+    out = []
+    for m in models:
+        module = m.module if isinstance(m, DeepSpeedEngine) else m
+        out.extend(models_prepared_together(module) or (module,))
+    return out
 
 
 def load_hooks_see_models(accelerator):
@@ -270,6 +277,13 @@ def load_hooks_see_models(accelerator):
     they load is what the engine has just restored. Under ZeRO-3 a ``load_state_dict`` they make
     into the partitioned model gathers one submodule's parameters at a time, as transformers'
     ZeRO-3 loader does (every rank runs load_state, so every rank joins each gather).
+
+    A hook that fails given the models runs again as stock accelerate runs it under DeepSpeed, on
+    accelerate's empty list, with one warning naming it and the error: the engines restored the models
+    already, and what such a hook loads comes from the same checkpoint. v0.40.0's
+    t2i_adapter/train_t2i_adapter_sdxl.py reads ``args.control_type`` in its load hook (line 917), an
+    argument it never defines (AttributeError on GPUs under DDP too); stock DeepSpeed resumes it. A hook
+    that fails on the empty list as well raises its first error.
     """
     import contextlib
 
@@ -278,11 +292,26 @@ def load_hooks_see_models(accelerator):
 
     def wrap(hook):
         def hook_with_models(models, input_dir):
+            if models:
+                return hook(models, input_dir)
             prepared = models_as_prepared(accelerator._models)
-            with contextlib.ExitStack() as stack:
-                for model in prepared:
-                    stack.enter_context(_zero3_loadable(model))
-                return hook(models or prepared, input_dir)
+            try:
+                with contextlib.ExitStack() as stack:
+                    for model in prepared:
+                        stack.enter_context(_zero3_loadable(model))
+                    return hook(prepared, input_dir)
+            except Exception as given_models:
+                try:
+                    result = hook(models, input_dir)
+                except Exception:
+                    raise given_models from None
+                code = getattr(hook, "__code__", None)
+                where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+                log.warning("accel-npu: the load_state pre-hook %s%s failed given the prepared models (%s: %s); it "
+                            "ran as accelerate runs it under DeepSpeed, on an empty list: the engines restored the "
+                            "models from %s.", getattr(hook, "__qualname__", hook), where,
+                            type(given_models).__name__, given_models, input_dir)
+                return result
 
         return hook_with_models
 

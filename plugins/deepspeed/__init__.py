@@ -16,11 +16,18 @@
 - ``"train_micro_batch_size_per_gpu": "auto"`` where accelerate reads no DataLoader.batch_size (a
   ``batch_sampler=`` loader, or no DataLoader in ``prepare`` as the LCM webdataset scripts do): read from
   the sampler, or set from the engine's first training batch (auto_batch_size.py).
+- a ZeRO-3 engine's ``parameters()`` / ``named_parameters()`` iterated by the script itself (the LCM
+  distillation scripts' EMA update after each step): each partitioned parameter gathered, read-only,
+  while the script holds it; writes refused (gathered_reads.py).
+- several models and one optimizer over them in one ``accelerator.prepare`` (accelerate: "multiple models
+  when using DeepSpeed"): one engine over a container of the models, each position given the model's view
+  of it (models_together.py).
 - inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
   scripts make them) are cast at the engine's boundary (input_dtype.py).
 
 This module declares the patches; the wrappers sit beside it: mixed_precision.py, config_file.py,
-inference_mode.py, auto_batch_size.py, input_dtype.py (precision_config.py: what the configs say).
+inference_mode.py, prepare.py (auto_batch_size.py, models_together.py), input_dtype.py, gathered_reads.py
+(precision_config.py: what the configs say).
 """
 from __future__ import annotations
 
@@ -86,17 +93,21 @@ ZERO3_FETCH = Patch(
 )
 
 
-# -- "auto" micro batch size where accelerate cannot read it -----------------------------------------
-AUTO_MICRO_BATCH_SIZE = Patch(
+# -- accelerator.prepare: several models with one optimizer; "auto" micro batch size ------------------
+PREPARE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
     supports="accelerate>=1.10,<1.16",
-    # diffusers' bucketing DreamBooth LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no
-    # DataLoader (webdataset batches); the engine's first training forward sets the value (a forward
-    # pre-hook on that engine, removed after). A data_efficiency config is one error naming the key and file.
-    reason="accelerator.py _prepare_deepspeed reads an 'auto' micro batch from DataLoader.batch_size only; "
-           "taken from a batch_sampler or the first training batch.",
-    remove_when="accelerate resolves an 'auto' micro batch size without a DataLoader.batch_size",
-    wrapper=f"{_PKG}.auto_batch_size:prepare_with_auto_micro_batch_size",
+    # Several models with one optimizer over all their trainable parameters (diffusers' custom_diffusion with
+    # --modifier_token) become one engine over a container of them (models_together.py); other multi-model
+    # calls keep accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
+    # LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no DataLoader (webdataset batches);
+    # the engine's first training forward sets the value (a forward pre-hook on that engine, removed after).
+    # A data_efficiency config is one error naming the key and file.
+    reason="accelerator.py prepare: one model per DeepSpeed engine even with one optimizer over several; 'auto' "
+           "micro batch only from DataLoader.batch_size. Both completed.",
+    remove_when="accelerate prepares models sharing one optimizer as one engine and resolves 'auto' micro "
+                "batch sizes without a DataLoader.batch_size",
+    wrapper=f"{_PKG}.prepare:prepare",
 )
 
 
@@ -123,7 +134,31 @@ ZERO3_PARAM_DTYPE = Patch(
 )
 
 
+# -- a ZeRO-3 engine's parameters read by the script --------------------------------------------------
+# DeepSpeedEngine inherits both from torch.nn.Module; the patch sets them on the engine class only (no cost
+# for other modules) and removes them again on unpatch. diffusers v0.40.0's train_lcm_distill_sd_wds.py:1371
+# and train_lcm_distill_sdxl_wds.py:1474 run update_ema(target_unet.parameters(), unet.parameters()) on the
+# engine after every step.
+ENGINE_PARAMETERS = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine.parameters",
+    supports="deepspeed>=0.16,<0.20",
+    reason="A script iterating a ZeRO-3 engine's parameters() reads shape-[0] partitions ('size of tensor a (3) "
+           "must match ... b (0)'); gathered while held.",
+    remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
+    wrapper=f"{_PKG}.gathered_reads:parameters",
+)
+
+ENGINE_NAMED_PARAMETERS = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine.named_parameters",
+    supports="deepspeed>=0.16,<0.20",
+    reason="A script iterating a ZeRO-3 engine's named_parameters() reads shape-[0] partitions; gathered while "
+           "held (GatheredParameters).",
+    remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
+    wrapper=f"{_PKG}.gathered_reads:named_parameters",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
     return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH,
-            AUTO_MICRO_BATCH_SIZE, ENGINE_INPUT_DTYPE, ZERO3_PARAM_DTYPE]
+            PREPARE, ENGINE_INPUT_DTYPE, ZERO3_PARAM_DTYPE, ENGINE_PARAMETERS, ENGINE_NAMED_PARAMETERS]

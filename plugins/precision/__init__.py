@@ -21,9 +21,10 @@
   (diffusers #10428); diffusers downcasts its RoPE tables on "npu" devices
   (``maybe_adjust_dtype_for_device``) except where a model guards only "mps". ``float64.py`` covers
   those paths in the models the official training scripts train.
-- a frozen bf16/fp16 model (``.to(half)`` while no parameter requires grad) given fp32 activations outside
-  any engine: stock stops at the first matmul ("expected m1 and m2 to have the same dtype"); its forward
-  runs under ``torch.autocast`` of its dtype, as accelerate runs a prepared model (``frozen_half.py``).
+- a frozen bf16/fp16 model (``.to(half)``; no parameter requires grad, or none that a prepared optimizer or
+  DeepSpeed engine holds) given fp32 activations outside any engine: stock stops at the first matmul
+  ("expected m1 and m2 to have the same dtype"); its forward runs under ``torch.autocast`` of its dtype, as
+  accelerate runs a prepared model (``frozen_half.py``).
 
 This module declares the patches; the wrappers sit beside it: ``autocast.py``, ``loss_scaling.py``
 (GradScaler, accelerate's fp16 on cpu), ``bf16_numpy.py``, ``fused_adamw.py``, ``float64.py``,
@@ -133,7 +134,19 @@ FROZEN_HALF_TRANSFORMERS = Patch(
 )
 
 
+# t2i_adapter/train_t2i_adapter_sdxl.py (v0.40.0) never freezes the bf16 UNet it hands fp32 prompt embeddings,
+# but gives only the adapter to the optimizer: a half model no prepared optimizer holds is as good as frozen.
+FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
+    target="accelerate.optimizer:AcceleratedOptimizer.__init__",
+    supports="accelerate>=1.10,<1.16",
+    reason="Which parameters the prepared optimizers hold: a half model given fp32 activations whose gradients "
+           "no optimizer applies runs under autocast as a frozen one.",
+    remove_when="with the frozen half models' autocast",
+    wrapper=f"{_PKG}.frozen_half:note_prepared_optimizer",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
     return [AUTOCAST, GRAD_SCALER, ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS,
-            FROZEN_HALF_DIFFUSERS, FROZEN_HALF_TRANSFORMERS]
+            FROZEN_HALF_DIFFUSERS, FROZEN_HALF_TRANSFORMERS, FROZEN_HALF_PREPARED_OPTIMIZERS]
