@@ -452,3 +452,47 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     stock.kill() if still_running else None
     stock.wait(30)
     assert still_running and "RESULT" not in stock.output, stock.explain()
+
+
+@pytest.mark.slow
+def test_rank0_only_zero3_forward_after_wait_for_everyone_is_served_and_training_goes_on(tmp_path):
+    """train_unconditional.py's pattern: after an epoch's wait_for_everyone, rank 0 alone runs no-grad forwards of
+    the ZeRO-3 model (threshold 0: every parameter a partition; prefetching on) while rank 1 goes on to its next
+    epoch. Ours: rank 1 pauses at its next batch and joins each parameter fetch; rank 0's outputs equal the same
+    forward computed with plain torch from the weights gathered on every rank just before (the independent
+    witness), and the final weights equal, to the bit, those of the same run without rank 0's forwards.
+    Stock half: the same launch with the forward-fetch patch switched off: rank 0's first parameter gather has no
+    partner (a hang on GPUs too; accel-npu's collective hook stops it with its error). (No ACCEL_NPU_DISABLE stock
+    half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
+    import torch
+
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, \
+        write_deepspeed_config, zero_config
+
+    cfg = write_deepspeed_config(tmp_path, zero_config(3, stage3_prefetch_bucket_size=10**6))
+    script = SCRIPTS / "rank0_only_forward.py"
+    env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="10")
+    stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES="deepspeed.runtime.zero.parameter_offload:"
+                                                     "DeepSpeedZeRoOffload.pre_sub_module_forward_function")
+
+    def launch(mode, environment):
+        return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode], env=environment, timeout=240)
+
+    ours, reference, stock = run_concurrently(launch("forward", env), launch("none", env), launch("forward", stock_env))
+    assert ours.returncode == 0, explain(ours)
+    assert reference.returncode == 0, explain(reference)
+    rec, ref = results(ours), results(reference)
+    assert len(rec) == 1 and len(ref) == 1 and ref[0]["forwards"] == [], explain(ours)
+    forwards = rec[0]["forwards"]
+    assert [f["epoch"] for f in forwards] == [0, 1, 2], rec[0]
+    for f in forwards:
+        for out, expected in zip(f["outputs"], f["expected"]):
+            assert torch.allclose(torch.tensor(out), torch.tensor(expected), atol=1e-6), f
+    assert forwards[0]["outputs"] != forwards[1]["outputs"], "the weights must change between epochs"
+    # training went on as if rank 0 had not run them: the final weights equal those of the run without them
+    assert rec[0]["final"] == ref[0]["final"], "final weights differ"
+    # stock half: the first gather of rank 0's forward has no partner
+    assert stock.returncode != 0, explain(stock)
+    assert results(stock) == [], explain(stock)
+    assert "enters all_gather_into_tensor, a collective, inside `if accelerator.is_main_process" in \
+        stock.stdout + stock.stderr, explain(stock)

@@ -77,6 +77,13 @@ GATHERED_ENTER = Patch(
            "join it and busy ones make it fail in time.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
     wrapper=f"{_PKG}.serving:gathered_enter")
+ZERO3_FORWARD_FETCH = Patch(
+    target="deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
+    supports="deepspeed>=0.16,<0.20",
+    # In the step window (boundary.py) the paused ranks join each of rank 0's fetches.
+    reason="A ZeRO-3 forward run on rank 0 alone (train_unconditional.py's sampling) hangs in its gathers.",
+    remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
+    wrapper=f"{_PKG}.boundary:pre_sub_module_forward")
 DIFFUSERS_SAVE_PRETRAINED = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35,<0.43",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
@@ -161,8 +168,9 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 @hookimpl
 def accel_npu_register_patches():
     return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE, PEFT_STATE_DICT,
-            PEFT_LOAD_ADAPTER, DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP, DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
+            ZERO3_FORWARD_FETCH, DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE,
+            PEFT_STATE_DICT, PEFT_LOAD_ADAPTER, DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP,
+            DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
 
 
 @hookimpl

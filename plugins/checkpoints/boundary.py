@@ -29,10 +29,15 @@ optimizer, scheduler and RNG states are exactly what the checkpoint must hold. S
 A ``save_state`` rank 0 makes outside a window (mid-step), or one the others do not come to in
 ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds, fails as before (``state.rendezvous``) and is published
 as ``abort``: a paused rank raises the same error, and a rank whose collective fails because
-rank 0 stopped raises it instead of gloo's "Connection closed by peer". A collective rank 0 enters
-inside its window from a line under ``if accelerator.is_main_process:`` (a validation pipeline
-run on a ZeRO-3 model) is refused the same way before it starts: the others could only answer it
-with the collectives of their next step.
+rank 0 stopped raises it instead of gloo's "Connection closed by peer". A ZeRO-3 forward rank 0 runs
+alone inside its window from a line under ``if accelerator.is_main_process:`` (train_unconditional.py
+samples with DDPMPipeline after the epoch's wait_for_everyone) is served too: each submodule's
+parameter fetch is announced as a ``fetch`` gather the paused ranks join with their partitions
+(prefetching is off meanwhile, so the fetches are exactly those); the release after the submodule
+stays local, and the coordinator's trace is put back as it was when the window closes, so every
+rank's next step fetches (and prefetches) alike. Any other collective rank 0 enters there (one
+that cannot be served: a quantized or hpZ fetch, an all_reduce) is refused before it starts: the
+others could only answer it with the collectives of their next step.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from accel_npu._torch import dist as _dist
 from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import STEPS_AT_OPTIMIZER_STEP
+from accel_npu.patching.arguments import argument
 from accel_npu.plugins.checkpoints import callsite, serving
 
 log = logging.getLogger("accel_npu")
@@ -74,6 +80,7 @@ class _Window:
         self.pins = False  # a rank other than 0 under ZeRO-3: it may serve rank 0's gathers at its exit
         self.pinned = ()  # its prepared models' ZeRO-3 parameters, kept servable after the script drops them
         self.pinned_for = ()  # ids of the models pinned: re-pinned when the prepared models change
+        self.traces = {}  # rank 0: id(coordinator) -> (coordinator, its trace as the window opened) (served forwards)
 
 
 _w = _Window()
@@ -206,6 +213,7 @@ def clean_point(where: str) -> None:
     if not _w.open or _inside.get():
         return
     _w.open = False
+    _restore_traces()
     sess = serving._session()
     if sess is None:
         return
@@ -355,6 +363,97 @@ def _before_collective(name: str, point: str = "") -> None:
             publish_abort(message)
             raise error
     clean_point(point or f"torch.distributed.{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# a ZeRO-3 forward rank 0 runs alone in its window
+_CO = "_PartitionedParameterCoordinator__"
+#: what a forward changes in DeepSpeed's PartitionedParameterCoordinator that outlives it: the recorded trace
+#: (runtime/zero/partitioned_param_coordinator.py: trace_prologue invalidates it when the module order differs,
+#: reset_step then records a new one with assert_ints_same_as_other_ranks, a collective); the rest is reset at
+#: the start of every forward (reset_step)
+_TRACE = ("trace_mode", "submodule_order", "param_order", "step_id_module_fetched_for")
+
+
+def _servable_fetch(coordinator, sub_module):
+    """The partitioned parameters DeepSpeed's fetch of ``sub_module`` gathers (a list, maybe empty) when
+    that is one plain ``all_gather_coalesced`` the other ranks can join; None when it is not (quantized
+    weights, hpZ secondary partitions, NVMe, a fetch already in flight)."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if getattr(coordinator, "zero_quantized_weights", False) or getattr(coordinator, "zero_quantized_nontrainable_weights", False):
+        return None
+    params = list(ppc.iter_params(sub_module, recurse=ppc.z3_leaf_module(sub_module)))
+    if any(p.ds_status == ZeroParamStatus.INFLIGHT for p in params):
+        return None
+    fetch = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if any(p.ds_secondary_tensor is not None or hasattr(p.ds_tensor, "ds_quant_scale")
+           or getattr(p, "nvme_swapper", None) is not None for p in fetch):
+        return None
+    return fetch
+
+
+def _keep_trace(offload, coordinator) -> None:
+    if id(coordinator) not in _w.traces and all(hasattr(coordinator, _CO + f) for f in _TRACE):
+        _w.traces[id(coordinator)] = (offload, coordinator, {f: getattr(coordinator, _CO + f) for f in _TRACE})
+
+
+def _release(offload, coordinator) -> None:
+    """Partition again what rank 0's forward left gathered: with a complete trace DeepSpeed keeps a parameter
+    its trace reuses soon (in the backward that follows a training forward: __params_to_release,
+    stage3_max_reuse_distance), and a forward alone has none. Left gathered, rank 0 would skip gathers the
+    others make (its next step's fetches, a save's GatheredParameters). Local: partition() frees the data."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    release = getattr(coordinator, _CO + "release_param")
+    for p in offload.module.parameters():
+        if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False) \
+                and not p.ds_active_sub_modules and not getattr(p, "_ds_z3_gathered_param_context_depth", 0):
+            release(p)
+
+
+def _restore_traces() -> None:
+    """Rank 0's window closes: its coordinators' traces as they were before the forwards it ran alone
+    (the others' are untouched), so the next step's fetches and prefetches pair up on every rank."""
+    traces, _w.traces = _w.traces, {}
+    for offload, coordinator, trace in traces.values():
+        _release(offload, coordinator)
+        for field, value in trace.items():
+            setattr(coordinator, _CO + field, value)
+
+
+def pre_sub_module_forward(wrapped, instance, args, kwargs):
+    """``DeepSpeedZeRoOffload.pre_sub_module_forward_function``: on rank 0, in its window, from a line under
+    ``if accelerator.is_main_process:``, the submodule's fetch is announced so the paused ranks join it."""
+    if not (_w.open and _w.main) or _inside.get() or serving.in_request():
+        return wrapped(*args, **kwargs)
+    _site, guard = _guarded_caller()
+    if guard is None:
+        return wrapped(*args, **kwargs)
+    coordinator = instance.get_param_coordinator()
+    sub_module = argument(args, kwargs, 0, "sub_module")
+    params = _servable_fetch(coordinator, sub_module)
+    if params is None or not all(hasattr(coordinator, _CO + a) for a in ("prefetch_bucket_sz", "release_param")):
+        return wrapped(*args, **kwargs)  # not servable: the collective hook refuses its gather, naming the line
+    _keep_trace(instance, coordinator)
+    if sub_module is instance.module:  # the whole forward: what it leaves gathered goes when it ends
+        def after(*_):
+            handle.remove()
+            _release(instance, coordinator)
+
+        handle = sub_module.register_forward_hook(after, always_call=True)
+    # prefetching would gather the next submodules' parameters in this call too, unannounced
+    prefetch = getattr(coordinator, _CO + "prefetch_bucket_sz")
+    setattr(coordinator, _CO + "prefetch_bucket_sz", 0)
+    try:
+        if not params:
+            return wrapped(*args, **kwargs)  # nothing to gather (a stray collective still meets the hook)
+        with serving.requesting():
+            serving.before_gather(params, None, fetch=True)
+            return wrapped(*args, **kwargs)
+    finally:
+        setattr(coordinator, _CO + "prefetch_bucket_sz", prefetch)
 
 
 def _guarded_caller():

@@ -168,11 +168,13 @@ def _ack_and_wait(store, i: int, rank: int, problem: str | None) -> str:
     return _get(store, f"{_P}/ev/{i}/state")
 
 
-def before_gather(params, modifier_rank=None) -> None:
+def before_gather(params, modifier_rank=None, fetch: bool = False) -> None:
     """Called where ``deepspeed.zero.GatheredParameters(params, modifier_rank)`` is about to start
     in :func:`requesting` mode: returns once every other rank will run the same one, else raises
     before any collective starts. Every parameter is named, persistent ones too: with a
-    modifier rank the exit broadcasts them all."""
+    modifier rank the exit broadcasts them all. With ``fetch``, the gather is a ZeRO-3 forward's
+    fetch of a submodule's parameters (``PartitionedParameterCoordinator.fetch_sub_module``: one
+    ``all_gather_coalesced``), which the others join with the same call (:func:`_serve_fetch`)."""
     if _serving.get() or not _requesting.get():
         return
     sess = _session()
@@ -185,7 +187,10 @@ def before_gather(params, modifier_rank=None) -> None:
     for p in params:
         if hasattr(p, "ds_id"):
             _params_by_id[p.ds_id] = p
-    seq = _append(store, {"kind": "gather", "rank": rank, "ids": ids, "modifier": modifier_rank})
+    event = {"kind": "gather", "rank": rank, "ids": ids, "modifier": modifier_rank}
+    if fetch:
+        event["fetch"] = True
+    seq = _append(store, event)
     timeout = collective_timeout()
     # events before mine: another rank making the same request first (every rank saves together)
     while lg.cursor < seq:
@@ -194,7 +199,8 @@ def before_gather(params, modifier_rank=None) -> None:
         if ev is None:
             break  # an appender died between add and set: handled below as a missing ack
         lg.cursor += 1
-        if ev["kind"] == "gather" and ev["rank"] != rank and ev["ids"] == ids and _state(store, i) is None:
+        if ev["kind"] == "gather" and ev["rank"] != rank and ev["ids"] == ids and not fetch \
+                and not ev.get("fetch") and _state(store, i) is None:
             _decide(store, seq, "cancelled")
             if _ack_and_wait(store, i, rank, None) != "go":
                 raise CollectiveMisuseError(f"a gather of ZeRO-3 parameters started by rank {ev['rank']} was "
@@ -211,11 +217,18 @@ def before_gather(params, modifier_rank=None) -> None:
         return
     _decide(store, seq, "cancelled")
     missing = [r for r in others if r not in came]
-    where = callsite.describe("a save of a ZeRO-3 partitioned model")
+    where = callsite.describe("a forward of a ZeRO-3 partitioned model" if fetch else "a save of a ZeRO-3 partitioned model")
     if problems:
         reason = "; ".join(f"rank {r}: {v}" for r, v in problems.items())
         raise CollectiveMisuseError(f"cannot gather the ZeRO-3 partitioned parameters {ids[:5]}...: {reason}. "
                                     "Nothing was written.")
+    if fetch:
+        raise CollectiveMisuseError(
+            f"{where + ': ' if where else ''}the model's parameters are ZeRO-3 partitions (each rank holds 1/{world}); "
+            f"a forward on rank {rank} alone needs the other ranks to join its gathers, but rank(s) {missing} did not "
+            f"reach their next batch, collective or idle point within {timeout:g} s (ACCEL_NPU_COLLECTIVE_TIMEOUT). "
+            f"Run it on every rank (`if accelerator.is_main_process or accelerator.distributed_type == "
+            f"DistributedType.DEEPSPEED:`).")
     raise CollectiveMisuseError(
         f"{where + ': ' if where else ''}the model's parameters are ZeRO-3 partitions (each rank holds 1/{world}); "
         f"saving them on rank {rank} alone needs the other ranks to join the gather, but rank(s) {missing} did not "
@@ -257,7 +270,10 @@ def serve_gather(store, i: int, ev: dict, rank: int) -> None:
     if ev["rank"] != rank and _state(store, i) is None:
         params, problem = _params_for(ev["ids"])
         if _ack_and_wait(store, i, rank, problem) == "go" and params is not None:
-            _serve(params, ev.get("modifier"))
+            if ev.get("fetch"):
+                _serve_fetch(params)
+            else:
+                _serve(params, ev.get("modifier"))
 
 
 def in_request() -> bool:
@@ -272,6 +288,18 @@ def _serve(params, modifier_rank) -> None:
     try:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
             pass
+    finally:
+        _serving.reset(token)
+
+
+def _serve_fetch(params) -> None:
+    """Join a forward's fetch on the requesting rank: the one ``all_gather_coalesced`` that DeepSpeed's
+    ``PartitionedParameterCoordinator.__all_gather_params_`` makes for a submodule's partitioned parameters
+    (both sort them by ds_id), then drop the gathered data again (``partition`` frees it, no collective)."""
+    token = _serving.set(True)
+    try:
+        params[0].all_gather_coalesced(params).wait()
+        params[0].partition(param_list=params, has_been_updated=False)
     finally:
         _serving.reset(token)
 
