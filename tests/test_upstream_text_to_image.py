@@ -14,8 +14,9 @@ right after the optimizer step. Eleven launches in two waves, sharing the CPUs:
   final UNets are equal too;
 - stock (ZeRO-2, the step-boundary and save_state patches disabled): hangs at the first checkpoint,
   leaving an empty ``checkpoint-CKPT`` that ``--resume_from_checkpoint latest`` would pick;
-- rank-0-only validation under ZeRO-3 threshold 0 (``--validation_prompts``): every rank stops within 60 s
-  with one accel-npu error naming the line (no stock half: stock waits for the process-group timeout);
+- rank-0-only validation under ZeRO-3 threshold 0 (``--validation_prompts``): served by the other rank (no
+  collective error, no hang; the pipeline saved afterwards loads whole; no stock half: stock waits for the
+  process-group timeout);
 - stock final save (ZeRO-3 threshold 0, this plugin's save/gather patches disabled): exit 0 and a
   UNet that ``from_pretrained`` refuses (shape [0]); the unchanged runs' final saves load, and the
   ZeRO-3 one equals the ZeRO-2 one far closer than either is to the initial weights.
@@ -312,22 +313,25 @@ def test_stock_final_save_of_a_partitioned_unet_exits_0_and_cannot_be_loaded(run
         UNet2DConditionModel.from_pretrained(run.out, subfolder="unet")
 
 
-def test_rank0_only_validation_under_zero3_stops_every_rank_with_one_error_naming_the_line(runs):
+def test_rank0_only_validation_under_zero3_is_served_and_the_pipeline_saved(runs):
     """The script's `if accelerator.is_main_process: ... log_validation(...)` runs a pipeline on the
-    partitioned UNet (every layer a gather) on rank 0 alone, after the last step. Rank 0 is refused
-    before its first gather, naming the call and its `if`; rank 1, waiting at wait_for_everyone, stops
-    with the same error; within 60 s of the last step; never gloo's transport error."""
+    partitioned UNet (every layer a gather) on rank 0 alone after each epoch: the other rank, paused at its
+    next clean point, serves each gather. Witnesses: no collective error, no hang, and the pipeline the
+    script saves afterwards on rank 0 (after the last epoch's validation) loads with a whole UNet.
+
+    What stops the run afterwards is not ZeRO's: the script's final inference runs under
+    `torch.autocast("cuda")`, which on the CPU ranks meets the bf16 text encoder's layer_norm with fp32
+    activations ("mixed dtype (CPU)"); that last step is asserted as it is, to be fixed on its own."""
+    from diffusers import UNet2DConditionModel
+
     run = runs["validation_zero3_t0"]["run"]
-    assert run.proc.returncode not in (0, None), run.explain()
-    assert VALIDATION_STEPS in run.step_seen and hasattr(run, "error_seen"), run.explain()
-    assert run.exited - run.step_seen[VALIDATION_STEPS] < 60, run.explain()
-    guard = line_of(UPSTREAM, "if args.validation_prompts is not None and epoch % args.validation_epochs == 0:") - 1
     text = run.output
-    for rank in (0, 1):
-        assert f"[rank{rank}]: accel_npu._torch.dist.CollectiveMisuseError: {UPSTREAM}:" in text, run.explain()
-    assert f"inside `if accelerator.is_main_process:` (line {guard})" in text, run.explain()
-    assert f"Fix (one line): {UPSTREAM}:{guard}:" in text, run.explain()
-    assert "Connection closed by peer" not in text, run.explain()
+    assert VALIDATION_STEPS in run.step_seen, run.explain()
+    assert "CollectiveMisuseError" not in text and "Connection closed by peer" not in text, run.explain()
+    assert run.exited - run.step_seen[VALIDATION_STEPS] < 120, run.explain()
+    unet = UNet2DConditionModel.from_pretrained(run.out, subfolder="unet")
+    assert all(p.numel() > 0 for p in unet.parameters())
+    assert run.proc.returncode == 0 or "mixed dtype (CPU)" in text, run.explain()
 
 
 def test_compatibility_doc_rows_for_this_script_are_true(runs):

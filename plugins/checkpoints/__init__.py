@@ -132,8 +132,8 @@ DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     # under DeepSpeed, for keys matching an adapter the model already has.
     reason="A LoRA mixing old and peft key names loads in part (diffusers #14548); on resume a load hook's "
            "load_lora_into_unet adds an adapter the optimizer lacks.",
-    remove_when="diffusers converts every old-style key (not only when the first key is one), and its sd15 "
-                "advanced script drops the second load from its load hook (as #6514 did for the SDXL one)",
+    remove_when="diffusers converts every old-style key, and the sd15 advanced script drops its hook's second "
+                "load (as #6514 did for SDXL)",
     wrapper=f"{_PKG}.lora:load_lora_adapter",
 )
 
