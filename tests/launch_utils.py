@@ -107,6 +107,25 @@ def one_rank_deepspeed_group(monkeypatch):
         zero._engines.clear()
 
 
+
+@contextlib.contextmanager
+def accelerator_deepspeed_session(monkeypatch):
+    """accel-npu's patches applied and a one-rank DeepSpeed group (``one_rank_deepspeed_group``) for a test
+    that builds Accelerators in-process; on leaving, accelerate's shared state is reset (a later test's
+    ``Accelerator()`` in this worker must not inherit this one's DeepSpeed plugin) and the patches reapplied."""
+    import accel_npu
+
+    accel_npu.patch()
+    with one_rank_deepspeed_group(monkeypatch):
+        try:
+            yield
+        finally:
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+    accel_npu.patch()
+
 #: ZeRO-3 bf16, every parameter partitioned: what accelerate's plugin hands transformers/diffusers in tests
 #: that select it in-process (``select_zero3_plugin``)
 ZERO3_BF16_T0 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},

@@ -23,7 +23,7 @@ KEY = "train_micro_batch_size_per_gpu"
 
 @pytest.fixture()
 def accelerator_factory(monkeypatch):
-    from tests.launch_utils import one_rank_deepspeed_group
+    from tests.launch_utils import accelerator_deepspeed_session
 
     made = []
 
@@ -37,16 +37,8 @@ def accelerator_factory(monkeypatch):
         made.append(plugin)
         return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2)
 
-    accel_npu.patch()
-    with one_rank_deepspeed_group(monkeypatch):
-        try:
-            yield make
-        finally:
-            from accelerate.state import AcceleratorState, GradientState
-
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-    accel_npu.patch()
+    with accelerator_deepspeed_session(monkeypatch):
+        yield make
 
 
 def _model_and_optimizer():

@@ -32,7 +32,7 @@ STOCK = "You can't use same `Accelerator\\(\\)` instance with multiple models wh
 
 @pytest.fixture()
 def accelerator_factory(monkeypatch):
-    from tests.launch_utils import one_rank_deepspeed_group
+    from tests.launch_utils import accelerator_deepspeed_session
 
     def make(stage: int):
         from accelerate import Accelerator
@@ -44,16 +44,8 @@ def accelerator_factory(monkeypatch):
                   "gradient_accumulation_steps": 1}
         return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
 
-    accel_npu.patch()
-    with one_rank_deepspeed_group(monkeypatch):
-        try:
-            yield make
-        finally:
-            from accelerate.state import AcceleratorState, GradientState
-
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-    accel_npu.patch()
+    with accelerator_deepspeed_session(monkeypatch):
+        yield make
 
 
 def _models():

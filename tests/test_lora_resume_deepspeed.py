@@ -33,7 +33,7 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1"]
 
 @pytest.fixture()
 def accelerator_factory(monkeypatch):
-    from tests.launch_utils import one_rank_deepspeed_group
+    from tests.launch_utils import accelerator_deepspeed_session
 
     made = []
 
@@ -53,16 +53,8 @@ def accelerator_factory(monkeypatch):
         made.append(plugin)
         return Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
 
-    accel_npu.patch()
-    with one_rank_deepspeed_group(monkeypatch):
-        try:
-            yield make
-        finally:
-            from accelerate.state import AcceleratorState, GradientState
-
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-    accel_npu.patch()
+    with accelerator_deepspeed_session(monkeypatch):
+        yield make
 
 
 def _unet():
