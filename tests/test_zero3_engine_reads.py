@@ -42,12 +42,10 @@ def trained():
 
     import torch
 
-    from tests.launch_utils import one_rank_deepspeed_group
+    from tests.launch_utils import accelerator_deepspeed_session
 
-    accel_npu.patch()
-    with pytest.MonkeyPatch.context() as monkeypatch, one_rank_deepspeed_group(monkeypatch):
+    with pytest.MonkeyPatch.context() as monkeypatch, accelerator_deepspeed_session(monkeypatch):
         from accelerate import Accelerator
-        from accelerate.state import AcceleratorState, GradientState
         from accelerate.utils import DeepSpeedPlugin
 
         # a prefetch bucket of one element: each parameter is gathered on its own (released as the reader moves on)
@@ -55,22 +53,17 @@ def trained():
                                         "stage3_prefetch_bucket_size": 1},
                   "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
-        try:
-            accelerator = Accelerator(deepspeed_plugin=plugin)
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-            target = copy.deepcopy(model).requires_grad_(False)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            engine, optimizer = accelerator.prepare(model, optimizer)
-            loss = engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).mean()
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            yield accelerator, engine, target
-        finally:
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-    accel_npu.patch()
+        accelerator = Accelerator(deepspeed_plugin=plugin)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        target = copy.deepcopy(model).requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine, optimizer = accelerator.prepare(model, optimizer)
+        loss = engine(torch.randn(2, 4, dtype=torch.bfloat16)).float().pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        yield accelerator, engine, target
 
 
 def deepspeed_read(engine):
