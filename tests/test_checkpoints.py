@@ -4,6 +4,7 @@ resolution after interrupted saves, consolidate's refusal of incomplete checkpoi
 The end-to-end DeepSpeed runs are in tests/test_checkpoints_dit4dit.py."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -281,10 +282,13 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
            f"{rec[0]['message'][:200]}" in text, explain(mid)
     assert "Connection closed by peer" not in text, explain(mid)
     assert not (tmp_path / "mid").exists() and not list(tmp_path.glob(".mid*")), "nothing may be written"
-    # stock half: rank 1 dies of the transport error
+    # stock half: rank 1 never learns why: it dies of gloo's transport error, or, when the launcher's
+    # SIGTERM (sent once rank 0 exits) arrives before gloo notices, of the signal
     assert stock.returncode != 0, explain(stock)
     stock_text = stock.stdout + stock.stderr
-    assert "Connection closed by peer" in stock_text and "[rank1]: accel_npu" not in stock_text, explain(stock)
+    assert "[rank1]: accel_npu" not in stock_text and "another rank stopped with" not in stock_text, explain(stock)
+    assert "Connection closed by peer" in stock_text or re.search(
+        r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", stock_text), explain(stock)
 
 
 @pytest.mark.slow
