@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -489,6 +490,16 @@ def test_prefetch_guesses_the_kept_keys_before_the_model_exists(ckpts):
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_prefetched_casts_are_what_the_model_holds(ckpts, threads, monkeypatch):
     # bf16 file, fp32 model: every tensor is cast, in the load threads, while the model is built
+    # (construction held for 0.5 s: a tiny model's few MB are cast long before it ends)
+    from accel_npu.plugins.loading import diffusers as loading_diffusers
+
+    real_build = loading_diffusers.build_on_meta
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.5)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(loading_diffusers, "build_on_meta", slow_build)
     monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)
     taken = _record_takes(monkeypatch)
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
@@ -496,6 +507,27 @@ def test_prefetched_casts_are_what_the_model_holds(ckpts, threads, monkeypatch):
     from_file = {k for k in sd if not k.startswith("pos_embed.")}
     assert set(taken) == from_file
     assert all(sd[k].data_ptr() == taken[k].data_ptr() for k in taken)  # used, not read again
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
+
+
+def test_prefetch_stops_at_its_byte_bound_and_the_placement_reads_the_rest(ckpts, monkeypatch):
+    # one tensor's worth of bytes: construction held for 0.5 s still ends with one prefetched cast; the
+    # placement reads every other tensor itself and the model equals stock's
+    from accel_npu.plugins.loading import diffusers as loading_diffusers
+    from accel_npu.plugins.loading import prefetch
+
+    real_build = loading_diffusers.build_on_meta
+
+    def slow_build(*args, **kwargs):
+        time.sleep(0.5)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(loading_diffusers, "build_on_meta", slow_build)
+    monkeypatch.setattr(prefetch, "PREFETCH_BYTES", 1)
+    taken = _record_takes(monkeypatch)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+    assert len(taken) == 1, sorted(taken)
     monkeypatch.undo()
     assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
 

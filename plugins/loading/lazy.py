@@ -127,7 +127,7 @@ class LazyTensors:
         files = self.files(only)
         order = [(name, k) for name, keys in files.items() for k in keys]
         left = {name: len(keys) for name, keys in files.items()}  # tensors of each shard not yet yielded
-        ahead = Readahead(self.ckpt, files, done=self.prefetch.requested if self.prefetch is not None else None)
+        ahead = Readahead(self.ckpt, files, done=self.prefetch.hand_over() if self.prefetch is not None else None)
         shards = _OpenShards(self.ckpt)
         pool = None
         if self.convert is not None and self.threads > 1:

@@ -6,10 +6,11 @@ is work stock does before a byte is read; on a small or truncated checkpoint it 
 the read. Which keys the load keeps is known from the index and the requested depth, their
 dtypes from ``torch_dtype`` (fp32 for ``_keep_in_fp32_modules``; the default dtype without it),
 before the model exists. So this rank's load slot is taken first, the kernel is asked for the
-first bytes (``POSIX_FADV_WILLNEED``), and tensors that need a cast are cast in the load threads
-while the main thread constructs. The placement then takes a prefetched tensor only where the
-real cast would leave it unchanged (same dtype, contiguous) and reads anything else as before:
-a wrong guess costs time, never a different result.
+first bytes (``POSIX_FADV_WILLNEED``), and tensors that need a cast are cast in the load threads,
+in file order, for as long as the main thread constructs (up to ``PREFETCH_BYTES``). The
+placement then takes a prefetched tensor only where the real cast would leave it unchanged (same
+dtype, contiguous) and reads anything else as before: a wrong guess costs time, never a different
+result.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from accel_npu.plugins.loading.slots import load_slot, load_threads, slot_count
 #: the first numeric path component of a key (``transformer_blocks.7.attn.to_q.weight`` -> 7), as
 #: truncation.layer_indices reads it
 _FIRST_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
+#: checkpoint bytes cast at most before the placement takes over (bounds what a wrong guess wastes)
+PREFETCH_BYTES = 1 << 30
 #: safetensors dtype name -> torch dtype name (the floating ones a load may cast)
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -55,7 +58,9 @@ class Prefetch:
         self._stack = contextlib.ExitStack()
         self._pool = None
         self._driver = None
-        self._stop = False
+        self._stop = False       # close(): drop everything
+        self._in_flight = None   # the driver's bound on casts in flight (a threading.Semaphore)
+        self._handed_over = False  # the placement reads on: submit nothing more
         self.files = self._files(keys)
         self.requested: dict[str, list[tuple[int, int]]] = {}  # file -> byte ranges asked of the kernel
 
@@ -96,15 +101,14 @@ class Prefetch:
         return self
 
     def _run(self, casts) -> None:
-        """Ask for the first bytes, then submit the casts of the first ``window`` bytes in file order
-        (the threads cast while the main thread builds the model; the placement reads the rest as it
-        reads any load, so memory and readahead stay bounded as there)."""
+        """Ask for the first bytes, then submit casts in file order, at most two per thread in flight,
+        until the placement takes over (the threads cast while the main thread builds the model; the
+        placement reads the rest as it reads any load, so memory and readahead stay bounded as there)."""
         ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
         try:
             first = next((k for keys in self.files.values() for k in keys), None)
             if first is not None:
                 ahead.reached(first)
-            self.requested = _requested(ahead)
             if not casts:
                 return
             from concurrent.futures import ThreadPoolExecutor
@@ -117,25 +121,45 @@ class Prefetch:
                     pool.shutdown(wait=False)
                     return
                 self._pool = pool
+            in_flight = self._in_flight = threading.Semaphore(2 * self.threads)
             submitted = 0
             for name, k, target in casts:
                 begin, end = self.ckpt.headers[name][k][2:4]
-                if submitted and submitted + end - begin > READAHEAD_BYTES:
+                if submitted and submitted + end - begin > PREFETCH_BYTES:
                     break
-                submitted += end - begin
+                in_flight.acquire()  # hand_over() and close() release it once: the flags are read next
                 with self._lock:
-                    if self._stop:
+                    if self._stop or self._handed_over:
                         return
-                    self._futures[k] = pool.submit(_cast, shards.get(name, k), target)
+                    ahead.reached(k)
+                    future = pool.submit(_cast, shards.get(name, k), target)
+                    future.add_done_callback(lambda _: in_flight.release())
+                    self._futures[k] = future
+                submitted += end - begin
         except Exception:  # a guess that failed (the placement reads those tensors itself)
             return
         finally:
+            self.requested = _requested(ahead)
             ahead.close()
+
+    def hand_over(self) -> dict[str, list[tuple[int, int]]]:
+        """The placement starts reading: stop submitting; returns the byte ranges already asked of
+        the kernel (its own readahead skips them)."""
+        self._handed_over = True
+        self._wake_driver()
+        if self._driver is not None:
+            self._driver.join()
+        return self.requested
+
+    def _wake_driver(self) -> None:
+        in_flight = self._in_flight
+        if in_flight is not None:
+            in_flight.release()
 
     def future(self, key: str):
         """The pending cast of ``key`` (handed over once), or None."""
-        if self._driver is not None and key not in self._futures:
-            self._driver.join()  # submitting takes no time: wait for it rather than guess
+        if self._driver is not None:
+            self._driver.join()
         with self._lock:
             return self._futures.pop(key, None)
 
@@ -144,6 +168,7 @@ class Prefetch:
         with self._lock:
             self._stop = True
             pool, self._futures = self._pool, {}
+        self._wake_driver()
         if self._driver is not None:
             self._driver.join()
         if pool is not None:
