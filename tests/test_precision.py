@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import accel_npu
-from tests.inprocess import stock
+from tests.inprocess import stock, without
 from accel_npu._torch.device import cuda_available
 from accel_npu.plugins.precision import autocast, bf16_numpy, fused_adamw
 
@@ -93,6 +93,83 @@ def test_other_autocast_devices_untouched():
     with torch.autocast("cpu", dtype=torch.bfloat16) as ctx:
         assert lin(x).dtype == torch.bfloat16
     assert ctx.device == "cpu"
+
+
+# -- norms under autocast("cuda") on cpu with a half model -------------------------------------------
+def _half_block():
+    """A bf16 residual block: its linear runs in fp16 under autocast("cuda") (CUDA's default dtype), so
+    bf16 + fp16 promotes the residual to fp32 before the bf16 norms, as in a bf16 CLIP text encoder."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    layer_norm = torch.nn.LayerNorm(8).to(torch.bfloat16)
+    group_norm = torch.nn.GroupNorm(2, 8).to(torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    return lin, {"layer_norm": layer_norm, "group_norm": group_norm}, x
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm"])
+def test_half_norms_under_remapped_autocast_run_in_fp32_as_on_cuda(norm):
+    from accel_npu.plugins import precision
+
+    lin, norms, x = _half_block()
+    module = norms[norm]
+    with torch.autocast("cuda"):
+        residual = x + lin(x)
+        assert residual.dtype == torch.float32
+        ours = module(residual)
+    # CUDA's autocast policy for these ops: every floating input in fp32, output fp32
+    with torch.autocast("cpu", enabled=False):
+        fp32 = {k: v.float() for k, v in module.state_dict().items()}
+        expected = torch.func.functional_call(module.float(), fp32, (residual,))
+        module.to(torch.bfloat16)
+    assert ours.dtype == torch.float32 and torch.equal(ours, expected)
+    # without the norm patches (the remap on): CPU's kernels refuse the half weights
+    with without(precision.LAYER_NORM_FP32, precision.GROUP_NORM_FP32), torch.autocast("cuda"):
+        with pytest.raises(RuntimeError, match="mixed dtype"):
+            module(x + lin(x))
+
+
+def test_norms_whose_dtypes_agree_run_as_stock():
+    lin, norms, x = _half_block()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 activations, bf16 weights: CPU's own bf16 norm
+        for module in norms.values():
+            ours = module(x)
+            with stock():
+                theirs = module(x)
+            assert ours.dtype == theirs.dtype == torch.bfloat16 and torch.equal(ours, theirs)
+    fp32 = torch.nn.LayerNorm(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # half activations, fp32 weights: CPU's mixed kernel
+        ours = fp32(x)
+        with stock():
+            theirs = fp32(x)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("op", ["cat", "stack"])
+def test_cat_and_stack_of_another_half_dtype_under_remapped_autocast_promote_as_on_cuda(op):
+    from accel_npu.plugins import precision
+
+    bf16 = torch.randn(2, 4, dtype=torch.bfloat16)
+    fp16 = torch.randn(2, 4, dtype=torch.float16)
+    expected = getattr(torch, op)([bf16.float(), fp16.float()])  # CUDA: no autocast policy, type promotion
+    with torch.autocast("cuda"):  # fp16 (CUDA's default), on cpu
+        ours = getattr(torch, op)([bf16, fp16])
+        same = getattr(torch, op)((bf16, bf16))
+    assert ours.dtype == torch.float32 and torch.equal(ours, expected)
+    assert same.dtype == torch.bfloat16 and torch.equal(same, getattr(torch, op)([bf16, bf16]))
+    with without(precision.CAT_AS_ON_CUDA, precision.STACK_AS_ON_CUDA), torch.autocast("cuda"):
+        with pytest.raises(RuntimeError, match="Unexpected floating ScalarType in at::autocast::prioritize"):
+            getattr(torch, op)([bf16, fp16])
+
+
+def test_cat_under_cpu_autocast_of_its_own_dtype_runs_as_stock():
+    fp16 = torch.randn(2, 4, dtype=torch.float16)
+    fp32 = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ours = torch.cat([fp16, fp32])
+        with stock():
+            theirs = torch.cat([fp16, fp32])
+    assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
 
 
 # -- bf16 .numpy() (pitfall 7.7) --------------------------------------------------------------------

@@ -3,7 +3,9 @@
 - ``torch.autocast("cuda")`` / ``torch.amp.autocast(device_type="cuda")`` / ``torch.cuda.amp.autocast``
   without CUDA: stock torch *disables* autocast with a warning, so the script silently runs fp32.
   We run autocast on the active backend's device (npu, or cpu) with the requested dtype and log
-  the remap once. On a machine where CUDA is available nothing changes.
+  the remap once. On a machine where CUDA is available nothing changes. On cpu, where CPU's autocast
+  op lists differ from CUDA's and torch_npu's in ways that stop a half model (layer/group norm with half
+  weights and fp32 activations; cat/stack of another half dtype), those calls run as CUDA runs them.
 - ``torch.amp.GradScaler("cuda")`` / ``torch.GradScaler("cuda")`` / ``torch.cuda.amp.GradScaler()``
   without CUDA: stock torch disables the scaler (torch/amp/grad_scaler.py, "CUDA is not
   available.  Disabling."). Once autocast("cuda") really runs fp16 on npu/cpu, that would be fp16
@@ -49,6 +51,37 @@ AUTOCAST = Patch(
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=f"{_PKG}.autocast:autocast_init",
 )
+
+
+# -- 1a. norms under CPU autocast with half weights ------------------------------------------------------
+# autocast("cuda") remapped to cpu (above) meets CPU's op lists, where layer and group norm are in none:
+# a bf16 model's norm given fp32 activations (a bf16 residual plus an fp16 matmul output) stops there.
+def _norm_patch(name: str) -> Patch:
+    return Patch(
+        target=f"torch.nn.functional:{name}",
+        supports="torch>=2.5,<2.15",
+        reason=f"{name} under CPU autocast, half weights, other activations: 'mixed dtype (CPU)'; fp32 as on CUDA/NPU.",
+        remove_when=f"torch's CPU autocast lists {name} among its fp32 ops, as its CUDA autocast does",
+        wrapper=f"{_PKG}.autocast:norm_in_fp32",
+    )
+
+
+LAYER_NORM_FP32, GROUP_NORM_FP32 = _norm_patch("layer_norm"), _norm_patch("group_norm")
+
+
+# the same bf16 model's outputs meet autocast("cuda")'s fp16 in torch.cat / torch.stack (diffusers' pipelines
+# concatenate the two prompt embeddings for classifier-free guidance; UNet up blocks their skip connections)
+def _concat_patch(name: str) -> Patch:
+    return Patch(
+        target=f"torch:{name}",
+        supports="torch>=2.5,<2.15",
+        reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; promotes as on CUDA.",
+        remove_when=f"torch's CPU autocast stops promoting {name} (CUDA's does not)",
+        wrapper=f"{_PKG}.autocast:concat_as_on_cuda",
+    )
+
+
+CAT_AS_ON_CUDA, STACK_AS_ON_CUDA = _concat_patch("cat"), _concat_patch("stack")
 
 
 # -- 1b. GradScaler("cuda") -------------------------------------------------------------------------
@@ -148,5 +181,6 @@ FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, GRAD_SCALER, ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS,
+    return [AUTOCAST, LAYER_NORM_FP32, GROUP_NORM_FP32, CAT_AS_ON_CUDA, STACK_AS_ON_CUDA, GRAD_SCALER,
+            ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS,
             FROZEN_HALF_DIFFUSERS, FROZEN_HALF_TRANSFORMERS, FROZEN_HALF_PREPARED_OPTIMIZERS]

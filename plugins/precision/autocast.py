@@ -1,12 +1,14 @@
-"""The wrapper of ``torch.autocast.__init__`` (named by path in this package's patches): autocast("cuda")
-without CUDA runs on the active backend's device (npu, or cpu) with the requested dtype, where stock
-torch disables it and the script silently trains in fp32."""
+"""The wrappers of ``torch.autocast.__init__`` and of the norm functions (named by path in this package's
+patches): autocast("cuda") without CUDA runs on the active backend's device (npu, or cpu) with the
+requested dtype, where stock torch disables it and the script silently trains in fp32; on cpu the norms
+whose half weights meet activations of another dtype run in fp32, as CUDA's and NPU's autocast run them."""
 from __future__ import annotations
 
 import logging
 
 from accel_npu._torch.device import cuda_available
 from accel_npu._torch.once import FirstTime
+from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
 
@@ -67,3 +69,43 @@ def _amp_dtypes(device_type: str):
         return list(getter()) if getter is not None else None
     except Exception:  # noqa: BLE001 - unknown: let torch decide
         return None
+
+
+def norm_in_fp32(wrapped, instance, args, kwargs):
+    """F.layer_norm / F.group_norm under CPU autocast with half weights and activations of
+    another dtype: run in float32, as CUDA's autocast (AT_FORALL_FP32 in ATen/autocast_mode.h) and torch_npu's
+    (torch_npu/csrc/aten/AutoCastOps.cpp) run these ops. CPU's autocast lists none of them, so
+    `autocast("cuda")` remapped to cpu stops where the GPU run goes on: "mixed dtype (CPU): expect parameter
+    to have scalar type of Float". Calls whose dtypes agree run as stock."""
+    import torch
+
+    x = argument(args, kwargs, 0, "input")
+    weight = argument(args, kwargs, 2, "weight")
+    if weight is None or x is None or x.dtype == weight.dtype or weight.dtype not in (torch.float16, torch.bfloat16) \
+            or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return wrapped(*args, **kwargs)
+
+    def fp32(value):
+        return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    with torch.autocast("cpu", enabled=False):
+        return wrapped(*(fp32(a) for a in args), **{k: fp32(v) for k, v in kwargs.items()})
+
+
+def concat_as_on_cuda(wrapped, instance, args, kwargs):
+    """torch.cat / torch.stack under CPU autocast of tensors in a half dtype other than autocast's (a bf16
+    model's outputs beside autocast("cuda")'s fp16): CPU's autocast promotes these two ops
+    (``KERNEL_CPU(cat, promote)``, aten/src/ATen/autocast_mode.cpp) and refuses that mix ("Unexpected floating
+    ScalarType in at::autocast::prioritize"); CUDA's and torch_npu's autocast leave them alone, so they
+    concatenate with type promotion. Here too, autocast off for the call. Any other call runs as stock."""
+    import torch
+
+    tensors = argument(args, kwargs, 0, "tensors")
+    if type(tensors) not in (list, tuple) or not torch.is_autocast_enabled("cpu"):
+        return wrapped(*args, **kwargs)
+    low = torch.get_autocast_dtype("cpu")
+    if not any(isinstance(t, torch.Tensor) and t.dtype != low and t.dtype in (torch.float16, torch.bfloat16)
+               for t in tensors):
+        return wrapped(*args, **kwargs)
+    with torch.autocast("cpu", enabled=False):
+        return wrapped(*args, **kwargs)
