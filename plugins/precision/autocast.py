@@ -1,7 +1,8 @@
-"""The wrappers of ``torch.autocast.__init__`` and of the norm functions (named by path in this package's
-patches): autocast("cuda") without CUDA runs on the active backend's device (npu, or cpu) with the
-requested dtype, where stock torch disables it and the script silently trains in fp32; on cpu the norms
-whose half weights meet activations of another dtype run in fp32, as CUDA's and NPU's autocast run them."""
+"""The wrappers of ``torch.autocast.__init__``, of layer/group norm and of cat/stack (named by path in this
+package's patches): autocast("cuda") without CUDA runs on the active backend's device (npu, or cpu) with
+the requested dtype, where stock torch disables it and the script silently trains in fp32; on cpu, the
+calls where CPU's autocast op lists stop a half model that CUDA's and NPU's run (norms with half weights
+beside other activations, cat/stack of another half dtype) run as those run them."""
 from __future__ import annotations
 
 import logging
