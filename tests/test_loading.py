@@ -476,6 +476,20 @@ def _record_takes(monkeypatch):
     return taken
 
 
+def _hold_construction(monkeypatch, seconds: float):
+    """Building the model on meta takes ``seconds`` longer: the prefetch runs for that long before the
+    placement takes over."""
+    from accel_npu.plugins.loading import diffusers as loading_diffusers
+
+    real_build = loading_diffusers.build_on_meta
+
+    def slow_build(*args, **kwargs):
+        time.sleep(seconds)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(loading_diffusers, "build_on_meta", slow_build)
+
+
 def test_prefetch_guesses_the_kept_keys_before_the_model_exists(ckpts):
     from accel_npu._torch.safetensors_io import open_checkpoint
     from accel_npu.plugins.loading.prefetch import predicted_keys
@@ -491,15 +505,7 @@ def test_prefetch_guesses_the_kept_keys_before_the_model_exists(ckpts):
 def test_prefetched_casts_are_what_the_model_holds(ckpts, threads, monkeypatch):
     # bf16 file, fp32 model: every tensor is cast, in the load threads, while the model is built
     # (construction held for 0.5 s: a tiny model's few MB are cast long before it ends)
-    from accel_npu.plugins.loading import diffusers as loading_diffusers
-
-    real_build = loading_diffusers.build_on_meta
-
-    def slow_build(*args, **kwargs):
-        time.sleep(0.5)
-        return real_build(*args, **kwargs)
-
-    monkeypatch.setattr(loading_diffusers, "build_on_meta", slow_build)
+    _hold_construction(monkeypatch, 0.5)
     monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)
     taken = _record_takes(monkeypatch)
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
@@ -514,16 +520,9 @@ def test_prefetched_casts_are_what_the_model_holds(ckpts, threads, monkeypatch):
 def test_prefetch_stops_at_its_byte_bound_and_the_placement_reads_the_rest(ckpts, monkeypatch):
     # one tensor's worth of bytes: construction held for 0.5 s still ends with one prefetched cast; the
     # placement reads every other tensor itself and the model equals stock's
-    from accel_npu.plugins.loading import diffusers as loading_diffusers
     from accel_npu.plugins.loading import prefetch
 
-    real_build = loading_diffusers.build_on_meta
-
-    def slow_build(*args, **kwargs):
-        time.sleep(0.5)
-        return real_build(*args, **kwargs)
-
-    monkeypatch.setattr(loading_diffusers, "build_on_meta", slow_build)
+    _hold_construction(monkeypatch, 0.5)
     monkeypatch.setattr(prefetch, "PREFETCH_BYTES", 1)
     taken = _record_takes(monkeypatch)
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
