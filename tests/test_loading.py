@@ -546,3 +546,100 @@ def test_a_wrong_dtype_guess_is_read_again(ckpts, monkeypatch):
     assert taken and all(t.dtype == torch.float16 for t in taken.values())
     monkeypatch.undo()
     assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"])))
+
+
+@pytest.fixture
+def gc_every_allocation():
+    """The cyclic collector runs at (almost) every allocation; ``events`` records each collection."""
+    import gc
+
+    events: list[str] = []
+
+    def record(phase, info):
+        if phase == "start":
+            events.append(f"gc{info['generation']}")
+
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.set_threshold(1, 1, 1)
+    gc.enable()
+    gc.callbacks.append(record)
+    try:
+        yield events
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+        (gc.enable if enabled else gc.disable)()
+
+
+def _mark_construction(monkeypatch, events):
+    import functools
+
+    real_init = QWEN_CLS.__init__
+
+    @functools.wraps(real_init)  # diffusers reads the config's arguments from __init__'s signature
+    def init(self, *args, **kwargs):
+        events.append("init>")
+        real_init(self, *args, **kwargs)
+        events.append("init<")
+
+    monkeypatch.setattr(QWEN_CLS, "__init__", init)
+
+
+def test_no_cyclic_collection_runs_while_the_model_is_built(ckpts, gc_every_allocation, monkeypatch):
+    # a full collection walks the whole heap holding the GIL (the load threads wait): the load pauses
+    # the collector; stock collects while it builds; the collector is on again after the call
+    import gc
+
+    events = gc_every_allocation
+    _mark_construction(monkeypatch, events)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"])
+    built = events[events.index("init>"): events.index("init<")]
+    assert built == ["init>"], built[:5]
+    assert gc.isenabled()
+    del events[:]
+    ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]))
+    built = events[events.index("init>"): events.index("init<")]
+    assert any(e.startswith("gc") for e in built), built[:5]
+    monkeypatch.undo()
+    assert_identical(ours, ref)
+
+
+def test_a_collector_the_user_disabled_stays_disabled_after_a_load(ckpts):
+    import gc
+
+    gc.disable()
+    try:
+        QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_collector_comes_back_after_the_last_of_nested_and_concurrent_pauses():
+    import gc
+    import threading
+
+    from accel_npu._torch.memory import cyclic_gc_paused
+
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other_load():
+        with cyclic_gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=other_load)
+    with cyclic_gc_paused():
+        worker.start()
+        inside.wait(10)
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's load is still running
+    leave.set()
+    worker.join()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), cyclic_gc_paused():
+        raise RuntimeError("a failed load")
+    assert gc.isenabled()

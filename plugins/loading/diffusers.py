@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from accel_npu._torch.memory import malloc_trim
+from accel_npu._torch.memory import cyclic_gc_paused, malloc_trim
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of, open_checkpoint, validate
 from accel_npu.environment import truthy
 from accel_npu.errors import LoadError
@@ -274,15 +274,16 @@ def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
 def load(cls, plan: _Plan):
     """The whole load: build on meta, check, place, finish. Returns what stock returns."""
     ds_config = zero3.zero3_config()
-    configured = read_config(cls, plan)
-    early = start_prefetch(cls, plan, configured[2], ds_config)
-    try:
-        model, depth = build_on_meta(cls, plan, configured)
-        job, missing, on_meta = check_job(cls, plan, model, depth)
-        seconds = place(job, ds_config, early)
-    finally:
-        if early is not None:
-            early.close()
+    with cyclic_gc_paused():
+        configured = read_config(cls, plan)
+        early = start_prefetch(cls, plan, configured[2], ds_config)
+        try:
+            model, depth = build_on_meta(cls, plan, configured)
+            job, missing, on_meta = check_job(cls, plan, model, depth)
+            seconds = place(job, ds_config, early)
+        finally:
+            if early is not None:
+                early.close()
     malloc_trim()
     finish(job, depth, seconds)
     model.register_to_config(_name_or_path=plan.original)

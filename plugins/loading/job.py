@@ -5,7 +5,7 @@ placement module fills the model's parameters its own way from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of
@@ -28,6 +28,7 @@ class LoadJob:
     path: str                       # what from_pretrained was given (diffusers' model_name_or_path)
     folder: str                     # the directory holding the weights
     load_whole: Callable[[], Any]   # stock's result from the files (for a model used outside the engine)
+    _cast: Any = field(default=None, init=False, repr=False)
 
     @property
     def desc(self) -> str:
@@ -54,6 +55,7 @@ class LoadJob:
         from diffusers.models.model_loading_utils import load_model_dict_into_meta
 
         cast = self.cast()
+        cast_already = lazy.convert is cast  # the reader returns every tensor as this cast leaves it
         modules = dict(self.model.named_modules())
         rest = {}
         for key, tensor in lazy.items():
@@ -62,7 +64,7 @@ class LoadJob:
                 continue  # diffusers skips keys the model does not have
             owner, _, name = key.rpartition(".")
             module = modules.get(owner)
-            final = cast(key, tensor)
+            final = tensor if cast_already else cast(key, tensor)
             if module is not None and final is tensor and tensor.shape == old.shape and tensor.device.type == "cpu":
                 param = module._parameters.get(name)
                 if name in module._buffers and module._buffers[name] is not None:
@@ -94,8 +96,12 @@ class LoadJob:
         Done ahead (in load threads); ``load_model_dict_into_meta`` then finds nothing left to cast.
         The same rules: with ``torch_dtype`` floating tensors take it (``_keep_in_fp32_modules``:
         fp32), without it every tensor takes the dtype of the model's (meta) tensor; contiguous like it.
+        The same function on every call (the readers are told whether a tensor was cast with it).
         """
         import torch
+
+        if self._cast is not None:
+            return self._cast
 
         model_sd, torch_dtype, keep_in_fp32 = self.model_sd, self.torch_dtype, self.keep_in_fp32
 
@@ -110,4 +116,5 @@ class LoadJob:
                 tensor = tensor.contiguous()
             return tensor
 
+        self._cast = cast
         return cast
