@@ -457,6 +457,94 @@ def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boun
             assert torch.equal(t, f.get_tensor(k).float()), k
 
 
+def _resident_fraction(path, begin: int, end: int) -> float:
+    """Share of the pages of ``path``'s bytes [begin, end) in the page cache: the kernel's own
+    account (mincore on a fresh read-only mapping, which reads nothing)."""
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    first, size = begin // page * page, end - begin // page * page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, first)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        pages = (size + page - 1) // page
+        vec = ctypes.create_string_buffer(pages)
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="posix_fadvise and mincore as Linux has them")
+def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_path):
+    """One POSIX_FADV_WILLNEED reads at most the device's readahead size (Linux mm/readahead.c,
+    force_page_cache_ra); the readahead asks for the whole window. Witness: the page cache
+    (mincore). A single request over the same range is the control: it leaves most pages unread."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu.plugins.loading.lazy import Readahead, _readahead_bytes
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    piece = _readahead_bytes(fd)
+    os.close(fd)
+    if piece > (16 << 20):
+        pytest.skip(f"this device reads {piece >> 20} MiB per request: too large to tell a window from one")
+    nbytes = max(4 * piece, 8 << 20)
+    save_file({"a.weight": torch.ones(nbytes, dtype=torch.uint8), "b.weight": torch.ones(nbytes, dtype=torch.uint8)},
+              str(tmp_path / NAME))
+    path = str(tmp_path / NAME)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+
+    def drop():
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return _resident_fraction(path, 0, os.path.getsize(path))
+
+    if drop() > 0.1:
+        os.close(fd)
+        pytest.skip("this filesystem keeps its pages (tmpfs?): nothing to read ahead")
+    ckpt = open_checkpoint(str(tmp_path))
+    a_begin, a_end = ckpt.headers[NAME]["a.weight"][2:4]
+    b_begin, b_end = ckpt.headers[NAME]["b.weight"][2:4]
+
+    def settled(begin, end):  # the requests are asynchronous: wait for the reads to land
+        deadline, frac = time.monotonic() + 10, 0.0
+        while time.monotonic() < deadline:
+            frac = _resident_fraction(path, begin, end)
+            if frac > 0.95:
+                break
+            time.sleep(0.05)
+        return frac
+
+    os.posix_fadvise(fd, a_begin, a_end - a_begin, os.POSIX_FADV_WILLNEED)  # the control
+    time.sleep(0.5)
+    assert _resident_fraction(path, a_begin, a_end) < 0.5
+    drop()
+    ahead = Readahead(ckpt, {NAME: ["a.weight", "b.weight"]}, window=a_end - a_begin)
+    try:
+        ahead.reached("a.weight")
+        assert settled(a_begin, a_end) > 0.95
+        assert _resident_fraction(path, b_begin + piece, b_end) < 0.5  # nothing past the window
+        ahead.reached("b.weight")
+        assert settled(b_begin, b_end) > 0.95
+        assert ahead.requested_ranges() == {NAME: [(a_begin, b_end)]}
+    finally:
+        ahead.close()
+        os.close(fd)
+
+
 # ------------------------------------------------------------------------------------------------
 # reading while the model is built (plugins/loading/prefetch.py)
 # ------------------------------------------------------------------------------------------------

@@ -15,14 +15,21 @@ READAHEAD_BYTES = 256 << 20
 class Readahead:
     """Ask the kernel for the byte ranges of the tensors about to be read, in read order.
 
-    Storage then streams the next tensors while the ones before them are cast, instead of each
-    page fault of the cast stalling on a read; ranges are requested at most ``window`` bytes
-    ahead of the tensor being read (a checkpoint larger than memory must not evict what it has
-    just read), and only the listed tensors' ranges. Best effort: a failure requests nothing.
+    Storage then streams the next tensors while the ones before them are cast (and, from a
+    prefetch, while the model is built), instead of each page fault of the cast stalling on a
+    read; ranges are requested at most ``window`` bytes ahead of the tensor being read (a
+    checkpoint larger than memory must not evict what it has just read), and only the listed
+    tensors' ranges. One ``POSIX_FADV_WILLNEED`` reads at most the device's readahead size
+    (``force_page_cache_ra`` in Linux's mm/readahead.c caps it at the backing device's
+    ``read_ahead_kb``), so a range is requested in pieces of that size. Safe to call from
+    several threads (one issues the requests, the others go on); best effort: a failure
+    requests nothing more.
     """
 
     def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES,
                  done: dict[str, list[tuple[int, int]]] | None = None):
+        import threading
+
         self.ckpt, self.window = ckpt, window
         self.done = done or {}  # file -> byte ranges already requested (by a prefetch): not asked again
         self.ranges: list[tuple[str, int, int]] = []  # (file, begin, end) in read order, adjacent ones merged
@@ -43,35 +50,80 @@ class Readahead:
                     self.starts[k] = total
                     self.ranges.append((name, begin, end))
                     total += end - begin
-        self.next = 0       # the first range not yet requested
+        self.next = 0       # the first range not wholly requested
+        self.offset = 0     # bytes of that range already requested
         self.requested = 0  # stream bytes requested so far
+        self.target = 0     # stream bytes the readers have asked to have requested
         self.fds: dict[str, int] = {}
+        self.pieces: dict[str, int] = {}  # file -> bytes one request reads (its device's readahead size)
         self.enabled = hasattr(os, "posix_fadvise")
+        self._issuing = threading.Lock()
 
     def reached(self, key: str) -> None:
         """``key`` is about to be read: request the ranges up to ``window`` bytes past its start."""
         start = self.starts.get(key)
         if start is None or not self.enabled:
             return
-        while self.next < len(self.ranges) and self.requested < start + self.window:
-            name, begin, end = self.ranges[self.next]
-            self.next += 1
-            self.requested += end - begin
-            if any(b <= begin and end <= e for b, e in self.done.get(name, ())):
-                continue
-            try:
-                fd = self.fds.get(name)
-                if fd is None:
-                    fd = self.fds[name] = os.open(self.ckpt.path(name), os.O_RDONLY)
-                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                self.enabled = False
-                return
+        self.target = max(self.target, start + self.window)
+        if not self._issuing.acquire(blocking=False):
+            return  # another thread is requesting; it reads ``target`` again before it stops
+        try:
+            while self.enabled and self.next < len(self.ranges) and self.requested < self.target:
+                self._request_piece()
+        finally:
+            self._issuing.release()
+
+    def _request_piece(self) -> None:
+        name, begin, end = self.ranges[self.next]
+        at = begin + self.offset
+        try:
+            fd = self.fds.get(name)
+            if fd is None:
+                fd = self.fds[name] = os.open(self.ckpt.path(name), os.O_RDONLY)
+                self.pieces[name] = _readahead_bytes(fd)
+            size = min(self.pieces[name], end - at)
+            if not any(b <= at and at + size <= e for b, e in self.done.get(name, ())):
+                os.posix_fadvise(fd, at, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            self.enabled = False
+            return
+        self.requested += size
+        self.offset += size
+        if at + size >= end:
+            self.next, self.offset = self.next + 1, 0
+
+    def requested_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """file -> the byte ranges requested so far."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for name, begin, end in self.ranges[:self.next]:
+            out.setdefault(name, []).append((begin, end))
+        if self.offset and self.next < len(self.ranges):
+            name, begin, _ = self.ranges[self.next]
+            out.setdefault(name, []).append((begin, begin + self.offset))
+        return out
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        with self._issuing:
+            self.enabled = False
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+
+#: what one WILLNEED reads where the device's readahead size cannot be read (Linux's default,
+#: VM_READAHEAD_PAGES in include/linux/mm.h)
+_DEFAULT_READAHEAD = 128 << 10
+
+
+def _readahead_bytes(fd: int) -> int:
+    """The readahead size of the device holding ``fd``'s file (/sys/class/bdi/MAJ:MIN/read_ahead_kb)."""
+    dev = os.fstat(fd).st_dev
+    try:
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+            kb = int(f.read())
+    except (OSError, ValueError):
+        return _DEFAULT_READAHEAD
+    return kb << 10 if kb > 0 else _DEFAULT_READAHEAD
 
 
 #: the progress bar advances every this many bytes, not per tensor
@@ -168,11 +220,11 @@ class LazyTensors:
             early = self.prefetch.future(k) if self.prefetch is not None else None
             if early is not None:
                 return early, True
-            ahead.reached(k)
             if pool is None:
+                ahead.reached(k)
                 tensor = shards.get(name, k)
                 return (tensor if self.convert is None else self.convert(k, tensor)), False
-            return pool.submit(self.convert, k, shards.get(name, k)), False
+            return pool.submit(_read, ahead, shards, name, k, self.convert), False
 
         def result(name, k, got, early):
             tensor = got.result() if early or pool is not None else got
@@ -200,25 +252,39 @@ class LazyTensors:
             yield name, k, result(name, k, got, early)
 
 
+def _read(ahead: Readahead, shards: "_OpenShards", name: str, key: str, convert):
+    """One tensor in a load thread: its readahead, ``get_tensor`` (which reads the tensor's first
+    byte, a page fault when cold, with the GIL held) and the cast all off the main thread."""
+    ahead.reached(key)
+    return convert(key, shards.get(name, key))
+
+
 class _OpenShards:
     """The checkpoint's shards opened with ``safe_open`` when first read, closed when done."""
 
     def __init__(self, ckpt: Checkpoint):
+        import threading
+
         self.ckpt = ckpt
         self.handles: dict = {}
+        self._opening = threading.Lock()
 
     def get(self, name: str, key: str):
-        """``key`` from shard ``name``: a view of the file's mmap (nothing is read yet)."""
+        """``key`` from shard ``name``: a view of the file's mmap (safetensors reads only its first
+        byte). Threads may share it: the first to need a shard opens it."""
         path = self.ckpt.path(name)
         handle = self.handles.get(name)
         if handle is None:
             from safetensors import safe_open
 
-            try:
-                handle = safe_open(path, framework="pt", device="cpu").__enter__()
-            except Exception as exc:
-                raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
-            self.handles[name] = handle
+            with self._opening:
+                handle = self.handles.get(name)
+                if handle is None:
+                    try:
+                        handle = safe_open(path, framework="pt", device="cpu").__enter__()
+                    except Exception as exc:
+                        raise LoadError(f"accel-npu: cannot open {path}: {exc}") from exc
+                    self.handles[name] = handle
         try:
             return handle.get_tensor(key)
         except Exception as exc:

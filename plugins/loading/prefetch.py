@@ -139,7 +139,7 @@ class Prefetch:
         except Exception:  # a guess that failed (the placement reads those tensors itself)
             return
         finally:
-            self.requested = _requested(ahead)
+            self.requested = ahead.requested_ranges()
             ahead.close()
 
     def hand_over(self) -> dict[str, list[tuple[int, int]]]:
@@ -178,10 +178,3 @@ class Prefetch:
 
 def _cast(tensor, dtype):
     return tensor.to(dtype).contiguous()
-
-
-def _requested(ahead: Readahead) -> dict[str, list[tuple[int, int]]]:
-    out: dict[str, list[tuple[int, int]]] = {}
-    for name, begin, end in ahead.ranges[:ahead.next]:
-        out.setdefault(name, []).append((begin, end))
-    return out
