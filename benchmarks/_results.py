@@ -63,7 +63,8 @@ def _versions() -> str:
 
 
 def git_commit() -> str:
-    """The commit the benchmark ran on, "+ uncommitted changes" when the tree differs from it."""
+    """The commit the benchmark ran on, "+ uncommitted changes to <files>" when the tree differs from it
+    (named, so a reader can tell a docs edit from a change to the code measured)."""
     import subprocess
 
     root = RESULTS.parents[1]
@@ -72,10 +73,14 @@ def git_commit() -> str:
                              check=True).stdout.strip()
         # results files are rewritten during a run (after each measurement): only other files count
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True).stdout.strip()
+                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    return sha + (" + uncommitted changes" if dirty else "")
+    if not dirty.strip():
+        return sha
+    paths = [line[3:] for line in dirty.splitlines() if line.strip()]  # "XY path": two status letters
+    more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+    return sha + " + uncommitted changes to " + ", ".join(paths[:5]) + more
 
 
 def load_average() -> str:
