@@ -169,8 +169,8 @@ LABELS = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (wh
           "stock": "stock `from_pretrained` (whole call)"}
 
 
-def write_report(a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, rounds) -> None:
-    report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
+def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, rounds) -> None:
+    report.parts.clear()  # rewritten after every run; the date, commit and load average stay the start's
     report.text(
         f"Checkpoint: {ckpt.name} ({ckpt_bytes / MB:,.0f} MB bf16, 9 shards, 60 blocks); the model keeps the first "
         + ", ".join(f"{k} ({kept[k] / MB:,.1f} MB of checkpoint bytes)" for k in keeps)
@@ -243,6 +243,7 @@ def main(argv=None) -> int:
         keys_files[k] = cache / f"load_throughput_keys_{k}.json"
         keys_files[k].write_text(json.dumps(keys))
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
     got: dict = {(k, t, s, c, r): [] for k in keeps for t in threads for s in states for c in casts for r in readers}
     for i in range(a.repeat):  # rounds: the results file is rewritten after each, so a cut-short run still reports
         for k in keeps:
@@ -261,8 +262,8 @@ def main(argv=None) -> int:
                                   f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
                                   flush=True)
                             # after every run: a cut-short run still reports the cells it measured
-                            write_report(a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got,
-                                         i + 1)
+                            write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers,
+                                         got, i + 1)
     return 0
 
 
