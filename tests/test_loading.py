@@ -488,7 +488,8 @@ def _resident_fraction(path, begin: int, end: int) -> float:
 def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_path):
     """One POSIX_FADV_WILLNEED reads at most the device's readahead size (Linux mm/readahead.c,
     force_page_cache_ra); the readahead asks for the whole window. Witness: the page cache
-    (mincore). A single request over the same range is the control: it leaves most pages unread."""
+    (mincore). A single request over the same range is the control: it leaves most pages unread
+    (where it does not, the kernel has no such cap and there is nothing to tell apart)."""
     import os
 
     from safetensors.torch import save_file
@@ -501,7 +502,7 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
     os.close(fd)
     if piece > (16 << 20):
         pytest.skip(f"this device reads {piece >> 20} MiB per request: too large to tell a window from one")
-    nbytes = max(4 * piece, 8 << 20)
+    nbytes = max(4 * piece, 32 << 20)
     save_file({"a.weight": torch.ones(nbytes, dtype=torch.uint8), "b.weight": torch.ones(nbytes, dtype=torch.uint8)},
               str(tmp_path / NAME))
     path = str(tmp_path / NAME)
@@ -530,7 +531,9 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
 
     os.posix_fadvise(fd, a_begin, a_end - a_begin, os.POSIX_FADV_WILLNEED)  # the control
     time.sleep(0.5)
-    assert _resident_fraction(path, a_begin, a_end) < 0.5
+    if _resident_fraction(path, a_begin, a_end) > 0.5:
+        os.close(fd)
+        pytest.skip("this kernel reads a whole WILLNEED range in one request: nothing to tell apart")
     drop()
     ahead = Readahead(ckpt, {NAME: ["a.weight", "b.weight"]}, window=a_end - a_begin)
     try:
