@@ -1,7 +1,8 @@
 """Every patch in the ledger, automatically: import->patch, patch->import, double patch,
 unpatch restores the identical original, double unpatch, unpatch->repatch, and unpatch before the
-module is imported (the module then stays stock until the next patch). Each case runs in a fresh process
-(with torch's autoload off, so the test decides when accel-npu arms)."""
+module is imported (the module then stays stock until the next patch). Each order runs in a fresh process
+(with torch's autoload off, so the test decides when accel-npu arms) that imports every patched module,
+as a training script does; the results are asserted module by module."""
 import json
 import re
 import subprocess
@@ -28,8 +29,8 @@ def not_installed(patch) -> bool:
     from accel_npu.patching import installed_version, parse_supports
 
     return installed_version(parse_supports(patch.supports)[0]) is None
-# One fresh process per (module, order): "patch-then-import" needs the module not yet imported, which
-# torch (accel-npu activates inside it) and sys (every process has it) always are.
+# One fresh process per order: "patch-then-import" needs the modules not yet imported, which torch
+# (accel-npu activates inside it) and sys (every process has it) always are.
 ALWAYS_IMPORTED = ("torch", "sys")
 MODULES = sorted({patch.module for _, patch in DECLARED})
 
@@ -37,12 +38,12 @@ MODULES = sorted({patch.module for _, patch in DECLARED})
 CHECK = textwrap.dedent(r'''
     import importlib, inspect, json, sys
     import wrapt
-    module_name, order = sys.argv[1], sys.argv[2]
+    order, modules = sys.argv[1], sys.argv[2:]
     import accel_npu
     from accel_npu.patching import get_ledger
 
     def lookup(patch):
-        parent, attribute, _ = wrapt.resolve_path(sys.modules[module_name], patch.qualname)
+        parent, attribute, _ = wrapt.resolve_path(sys.modules[patch.module], patch.qualname)
         return parent, attribute, inspect.getattr_static(parent, attribute)
 
     def ours(obj, original):
@@ -50,24 +51,26 @@ CHECK = textwrap.dedent(r'''
 
     pristine = {}
     if order == "import-then-patch":
-        importlib.import_module(module_name)
+        for module_name in modules:
+            importlib.import_module(module_name)
         # The objects as they are before accel-npu arms: unpatch must give back exactly these.
         from accel_npu.manager import get_plugin_manager
         for impl in get_plugin_manager().hook.accel_npu_register_patches.get_hookimpls():
             for p in impl.function() or ():
-                if p.module == module_name:
+                if p.module in modules:
                     try:
                         pristine[p.target] = lookup(p)[2]
                     except Exception:
                         pass
         accel_npu.patch()
     else:
-        already = module_name in sys.modules
+        already = {m: m in sys.modules for m in modules}
         accel_npu.patch()
-        importlib.import_module(module_name)
+        for module_name in modules:
+            importlib.import_module(module_name)
     results = {}
-    for patch in [p for p in get_ledger().patches if p.module == module_name]:
-        out = results.setdefault(patch.target, {"status": patch.status})
+    for patch in [p for p in get_ledger().patches if p.module in modules]:
+        out = results.setdefault(patch.module, {}).setdefault(patch.target, {"status": patch.status})
         if patch.status != "applied":
             continue
         parent, attribute, original = patch._parent, patch._attribute, patch._original
@@ -83,25 +86,33 @@ CHECK = textwrap.dedent(r'''
         out["own_attribute_restored"] = (attribute in vars(parent)) == own_before if inspect.isclass(parent) else True
         accel_npu.patch()                                      # unpatch -> repatch
         out["repatched"] = ours(lookup(patch)[2], original) and patch.status == "applied"
-    if order == "patch-then-import":
-        results["__module_was_imported_before_arming__"] = already
-    print("RESULT " + json.dumps(results))
+    print("RESULT " + json.dumps({"imported_before_arming": already if order == "patch-then-import" else {},
+                                  "results": results}))
 ''')
+
+
+@pytest.fixture(scope="module")
+def lifecycle():
+    """order -> the fresh process's findings for every patched module (two processes in all)."""
+    env = base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    found = {}
+    for order in ("import-then-patch", "patch-then-import"):
+        proc = subprocess.run([sys.executable, "-c", CHECK, order, *MODULES], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+        found[order] = json.loads(line[len("RESULT "):])
+    return found
 
 
 @pytest.mark.parametrize("order", ["import-then-patch", "patch-then-import"])
 @pytest.mark.parametrize("module", MODULES)
-def test_patch_lifecycle(module, order):
-    env = base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    proc = subprocess.run([sys.executable, "-c", CHECK, module, order], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    results = json.loads(line[len("RESULT "):])
+def test_patch_lifecycle(lifecycle, module, order):
+    found = lifecycle[order]
     if order == "patch-then-import" and module not in ALWAYS_IMPORTED:
-        assert results.pop("__module_was_imported_before_arming__") is False, \
+        assert found["imported_before_arming"][module] is False, \
             f"{module} was imported by accel-npu's own activation: patch-then-import is untestable"
-    results.pop("__module_was_imported_before_arming__", None)
+    results = found["results"].get(module, {})
     expected = {p.target for _, p in DECLARED if p.module == module}
     assert set(results) == expected
     ok = {"wrapped_once": True, "still_wrapped_once": True, "restored_identical": True,
