@@ -77,9 +77,21 @@ def memory():
             out[line.split(":")[0]] = int(line.split()[1]) * 1024
     return out
 
+build = None
 if reader in ("accel", "stock"):
+    import functools
     from diffusers import QwenImageTransformer2DModel
     kwargs = {} if reader == "accel" else {"num_layers": keep}
+    build, init = 0.0, QwenImageTransformer2DModel.__init__
+    @functools.wraps(init)  # diffusers reads __init__'s signature (through __wrapped__)
+    def timed_init(self, *args, **kw):  # the model's construction, inside the call: raw builds nothing
+        global build
+        started = time.perf_counter()
+        try:
+            return init(self, *args, **kw)
+        finally:
+            build += time.perf_counter() - started
+    QwenImageTransformer2DModel.__init__ = timed_init
     base = memory()
     t, cpu = time.perf_counter(), time.process_time()
     model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
@@ -107,7 +119,7 @@ else:
     secs, cpu = time.perf_counter() - t, time.process_time() - cpu
     nbytes = sum(x.numel() * x.element_size() for x in got)
 after = memory()
-print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "model_bytes": nbytes,
+print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "build": build, "model_bytes": nbytes,
                               "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"]}),
       flush=True)
 '''
@@ -180,7 +192,8 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         f"Seconds: median (min-max) of the fresh processes per cell (runs; {rounds} of {a.repeat} rounds "
         "started), interleaved; CPU: median CPU seconds of the process over the same span (all its threads: "
         "the work done, whatever share of the cores the other jobs left it); MB/s = kept checkpoint bytes / "
-        "median seconds; vs raw = raw's median seconds / this "
+        "median seconds; build: median seconds of the call spent in the model's __init__ (construction, "
+        "on the main thread; raw builds no model); vs raw = raw's median seconds / this "
         "reader's (same blocks, cache state, cast, threads). Anon / file MB: the process's RssAnon / RssFile "
         "growth over the call (median): its own memory, and page-cache pages it maps (shared with any "
         "other process mapping the same files). Warm: the files the call reads (config, index, the shards "
@@ -203,11 +216,12 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
                         rows.append([str(k), str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", LABELS[r],
                                      str(len(runs)), median_spread(secs, "{:.3f}", " s"),
                                      f"{statistics.median(x['cpu'] for x in runs):.3f} s",
+                                     "—" if r == "raw" else f"{statistics.median(x['build'] for x in runs):.3f} s",
                                      f"{kept[k] / MB / med:,.0f} MB/s",
                                      f"{raw_med / med:.2f}×",
                                      f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
                                      f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB"])
-    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "throughput", "vs raw", "anon",
+    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "build", "throughput", "vs raw", "anon",
                   "file"], rows)
     report.write()
 
