@@ -28,7 +28,6 @@ import json
 import mmap
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_memory  # noqa: E402  (the checkpoint and its cache)
 from _results import Report, median_spread  # noqa: E402
 
+from accel_npu.plugins.loading.lazy import _readahead_bytes  # noqa: E402  (the piece size Readahead uses)
+
 MODES = ("willneed", "populate", "fault")
 MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h (Python 3.11's mmap module lacks the name)
 
@@ -45,15 +46,6 @@ MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h (Python 3.11's
 def _usage() -> tuple[float, int, float]:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime, r.ru_minflt, time.perf_counter()
-
-
-def _readahead_bytes(fd: int) -> int:
-    dev = os.fstat(fd).st_dev
-    try:
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
-            return max(int(f.read()), 4) << 10
-    except (OSError, ValueError):
-        return 128 << 10
 
 
 def measure(mode: str, path: str) -> dict:
