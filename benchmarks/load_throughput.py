@@ -93,11 +93,11 @@ if reader in ("accel", "stock"):
             build += time.perf_counter() - started
     QwenImageTransformer2DModel.__init__ = timed_init
     base = memory()
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu, times = time.perf_counter(), time.process_time(), os.times()
     model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
     sd = model.state_dict()
     touch(sd.values())
-    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
+    secs, cpu, system = time.perf_counter() - t, time.process_time() - cpu, os.times().system - times.system
     assert len(model.transformer_blocks) == keep, len(model.transformer_blocks)
     nbytes = sum(p.numel() * p.element_size() for p in sd.values())
 else:
@@ -106,7 +106,7 @@ else:
     wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
     keys = json.load(open(sys.argv[6]))  # the truncated model's checkpoint keys (the driver's kept_keys)
     base = memory()
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu, times = time.perf_counter(), time.process_time(), os.times()
     handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
     def read(k):  # a copy in fresh memory: get_tensor alone is a view of the file's mmap (safetensors >= 0.8)
         x = handles[wm[k]].get_tensor(k)
@@ -116,10 +116,10 @@ else:
     for handle in handles.values():  # closing (munmap) is part of reading, as in from_pretrained
         handle.__exit__(None, None, None)
     touch(got)
-    secs, cpu = time.perf_counter() - t, time.process_time() - cpu
+    secs, cpu, system = time.perf_counter() - t, time.process_time() - cpu, os.times().system - times.system
     nbytes = sum(x.numel() * x.element_size() for x in got)
 after = memory()
-print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "build": build, "model_bytes": nbytes,
+print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "system": system, "build": build, "model_bytes": nbytes,
                               "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"]}),
       flush=True)
 '''
@@ -133,6 +133,30 @@ def fadvise_dontneed(files: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def free_page_reporting() -> bool | None:
+    """Whether this machine is a VM whose virtio balloon reports free pages to its host
+    (VIRTIO_BALLOON_F_REPORTING, feature bit 5 in include/uapi/linux/virtio_balloon.h); None where no
+    balloon device can be read."""
+    found = None
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            if int((dev / "device").read_text(), 16) != 5:  # VIRTIO_ID_BALLOON
+                continue
+            bits = (dev / "features").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        found = bool(found) or (len(bits) > 5 and bits[5] == "1")
+    return found
+
+
+def machine_note() -> str:
+    if not free_page_reporting():
+        return ""
+    return ("This machine is a VM whose balloon reports free pages to its host (VIRTIO_BALLOON_F_REPORTING): "
+            "memory the guest frees can be taken back by the host, so what a first touch of fresh memory costs "
+            "(the system column) depends on what ran before and varies between runs of the same code.")
 
 
 def kept_tensors(ckpt: Path, keep: int) -> tuple[list[str], int, list[Path]]:
@@ -193,12 +217,14 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         "started), interleaved; CPU: median CPU seconds of the process over the same span (all its threads: "
         "the work done, whatever share of the cores the other jobs left it); MB/s = kept checkpoint bytes / "
         "median seconds; build: median seconds of the call spent in the model's __init__ (construction, "
-        "on the main thread; raw builds no model); vs raw = raw's median seconds / this "
-        "reader's (same blocks, cache state, cast, threads). Anon / file MB: the process's RssAnon / RssFile "
+        "on the main thread; raw builds no model); system: median seconds of that CPU in the kernel (page "
+        "faults, zeroing fresh memory, reads); vs raw = median (min-max) over the rounds of raw's seconds / this "
+        "reader's in the same round (same blocks, cache state, cast, threads; raw runs first in odd rounds and "
+        "last in even ones), so a machine whose speed drifts between rounds moves both sides of each ratio. Anon / file MB: the process's RssAnon / RssFile "
         "growth over the call (median): its own memory, and page-cache pages it maps (shared with any "
         "other process mapping the same files). Warm: the files the call reads (config, index, the shards "
         "holding the kept tensors) read just before; cold: posix_fadvise(POSIX_FADV_DONTNEED) on every "
-        "shard just before (this job's files only; nothing maps them then).")
+        "shard just before (this job's files only; nothing maps them then). " + machine_note())
     rows = []
     for k in keeps:
         for t in threads:
@@ -206,23 +232,25 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
                 for c in casts:
                     if not got[(k, t, s, c, "raw")]:
                         continue
-                    raw_med = statistics.median(x["seconds"] for x in got[(k, t, s, c, "raw")])
+                    raw_runs = got[(k, t, s, c, "raw")]
                     for r in readers:
                         runs = got[(k, t, s, c, r)]
                         if not runs:
                             continue
                         secs = [x["seconds"] for x in runs]
                         med = statistics.median(secs)
+                        ratios = [x["seconds"] / y["seconds"] for x, y in zip(raw_runs, runs)]  # same round
                         rows.append([str(k), str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", LABELS[r],
                                      str(len(runs)), median_spread(secs, "{:.3f}", " s"),
                                      f"{statistics.median(x['cpu'] for x in runs):.3f} s",
+                                     f"{statistics.median(x['system'] for x in runs):.3f} s",
                                      "—" if r == "raw" else f"{statistics.median(x['build'] for x in runs):.3f} s",
                                      f"{kept[k] / MB / med:,.0f} MB/s",
-                                     f"{raw_med / med:.2f}×",
+                                     "—" if r == "raw" else median_spread(ratios, "{:.2f}", "×"),
                                      f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
                                      f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB"])
-    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "build", "throughput", "vs raw", "anon",
-                  "file"], rows)
+    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "system", "build", "throughput",
+                  "vs raw", "anon", "file"], rows)
     report.write()
 
 
@@ -264,7 +292,9 @@ def main(argv=None) -> int:
             for t in threads:
                 for s in states:
                     for c in casts:
-                        for r in readers:
+                        # raw first in odd rounds, last in even ones: a machine drifting within a round
+                        # favours neither side of a pair
+                        for r in (readers if i % 2 == 0 else readers[::-1]):
                             if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
                                 fill_cache([ckpt / "config.json",
                                             ckpt / "diffusion_pytorch_model.safetensors.index.json", *shards[k]])
