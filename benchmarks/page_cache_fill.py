@@ -10,11 +10,13 @@ of every 4 KiB page through a fresh read-only mapping (what a cast or a copy doe
              ``Readahead`` does today)
   populate   ``madvise(MADV_POPULATE_READ)`` (Linux 5.14) on a read-only mapping, in the same pieces:
              the pages come in through the page-fault path and its readahead
+  sendfile   ``os.sendfile`` of the same pieces to /dev/null: the buffered-read path and its readahead,
+             nothing copied to user space
   fault      no fill: the touch's own page faults read the file (the raw reader's way)
 
 Linux's ``force_page_cache_ra`` (mm/readahead.c), which serves WILLNEED, allocates the page cache in
-folios of the mapping's minimum order (one 4 KiB page here), while the fault path's readahead
-(``page_cache_ra_order``) allocates large folios; a fault on a mapping maps at most one fault-around
+folios of the mapping's minimum order (one 4 KiB page here), while the fault path's and the buffered
+read path's readahead (``page_cache_ra_order``) allocate large folios; a fault on a mapping maps at most one fault-around
 window or one folio, so small folios mean more faults for the same bytes. Minor faults and CPU are
 ``getrusage`` of the process; the fill of "fault" is inside its touch.
 
@@ -39,7 +41,7 @@ from _results import Report, median_spread  # noqa: E402
 
 from accel_npu.plugins.loading.lazy import _readahead_bytes  # noqa: E402  (the piece size Readahead uses)
 
-MODES = ("willneed", "populate", "fault")
+MODES = ("willneed", "populate", "sendfile", "fault")
 MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h (Python 3.11's mmap module lacks the name)
 
 
@@ -63,6 +65,18 @@ def measure(mode: str, path: str) -> dict:
             with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
                 for off in range(0, size, piece):
                     m.madvise(MADV_POPULATE_READ, off, min(piece, size - off))
+        elif mode == "sendfile":
+            sink = os.open(os.devnull, os.O_WRONLY)
+            try:
+                for off in range(0, size, piece):
+                    done = 0
+                    while done < min(piece, size - off):
+                        sent = os.sendfile(sink, fd, off + done, min(piece, size - off) - done)
+                        if not sent:
+                            break
+                        done += sent
+            finally:
+                os.close(sink)
         filled = _usage()
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
             view = memoryview(m)
