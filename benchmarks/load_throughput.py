@@ -27,8 +27,10 @@ pages it maps (shared by every rank that maps the same file).
 (fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
 before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
 files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Runs are
-interleaved, ``--repeat`` times; the table gives median (min-max) seconds and the median throughput =
-kept checkpoint bytes / seconds.
+interleaved, ``--repeat`` times (raw first in odd rounds, last in even ones); the table gives median
+(min-max) seconds, the median throughput = kept checkpoint bytes / seconds, and vs raw: median (min-max)
+of raw's seconds / the reader's in the same round, which a machine drifting between rounds moves less
+than a ratio of medians.
 
 Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2,60] [--threads 1,2] [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
@@ -218,13 +220,14 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         "the work done, whatever share of the cores the other jobs left it); MB/s = kept checkpoint bytes / "
         "median seconds; build: median seconds of the call spent in the model's __init__ (construction, "
         "on the main thread; raw builds no model); system: median seconds of that CPU in the kernel (page "
-        "faults, zeroing fresh memory, reads); vs raw = median (min-max) over the rounds of raw's seconds / this "
-        "reader's in the same round (same blocks, cache state, cast, threads; raw runs first in odd rounds and "
-        "last in even ones), so a machine whose speed drifts between rounds moves both sides of each ratio. Anon / file MB: the process's RssAnon / RssFile "
-        "growth over the call (median): its own memory, and page-cache pages it maps (shared with any "
-        "other process mapping the same files). Warm: the files the call reads (config, index, the shards "
-        "holding the kept tensors) read just before; cold: posix_fadvise(POSIX_FADV_DONTNEED) on every "
-        "shard just before (this job's files only; nothing maps them then). " + machine_note())
+        "faults, zeroing fresh memory, reads); vs raw = median (min-max) over the rounds of raw's seconds / "
+        "this reader's in the same round (same blocks, cache state, cast, threads; raw runs first in odd "
+        "rounds and last in even ones), so a machine whose speed drifts between rounds moves both sides of "
+        "each ratio. Anon / file MB: the process's RssAnon / RssFile growth over the call (median): its own "
+        "memory, and page-cache pages it maps (shared with any other process mapping the same files). Warm: "
+        "the files the call reads (config, index, the shards holding the kept tensors) read just before; "
+        "cold: posix_fadvise(POSIX_FADV_DONTNEED) on every shard just before (this job's files only; nothing "
+        "maps them then). " + machine_note())
     rows = []
     for k in keeps:
         for t in threads:
@@ -249,8 +252,8 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
                                      "—" if r == "raw" else median_spread(ratios, "{:.2f}", "×"),
                                      f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
                                      f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB"])
-    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "system", "build", "throughput",
-                  "vs raw", "anon", "file"], rows)
+    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "system", "build",
+                  "throughput", "vs raw", "anon", "file"], rows)
     report.write()
 
 
