@@ -445,7 +445,14 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     assert 5 <= rec[0]["seconds"] < 20 and "under FSDP is a collective" in rec[0]["message"], rec
     assert "DistributedType.FSDP" in rec[0]["message"], rec
     text = mid.stdout + mid.stderr
-    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text, explain(mid)
+    # rank 1 is inside backward's collectives: it reads rank 0's error once rank 0's exit closes gloo's
+    # connections, and on a loaded machine the launcher's SIGTERM (torchrun's agent stops every worker once
+    # one has failed) can end it first; it never stops with another error
+    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text or re.search(
+        r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", text), explain(mid)
+    assert "Connection closed by peer" not in text, explain(mid)
+    assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, \
+        explain(mid)
     assert not (tmp_path / "mid").exists()
     # stock: rank 0's save never completes (no RESULT line) while the launch is still running a minute in
     try:
