@@ -38,6 +38,7 @@ Writes benchmarks/results/load_throughput.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -137,6 +138,7 @@ def fadvise_dontneed(files: list[Path]) -> None:
             os.close(fd)
 
 
+@functools.cache  # the report is rewritten after every run; the device does not change
 def free_page_reporting() -> bool | None:
     """Whether this machine is a VM whose virtio balloon reports free pages to its host
     (VIRTIO_BALLOON_F_REPORTING, feature bit 5 in include/uapi/linux/virtio_balloon.h); None where no

@@ -17,8 +17,8 @@ of every 4 KiB page through a fresh read-only mapping (what a cast or a copy doe
 Linux's ``force_page_cache_ra`` (mm/readahead.c), which serves WILLNEED, allocates the page cache in
 folios of the mapping's minimum order (one 4 KiB page here), while the fault path's and the buffered
 read path's readahead (``page_cache_ra_order``) allocate large folios; a fault on a mapping maps at
-most one fault-around window or one folio, so small folios mean more faults for the same bytes. Minor faults and CPU are
-``getrusage`` of the process; the fill of "fault" is inside its touch.
+most one fault-around window or one folio, so small folios mean more faults for the same bytes. Minor
+faults and CPU are ``getrusage`` of the process; the fill of "fault" is inside its touch.
 
 Usage: python benchmarks/page_cache_fill.py [--repeat 3] [--cache DIR]
 Writes benchmarks/results/page_cache_fill.md.
@@ -69,9 +69,9 @@ def measure(mode: str, path: str) -> dict:
             sink = os.open(os.devnull, os.O_WRONLY)
             try:
                 for off in range(0, size, piece):
-                    done = 0
-                    while done < min(piece, size - off):
-                        sent = os.sendfile(sink, fd, off + done, min(piece, size - off) - done)
+                    length, done = min(piece, size - off), 0
+                    while done < length:
+                        sent = os.sendfile(sink, fd, off + done, length - done)
                         if not sent:
                             break
                         done += sent

@@ -231,6 +231,12 @@ def test_rank0_only_save_model_under_zero3_fails_in_time_saying_what_to_do(tmp_p
     assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
 
 
+def _ended_by_launcher(text: str, rank: int) -> bool:
+    """torchrun's failure summary shows ``rank`` ended by SIGTERM (its agent stops every worker once one
+    has failed)."""
+    return re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*: -15", text) is not None
+
+
 @pytest.mark.slow
 def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_on_every_rank(tmp_path):
     """save_state inside `if accelerator.is_main_process:` under ZeRO-3 on 2 ranks:
@@ -287,8 +293,7 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
     assert stock.returncode != 0, explain(stock)
     stock_text = stock.stdout + stock.stderr
     assert "[rank1]: accel_npu" not in stock_text and "another rank stopped with" not in stock_text, explain(stock)
-    assert "Connection closed by peer" in stock_text or re.search(
-        r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", stock_text), explain(stock)
+    assert "Connection closed by peer" in stock_text or _ended_by_launcher(stock_text, 1), explain(stock)
 
 
 @pytest.mark.slow
@@ -448,8 +453,8 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     # rank 1 is inside backward's collectives: it reads rank 0's error once rank 0's exit closes gloo's
     # connections, and on a loaded machine the launcher's SIGTERM (torchrun's agent stops every worker once
     # one has failed) can end it first; it never stops with another error
-    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text or re.search(
-        r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", text), explain(mid)
+    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text \
+        or _ended_by_launcher(text, 1), explain(mid)
     assert "Connection closed by peer" not in text, explain(mid)
     assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, \
         explain(mid)
