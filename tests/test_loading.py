@@ -639,6 +639,43 @@ def test_a_wrong_dtype_guess_is_read_again(ckpts, monkeypatch):
     assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"])))
 
 
+def test_prefetch_pieces_split_tensors_and_every_slice_lands(ckpts, monkeypatch):
+    # pieces of 1 KiB: every tensor larger than that is cast slice by slice, by both threads; each one
+    # the model takes is the prefetch's (one future a tensor), and the model equals stock's
+    from accel_npu.plugins.loading import prefetch
+
+    monkeypatch.setattr(prefetch, "PIECE_BYTES", 1024)
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", "2")
+    taken = _record_takes(monkeypatch)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+    sd = ours.state_dict()
+    assert any(t.numel() * 2 > 1024 for t in taken.values())  # split across pieces
+    assert all(sd[k].data_ptr() == taken[k].data_ptr() for k in taken)
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
+
+
+def test_a_failed_prefetch_cast_is_read_again(ckpts, monkeypatch):
+    # the prefetch's copy fails (as out of memory would): the placement reads each tensor itself and
+    # the model equals stock's; no future is left for it to wait on
+    real_copy = torch._foreach_copy_
+    failed = []
+
+    def failing_copy(dst, src):
+        import threading
+
+        if threading.current_thread().name.startswith("accel-npu-prefetch"):
+            failed.append(len(dst))
+            raise RuntimeError("out of memory (test)")
+        return real_copy(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", failing_copy)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+    assert failed
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
+
+
 @pytest.fixture
 def gc_every_allocation():
     """The cyclic collector runs at (almost) every allocation; ``events`` records each collection."""

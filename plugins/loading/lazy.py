@@ -227,10 +227,15 @@ class LazyTensors:
             return pool.submit(_read, ahead, shards, name, k, self.convert), False
 
         def result(name, k, got, early):
-            tensor = got.result() if early or pool is not None else got
-            if early and self.convert is not None and self.convert(k, tensor) is not tensor:
-                tensor = self.convert(k, shards.get(name, k))  # the dtype was guessed wrong
-            return tensor
+            if early:
+                try:
+                    tensor = got.result()
+                except Exception:  # the prefetch could not cast it: read it here (and report what is wrong)
+                    return self.convert(k, shards.get(name, k)) if self.convert is not None else shards.get(name, k)
+                if self.convert is not None and self.convert(k, tensor) is not tensor:
+                    tensor = self.convert(k, shards.get(name, k))  # the dtype was guessed wrong
+                return tensor
+            return got.result() if pool is not None else got
 
         todo = iter(order)
         if pool is None:

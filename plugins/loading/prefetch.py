@@ -7,10 +7,10 @@ the read. Which keys the load keeps is known from the index and the requested de
 dtypes from ``torch_dtype`` (fp32 for ``_keep_in_fp32_modules``; the default dtype without it),
 before the model exists. So this rank's load slot is taken first, the kernel is asked for the
 first bytes (``POSIX_FADV_WILLNEED``), and tensors that need a cast are cast in the load threads,
-in file order, for as long as the main thread constructs (up to ``PREFETCH_BYTES``). The
-placement then takes a prefetched tensor only where the real cast would leave it unchanged (same
-dtype, contiguous) and reads anything else as before: a wrong guess costs time, never a different
-result.
+in file order, up to ``PREFETCH_BYTES``: while the main thread constructs, and on while the
+placement reads whatever lies past that bound. The placement takes a prefetched tensor only where
+the real cast would leave it unchanged (same dtype, contiguous) and reads anything else as before:
+a wrong guess costs time, never a different result.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from accel_npu.plugins.loading.slots import load_slot, load_threads, slot_count
 #: the first numeric path component of a key (``transformer_blocks.7.attn.to_q.weight`` -> 7), as
 #: truncation.layer_indices reads it
 _FIRST_INDEX = re.compile(r"(?:^|\.)(\d+)\.")
-#: checkpoint bytes cast at most before the placement takes over (bounds what a wrong guess wastes)
+#: checkpoint bytes the prefetch casts at most (bounds what a wrong guess wastes); the placement reads the rest
 PREFETCH_BYTES = 1 << 30
 #: safetensors dtype name -> torch dtype name (the floating ones a load may cast)
 _FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -48,21 +48,24 @@ def predicted_keys(ckpt: Checkpoint, depth_requested: int | None, depth_in_check
 
 
 class Prefetch:
-    """Reads and casts ``keys`` in file order in ``threads`` threads, from inside this rank's load
-    slot (held until :meth:`close`); :meth:`future` hands each pending cast over once."""
+    """Casts ``keys`` in file order in ``threads`` threads, from inside this rank's load slot (held
+    until :meth:`close`); :meth:`future` hands each cast over once, as a future of the final tensor.
+
+    The threads take the casts in pieces of about ``PIECE_BYTES`` of the file each, a large tensor
+    split across pieces, and copy a whole piece with one ``torch._foreach_copy_`` call (which releases
+    the GIL): a thread needs the GIL once a piece, not once a tensor, and no thread idles while
+    another casts the last large tensor. One future a tensor, as a piece may hold many.
+    """
 
     def __init__(self, ckpt: Checkpoint, keys: list[str], target_dtype, threads: int):
         self.ckpt, self.target_dtype, self.threads = ckpt, target_dtype, threads
         self._lock = threading.Lock()
-        self._futures: dict = {}
+        self._futures: dict = {}  # key -> its cast's future, until handed over
         self._stack = contextlib.ExitStack()
-        self._pool = None
-        self._driver = None
-        self._stop = False       # close(): drop everything
-        self._in_flight = None   # the driver's bound on casts in flight (a threading.Semaphore)
-        self._handed_over = False  # the placement reads on: submit nothing more
+        self._workers: list[threading.Thread] = []
+        self._stop = False  # close(): take no more pieces
+        self._ahead: Readahead | None = None
         self.files = self._files(keys)
-        self.requested: dict[str, list[tuple[int, int]]] = {}  # file -> byte ranges asked of the kernel
 
     @staticmethod
     def _in_order(ckpt: Checkpoint, keys) -> dict[str, list[str]]:
@@ -79,7 +82,7 @@ class Prefetch:
         import torch
 
         nbytes = out_bytes = 0
-        casts = []
+        casts = []  # (file, key, target dtype, numel) of the tensors a cast changes, in file order
         for name, keys in self.files.items():
             header = self.ckpt.headers[name]
             for k in keys:
@@ -91,90 +94,184 @@ class Prefetch:
                     numel *= n
                 out_bytes += numel * (target.itemsize if target is not None else DTYPE_BYTES.get(dtype, 0))
                 if target is not None and getattr(torch, _FLOATING.get(dtype, ""), None) != target:
-                    casts.append((name, k, target))
+                    casts.append((name, k, target, numel))
         budget = max(nbytes, out_bytes)
         slots = slot_count(budget)
         self._stack.enter_context(load_slot(budget, what=what, slots=slots))
         self.threads = self.threads or load_threads(min(local_world_size(), slots or local_world_size()))
-        self._driver = threading.Thread(target=self._run, args=(casts,), name="accel-npu-prefetch", daemon=True)
-        self._driver.start()
-        return self
-
-    def _run(self, casts) -> None:
-        """Ask for the first bytes, then submit casts in file order, at most two per thread in flight,
-        until the placement takes over (the threads cast while the main thread builds the model; the
-        placement reads the rest as it reads any load, so memory and readahead stay bounded as there)."""
-        ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
-        try:
+        self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
+        self._stack.callback(self._ahead.close)
+        casts = self._bounded(casts)
+        if not casts:  # nothing to cast: ask for the first bytes, the placement reads them
             first = next((k for keys in self.files.values() for k in keys), None)
             if first is not None:
-                ahead.reached(first)
-            if not casts:
-                return
-            from concurrent.futures import ThreadPoolExecutor
+                self._ahead.reached(first)
+            return self
+        shards = _OpenShards(self.ckpt)
+        self._stack.callback(shards.close_all)
+        pieces = _Pieces(casts, shards, self._ahead, self.ckpt, self.threads)
+        self._futures = dict(pieces.futures)
+        with pieces._lock:  # each thread's first piece taken here, before the main thread constructs
+            first = [pieces._take() for _ in range(self.threads)]
+        self._workers = [threading.Thread(target=self._work, args=(pieces, piece), name=f"accel-npu-prefetch_{i}",
+                                          daemon=True) for i, piece in enumerate(first)]
+        for w in self._workers:
+            w.start()
+        return self
 
-            shards = _OpenShards(self.ckpt)
-            self._stack.callback(shards.close_all)
-            pool = ThreadPoolExecutor(self.threads, thread_name_prefix="accel-npu-load")
-            with self._lock:
-                if self._stop:
-                    pool.shutdown(wait=False)
-                    return
-                self._pool = pool
-            in_flight = self._in_flight = threading.Semaphore(2 * self.threads)
-            submitted = 0
-            for name, k, target in casts:
-                begin, end = self.ckpt.headers[name][k][2:4]
-                if submitted and submitted + end - begin > PREFETCH_BYTES:
-                    break
-                in_flight.acquire()  # hand_over() and close() release it once: the flags are read next
-                with self._lock:
-                    if self._stop or self._handed_over:
-                        return
-                    ahead.reached(k)
-                    future = pool.submit(_cast, shards.get(name, k), target)
-                    future.add_done_callback(lambda _: in_flight.release())
-                    self._futures[k] = future
-                submitted += end - begin
-        except Exception:  # a guess that failed (the placement reads those tensors itself)
-            return
-        finally:
-            self.requested = ahead.requested_ranges()
-            ahead.close()
+    def _bounded(self, casts):
+        """The first casts, in file order, up to ``PREFETCH_BYTES`` of the file (at least one)."""
+        out, total = [], 0
+        for name, k, target, numel in casts:
+            begin, end = self.ckpt.headers[name][k][2:4]
+            if out and total + end - begin > PREFETCH_BYTES:
+                break
+            out.append((name, k, target, numel))
+            total += end - begin
+        return out
+
+    def _work(self, pieces: "_Pieces", first) -> None:
+        try:
+            if first is not None:
+                pieces.cast(first)
+            while not self._stop and pieces.cast_next():
+                pass
+        except BaseException as exc:  # a thread that ends must not leave a future the placement waits on
+            pieces.abandon(exc)
 
     def hand_over(self) -> dict[str, list[tuple[int, int]]]:
-        """The placement starts reading: stop submitting; returns the byte ranges already asked of
-        the kernel (its own readahead skips them)."""
-        self._handed_over = True
-        self._wake_driver()
-        if self._driver is not None:
-            self._driver.join()
-        return self.requested
-
-    def _wake_driver(self) -> None:
-        in_flight = self._in_flight
-        if in_flight is not None:
-            in_flight.release()
+        """The placement starts reading (the casts go on): the byte ranges already asked of the
+        kernel (its own readahead skips them)."""
+        return self._ahead.requested_ranges() if self._ahead is not None else {}
 
     def future(self, key: str):
-        """The pending cast of ``key`` (handed over once), or None."""
-        if self._driver is not None:
-            self._driver.join()
+        """The future of ``key``'s cast (handed over once), or None."""
         with self._lock:
             return self._futures.pop(key, None)
 
     def close(self) -> None:
         """Stop, drop what was not taken, release the load slot."""
+        self._stop = True
+        for w in self._workers:
+            w.join()
         with self._lock:
-            self._stop = True
-            pool, self._futures = self._pool, {}
-        self._wake_driver()
-        if self._driver is not None:
-            self._driver.join()
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            for future in self._futures.values():
+                future.cancel()  # never started: nothing holds it
+            self._futures = {}
         self._stack.close()
 
 
-def _cast(tensor, dtype):
-    return tensor.to(dtype).contiguous()
+#: bytes of the file one piece casts (a thread takes the GIL once a piece)
+PIECE_BYTES = 4 << 20
+
+
+class _Pieces:
+    """The casts cut into pieces of about ``PIECE_BYTES``, handed to the threads in file order.
+
+    A piece is a list of (destination, source) flat slices; a tensor's output is allocated (untouched:
+    its pages are first written by the copy, in the thread that copies them) and its source viewed
+    when its first piece is taken, and its future completes when its last piece is copied.
+    """
+
+    def __init__(self, casts, shards: "_OpenShards", ahead: Readahead, ckpt: Checkpoint, threads: int):
+        from concurrent.futures import Future
+
+        self.casts, self.shards, self.ahead, self.ckpt, self.threads = casts, shards, ahead, ckpt, threads
+        self._left = sum(ckpt.headers[name][k][3] - ckpt.headers[name][k][2] for name, k, _, _ in casts)
+        self.futures = {k: Future() for _, k, _, _ in casts}
+        self._lock = threading.Lock()
+        self._next = 0      # the first cast not wholly handed out
+        self._taken = 0     # pieces handed out
+        self._offset = 0    # its elements already handed out
+        self._tensors: dict[str, tuple] = {}  # key -> (output, source, elements not yet copied)
+        self._failed: set[str] = set()
+
+    def cast_next(self) -> bool:
+        """Take the next piece and copy it; False when none is left."""
+        with self._lock:
+            piece = self._take()
+        if piece is None:
+            return False
+        self.cast(piece)
+        return True
+
+    def cast(self, piece) -> None:
+        """Copy ``piece``; complete the futures of the tensors it finishes."""
+        import torch
+
+        self.ahead.reached(piece[0][0])  # outside the lock: the first request asks for a whole window
+        try:
+            torch._foreach_copy_([dst for _, dst, _ in piece], [src for _, _, src in piece])
+        except Exception as exc:  # e.g. out of memory: the placement reads these tensors itself
+            self._fail([k for k, _, _ in piece], exc)
+            return
+        with self._lock:
+            done = []
+            for k, dst, _ in piece:
+                if k not in self._tensors:
+                    continue  # another of its pieces failed
+                out, src, left = self._tensors[k]
+                left -= dst.numel()
+                self._tensors[k] = (out, src, left)
+                if not left:
+                    done.append((k, out))
+                    del self._tensors[k]
+        for k, out in done:
+            self.futures[k].set_result(out)
+
+    def _take(self):
+        """The next piece: whole tensors and slices of one, up to ``PIECE_BYTES`` of the file."""
+        import torch
+
+        piece, size = [], 0
+        # guided: each thread's first piece small (taken before construction), then a share of what is
+        # left (large first, small last: few GIL acquisitions, and the threads finish together)
+        limit = PIECE_BYTES if self._taken < self.threads else max(PIECE_BYTES, self._left // (2 * self.threads))
+        self._taken += 1
+        while self._next < len(self.casts) and size < limit:
+            name, k, target, numel = self.casts[self._next]
+            if self._offset == 0:
+                if not self.futures[k].set_running_or_notify_cancel():  # close() cancelled it
+                    self._next += 1
+                    continue
+                try:
+                    src = self.shards.get(name, k).view(-1)
+                    out = torch.empty(self.ckpt.headers[name][k][1], dtype=target)
+                except Exception as exc:  # the placement reads it again and reports what is wrong
+                    self._fail([k], exc, locked=True)
+                    self._next += 1
+                    continue
+                self._tensors[k] = (out, src, numel)
+            out, src, _ = self._tensors[k]
+            itemsize = src.element_size()
+            n = min(numel - self._offset, max(1, (limit - size) // itemsize))
+            piece.append((k, out.view(-1)[self._offset:self._offset + n], src[self._offset:self._offset + n]))
+            size += n * itemsize
+            self._left -= n * itemsize
+            self._offset += n
+            if self._offset == numel:
+                self._next, self._offset = self._next + 1, 0
+        return piece or None
+
+    def _fail(self, keys, exc, locked=False) -> None:
+        with contextlib.nullcontext() if locked else self._lock:
+            new = [k for k in keys if k not in self._failed]
+            self._failed.update(new)
+            for k in new:
+                self._tensors.pop(k, None)
+        for k in new:
+            future = self.futures[k]
+            if not future.done():
+                future.set_exception(exc)
+
+    def abandon(self, exc) -> None:
+        """Every cast not yet done fails with ``exc`` (the placement reads those tensors itself)."""
+        from concurrent.futures import InvalidStateError
+
+        for future in self.futures.values():
+            if future.done() or not (future.running() or future.set_running_or_notify_cancel()):
+                continue  # done, or cancelled by close()
+            try:
+                future.set_exception(exc)
+            except InvalidStateError:  # another thread completed it meanwhile
+                pass
