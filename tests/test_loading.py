@@ -6,6 +6,7 @@ Tiny models from the real diffusers / transformers classes, random weights, save
 from __future__ import annotations
 
 import json
+import math
 import logging
 import sys
 import time
@@ -674,6 +675,48 @@ def test_a_failed_prefetch_cast_is_read_again(ckpts, monkeypatch):
     assert failed
     monkeypatch.undo()
     assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
+
+
+def test_a_piece_that_fails_mid_tensor_fails_that_tensor_only(ckpts, monkeypatch):
+    # pieces of 1 KiB, one thread; the second copy fails: the tensors it held fail (the placement reads
+    # them again), the rest of a split tensor is skipped, and every other tensor is the file's, cast
+    from accel_npu._torch.safetensors_io import open_checkpoint, validate
+    from accel_npu.plugins.loading import prefetch
+    from accel_npu.plugins.loading.lazy import Readahead, _OpenShards
+    from safetensors import safe_open
+
+    monkeypatch.setattr(prefetch, "PIECE_BYTES", 1024)
+    ckpt = open_checkpoint(str(ckpts["qwen"]))
+    keys = [k for k in ckpt.weight_map if not k.startswith("pos_embed.")]
+    validate(ckpt, keys)
+    files = prefetch.Prefetch._in_order(ckpt, keys)
+    casts = [(name, k, torch.float32, math.prod(ckpt.headers[name][k][1])) for name, ks in files.items() for k in ks]
+    shards, ahead = _OpenShards(ckpt), Readahead(ckpt, files)
+    pieces = prefetch._Pieces(casts, shards, ahead, ckpt, threads=1)
+    real_copy, calls, failed = torch._foreach_copy_, [], set()
+
+    def copy(dst, src):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (test)")
+        return real_copy(dst, src)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", copy)
+    try:
+        while pieces.cast_next():
+            pass
+    finally:
+        shards.close_all()
+        ahead.close()
+    for name, k, _, _ in casts:
+        future = pieces.futures[k]
+        assert future.done(), k
+        if future.exception() is not None:
+            failed.add(k)
+            continue
+        with safe_open(str(ckpts["qwen"] / name), framework="pt") as f:
+            assert torch.equal(future.result(), f.get_tensor(k).float()), k
+    assert failed and len(failed) < len(casts)
 
 
 @pytest.fixture

@@ -230,6 +230,10 @@ class _Pieces:
         self._taken += 1
         while self._next < len(self.casts) and size < limit:
             name, k, target, numel = self.casts[self._next]
+            if self._offset and k not in self._tensors:  # an earlier piece of it failed: skip the rest
+                self._left -= (numel - self._offset) * DTYPE_BYTES[self.ckpt.headers[name][k][0]]
+                self._next, self._offset = self._next + 1, 0
+                continue
             if self._offset == 0:
                 if not self.futures[k].set_running_or_notify_cancel():  # close() cancelled it
                     self._next += 1
