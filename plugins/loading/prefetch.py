@@ -102,10 +102,12 @@ class Prefetch:
         self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
         self._stack.callback(self._ahead.close)
         casts = self._bounded(casts)
-        if not casts:  # nothing to cast: ask for the first bytes, the placement reads them
+        if not casts:  # nothing to cast: ask for the first window's bytes (beside construction)
             first = next((k for keys in self.files.values() for k in keys), None)
             if first is not None:
-                self._ahead.reached(first)
+                self._workers = [threading.Thread(target=self._ahead.reached, args=(first,),
+                                                  name="accel-npu-prefetch_0", daemon=True)]
+                self._workers[0].start()
             return self
         shards = _OpenShards(self.ckpt)
         self._stack.callback(shards.close_all)
