@@ -131,7 +131,10 @@ print("RESULT " + json.dumps({"accelerate": accelerate.__version__, "alive": ali
                               "uneven_alive": uneven_alive,
                               "model_bytes": sum(v.numel() * v.element_size() for v in reference.values()),
                               "largest_bytes": max(v.numel() * v.element_size() for v in reference.values())}))
+dist.barrier()  # neither rank tears gloo down while the other still uses it
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # gloo's threads can still abort a rank in interpreter teardown ("terminate called ...")
 """
 
 
