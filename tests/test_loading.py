@@ -6,8 +6,8 @@ Tiny models from the real diffusers / transformers classes, random weights, save
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import sys
 import time
 from pathlib import Path

@@ -216,26 +216,29 @@ class LazyTensors:
         is (the same result as casting it now), else read again."""
         import collections
 
+        def read_here(name, k):
+            tensor = shards.get(name, k)
+            return tensor if self.convert is None else self.convert(k, tensor)
+
         def start(name, k):
             early = self.prefetch.future(k) if self.prefetch is not None else None
             if early is not None:
                 return early, True
             if pool is None:
                 ahead.reached(k)
-                tensor = shards.get(name, k)
-                return (tensor if self.convert is None else self.convert(k, tensor)), False
+                return read_here(name, k), False
             return pool.submit(_read, ahead, shards, name, k, self.convert), False
 
         def result(name, k, got, early):
-            if early:
-                try:
-                    tensor = got.result()
-                except Exception:  # the prefetch could not cast it: read it here (and report what is wrong)
-                    return self.convert(k, shards.get(name, k)) if self.convert is not None else shards.get(name, k)
-                if self.convert is not None and self.convert(k, tensor) is not tensor:
-                    tensor = self.convert(k, shards.get(name, k))  # the dtype was guessed wrong
-                return tensor
-            return got.result() if pool is not None else got
+            if not early:
+                return got.result() if pool is not None else got
+            try:
+                tensor = got.result()
+            except Exception:  # the prefetch could not cast it: read it here (and report what is wrong)
+                return read_here(name, k)
+            if self.convert is not None and self.convert(k, tensor) is not tensor:
+                return read_here(name, k)  # the dtype was guessed wrong
+            return tensor
 
         todo = iter(order)
         if pool is None:

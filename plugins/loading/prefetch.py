@@ -186,7 +186,6 @@ class _Pieces:
         self._taken = 0     # pieces handed out
         self._offset = 0    # its elements already handed out
         self._tensors: dict[str, tuple] = {}  # key -> (output, source, elements not yet copied)
-        self._failed: set[str] = set()
 
     def cast_next(self) -> bool:
         """Take the next piece and copy it; False when none is left."""
@@ -260,12 +259,11 @@ class _Pieces:
         return piece or None
 
     def _fail(self, keys, exc, locked=False) -> None:
+        """``keys`` fail with ``exc``: their slices not yet copied are skipped, and no copy completes them."""
         with contextlib.nullcontext() if locked else self._lock:
-            new = [k for k in keys if k not in self._failed]
-            self._failed.update(new)
-            for k in new:
+            for k in keys:
                 self._tensors.pop(k, None)
-        for k in new:
+        for k in keys:
             future = self.futures[k]
             if not future.done():
                 future.set_exception(exc)
