@@ -27,12 +27,14 @@ pages it maps (shared by every rank that maps the same file).
 (fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
 before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
 files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Runs are
-interleaved, ``--repeat`` times (raw first in odd rounds, last in even ones); the table gives median
+interleaved, ``--repeat`` times (raw first in odd rounds, last in even ones; ``--repeat-keep 2:15`` gives a
+keep its own count: a small load's cells take a second a run, and their ratios need more rounds to
+settle than the whole model's); the table gives median
 (min-max) seconds, the median throughput = kept checkpoint bytes / seconds, and vs raw: median (min-max)
 of raw's seconds / the reader's in the same round, which a machine drifting between rounds moves less
 than a ratio of medians.
 
-Usage: python benchmarks/load_throughput.py [--repeat 5] [--keep 2,60] [--threads 1,2] [--cache DIR]
+Usage: python benchmarks/load_throughput.py [--repeat 5] [--repeat-keep 2:15] [--keep 2,60] [--threads 1,2] [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
 """
 from __future__ import annotations
@@ -217,8 +219,8 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         + " blocks. The same thread count for every reader. Every reader ends holding every tensor it "
         "loaded, each 4 KiB page touched inside the clock: raw keeps a copy of each tensor in fresh memory "
         "(clone, or the cast); a load keeps what from_pretrained returns. "
-        f"Seconds: median (min-max) of the fresh processes per cell (runs; {rounds} of {a.repeat} rounds "
-        "started), interleaved; CPU: median CPU seconds of the process over the same span (all its threads: "
+        f"Seconds: median (min-max) of the fresh processes per cell (runs; rounds started: {rounds}), "
+        "interleaved; CPU: median CPU seconds of the process over the same span (all its threads: "
         "the work done, whatever share of the cores the other jobs left it); MB/s = kept checkpoint bytes / "
         "median seconds; build: median seconds of the call spent in the model's __init__ (construction, "
         "on the main thread; raw builds no model); system: median seconds of that CPU in the kernel (page "
@@ -261,7 +263,8 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5, help="rounds (each cell once a round)")
+    ap.add_argument("--repeat-keep", default="", help="KEEP:N,...: rounds for those keeps instead of --repeat")
     ap.add_argument("--cache", default=str(host_memory.default_cache()))
     ap.add_argument("--keep", default="2,60", help="blocks kept (host_memory.py's case (c) keeps 2; 60: the "
                                                     "whole checkpoint); a list measures each")
@@ -280,6 +283,12 @@ def main(argv=None) -> int:
     states = a.states.split(",")
     threads = [int(t) for t in str(a.threads).split(",")]
     keeps = [int(k) for k in str(a.keep).split(",")]
+    repeats = {k: a.repeat for k in keeps}
+    for item in filter(None, a.repeat_keep.split(",")):
+        k, _, n = item.partition(":")
+        if not (k.isdigit() and n.isdigit() and int(k) in repeats):
+            raise SystemExit(f"--repeat-keep {item!r}: KEEP:N with KEEP one of --keep ({a.keep})")
+        repeats[int(k)] = int(n)
     readers = tuple(a.readers.split(","))
     if readers[0] != "raw":
         raise SystemExit("--readers: raw first (the other readers are compared with it)")
@@ -292,8 +301,8 @@ def main(argv=None) -> int:
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
     got: dict = {(k, t, s, c, r): [] for k in keeps for t in threads for s in states for c in casts for r in readers}
-    for i in range(a.repeat):  # rounds: the results file is rewritten after each, so a cut-short run still reports
-        for k in keeps:
+    for i in range(max(repeats.values())):  # rounds: the results file is rewritten after each run
+        for k in [k for k in keeps if i < repeats[k]]:
             for t in threads:
                 for s in states:
                     for c in casts:
@@ -311,8 +320,9 @@ def main(argv=None) -> int:
                                   f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
                                   flush=True)
                             # after every run: a cut-short run still reports the cells it measured
+                            started = ", ".join(f"{k} blocks {min(i + 1, repeats[k])} of {repeats[k]}" for k in keeps)
                             write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers,
-                                         got, i + 1)
+                                         got, started)
     return 0
 
 
