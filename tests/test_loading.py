@@ -670,7 +670,13 @@ def test_a_failed_prefetch_cast_is_read_again(ckpts, monkeypatch):
             raise RuntimeError("out of memory (test)")
         return real_copy(dst, src)
 
+    def failing_piece(dst, src):
+        failing_copy([dst], [src])
+
+    from accel_npu.plugins.loading import prefetch
+
     monkeypatch.setattr(torch, "_foreach_copy_", failing_copy)
+    monkeypatch.setattr(prefetch, "copy_prefaulted", failing_piece)  # pieces copied after construction
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
     assert failed
     monkeypatch.undo()
@@ -717,6 +723,70 @@ def test_a_piece_that_fails_mid_tensor_fails_that_tensor_only(ckpts, monkeypatch
         with safe_open(str(ckpts["qwen"] / name), framework="pt") as f:
             assert torch.equal(future.result(), f.get_tensor(k).float()), k
     assert failed and len(failed) < len(casts)
+
+
+# ------------------------------------------------------------------------------------------------
+# casts into fresh memory faulted in ahead (accel_npu/_torch/memory.py)
+# ------------------------------------------------------------------------------------------------
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_prefault_makes_fresh_pages_resident():
+    # witness: the process's anonymous resident memory, before and after, with no byte written
+    from accel_npu._torch.memory import prefault
+
+    nbytes = 64 << 20
+    fresh = torch.empty(nbytes, dtype=torch.uint8)  # untouched: no page resident yet
+    before = _rss_anon()
+    if not prefault(fresh.data_ptr(), nbytes):
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux before 5.14, or not glibc)")
+    assert _rss_anon() - before > 0.9 * nbytes
+
+
+@pytest.mark.parametrize("shape, stored, wanted", [
+    ((3000, 1000), torch.bfloat16, torch.float32),    # pieces of PREFAULT_BYTES and a short last one
+    ((1001, 999), torch.float16, torch.float32),      # a size no page divides
+    ((7,), torch.bfloat16, torch.float32),            # smaller than a piece: one copy
+    ((2048, 1024), torch.float32, torch.bfloat16),
+])
+def test_to_fresh_is_to(shape, stored, wanted, monkeypatch):
+    from accel_npu._torch import memory
+
+    x = torch.randn(shape).to(stored)[1:]  # a tensor that starts off a page boundary
+    for works in (None, False):  # the madvise tried, and missing (copied as is)
+        monkeypatch.setattr(memory, "_prefault_works", works)
+        got = memory.to_fresh(x, wanted)
+        assert got.dtype == wanted and got.shape == x.shape and got.is_contiguous()
+        assert torch.equal(got, x.to(wanted))
+    same = torch.ones(4)
+    assert memory.to_fresh(same, torch.float32) is same  # as .to(): the tensor itself
+    strided = torch.randn(2000, 1000).to(torch.bfloat16).t()
+    assert torch.equal(memory.to_fresh(strided, torch.float32), strided.to(torch.float32))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_casts_in_prefaulted_pieces_equal_stock(ckpts, threads, monkeypatch):
+    # pieces of one page: after construction the prefetch copies piece by piece, and the placement
+    # casts what lies past the prefetch's bound the same way; the model equals stock's
+    from accel_npu._torch import memory
+    from accel_npu.plugins.loading import prefetch
+
+    monkeypatch.setattr(memory, "PREFAULT_BYTES", 4096)
+    monkeypatch.setattr(prefetch, "PREFETCH_BYTES", 64 << 10)
+    monkeypatch.setenv("ACCEL_NPU_LOAD_THREADS", threads)
+    real, faulted = memory.prefault, []
+
+    def prefault(address, nbytes):
+        faulted.append(nbytes)
+        return real(address, nbytes)
+
+    monkeypatch.setattr(memory, "prefault", prefault)
+    ours = QWEN_CLS.from_pretrained(ckpts["qwen"], num_layers=2)
+    assert faulted
+    monkeypatch.undo()
+    assert_identical(ours, stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2))
 
 
 @pytest.fixture

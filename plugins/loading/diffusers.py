@@ -279,6 +279,8 @@ def load(cls, plan: _Plan):
         early = start_prefetch(cls, plan, configured[2], ds_config)
         try:
             model, depth = build_on_meta(cls, plan, configured)
+            if early is not None:
+                early.model_built()
             job, missing, on_meta = check_job(cls, plan, model, depth)
             seconds = place(job, ds_config, early)
         finally:

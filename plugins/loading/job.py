@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from accel_npu._torch.memory import to_fresh
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of
 from accel_npu.plugins.loading.lazy import LazyTensors
 
@@ -109,9 +110,9 @@ class LoadJob:
             old = model_sd.get(key)
             if torch_dtype is not None and torch.is_floating_point(tensor):
                 fp32 = any(m in key.split(".") for m in keep_in_fp32)
-                tensor = tensor.to(torch.float32 if fp32 else torch_dtype)
+                tensor = to_fresh(tensor, torch.float32 if fp32 else torch_dtype)
             elif torch_dtype is None and old is not None:
-                tensor = tensor.to(old.dtype)
+                tensor = to_fresh(tensor, old.dtype)
             if old is not None and old.is_contiguous():
                 tensor = tensor.contiguous()
             return tensor

@@ -19,6 +19,7 @@ import re
 import threading
 
 from accel_npu._torch.dist import local_world_size
+from accel_npu._torch.memory import copy_prefaulted
 from accel_npu._torch.safetensors_io import DTYPE_BYTES, Checkpoint, validate
 from accel_npu.plugins.loading.lazy import READAHEAD_BYTES, Readahead, _OpenShards
 from accel_npu.plugins.loading.slots import load_slot, load_threads, slot_count
@@ -52,9 +53,12 @@ class Prefetch:
     until :meth:`close`); :meth:`future` hands each cast over once, as a future of the final tensor.
 
     The threads take the casts in pieces of about ``PIECE_BYTES`` of the file each, a large tensor
-    split across pieces, and copy a whole piece with one ``torch._foreach_copy_`` call (which releases
-    the GIL): a thread needs the GIL once a piece, not once a tensor, and no thread idles while
-    another casts the last large tensor. One future a tensor, as a piece may hold many.
+    split across pieces. While the model is built they copy a whole piece with one
+    ``torch._foreach_copy_`` call (which releases the GIL): a thread needs the GIL once a piece, not
+    once a tensor, and no thread idles while another casts the last large tensor. Once it is built
+    (:meth:`model_built`) they copy a MB at a time, each MB's destination pages faulted in first
+    (``copy_prefaulted``: fewer traps into the kernel than the copy's own page faults). One future a
+    tensor, as a piece may hold many.
     """
 
     def __init__(self, ckpt: Checkpoint, keys: list[str], target_dtype, threads: int):
@@ -65,6 +69,7 @@ class Prefetch:
         self._workers: list[threading.Thread] = []
         self._stop = False  # close(): take no more pieces
         self._ahead: Readahead | None = None
+        self._pieces: _Pieces | None = None
         self.files = self._files(keys)
 
     @staticmethod
@@ -111,7 +116,7 @@ class Prefetch:
             return self
         shards = _OpenShards(self.ckpt)
         self._stack.callback(shards.close_all)
-        pieces = _Pieces(casts, shards, self._ahead, self.ckpt, self.threads)
+        pieces = self._pieces = _Pieces(casts, shards, self._ahead, self.ckpt, self.threads)
         self._futures = dict(pieces.futures)
         with pieces._lock:  # each thread's first piece taken here, before the main thread constructs
             first = [pieces._take() for _ in range(self.threads)]
@@ -141,9 +146,16 @@ class Prefetch:
         except BaseException as exc:  # a thread that ends must not leave a future the placement waits on
             pieces.abandon(exc)
 
+    def model_built(self) -> None:
+        """Construction is over: the main thread has little Python left, so the threads may take
+        the GIL once a MB and copy with their destination faulted in ahead (``copy_prefaulted``)."""
+        if self._pieces is not None:
+            self._pieces.built = True
+
     def hand_over(self) -> dict[str, list[tuple[int, int]]]:
         """The placement starts reading (the casts go on): the byte ranges already asked of the
         kernel (its own readahead skips them)."""
+        self.model_built()
         return self._ahead.requested_ranges() if self._ahead is not None else {}
 
     def future(self, key: str):
@@ -186,6 +198,7 @@ class _Pieces:
         self._taken = 0     # pieces handed out
         self._offset = 0    # its elements already handed out
         self._tensors: dict[str, tuple] = {}  # key -> (output, source, elements not yet copied)
+        self.built = False  # construction is over (Prefetch.model_built)
 
     def cast_next(self) -> bool:
         """Take the next piece and copy it; False when none is left."""
@@ -202,7 +215,11 @@ class _Pieces:
 
         self.ahead.reached(piece[0][0])  # outside the lock: the first request asks for a whole window
         try:
-            torch._foreach_copy_([dst for _, dst, _ in piece], [src for _, _, src in piece])
+            if self.built:  # the main thread mostly waits now: the GIL once a MB, pages faulted in ahead
+                for _, dst, src in piece:
+                    copy_prefaulted(dst, src)
+            else:  # while it constructs (Python holding the GIL), the GIL once a piece
+                torch._foreach_copy_([dst for _, dst, _ in piece], [src for _, _, src in piece])
         except Exception as exc:  # e.g. out of memory: the placement reads these tensors itself
             self._fail([k for k, _, _ in piece], exc)
             return
