@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import mmap
+import sys
 import threading
 
 _libc = None
@@ -49,6 +50,9 @@ def prefault(address: int, nbytes: int) -> bool:
     global _libc, _prefault_works
     if _prefault_works is False:
         return False
+    if not sys.platform.startswith("linux"):  # the advice number is Linux's
+        _prefault_works = False
+        return False
     try:
         if _libc is None:
             _libc = _load_libc()
@@ -64,11 +68,21 @@ def prefault(address: int, nbytes: int) -> bool:
     return bool(_prefault_works)
 
 
+def prefault_available() -> bool:
+    """Whether :func:`prefault` works here, tried on one page of a private anonymous mapping."""
+    with mmap.mmap(-1, _PAGE) as page:
+        view = (ctypes.c_char * _PAGE).from_buffer(page)
+        try:
+            return prefault(ctypes.addressof(view), _PAGE)
+        finally:
+            del view  # the mapping closes only once nothing exports it
+
+
 def copy_prefaulted(dst, src) -> None:
     """``dst.copy_(src)`` for flat tensors, ``dst`` fresh memory: in pieces of ``PREFAULT_BYTES`` of
     ``dst``, each piece's pages faulted in first (:func:`prefault`).
 
-    The copy alone faults each 4 KiB page of ``dst`` as it first writes it, a trap into the kernel a
+    The copy alone faults each page of ``dst`` as it first writes it, a trap into the kernel a
     page; one madvise faults a piece's pages in the kernel (zeroing them, as either way), and the copy
     right after finds them in cache. Where :func:`prefault` is missing the pieces are copied as they
     are. The same values as ``dst.copy_(src)`` (the same copy, piece by piece)."""
@@ -93,7 +107,7 @@ def to_fresh(tensor, dtype):
         return tensor
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() * dtype.itemsize <= PREFAULT_BYTES:
         return tensor.to(dtype)
-    out = torch.empty(tensor.shape, dtype=dtype)
+    out = torch.empty(tensor.shape, dtype=dtype, device="cpu")  # not the default device
     copy_prefaulted(out.view(-1), tensor.view(-1))
     return out
 

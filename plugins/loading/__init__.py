@@ -10,7 +10,7 @@ pickled checkpoints, ...).
 from __future__ import annotations
 
 from accel_npu._torch.dist import local_world_size
-from accel_npu._torch.memory import available_memory, malloc_trim
+from accel_npu._torch.memory import available_memory, malloc_trim, prefault_available
 from accel_npu.environment import get as env_get
 from accel_npu.errors import ConfigError
 from accel_npu.hookspecs import hookimpl
@@ -151,4 +151,6 @@ def loading_report() -> dict:
     avail = available_memory()
     info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
     info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"
+    info["casts' pages faulted in ahead (MADV_POPULATE_WRITE)"] = (
+        "available" if prefault_available() else "not available (Linux before 5.14, or not glibc): casts fault them as they copy")
     return info

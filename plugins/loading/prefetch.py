@@ -258,7 +258,7 @@ class _Pieces:
                     continue
                 try:
                     src = self.shards.get(name, k).view(-1)
-                    out = torch.empty(self.ckpt.headers[name][k][1], dtype=target)
+                    out = torch.empty(self.ckpt.headers[name][k][1], dtype=target, device="cpu")
                 except Exception as exc:  # the placement reads it again and reports what is wrong
                     self._fail([k], exc, locked=True)
                     self._next += 1
