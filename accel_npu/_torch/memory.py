@@ -99,13 +99,14 @@ def copy_prefaulted(dst, src) -> None:
 
 
 def to_fresh(tensor, dtype):
-    """``tensor.to(dtype)``, a large contiguous CPU tensor's copy made by ``copy_prefaulted``: the
-    same values, dtype, shape and device; ``tensor`` itself where it has that dtype already."""
+    """``tensor.to(dtype)``, a contiguous CPU tensor's copy made by ``copy_prefaulted`` (which copies
+    one smaller than a piece at once): the same values, dtype, shape and device; ``tensor`` itself
+    where it has that dtype already."""
     import torch
 
     if tensor.dtype == dtype:
         return tensor
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() * dtype.itemsize <= PREFAULT_BYTES:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return tensor.to(dtype)
     out = torch.empty(tensor.shape, dtype=dtype, device="cpu")  # not the default device
     copy_prefaulted(out.view(-1), tensor.view(-1))

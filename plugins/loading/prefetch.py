@@ -155,7 +155,6 @@ class Prefetch:
     def hand_over(self) -> dict[str, list[tuple[int, int]]]:
         """The placement starts reading (the casts go on): the byte ranges already asked of the
         kernel (its own readahead skips them)."""
-        self.model_built()
         return self._ahead.requested_ranges() if self._ahead is not None else {}
 
     def future(self, key: str):
