@@ -45,13 +45,17 @@ def accel_npu_register_patches() -> list[Patch]:
 
 
 @hookspec
-def accel_npu_launch_env(backend: Backend, env: Mapping[str, str], nodes: Nodes) -> Mapping[str, str] | None:
+def accel_npu_launch_env(backend: Backend, env: Mapping[str, str], nodes: Nodes,
+                         launching: bool) -> Mapping[str, str] | None:
     """Return environment defaults for processes a launcher is about to start.
 
     Called in the launcher (``accelerate launch`` / ``torchrun``) before workers start. Values
     are applied only where ``env`` (the launcher's environment) does not already set them: the
     user's values always win. ``nodes`` is the launch's shape (machines, this machine's rank,
-    world size, rendezvous endpoint; ``accel_npu._torch.nodes.Nodes``).
+    world size, rendezvous endpoint; ``accel_npu._torch.nodes.Nodes``). ``launching`` is False
+    where a command only shows or writes the defaults (``accel-npu config``, ``accel-npu env``):
+    then return only what does not depend on this node's state at this moment (a free port) and
+    log nothing.
     """
 
 

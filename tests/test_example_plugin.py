@@ -79,7 +79,7 @@ pm = get_plugin_manager()
 for name in ("npu", "cpu"):
     backend = Backend(name=name, device_type=name, dist_backend="hccl" if name == "npu" else "gloo")
     merged = {}
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env={}, nodes=SINGLE):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env={}, nodes=SINGLE, launching=True):
         merged.update(defaults or {})
     print(name, merged.get("WANDB_MODE"), merged.get("TASK_QUEUE_ENABLE"))
 """

@@ -236,7 +236,7 @@ def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str 
         pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(env), nodes=SINGLE)
     except Exception as exc:  # noqa: BLE001 - reported as a failed line; the checks still run
         refused = str(exc)
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env), nodes=SINGLE):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env), nodes=SINGLE, launching=True):
         for key, value in (defaults or {}).items():
             env.setdefault(key, str(value))
     paths = [os.path.dirname(os.path.abspath(bootstrap.__file__))]

@@ -92,7 +92,7 @@ def accel_npu_env_report(backend):
         # default 10) as the workers get it, the backend's launch defaults included.
         workers = dict(os.environ)
         for defaults in get_plugin_manager().hook.accel_npu_launch_env(backend=backend, env=dict(os.environ),
-                                                                     nodes=SINGLE):
+                                                                     nodes=SINGLE, launching=False):
             for key, value in (defaults or {}).items():
                 workers.setdefault(key, str(value))
         try:  # deepspeed/constants.py: int(os.getenv("DEEPSPEED_TIMEOUT", 10)) minutes

@@ -76,7 +76,7 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
     backend = current_backend()
     pm.hook.accel_npu_check_launch(backend=backend, num_processes=num_processes, env=dict(environ), nodes=nodes)
     added: dict[str, str] = {}
-    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(environ), nodes=nodes):
+    for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(environ), nodes=nodes, launching=True):
         for key, value in (defaults or {}).items():
             if key not in environ and key not in added:
                 added[key] = str(value)

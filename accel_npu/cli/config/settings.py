@@ -69,7 +69,8 @@ def npu_tuning_defaults(num_machines: int = 1, num_processes: int = 1) -> dict[s
     npu = Backend(name="npu", device_type="npu", dist_backend="hccl", ds_accelerator="npu")
     nodes = Nodes(count=num_machines, world_size=num_processes)
     defaults: dict[str, str] = {}
-    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes):
+    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes,
+                                                                 launching=False):
         for key, value in (result or {}).items():
             defaults.setdefault(key, str(value))
     return {name: defaults[name] for name, _ in NPU_TUNING if name in defaults}

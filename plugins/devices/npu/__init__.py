@@ -168,11 +168,11 @@ def free_hccl_base_port(env) -> str | None:
 
 
 @hookimpl
-def accel_npu_launch_env(backend, env, nodes):
+def accel_npu_launch_env(backend, env, nodes, launching):
     if backend.name != "npu":
         return None
     defaults = worker_defaults(env, nodes)
-    port = free_hccl_base_port(env)
+    port = free_hccl_base_port(env) if launching else None
     if port:
         defaults["HCCL_IF_BASE_PORT"] = port
     return defaults
