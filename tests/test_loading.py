@@ -549,6 +549,45 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
         os.close(fd)
 
 
+@pytest.mark.parametrize("casting,device_readahead,past_window", [
+    (True, 2 << 20, False),    # a casting load on a device that reads far ahead: first window only
+    (True, 128 << 10, True),   # Linux's default readahead: the faults alone would read too little ahead
+    (False, 2 << 20, True),    # nothing to cast: reads bound the load, every window is requested
+])
+def test_a_casting_readahead_leaves_what_lies_past_its_first_window_to_the_faults(
+        tmp_path, monkeypatch, casting, device_readahead, past_window):
+    """Witness: the posix_fadvise calls themselves (offset, length), recorded at the os module."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu.plugins.loading import lazy
+
+    size = 1 << 20
+    save_file({f"t{i}.weight": torch.ones(size, dtype=torch.uint8) for i in range(16)}, str(tmp_path / NAME))
+    ckpt = open_checkpoint(str(tmp_path))
+    keys = sorted(ckpt.headers[NAME], key=lambda k: ckpt.headers[NAME][k][2])
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: calls.append((at, n, advice)), raising=False)
+    monkeypatch.setattr(lazy, "_readahead_bytes", lambda fd: device_readahead)
+    ahead = lazy.Readahead(ckpt, {NAME: keys}, window=4 * size, casting=casting)
+    try:
+        for k in keys:
+            ahead.reached(k)
+    finally:
+        ahead.close()
+    assert {advice for _, _, advice in calls} == {os.POSIX_FADV_WILLNEED}
+    first = ckpt.headers[NAME][keys[0]][2]
+    last = ckpt.headers[NAME][keys[-1]][3]
+    covered = sum(n for _, n, _ in calls)
+    assert min(at for at, _, _ in calls) == first
+    if past_window:
+        assert covered == last - first and max(at + n for at, n, _ in calls) == last
+    else:
+        assert covered == 4 * size and max(at + n for at, n, _ in calls) == first + 4 * size
+
+
 # ------------------------------------------------------------------------------------------------
 # reading while the model is built (plugins/loading/prefetch.py)
 # ------------------------------------------------------------------------------------------------

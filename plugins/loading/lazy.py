@@ -10,6 +10,9 @@ from accel_npu.errors import LoadError
 
 #: bytes of the checkpoint asked of the kernel (POSIX_FADV_WILLNEED) ahead of the tensor being read
 READAHEAD_BYTES = 256 << 20
+#: the device readahead size from which a casting load leaves what lies past its first window to the
+#: readers' own page faults; below it (Linux's default is 128 KB) the faults keep too little in flight
+FAULT_PATH_READAHEAD = 2 << 20
 
 
 class Readahead:
@@ -24,10 +27,16 @@ class Readahead:
     ``read_ahead_kb``), so a range is requested in pieces of that size. Safe to call from
     several threads (one issues the requests, the others go on); best effort: a failure
     requests nothing more.
+
+    With ``casting`` (a load whose copies, not its reads, bound it), only the first window is
+    requested where the device's readahead is at least ``FAULT_PATH_READAHEAD``: past it the
+    readers' page faults read ahead themselves (``do_async_mmap_readahead`` in mm/filemap.c, the
+    device's readahead size at a time, in large folios), which costs less CPU than WILLNEED's
+    single pages (``force_page_cache_ra`` allocates folios of the mapping's minimum order).
     """
 
     def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES,
-                 done: dict[str, list[tuple[int, int]]] | None = None):
+                 done: dict[str, list[tuple[int, int]]] | None = None, casting: bool = False):
         import threading
 
         self.ckpt, self.window = ckpt, window
@@ -54,6 +63,8 @@ class Readahead:
         self.offset = 0     # bytes of that range already requested
         self.requested = 0  # stream bytes requested so far
         self.target = 0     # stream bytes the readers have asked to have requested
+        self.casting = casting
+        self.limit: int | None = None  # stream bytes requested at most (None: all)
         self.fds: dict[str, int] = {}
         self.pieces: dict[str, int] = {}  # file -> bytes one request reads (its device's readahead size)
         self.enabled = hasattr(os, "posix_fadvise")
@@ -68,10 +79,13 @@ class Readahead:
         if not self._issuing.acquire(blocking=False):
             return  # another thread is requesting; it reads ``target`` again before it stops
         try:
-            while self.enabled and self.next < len(self.ranges) and self.requested < self.target:
+            while self.enabled and self.next < len(self.ranges) and self.requested < self._goal():
                 self._request_piece()
         finally:
             self._issuing.release()
+
+    def _goal(self) -> int:
+        return self.target if self.limit is None else min(self.target, self.limit)
 
     def _request_piece(self) -> None:
         name, begin, end = self.ranges[self.next]
@@ -81,6 +95,10 @@ class Readahead:
             if fd is None:
                 fd = self.fds[name] = os.open(self.ckpt.path(name), os.O_RDONLY)
                 self.pieces[name] = _readahead_bytes(fd)
+                if self.casting and self.pieces[name] >= FAULT_PATH_READAHEAD:
+                    self.limit = self.window
+                    if self.requested >= self.limit:
+                        return
             size = min(self.pieces[name], end - at)
             if not any(b <= at and at + size <= e for b, e in self.done.get(name, ())):
                 os.posix_fadvise(fd, at, size, os.POSIX_FADV_WILLNEED)
@@ -179,7 +197,8 @@ class LazyTensors:
         files = self.files(only)
         order = [(name, k) for name, keys in files.items() for k in keys]
         left = {name: len(keys) for name, keys in files.items()}  # tensors of each shard not yet yielded
-        ahead = Readahead(self.ckpt, files, done=self.prefetch.hand_over() if self.prefetch is not None else None)
+        ahead = Readahead(self.ckpt, files, done=self.prefetch.hand_over() if self.prefetch is not None else None,
+                          casting=self.prefetch is not None and self.prefetch.casting)
         shards = _OpenShards(self.ckpt)
         pool = None
         if self.convert is not None and self.threads > 1:

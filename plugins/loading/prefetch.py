@@ -69,6 +69,7 @@ class Prefetch:
         self._workers: list[threading.Thread] = []
         self._stop = False  # close(): take no more pieces
         self._ahead: Readahead | None = None
+        self.casting = False  # some kept tensor changes dtype (the readahead leaves more to the readers' faults)
         self._pieces: _Pieces | None = None
         self.files = self._files(keys)
 
@@ -104,7 +105,8 @@ class Prefetch:
         slots = slot_count(budget)
         self._stack.enter_context(load_slot(budget, what=what, slots=slots))
         self.threads = self.threads or load_threads(min(local_world_size(), slots or local_world_size()))
-        self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES)
+        self.casting = bool(casts)
+        self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES, casting=self.casting)
         self._stack.callback(self._ahead.close)
         casts = self._bounded(casts)
         if not casts:  # nothing to cast: ask for the first window's bytes (beside construction)
