@@ -588,6 +588,39 @@ def test_a_casting_readahead_leaves_what_lies_past_its_first_window_to_the_fault
         assert covered == 4 * size and max(at + n for at, n, _ in calls) == first + 4 * size
 
 
+@pytest.mark.parametrize("cast_all,casting", [(True, True), (False, False)])
+def test_a_load_reads_as_a_cast_only_when_most_of_its_bytes_are_cast(tmp_path, monkeypatch, cast_all, casting):
+    """bf16 weights with a small fp32-kept norm (``_keep_in_fp32_modules``) are read like a bf16
+    load: the reads bound it, so the readahead keeps its rolling window."""
+    from safetensors.torch import save_file
+
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu.plugins.loading import prefetch
+
+    save_file({"big.weight": torch.ones(1 << 20, dtype=torch.bfloat16),
+               "norm.weight": torch.ones(1024, dtype=torch.bfloat16)}, str(tmp_path / NAME))
+    ckpt = open_checkpoint(str(tmp_path))
+    made = []
+
+    class Recorded(prefetch.Readahead):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("casting", False))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch, "Readahead", Recorded)
+
+    def target_dtype(key, stored):
+        return torch.float32 if cast_all or key.startswith("norm") else torch.bfloat16
+
+    early = prefetch.Prefetch(ckpt, list(ckpt.weight_map), target_dtype, threads=1).start("test")
+    try:
+        got = {k: early.future(k).result() for k in (["big.weight", "norm.weight"] if cast_all else ["norm.weight"])}
+    finally:
+        early.close()
+    assert made == [casting]
+    assert all(t.dtype == torch.float32 and torch.equal(t, torch.ones_like(t)) for t in got.values())
+
+
 # ------------------------------------------------------------------------------------------------
 # reading while the model is built (plugins/loading/prefetch.py)
 # ------------------------------------------------------------------------------------------------

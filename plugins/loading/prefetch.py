@@ -69,7 +69,7 @@ class Prefetch:
         self._workers: list[threading.Thread] = []
         self._stop = False  # close(): take no more pieces
         self._ahead: Readahead | None = None
-        self.casting = False  # some kept tensor changes dtype (the readahead leaves more to the readers' faults)
+        self.casting = False  # most kept bytes change dtype (the readahead leaves more to the readers' faults)
         self._pieces: _Pieces | None = None
         self.files = self._files(keys)
 
@@ -105,7 +105,8 @@ class Prefetch:
         slots = slot_count(budget)
         self._stack.enter_context(load_slot(budget, what=what, slots=slots))
         self.threads = self.threads or load_threads(min(local_world_size(), slots or local_world_size()))
-        self.casting = bool(casts)
+        cast_bytes = sum(self.ckpt.headers[name][k][3] - self.ckpt.headers[name][k][2] for name, k, _, _ in casts)
+        self.casting = 2 * cast_bytes > nbytes  # mostly casts: copies, not reads, bound the load
         self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES, casting=self.casting)
         self._stack.callback(self._ahead.close)
         casts = self._bounded(casts)
