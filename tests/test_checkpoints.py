@@ -260,9 +260,11 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
         return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode, str(tmp_path / out)],
                                          env=environment, timeout=240)
 
-    boundary, mid, stock = run_concurrently(launch("save_state", "boundary", env),
-                                            launch("save_state_midstep", "mid", env),
-                                            launch("save_state_midstep", "stock", stock_env))
+    boundary, stock = run_concurrently(launch("save_state", "boundary", env),
+                                       launch("save_state_midstep", "stock", stock_env))
+    # alone: its assertions time it (the error within the timeout), and rank 1 must raise its error in the
+    # moments between rank 0's exit and the launcher's SIGTERM, which a loaded machine can use up
+    mid = launch("save_state_midstep", "mid", env)()
     # at the step boundary: saved, by both ranks
     assert boundary.returncode == 0, explain(boundary)
     assert [r.get("result") for r in results(boundary)] == ["saved"], explain(boundary)
