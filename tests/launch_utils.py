@@ -32,6 +32,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def hccl_default_ports_busy():
+    """Another job's listener inside HCCL's default port range while the block runs (CANN's default
+    HCCL_IF_BASE_PORT; yields the port held)."""
+    from accel_npu.plugins.devices.npu import HCCL_DEFAULT_BASE_PORT
+
+    port = HCCL_DEFAULT_BASE_PORT + 3
+    with socket.socket() as held:
+        try:
+            held.bind(("", port))
+            held.listen()
+        except OSError:
+            pass  # something on this machine holds it already: the case under test either way
+        yield port
+
+
 def base_env(**extra: str) -> dict[str, str]:
     """A clean environment for launched processes: one thread per rank, no accel-npu switches
     inherited from the test runner, unless given in ``extra``."""

@@ -12,7 +12,7 @@ import pexpect
 import pytest
 import yaml
 
-from tests.launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, results
+from tests.launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, hccl_default_ports_busy, results
 
 PROMPT_END = r"\]: "
 
@@ -164,10 +164,7 @@ def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
     """Replays the answers of the session shown in docs/config.md; the terminal must show the same,
     with HCCL's default port range busy too (another job's listener): a launch picks a free range,
     the wizard neither probes ports nor says anything about them."""
-    import socket
-
     from accel_npu.backend import current_backend
-    from accel_npu.plugins.devices.npu import HCCL_DEFAULT_BASE_PORT
 
     if current_backend().name != "cpu":
         pytest.skip("the documented session was captured on a machine without an accelerator")
@@ -175,13 +172,7 @@ def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
     block = doc.split("```text\n$ accel-npu config\n", 1)[1].split("\n```", 1)[0]
     answers = [line.rsplit("]: ", 1)[1] for line in block.splitlines() if "]: " in line]
     env = base_env(HF_HOME=str(tmp_path / "hf"))
-    held = socket.socket()
-    try:
-        held.bind(("", HCCL_DEFAULT_BASE_PORT + 3))
-        held.listen()
-    except OSError:
-        pass  # something on this machine holds it already: the case under test either way
-    try:
+    with hccl_default_ports_busy():
         child = spawn([], env, tmp_path)
         child.logfile_read = None
         seen = []
@@ -192,8 +183,6 @@ def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
         child.expect(pexpect.EOF)
         seen.append(child.before)
         child.close()
-    finally:
-        held.close()
     assert child.exitstatus == 0
     shown = "".join(seen).replace("\r\n", "\n").replace(str(tmp_path / "hf"), "/tmp/demo/hf")
     assert [line.rstrip() for line in shown.strip("\n").splitlines()] == \

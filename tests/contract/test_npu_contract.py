@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, results
+from ..launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, hccl_default_ports_busy, results
 
 pytestmark = pytest.mark.contract
 
@@ -508,25 +508,15 @@ def test_desync_debug_is_left_off_and_a_busy_hccl_port_range_is_avoided(tmp_path
     another job holding HCCL's default ports, the workers get a free HCCL_IF_BASE_PORT."""
     import socket
 
-    from accel_npu.plugins.devices.npu import HCCL_DEFAULT_BASE_PORT
-
     site = make_site(tmp_path)
     args = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")]
-    held = socket.socket()
-    try:
-        held.bind(("", HCCL_DEFAULT_BASE_PORT + 3))
-        held.listen()
-    except OSError:
-        pass  # something on this machine holds it already: the case under test either way
-    try:
+    with hccl_default_ports_busy() as busy:
         proc = accelerate_launch(args, env=env_with(site, ASCEND_RT_VISIBLE_DEVICES="0,1"))
-    finally:
-        held.close()
     assert proc.returncode == 0, explain(proc)
     for r in results(proc):
         assert r["env"]["HCCL_DESYNC_DEBUG"] is None and r["env"]["TORCH_HCCL_DESYNC_DEBUG"] is None
         port = int(r["env"]["HCCL_IF_BASE_PORT"])
-        assert port > HCCL_DEFAULT_BASE_PORT + 3
+        assert port > busy
         with socket.socket() as probe:  # an independent look: the chosen range is bindable
             probe.bind(("", port))
 
