@@ -87,7 +87,7 @@ class Prefetch:
     def start(self, what: str) -> "Prefetch":
         import torch
 
-        nbytes = out_bytes = 0
+        nbytes = out_bytes = cast_bytes = 0
         casts = []  # (file, key, target dtype, numel) of the tensors a cast changes, in file order
         for name, keys in self.files.items():
             header = self.ckpt.headers[name]
@@ -101,11 +101,11 @@ class Prefetch:
                 out_bytes += numel * (target.itemsize if target is not None else DTYPE_BYTES.get(dtype, 0))
                 if target is not None and getattr(torch, _FLOATING.get(dtype, ""), None) != target:
                     casts.append((name, k, target, numel))
+                    cast_bytes += end - begin
         budget = max(nbytes, out_bytes)
         slots = slot_count(budget)
         self._stack.enter_context(load_slot(budget, what=what, slots=slots))
         self.threads = self.threads or load_threads(min(local_world_size(), slots or local_world_size()))
-        cast_bytes = sum(self.ckpt.headers[name][k][3] - self.ckpt.headers[name][k][2] for name, k, _, _ in casts)
         self.casting = 2 * cast_bytes > nbytes  # mostly casts: copies, not reads, bound the load
         self._ahead = Readahead(self.ckpt, self.files, window=READAHEAD_BYTES, casting=self.casting)
         self._stack.callback(self._ahead.close)
