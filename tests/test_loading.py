@@ -416,13 +416,29 @@ def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boun
                                                                                       monkeypatch):
     """Witness: safetensors' own safe_open, wrapped to record opens and closes. With a pool the
     next tensors are cast ahead across a shard boundary (no thread idles on a shard's last
-    tensor), so two shards may be open at once, never more; each is opened once, all are closed."""
+    tensor), so two shards may be open at once, never more; each is opened once, all are closed.
+
+    Whether the next shard opens before the last tensor of the current one is done depends on
+    scheduling, so with a pool each shard's last read waits (up to 30 s) for the next shard to
+    open: a pool that crossed no boundary would leave it waiting and the count of crossings short."""
+    import threading
+
     import safetensors
 
     from accel_npu._torch.safetensors_io import open_checkpoint
     from accel_npu.plugins.loading.lazy import LazyTensors
 
-    real, opened, live, peak = safetensors.safe_open, [], set(), [0]
+    real, opened, live, peak, crossed = safetensors.safe_open, [], set(), [0], []
+    ckpt = open_checkpoint(str(ckpts["qwen"]))
+    keys = sorted(ckpt.weight_map)
+    lazy = LazyTensors(ckpt, keys, convert=lambda k, t: t.float(), threads=threads)
+    files = list(lazy.files().items())
+    shards = [name for name, _ in files]
+    assert len(shards) > 3 and all(len(shard_keys) > 2 * threads for _, shard_keys in files)
+    # the last key of each shard but the last -> the event set when the next shard opens
+    next_open = {shard_keys[-1]: threading.Event() for _, shard_keys in files[:-1]}
+    opens = {ckpt.path(name): next_open[prev[-1]] for (_, prev), (name, _) in zip(files, files[1:])}
+    lock = threading.Lock()
 
     class Recorded:
         def __init__(self, path, **kwargs):
@@ -430,28 +446,30 @@ def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boun
 
         def __enter__(self):
             self.inner.__enter__()
-            opened.append(self.path)
-            live.add(self.path)
-            peak[0] = max(peak[0], len(live))
+            with lock:
+                opened.append(self.path)
+                live.add(self.path)
+                peak[0] = max(peak[0], len(live))
+            if self.path in opens:
+                opens[self.path].set()
             return self
 
         def __exit__(self, *exc):
-            live.discard(self.path)
+            with lock:
+                live.discard(self.path)
             return self.inner.__exit__(*exc)
 
         def get_tensor(self, key):
+            if threads > 1 and key in next_open and next_open[key].wait(30):
+                crossed.append(key)
             return self.inner.get_tensor(key)
 
     monkeypatch.setattr(safetensors, "safe_open", Recorded)
-    ckpt = open_checkpoint(str(ckpts["qwen"]))
-    keys = sorted(ckpt.weight_map)
-    lazy = LazyTensors(ckpt, keys, convert=lambda k, t: t.float(), threads=threads)
     got = list(lazy.items())
-    shards = sorted(set(ckpt.weight_map.values()))
-    assert len(shards) > 3
     assert [k for k, _ in got] == lazy.order() and sorted(k for k, _ in got) == keys
     assert sorted(opened) == sorted(ckpt.path(s) for s in shards) and not live
     assert peak[0] == (2 if threads > 1 else 1)
+    assert len(crossed) == (len(shards) - 1 if threads > 1 else 0)
     monkeypatch.setattr(safetensors, "safe_open", real)
     for k, t in got:
         with real(ckpt.path(ckpt.weight_map[k]), framework="pt") as f:
