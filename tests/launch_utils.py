@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -286,6 +287,13 @@ def results(proc: subprocess.CompletedProcess) -> list[dict]:
             obj, _ = json.JSONDecoder().raw_decode(part)
             out.append(obj)
     return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+def ended_by_launcher(text: str, rank: int) -> bool:
+    """torchrun's failure summary shows ``rank`` ended by SIGTERM: its agent stops every worker once one
+    has failed (torch/distributed/elastic/multiprocessing/api.py), so a rank failing later than another
+    may be ended before it prints its own error."""
+    return re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*: -15", text) is not None
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

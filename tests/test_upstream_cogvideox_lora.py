@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, explain, run_concurrently
+from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, ended_by_launcher, explain, \
+    run_concurrently
 from tests.official_scripts import loaded_lora, lora_file, master_lora
 from tests.torchvision_site import with_torchvision
 
@@ -193,9 +194,11 @@ def test_stock_stops_before_step_1_on_every_rank(runs, kind):
     proc, out = done[f"stock_{kind}"]
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, explain(proc)
-    for rank in (0, 1):
-        assert f"[rank{rank}]: RuntimeError: mat1 and mat2 must have the same dtype, but got Half and BFloat16" in text, \
-            explain(proc)
+    # each rank meets the error in its first forward; the one that meets it later may be ended by the
+    # launcher before it prints it
+    error = "RuntimeError: mat1 and mat2 must have the same dtype, but got Half and BFloat16"
+    printed = [rank for rank in (0, 1) if f"[rank{rank}]: {error}" in text]
+    assert printed and all(rank in printed or ended_by_launcher(text, rank) for rank in (0, 1)), explain(proc)
     assert "diffusers/models/embeddings.py" in text  # where: the transformer's first matmul
     assert not list(out.glob("checkpoint-*")) and not (out / "pytorch_lora_weights.safetensors").exists()
     row = _doc_row(SCRIPTS_BY_KIND[kind].name, "cpu_zero2 / npu_zero2")

@@ -7,11 +7,14 @@ needs the GIL and aborts the process.
 usage: group_at_teardown.py MODE_RANK0,MODE_RANK1 — each rank, after one all_reduce:
   plain         ends like most training scripts: no end_training(), no destroy_process_group()
   end_training  calls accelerator.end_training() itself
-  raise         ends with an unhandled exception
+  raise         ends with an unhandled exception, once the other rank has reported (the launcher ends
+                every rank when one fails: the other's report would race its SIGTERM)
 """
 import atexit
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,12 @@ def _report():
     sys.stdout.write(f"GROUP_AT_TEARDOWN rank={os.environ['RANK']} open={dist.is_initialized()} "
                      f"gloo_threads={_gloo_worker_threads()}\n")
     sys.stdout.flush()
+    _reported(os.environ["RANK"]).touch()
+
+
+def _reported(rank: str) -> Path:
+    # in the launch's working directory; MASTER_PORT tells concurrent launches there apart
+    return Path(f"teardown_reported.{os.environ['MASTER_PORT']}.{rank}")
 
 
 atexit.register(_report)
@@ -48,4 +57,8 @@ sys.stdout.flush()
 if mode == "end_training":
     accelerator.end_training()
 elif mode == "raise":
+    deadline = time.monotonic() + 120
+    while not all(_reported(str(r)).exists() for r in range(accelerator.num_processes) if r != accelerator.process_index) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise RuntimeError("the script failed after training")
