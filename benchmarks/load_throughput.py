@@ -26,7 +26,9 @@ pages it maps (shared by every rank that maps the same file).
 "no cast" loads with ``torch_dtype=torch.bfloat16`` (as stored); "cast" loads without torch_dtype
 (fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
 before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
-files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Runs are
+files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Every run
+follows the same untimed predecessor (``PREDECESSOR``: the cell's fp32 bytes written into fresh memory,
+then freed), whichever reader it is. Runs are
 interleaved, ``--repeat`` times (raw first in odd rounds, last in even ones; ``--repeat-keep 2:15`` gives a
 keep its own count: a small load's cells take a second a run, and their ratios need more rounds to
 settle than the whole model's); the table gives median
@@ -130,6 +132,17 @@ print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "system": system, "bu
 '''
 
 
+#: The same untimed predecessor before every timed run: a process that writes ``argv[1]`` bytes of fresh
+#: memory (one byte a page) and exits. On a VM that reports free pages to its host, what a first touch of
+#: fresh memory costs depends on what the guest freed just before; without it each reader follows
+#: whichever reader ran before it in the round.
+PREDECESSOR = "import sys; b = bytearray(int(sys.argv[1])); b[::4096] = bytes(len(range(0, len(b), 4096)))"
+
+
+def run_predecessor(nbytes: int) -> None:
+    subprocess.run([sys.executable, "-c", PREDECESSOR, str(nbytes)], check=True, timeout=300)
+
+
 def fadvise_dontneed(files: list[Path]) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
@@ -231,7 +244,9 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         "memory, and page-cache pages it maps (shared with any other process mapping the same files). Warm: "
         "the files the call reads (config, index, the shards holding the kept tensors) read just before; "
         "cold: posix_fadvise(POSIX_FADV_DONTNEED) on every shard just before (this job's files only; nothing "
-        "maps them then). " + machine_note())
+        "maps them then). Before every run, the same untimed predecessor for every reader: a process that "
+        "writes twice the kept checkpoint bytes (the cast's fp32 size) into fresh memory and exits. "
+        + machine_note())
     rows = []
     for k in keeps:
         for t in threads:
@@ -309,6 +324,7 @@ def main(argv=None) -> int:
                         # raw first in odd rounds, last in even ones: a machine drifting within a round
                         # favours neither side of a pair
                         for r in (readers if i % 2 == 0 else readers[::-1]):
+                            run_predecessor(2 * kept[k])  # the cell's fp32 bytes, for every reader alike
                             if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
                                 fill_cache([ckpt / "config.json",
                                             ckpt / "diffusion_pytorch_model.safetensors.index.json", *shards[k]])
