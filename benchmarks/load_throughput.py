@@ -28,7 +28,9 @@ pages it maps (shared by every rank that maps the same file).
 before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
 files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Every run
 follows the same untimed predecessor (``PREDECESSOR``: the cell's fp32 bytes written into fresh memory,
-then freed), whichever reader it is. Runs are
+then freed), whichever reader it is, and its clock starts ``START_AFTER_S`` after the predecessor
+exited, imports done: the time since memory was freed decides what touching fresh memory costs on a VM
+that reports free pages to its host. Runs are
 interleaved, ``--repeat`` times (raw first in odd rounds, last in even ones; ``--repeat-keep 2:15`` gives a
 keep its own count: a small load's cells take a second a run, and their ratios need more rounds to
 settle than the whole model's); the table gives median
@@ -49,6 +51,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +66,14 @@ import torch
 reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads if reader == "stock" else 1)
 dtype = None if cast else torch.bfloat16
+start_at = float(sys.argv[7])  # CLOCK_MONOTONIC (one clock for every process on Linux): the driver's
+
+def wait_for_start():
+    # every reader starts its clock the same time after the predecessor freed its memory, however long
+    # its imports took: on a VM that reports free pages to its host, that time decides what a first
+    # touch of fresh memory costs. Returns how late this process got there (its imports took longer).
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    return max(0.0, time.monotonic() - start_at)
 
 def touch(tensors):
     # one byte of every 4 KiB page of every storage: a page still backed by the file (an mmap view)
@@ -99,6 +110,7 @@ if reader in ("accel", "stock"):
         finally:
             build += time.perf_counter() - started
     QwenImageTransformer2DModel.__init__ = timed_init
+    late = wait_for_start()
     base = memory()
     t, cpu, times = time.perf_counter(), time.process_time(), os.times()
     model = QwenImageTransformer2DModel.from_pretrained(path, torch_dtype=dtype, **kwargs)
@@ -112,6 +124,7 @@ else:
     from safetensors import safe_open
     wm = json.load(open(os.path.join(path, "diffusion_pytorch_model.safetensors.index.json")))["weight_map"]
     keys = json.load(open(sys.argv[6]))  # the truncated model's checkpoint keys (the driver's kept_keys)
+    late = wait_for_start()
     base = memory()
     t, cpu, times = time.perf_counter(), time.process_time(), os.times()
     handles = {name: safe_open(os.path.join(path, name), framework="pt") for name in sorted(set(wm[k] for k in keys))}
@@ -127,20 +140,28 @@ else:
     nbytes = sum(x.numel() * x.element_size() for x in got)
 after = memory()
 print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "system": system, "build": build, "model_bytes": nbytes,
-                              "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"]}),
+                              "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"],
+                              "late": late}),
       flush=True)
 '''
 
 
 #: The same untimed predecessor before every timed run: a process that writes ``argv[1]`` bytes of fresh
 #: memory (one byte a page) and exits. On a VM that reports free pages to its host, what a first touch of
-#: fresh memory costs depends on what the guest freed just before; without it each reader follows
-#: whichever reader ran before it in the round.
+#: fresh memory costs depends on what the guest freed, and how long ago: the host takes back freed pages
+#: some seconds after they are freed (mm/page_reporting.c reports a share every 2 s), and a reported page
+#: costs the host a fault when touched again. Without it each reader follows whichever reader ran before
+#: it in the round; with it and ``START_AFTER_S``, every reader meets the same memory.
 PREDECESSOR = "import sys; b = bytearray(int(sys.argv[1])); b[::4096] = bytes(len(range(0, len(b), 4096)))"
+#: every reader's clock starts this long after the predecessor exited (longer than a worker's imports:
+#: raw imports torch and safetensors, a load diffusers too, which would start it seconds later)
+START_AFTER_S = 8.0
 
 
-def run_predecessor(nbytes: int) -> None:
+def run_predecessor(nbytes: int) -> float:
+    """Run the predecessor; the CLOCK_MONOTONIC time the timed run's clock starts."""
     subprocess.run([sys.executable, "-c", PREDECESSOR, str(nbytes)], check=True, timeout=300)
+    return time.monotonic() + START_AFTER_S
 
 
 def fadvise_dontneed(files: list[Path]) -> None:
@@ -207,14 +228,15 @@ def fill_cache(files: list[Path]) -> None:
                 pass
 
 
-def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int, keys_file: Path) -> dict:
+def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int, keys_file: Path,
+        start_at: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update(OMP_NUM_THREADS=str(threads if reader == "stock" else 1), HF_HUB_OFFLINE="1",
                ACCEL_NPU_DISABLE="0" if reader == "accel" else "1")
     if reader == "accel":
         env.update(ACCEL_NPU_TRUNCATE=f"QwenImageTransformer2DModel:{keep}", ACCEL_NPU_LOAD_THREADS=str(threads))
     proc = subprocess.run([sys.executable, str(worker), reader, "cast" if cast else "nocast", str(ckpt), str(keep),
-                           str(threads), str(keys_file)], env=env, capture_output=True, text=True, timeout=900)
+                           str(threads), str(keys_file), repr(start_at)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise SystemExit(f"{reader} ({'cast' if cast else 'no cast'}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
@@ -222,6 +244,12 @@ def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: i
 
 LABELS = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
           "stock": "stock `from_pretrained` (whole call)"}
+
+
+def late_note(got) -> str:
+    late = [x.get("late", 0.0) for runs in got.values() for x in runs]
+    over = [x for x in late if x > 0.05]
+    return f"{len(over)} of {len(late)} runs started over 0.05 s late" + (f", at most {max(over):.2f} s" if over else "")
 
 
 def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, rounds) -> None:
@@ -244,8 +272,10 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         "memory, and page-cache pages it maps (shared with any other process mapping the same files). Warm: "
         "the files the call reads (config, index, the shards holding the kept tensors) read just before; "
         "cold: posix_fadvise(POSIX_FADV_DONTNEED) on every shard just before (this job's files only; nothing "
-        "maps them then). Before every run, the same untimed predecessor for every reader: a process that "
-        "writes twice the kept checkpoint bytes (the cast's fp32 size) into fresh memory and exits. "
+        "maps them then). Then, before every run, the same untimed predecessor for every reader: a process "
+        "that writes twice the kept checkpoint bytes (the cast's fp32 size) into fresh memory and exits; "
+        f"every reader's clock starts {START_AFTER_S:g} s after it exited, its imports done "
+        f"(late: {late_note(got)}). "
         + machine_note())
     rows = []
     for k in keeps:
@@ -324,13 +354,13 @@ def main(argv=None) -> int:
                         # raw first in odd rounds, last in even ones: a machine drifting within a round
                         # favours neither side of a pair
                         for r in (readers if i % 2 == 0 else readers[::-1]):
-                            run_predecessor(2 * kept[k])  # the cell's fp32 bytes, for every reader alike
                             if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
                                 fill_cache([ckpt / "config.json",
                                             ckpt / "diffusion_pytorch_model.safetensors.index.json", *shards[k]])
                             else:
                                 fadvise_dontneed(shards[k])
-                            got[(k, t, s, c, r)].append(run(worker, r, c, ckpt, k, t, keys_files[k]))
+                            start_at = run_predecessor(2 * kept[k])  # the cell's fp32 bytes, every reader alike
+                            got[(k, t, s, c, r)].append(run(worker, r, c, ckpt, k, t, keys_files[k], start_at))
                             x = got[(k, t, s, c, r)][-1]
                             print(f"  {k} block(s) {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
                                   f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
