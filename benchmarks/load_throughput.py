@@ -66,7 +66,7 @@ import torch
 reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads if reader == "stock" else 1)
 dtype = None if cast else torch.bfloat16
-start_at = float(sys.argv[7])  # CLOCK_MONOTONIC (one clock for every process on Linux): the driver's
+start_at = float(sys.argv[7])  # the driver's CLOCK_MONOTONIC time (one clock for every process on Linux)
 
 def wait_for_start():
     # every reader starts its clock the same time after the predecessor freed its memory, however long
@@ -247,7 +247,7 @@ LABELS = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (wh
 
 
 def late_note(got) -> str:
-    late = [x.get("late", 0.0) for runs in got.values() for x in runs]
+    late = [x["late"] for runs in got.values() for x in runs]
     over = [x for x in late if x > 0.05]
     return f"{len(over)} of {len(late)} runs started over 0.05 s late" + (f", at most {max(over):.2f} s" if over else "")
 
