@@ -35,6 +35,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),
     EnvVar("ACCEL_NPU_HANG_TIMEOUT", "", "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive are named and the job fails; 0: off (default: just under the process-group timeout)."),
     EnvVar("ACCEL_NPU_DEEPSPEED_SHM_OP", "0", "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training."),
+    EnvVar("ACCEL_NPU_CUDA_FACADE", "auto", "Where \"cuda\" stands for the active device (the torch.cuda façade, autocast(\"cuda\"), a \"cuda\" GradScaler, the xformers/flash-attention flags): auto = launched ranks only, 1 = also plain processes, 0 = nowhere."),
     EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
 )
 
@@ -117,6 +118,20 @@ def disabled_patches() -> set[str]:
 def forced_backend(env=None) -> str | None:
     """The backend ACCEL_NPU_BACKEND forces ("npu", "cuda", "cpu"), or None to detect one."""
     return get("ACCEL_NPU_BACKEND", env).strip().lower() or None
+
+
+_FACADE_MODES = {"auto": "auto", "": "auto", **{v: "on" for v in _YES}, **{v: "off" for v in _NO}}
+
+
+def cuda_facade(env=None) -> str:
+    """ACCEL_NPU_CUDA_FACADE as "auto", "on" or "off"; any other value is one ConfigError naming it."""
+    raw = get("ACCEL_NPU_CUDA_FACADE", env)
+    mode = _FACADE_MODES.get(raw.strip().lower())
+    if mode is None:
+        from accel_npu.errors import ConfigError
+
+        raise ConfigError(f"accel-npu: ACCEL_NPU_CUDA_FACADE={raw!r} is not one of auto, 1, 0")
+    return mode
 
 
 def hang_timeout(env=None) -> float | None:

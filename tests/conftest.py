@@ -4,6 +4,11 @@ import pytest
 
 # Launched processes inherit this; keeps 2 ranks on 2 cores from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The in-process tests exercise the CUDA façade family (torch.cuda answers, autocast("cuda"), ...) in this
+# pytest process, which no launcher started: they opt in, as a user debugging a CUDA script with plain
+# `python` does. Set before anything imports torch. Launched processes get tests.launch_utils.base_env(),
+# which drops every ACCEL_NPU_* variable, so launches prove the default (launched ranks only).
+os.environ.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
 
 
 @pytest.fixture

@@ -24,16 +24,26 @@ def _probe(work, **env):
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
-    ours_dir, stock_dir = tmp_path_factory.mktemp("ours"), tmp_path_factory.mktemp("stock")
-    ours, stock = run_concurrently(lambda: _probe(ours_dir), lambda: _probe(stock_dir, ACCEL_NPU_DISABLE="1"))
-    (r_ours,), (r_stock,) = results(ours) or [None], results(stock) or [None]
+    """(ours, its results, stock's, a plain process's): ours is the script as a torchrun rank runs it (LOCAL_RANK
+    set); a plain `python` process with nothing opted in is left as stock leaves it (docs/cuda-compat.md)."""
+    ours_dir, stock_dir, plain_dir = (tmp_path_factory.mktemp(n) for n in ("ours", "stock", "plain"))
+    ours, stock, plain = run_concurrently(lambda: _probe(ours_dir, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
+                                          lambda: _probe(stock_dir, ACCEL_NPU_DISABLE="1"),
+                                          lambda: _probe(plain_dir))
+    (r_ours,), (r_stock,), (r_plain,) = results(ours) or [None], results(stock) or [None], results(plain) or [None]
     assert r_ours is not None, explain(ours)
     assert r_stock is not None, explain(stock)
-    return ours, r_ours, r_stock
+    assert r_plain is not None, explain(plain)
+    return ours, r_ours, r_stock, r_plain
+
+
+def test_a_plain_process_meets_each_flag_as_stock_does(probes):
+    *_, stock, plain = probes
+    assert plain == stock
 
 
 def test_stock_raises_at_each_flag(probes):
-    _, _, stock = probes
+    _, _, stock, _ = probes
     assert stock["script_sees_xformers"] is False  # the official scripts raise "xformers is not available" here
     assert stock["unet_enable_error"].startswith("ModuleNotFoundError"), stock
     assert stock["flux_enable_error"].startswith("ModuleNotFoundError"), stock
@@ -41,7 +51,7 @@ def test_stock_raises_at_each_flag(probes):
 
 
 def test_xformers_switch_runs_sdpa_on_cpu(probes):
-    proc, ours, _ = probes
+    proc, ours, *_ = probes
     # the script is told xformers is there, diffusers (a library) is told the truth
     assert ours["script_sees_xformers"] is True and ours["library_sees_xformers"] is False, ours
     assert ours["xformers_version"] == "0.0.0+accel.npu", ours
@@ -55,7 +65,7 @@ def test_xformers_switch_runs_sdpa_on_cpu(probes):
 
 
 def test_flash_attention_2_runs_sdpa_on_cpu(probes):
-    proc, ours, _ = probes
+    proc, ours, *_ = probes
     assert ours["llama_attn_implementation"] == "sdpa", ours
     assert ours["llama_max_abs_diff_vs_sdpa"] == 0.0, ours
     assert sum("flash_attention_2" in line for line in proc.stderr.splitlines()) == 1, proc.stderr[-3000:]

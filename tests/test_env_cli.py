@@ -2,16 +2,21 @@
 import json
 import subprocess
 
+from accel_npu.scopes import CUDA_FACADE
 from tests.launch_utils import BIN, base_env
 
 
-def _declared():
-    from accel_npu.manager import DEFAULT_PLUGINS, get_plugin_manager
+def _declared_patches():
+    from accel_npu.manager import get_plugin_manager
 
     pm = get_plugin_manager()
-    targets = {p.target for impl in pm.hook.accel_npu_register_patches.get_hookimpls()
-               for p in (impl.function() or ())}
-    return {name for name, _ in DEFAULT_PLUGINS}, targets
+    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in (impl.function() or ())]
+
+
+def _declared():
+    from accel_npu.manager import DEFAULT_PLUGINS
+
+    return {name for name, _ in DEFAULT_PLUGINS}, {p.target for p in _declared_patches()}
 
 
 def _run(*args, **env):
@@ -27,8 +32,15 @@ def test_env_json_lists_exactly_declared_plugins_and_patches():
     builtin = {p["name"] for p in report["plugins"] if p["source"].startswith("builtin")}
     assert builtin == plugins
     assert {p["target"] for p in report["patches"]} == targets
-    # `accel-npu env` imports every target: with every targeted library installed (CI), all apply
-    assert [p for p in report["patches"] if p["status"] != "applied"] == []
+    # `accel-npu env` imports every target: with every targeted library installed (CI), all apply, but the
+    # CUDA façade family, which a process no launcher started leaves stock (and says why)
+    facade = {p.target for p in _declared_patches() if p.scope is CUDA_FACADE}
+    assert facade and [p for p in report["patches"] if p["status"] != "applied" and p["target"] not in facade] == []
+    assert {p["status"] for p in report["patches"] if p["target"] in facade} == {
+        "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"}
+    for environ in ({"ACCEL_NPU_CUDA_FACADE": "1"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
+        opted_in = json.loads(_run("--json", **environ))
+        assert [p for p in opted_in["patches"] if p["status"] != "applied"] == [], environ
     assert report["backend"]["name"] == "cpu"
     assert report["activation"]["active in this process"] is True
     assert set(report["environment"]) >= {"ACCEL_NPU_DISABLE", "ACCEL_NPU_DISABLED_PLUGINS", "ACCEL_NPU_TRACE"}

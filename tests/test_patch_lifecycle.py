@@ -94,7 +94,8 @@ CHECK = textwrap.dedent(r'''
 @pytest.fixture(scope="module")
 def lifecycle():
     """order -> the fresh process's findings for every patched module (two processes in all)."""
-    env = base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    # the CUDA façade family applies in launched ranks only: opted in here, so every patch's lifecycle runs
+    env = base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCEL_NPU_CUDA_FACADE="1")
     found = {}
     for order in ("import-then-patch", "patch-then-import"):
         proc = subprocess.run([sys.executable, "-c", CHECK, order, *MODULES], env=env,
@@ -192,7 +193,7 @@ def test_unpatch_before_import_leaves_the_module_stock_until_the_next_patch():
     """One process for every module: patch, unpatch, then import them all (ddtrace's patch-test base
     has this case): nothing is wrapped; the next patch() applies every supported patch."""
     proc = subprocess.run([sys.executable, "-c", UNPATCH_BEFORE_IMPORT, *MODULES],
-                          env=base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0"), capture_output=True, text=True, timeout=300)
+                          env=base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCEL_NPU_CUDA_FACADE="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert out["imported_before"] == [], "accel-npu's own activation imported these: the case is untestable"

@@ -10,8 +10,10 @@ Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the
 - idempotent: applying twice wraps once;
 - reversible: :meth:`PatchLedger.unpatch_all` puts back the *identical* original object
   (and removes the attribute again where the original was inherited from a base class);
-- queryable: each patch is "not imported", "applied", "skipped: <reason>", "failed: <error>" or
+- queryable: each patch is "not imported", "applied", "skipped: <reason>", "failed: <error>",
+  "inactive here: <why>" (outside its scope, e.g. the CUDA façade in a process no launcher started) or
   "disabled (ACCEL_NPU_DISABLED_PATCHES)";
+- transparent to TorchScript: a wrapped torch function still compiles as its aten op (torchscript.py);
 - never raises: an unknown library version, a missing attribute or a broken version string
   becomes "skipped"/"failed" with the reason, not an exception.
 """
@@ -27,7 +29,8 @@ import wrapt
 
 from accel_npu import environment
 from accel_npu.patching.imports import call_when_imported, still_importing
-from accel_npu.patching.patch import APPLIED, DISABLED, NOT_IMPORTED, UNPATCHED, Patch
+from accel_npu.patching import torchscript
+from accel_npu.patching.patch import APPLIED, DISABLED, INACTIVE, NOT_IMPORTED, UNPATCHED, Patch
 
 log = logging.getLogger("accel_npu")
 
@@ -38,6 +41,7 @@ class PatchLedger:
         self.armed = False
         self._hooked_modules: set[str] = set()
         self._lock = threading.RLock()
+        self._scope_errors: set[str] = set()
 
     # -- declaration ---------------------------------------------------------------------------
     def register(self, patch: Patch, plugin: str = "") -> Patch:
@@ -104,6 +108,7 @@ class PatchLedger:
                 had_own = (attribute in vars(parent)) if inspect.isclass(parent) else True
                 wrapped = wrapt.FunctionWrapper(original, wrapper)
                 setattr(parent, attribute, wrapped)
+                torchscript.wrapper_installed(original, wrapped)
             except Exception as exc:
                 patch.status = f"failed: {type(exc).__name__}: {exc}"
                 log.warning("accel-npu: could not apply %s: %s", patch.target, patch.status)
@@ -137,6 +142,18 @@ class PatchLedger:
             self._trace(patch)
             return None
         try:
+            off = patch.scope_problem()
+        except Exception as exc:  # e.g. an unreadable ACCEL_NPU_CUDA_FACADE: named once, never raised
+            patch.status = f"failed: {type(exc).__name__}: {exc}"
+            if patch.status not in self._scope_errors:
+                self._scope_errors.add(patch.status)
+                log.warning("accel-npu: %s patches not applied: %s", patch.scope.name, patch.status)
+            return None
+        if off:
+            patch.status = f"{INACTIVE}: {off}"
+            self._trace(patch)
+            return None
+        try:
             parent, attribute, original = wrapt.resolve_path(module, patch.qualname)
         except Exception as exc:
             patch.status = f"skipped: {patch.qualname} not found in {patch.module} ({exc})"
@@ -165,6 +182,7 @@ class PatchLedger:
                 setattr(parent, attribute, patch._original)
             else:
                 delattr(parent, attribute)
+            torchscript.wrapper_removed(patch._original, patch._installed)
             patch._parent = patch._original = patch._installed = None
             patch.status = UNPATCHED
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Union
 
+from accel_npu.patching.scope import Scope
 from accel_npu.patching.versions import installed_version, parse_supports, version_satisfies
 
 Wrapper = Callable[[Callable, Any, tuple, dict], Any]
@@ -12,6 +13,7 @@ NOT_IMPORTED = "not imported"
 APPLIED = "applied"
 UNPATCHED = "unpatched"
 DISABLED = "disabled (ACCEL_NPU_DISABLED_PATCHES)"
+INACTIVE = "inactive here"
 
 
 class Patch:
@@ -27,16 +29,18 @@ class Patch:
                  "plugin.module:function". A path is imported only when the patch is applied —
                  when the target's module is imported — so declaring a patch costs nothing
                  inside ``import torch``.
+    scope:       optional :class:`~accel_npu.patching.scope.Scope`: the processes the patch applies in
+                 (elsewhere its status is "inactive here: <why>" and the target stays stock).
 
     A plain class, not a dataclass: plugins declare patches inside ``import torch``, and a
     dataclass's generated methods cost an ``exec`` per class there.
     """
 
-    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "status",
+    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "scope", "status",
                  "_parent", "_attribute", "_original", "_had_own_attribute", "_installed")
 
     def __init__(self, target: str, supports: str, reason: str, remove_when: str,
-                 wrapper: Union[Wrapper, str], plugin: str = "") -> None:
+                 wrapper: Union[Wrapper, str], plugin: str = "", scope: Scope | None = None) -> None:
         if ":" not in target:
             raise ValueError(f"Patch target {target!r} must be 'module:qualified.name'")
         if isinstance(wrapper, str) and ":" not in wrapper:
@@ -44,7 +48,7 @@ class Patch:
         self.target, self.supports, self.reason, self.remove_when = target, supports, reason, remove_when
         # The declared path stays readable after the wrapper is resolved (accel-npu env, tests).
         self.wrapper_path = wrapper if isinstance(wrapper, str) else ""
-        self._wrapper, self.plugin = wrapper, plugin
+        self._wrapper, self.plugin, self.scope = wrapper, plugin, scope
         # ledger-owned state
         self.status = NOT_IMPORTED
         self._parent: Any = None
@@ -78,6 +82,10 @@ class Patch:
     @property
     def applied(self) -> bool:
         return self.status == APPLIED
+
+    def scope_problem(self) -> str | None:
+        """Why this process is outside the patch's scope, or None (no scope, or inside it)."""
+        return None if self.scope is None else self.scope.why_not()
 
     def version_problem(self) -> str | None:
         """Why the installed version is not supported, or None when it is."""

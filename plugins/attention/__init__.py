@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
+from accel_npu.scopes import CUDA_FACADE
 
 # The wrappers are named by path and imported when their library is: this module is imported inside `import torch`.
 _PKG = "accel_npu.plugins.attention"
@@ -29,6 +30,7 @@ XFORMERS_AVAILABLE = Patch(
            "without xformers: True to the script only.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:is_xformers_available",
+    scope=CUDA_FACADE,
 )
 
 ATTENTION_XFORMERS = Patch(
@@ -38,6 +40,7 @@ ATTENTION_XFORMERS = Patch(
            "SDPA (cpu) runs instead.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:attention_set_xformers",
+    scope=CUDA_FACADE,
 )
 
 ATTENTION_MODULE_XFORMERS = Patch(
@@ -47,6 +50,7 @@ ATTENTION_MODULE_XFORMERS = Patch(
            "runs on npu) is kept.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:attention_module_set_xformers",
+    scope=CUDA_FACADE,
 )
 
 FLASH_ATTENTION_2 = Patch(
@@ -56,6 +60,7 @@ FLASH_ATTENTION_2 = Patch(
            "flash_attn: SDPA on cpu (npu: transformers' own path).",
     remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",
     wrapper=f"{_PKG}.transformers:check_and_adjust_attn_implementation",
+    scope=CUDA_FACADE,
 )
 
 

@@ -1,6 +1,6 @@
 """Wrappers of ``torch.cuda``'s classes (named by path in this package's patches): ``Event`` and
-``Stream`` built for the active device (torch.npu's on npu, the host's in ``facade.py`` on cpu), and the
-``torch.cuda.device`` context manager."""
+``Stream`` built for the active device (torch.npu's on npu, the host's in ``facade.py`` on cpu) for the user's code (torch
+and installed libraries get torch's own classes), and the ``torch.cuda.device`` context manager."""
 from __future__ import annotations
 
 from accel_npu.plugins.cuda_compat import facade
@@ -9,7 +9,7 @@ from accel_npu.plugins.cuda_compat import facade
 def event_new(wrapped, instance, args, kwargs):
     import torch
 
-    t = facade.target()
+    t = None if facade.caller_is_library() else facade.target()
     if t is None or not args or args[0] is not torch.cuda.streams.Event:
         return wrapped(*args, **kwargs)
     return torch.npu.Event(*args[1:], **kwargs) if t == "npu" else facade.CpuEvent(*args[1:], **kwargs)
@@ -18,7 +18,7 @@ def event_new(wrapped, instance, args, kwargs):
 def stream_new(wrapped, instance, args, kwargs):
     import torch
 
-    t = facade.target()
+    t = None if facade.caller_is_library() else facade.target()
     if t is None or not args or args[0] is not torch.cuda.streams.Stream:
         return wrapped(*args, **kwargs)
     if t == "npu":

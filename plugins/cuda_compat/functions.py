@@ -57,15 +57,15 @@ def _cpu_table():
 
 _CPU: dict | None = None
 
-#: answered for the user's code only; installed libraries get torch's own answer
-_CALLER_SENSITIVE = frozenset({"is_available", "device_count"})
-
 
 def _cuda_function(name):
     def wrapper(wrapped, instance, args, kwargs):
         global _CPU
-        # the caller first: accel-npu's own backend selection asks torch.cuda before a target exists
-        if name in _CALLER_SENSITIVE and facade.caller_is_library():
+        # Answered for the user's code only. Installed libraries and torch itself get torch's own
+        # answer: inductor reads get_device_properties() attributes a façade object lacks
+        # (torch/_inductor/codecache.py: gcnArchName), and accel-npu's backend selection asks
+        # torch.cuda before a target exists.
+        if facade.caller_is_library():
             return wrapped(*args, **kwargs)
         t = facade.target()
         if t is None:

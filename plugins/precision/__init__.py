@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
+from accel_npu.scopes import CUDA_FACADE
 
 # The wrappers live beside this module, named by path in `wrapper=` and imported when a patch is applied
 # (its target imported), not here: this module is imported inside `import torch` and must stay cheap.
@@ -50,6 +51,7 @@ AUTOCAST = Patch(
            "and the script silently trains in fp32; it runs on the active device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=f"{_PKG}.autocast:autocast_init",
+    scope=CUDA_FACADE,
 )
 
 
@@ -63,6 +65,7 @@ def _norm_patch(name: str) -> Patch:
         reason=f"{name} under CPU autocast, half weights, other activations: 'mixed dtype (CPU)'; fp32 as on CUDA/NPU.",
         remove_when=f"torch's CPU autocast lists {name} among its fp32 ops, as its CUDA autocast does",
         wrapper=f"{_PKG}.autocast:norm_in_fp32",
+        scope=CUDA_FACADE,
     )
 
 
@@ -78,6 +81,7 @@ def _concat_patch(name: str) -> Patch:
         reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; promotes as on CUDA.",
         remove_when=f"torch's CPU autocast stops promoting {name} (CUDA's does not)",
         wrapper=f"{_PKG}.autocast:concat_as_on_cuda",
+        scope=CUDA_FACADE,
     )
 
 
@@ -94,6 +98,7 @@ GRAD_SCALER = Patch(
            "npu/cpu trains unscaled; it scales on the autocast device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=f"{_PKG}.loss_scaling:grad_scaler_init",
+    scope=CUDA_FACADE,
 )
 
 
@@ -105,6 +110,7 @@ ACCELERATOR_FP16_CPU = Patch(
            "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
     remove_when="accelerate runs fp16 autocast with a GradScaler on cpu",
     wrapper=f"{_PKG}.loss_scaling:accelerator_init",
+    scope=CUDA_FACADE,
 )
 
 
