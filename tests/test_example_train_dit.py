@@ -35,6 +35,9 @@ def test_script_is_a_plain_cuda_style_script():
 
 
 def run_script(args, tmp_path, **env):
+    """Plain `python train.py`: no launcher, so the CUDA façade family is opted in, as docs/cuda-compat.md
+    tells a user debugging a CUDA-written script without one."""
+    env.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=base_env(**env),
                           capture_output=True, text=True, timeout=600)
 
@@ -47,7 +50,7 @@ def test_cosmos_variant_single_process_then_model_path_and_resume(tmp_path):
     assert first.returncode == 0, out[-5000:]
     assert "Building the tiny cosmos models into cache/cosmos (first run)" in out
     assert "cosmos: 0.05M trainable + 0.47M frozen parameters, 1 process(es), DistributedType.NO, steps 0 -> 3" in out
-    # Plain `python train.py` on CPU: autocast('cuda') really runs bf16, so eval's .numpy() sees bf16.
+    # Plain `python train.py` on CPU, opted in: autocast('cuda') really runs bf16, so eval's .numpy() sees bf16.
     assert "runs as torch.autocast('cpu', dtype=bfloat16)" in out
     assert ".numpy() on a bfloat16 tensor returns a float32 array" in out
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-3"]

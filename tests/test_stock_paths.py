@@ -249,3 +249,19 @@ def test_where_the_facade_answers():
     bad, proc = _sees(LOCAL_RANK="0", ACCEL_NPU_CUDA_FACADE="maybe")
     assert bad["is_available"] is False and bad["stock_objects"], bad
     assert proc.stderr.count("ACCEL_NPU_CUDA_FACADE='maybe' is not one of auto, 1, 0") == 1, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_cuda_script_run_plainly_is_told_how_to_start_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch, diffusers, sys\n"
+                      "assert sys.argv[1] != 'cuda' or torch.cuda.is_available(), 'Training requires a GPU.'\n"
+                      "assert sys.argv[1] != 'other', 'some other check'\n")
+    told = "accel-npu: this CUDA-written script met torch without CUDA"
+    runs = run_concurrently(*(lambda arg=arg: subprocess.run([sys.executable, str(script), arg], env=base_env(),
+                                                             capture_output=True, text=True, timeout=300)
+                              for arg in ("cuda", "other")))
+    cuda, other = runs
+    assert cuda.returncode == 1 and "AssertionError: Training requires a GPU." in cuda.stderr
+    assert told in cuda.stderr and "ACCEL_NPU_CUDA_FACADE=1" in cuda.stderr
+    assert other.returncode == 1 and "some other check" in other.stderr and told not in other.stderr

@@ -113,6 +113,18 @@ NCCL_BACKEND = Patch(target="torch.distributed.distributed_c10d:Backend.__new__"
 
 
 @hookimpl
+def accel_npu_explain_error(error):
+    from accel_npu.scopes import cuda_facade_off
+    from accel_npu.plugins.cuda_compat import explain
+
+    try:
+        why_off = cuda_facade_off()
+    except Exception:  # noqa: BLE001 - an unreadable ACCEL_NPU_CUDA_FACADE was named when activation read it
+        return None
+    return explain.explain(error, why_off) if why_off and explain.met_missing_cuda(error) else None
+
+
+@hookimpl
 def accel_npu_register_patches():
     return [*TORCH_CUDA, EVENT, STREAM, DEVICE_ENTER, DEVICE_EXIT, TENSOR_TO, TENSOR_CUDA, MODULE_TO, MODULE_CUDA,
             *FACTORY_FUNCTIONS, LOAD, NCCL_BACKEND]

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.contract
 
 def _probe(work, site, **env):
     return subprocess.run([sys.executable, str(SCRIPTS / "attention_flags.py"), str(work), "--no-forward"],
-                          env=env_with(site, **env), capture_output=True, text=True, timeout=600, cwd="/")
+                          env=env_with(site, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **env), capture_output=True, text=True, timeout=600, cwd="/")
 
 
 def test_npu_flags_run_torch_npu_attention_and_stock_raises(tmp_path):

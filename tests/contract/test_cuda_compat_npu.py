@@ -68,3 +68,41 @@ def test_stock_npu_cuda_calls(tmp_path):
             " 'nccl': str(dist.Backend('nccl'))}))")
     (r,) = results(py(code, env_with(site, ACCEL_NPU_DISABLE="1")))
     assert r == {"available": False, "count": 0, "nccl": "nccl"}
+
+
+# torch.compile on an NPU goes through torch_npu's own inductor device: torch_npu/utils/_dynamo_device.py
+# registers NpuInterface (its functions are torch_npu.npu's) with torch._dynamo.device_interface, and
+# torch_npu/_inductor/__init__.py its scheduling and device op overrides for "npu" (Ascend/pytorch
+# v7.2.0-pytorch2.7.1). Nothing there reads torch.cuda; inductor reads torch.cuda only for CUDA devices
+# (torch/_inductor/codecache.py get_system: torch.cuda.get_device_properties). So the façade must answer the
+# script and leave torch's own frames with torch's answers: a call made from a file inside torch is stock's.
+INTERNAL = """
+import json, os, torch, torch_npu
+from torch._dynamo.device_interface import get_interface_for_device
+def outcome(call):
+    try:
+        return repr(call())
+    except Exception as exc:
+        return type(exc).__name__
+calls = ("torch.cuda.is_available()", "torch.cuda.device_count()", "torch.cuda.get_device_name()")
+source = "out = {" + ", ".join(f"{c!r}: outcome(lambda: {c})" for c in calls) + "}"
+script = {}
+exec(compile(source, "train.py", "exec"), {"torch": torch, "outcome": outcome}, script)
+# the same calls as torch's own code makes them: compiled with a file name inside torch/_inductor
+internal = {}
+exec(compile(source, os.path.join(os.path.dirname(torch.__file__), "_inductor", "probe.py"), "exec"),
+     {"torch": torch, "outcome": outcome}, internal)
+print("RESULT " + json.dumps({"script": script["out"], "torch": internal["out"],
+                              "cuda_interface": get_interface_for_device("cuda").__name__}))
+"""
+
+
+def test_torch_internals_see_torch_answers_on_npu_while_the_script_sees_the_npus(tmp_path):
+    site = make_site(tmp_path)
+    (ours,) = results(py(INTERNAL, env_with(site, LOCAL_RANK="0")))
+    (stock,) = results(py(INTERNAL, env_with(site, ACCEL_NPU_DISABLE="1")))
+    assert ours["script"] == {"torch.cuda.is_available()": "True", "torch.cuda.device_count()": "8",
+                              "torch.cuda.get_device_name()": "'Ascend910B1'"}, ours
+    assert ours["torch"] == stock["torch"] == stock["script"], (ours, stock)
+    assert ours["torch"]["torch.cuda.is_available()"] == "False"
+    assert ours["cuda_interface"] == stock["cuda_interface"] == "CudaInterface"

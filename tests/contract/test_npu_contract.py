@@ -53,6 +53,9 @@ def env_with(site: Path, **extra) -> dict:
 
 
 def py(code: str, env: dict) -> subprocess.CompletedProcess:
+    """``code`` as a training script on an Ascend machine: the CUDA façade family answers as in a launched rank
+    (opted in: a plain process leaves it off, tests/test_stock_paths.py)."""
+    env = {"ACCEL_NPU_CUDA_FACADE": "1", **env}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
                           cwd="/")
 
