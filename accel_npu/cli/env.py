@@ -58,6 +58,7 @@ def collect(import_targets: bool = True) -> dict:
             "at its first import of " + ", ".join(sorted(triggers.TRIGGER_MODULES))
             + " (launched ranks: inside `import torch`; docs/activation.md)",
             "TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset> (on)"),
+            "CUDA façade here": _cuda_facade_here(),
         },
         "backend": {"name": backend.name, "selected by": backend.plugin, "device type": backend.device_type,
                     "dist backend": backend.dist_backend, "devices": backend.device_count},
@@ -79,6 +80,17 @@ def collect(import_targets: bool = True) -> dict:
             title, values = section
             report["sections"][title] = values
     return report
+
+
+def _cuda_facade_here() -> str:
+    """Whether the CUDA façade family applies in this process, and where it does (accel_npu/scopes.py)."""
+    from accel_npu.scopes import cuda_facade_off
+
+    try:
+        off = cuda_facade_off()
+    except Exception as exc:  # noqa: BLE001 - an unreadable ACCEL_NPU_CUDA_FACADE: say so, as activation did
+        return f"off: {exc}"
+    return ("on" if off is None else f"off ({off})") + "; launched ranks: on unless ACCEL_NPU_CUDA_FACADE=0"
 
 
 def _installation() -> dict:
