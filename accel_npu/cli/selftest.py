@@ -239,6 +239,9 @@ def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str 
     for defaults in pm.hook.accel_npu_launch_env(backend=backend, env=dict(env), nodes=SINGLE, launching=True):
         for key, value in (defaults or {}).items():
             env.setdefault(key, str(value))
+    # the single-process checks stand in for a launched rank, where the CUDA façade family applies
+    # (accel_npu/scopes.py); a value the user set is what their ranks get, so it is kept
+    env.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
     paths = [os.path.dirname(os.path.abspath(bootstrap.__file__))]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env, refused

@@ -180,10 +180,25 @@ class SyntheticCaptions(torch.utils.data.Dataset):
 # ----------------------------------------------------------------------------------------------
 # The model: trainable DiT + frozen fp32 VAE + frozen text encoder in one nn.Module (DiT4DiT style)
 # ----------------------------------------------------------------------------------------------
+def qwen_needs_txt_seq_lens() -> bool:
+    """Whether this diffusers' Qwen-Image transformer must be given ``txt_seq_lens``.
+
+    Up to diffusers 0.36 its RoPE takes the text length from ``txt_seq_lens`` (the pipeline passes
+    it; without it the forward fails with ``max(None)``). From 0.37 it reads the length from
+    ``encoder_hidden_states`` itself: 0.37 and 0.38 deprecate the argument, 0.39 removes it (passing
+    it is then a TypeError). So it is passed exactly where it is needed.
+    """
+    import diffusers
+    from packaging.version import Version
+
+    return Version(Version(diffusers.__version__).base_version) < Version("0.37")
+
+
 class FlowMatchingDiT(torch.nn.Module):
     def __init__(self, model_type, transformer, vae, text_encoder):
         super().__init__()
         self.model_type = model_type
+        self.pass_txt_seq_lens = model_type == "qwen-image" and qwen_needs_txt_seq_lens()
         self.transformer = transformer
         self.vae = vae
         self.text_encoder = text_encoder
@@ -211,9 +226,11 @@ class FlowMatchingDiT(torch.nn.Module):
                 b, c, f, h, w = noisy.shape
                 packed = noisy.view(b, c, f, h // 2, 2, w // 2, 2).permute(0, 2, 3, 5, 1, 4, 6)
                 packed = packed.reshape(b, f * (h // 2) * (w // 2), c * 4)
+                # the whole (padded) text length, which is what diffusers >= 0.37 uses by itself
+                extra = {"txt_seq_lens": [text.shape[1]] * b} if self.pass_txt_seq_lens else {}
                 out = self.transformer(hidden_states=packed, encoder_hidden_states=text,
                                        encoder_hidden_states_mask=attention_mask, timestep=t,
-                                       img_shapes=[[(f, h // 2, w // 2)]] * b, return_dict=False)[0]
+                                       img_shapes=[[(f, h // 2, w // 2)]] * b, return_dict=False, **extra)[0]
                 out = out.view(b, f, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
                 return out.reshape(b, c, f, h, w)
             extra = {}
