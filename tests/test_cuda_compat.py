@@ -21,7 +21,7 @@ from accel_npu.plugins import cuda_compat
 from accel_npu.plugins.cuda_compat import facade
 from tests.inprocess import stock
 
-from .launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently
+from .launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, torchrun_launch
 
 STEPS = 30
 
@@ -32,12 +32,14 @@ def launches(tmp_path_factory):
     args = ["--num_processes", "2", str(SCRIPTS / "dit_ddp_cuda_train.py"), "--steps", str(STEPS)]
     twin = ["--num_processes", "2", str(SCRIPTS / "dit_accelerate_fp16_train.py"), "--steps", str(STEPS)]
     stock = base_env(ACCEL_NPU_DISABLE="1")
-    ours, theirs, twin_ours, twin_stock = run_concurrently(
+    torchrun_args = [str(SCRIPTS / "dit_ddp_cuda_train.py"), "--steps", str(STEPS), "--results-dir", str(out / "torchrun")]
+    ours, theirs, twin_ours, twin_stock, by_torchrun = run_concurrently(
         lambda: accelerate_launch([*args, "--results-dir", str(out / "ours")]),
         lambda: accelerate_launch([*args, "--results-dir", str(out / "stock")], env=stock),
         lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_ours")], cwd=SCRIPTS),
-        lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_stock")], env=stock, cwd=SCRIPTS))
-    return out, ours, theirs, twin_ours, twin_stock
+        lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_stock")], env=stock, cwd=SCRIPTS),
+        lambda: torchrun_launch(torchrun_args))
+    return out, ours, theirs, twin_ours, twin_stock, by_torchrun
 
 
 @pytest.mark.slow
@@ -65,6 +67,18 @@ def test_cuda_written_ddp_script_trains_unchanged_on_two_cpu_ranks(launches):
 
 
 @pytest.mark.slow
+def test_the_same_script_trains_unchanged_under_torchrun(launches):
+    out, *_, proc = launches
+    assert proc.returncode == 0, explain(proc)
+    recs = results(proc)
+    assert [(r["rank"], r["world_size"], r["backend"]) for r in recs] == [(0, 2, "gloo"), (1, 2, "gloo")], explain(proc)
+    for r in recs:
+        assert r["autocast_dtype"] == "torch.float16" and r["scaler_enabled"] is True and r["scale"] > 1.0, r
+        assert statistics.mean(r["losses"][-10:]) < statistics.mean(r["losses"][:10]), r["losses"]
+    assert (out / "torchrun" / f"{STEPS:07d}.pt").is_file()
+
+
+@pytest.mark.slow
 def test_stock_stops_at_its_first_cuda_call(launches):
     out, _, proc, *_ = launches
     assert proc.returncode != 0, explain(proc)
@@ -77,7 +91,7 @@ def test_accelerator_twin_with_mixed_precision_fp16_scales_its_loss_on_two_cpu_r
     """The same model and data through Accelerator(mixed_precision="fp16"): accelerate builds its scaler
     itself (accelerate.utils.get_grad_scaler). Stock accelerate on CPU runs fp32 with no scaler (and,
     without accel-npu, as rank 0 of 1); on the cpu backend fp16 autocast runs with loss scaling, as on npu."""
-    out, _, _, ours, stock = launches
+    out, _, _, ours, stock, _ = launches
     assert ours.returncode == 0, explain(ours)
     recs = results(ours)
     assert [(r["rank"], r["world_size"]) for r in recs] == [(0, 2), (1, 2)], explain(ours)
