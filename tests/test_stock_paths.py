@@ -265,3 +265,29 @@ def test_a_cuda_script_run_plainly_is_told_how_to_start_it(tmp_path):
     assert cuda.returncode == 1 and "AssertionError: Training requires a GPU." in cuda.stderr
     assert told in cuda.stderr and "ACCEL_NPU_CUDA_FACADE=1" in cuda.stderr
     assert other.returncode == 1 and "some other check" in other.stderr and told not in other.stderr
+
+
+def test_torchscript_entries_follow_the_wrappers_through_unpatch_and_repatch():
+    """In-process (the façade opted in): whichever state TorchScript's table was built in, a scripted
+    torch.stack / torch.cat / torch.zeros compiles, patched, unpatched and patched again."""
+    import torch
+    from torch.jit._builtins import _find_builtin
+
+    import accel_npu
+    from tests.inprocess import stock
+
+    accel_npu.patch()  # idempotent: armed already where another test's import activated it
+
+    def script_and_run():
+        unit = torch.jit.CompilationUnit("def f(a: Tensor, b: Tensor):\n"
+                                         "    return torch.stack([a, b]).sum(0) + torch.cat([a, b])[:2] + torch.zeros(2)\n")
+        return unit.f(torch.ones(2), torch.ones(2)).tolist()
+
+    assert type(torch.stack).__name__ == "FunctionWrapper"
+    assert script_and_run() == [3.0, 3.0]
+    assert _find_builtin(torch.stack) == "aten::stack" and _find_builtin(torch.zeros) == "aten::zeros"
+    with stock():
+        assert type(torch.stack).__name__ == "builtin_function_or_method"
+        assert _find_builtin(torch.stack) == "aten::stack" and script_and_run() == [3.0, 3.0]
+    assert type(torch.stack).__name__ == "FunctionWrapper"
+    assert _find_builtin(torch.stack) == "aten::stack" and script_and_run() == [3.0, 3.0]
