@@ -134,6 +134,12 @@ def cuda_facade(env=None) -> str:
     return mode
 
 
+def opt_into_cuda_facade(env: dict) -> None:
+    """Set ACCEL_NPU_CUDA_FACADE=1 in ``env`` (a child's environment) unless it says otherwise: for a
+    process that stands in for a launched rank without being one."""
+    env.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
+
+
 def hang_timeout(env=None) -> float | None:
     """ACCEL_NPU_HANG_TIMEOUT in seconds: None when unset (derive it from the process-group
     timeout), 0 when off; anything but a number >= 0 is one ConfigError naming it."""

@@ -228,6 +228,7 @@ def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str 
     """What a launcher gives its workers (the plugins' launch defaults where this environment sets
     nothing, accel-npu's bootstrap first on PYTHONPATH), and why it would refuse (None: it would not)."""
     import accel_npu.activation._bootstrap as bootstrap
+    from accel_npu import environment
     from accel_npu.manager import get_plugin_manager
 
     pm = get_plugin_manager()
@@ -241,7 +242,7 @@ def worker_environment(backend, num_processes: int, environ) -> tuple[dict, str 
             env.setdefault(key, str(value))
     # the single-process checks stand in for a launched rank, where the CUDA façade family applies
     # (accel_npu/scopes.py); a value the user set is what their ranks get, so it is kept
-    env.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
+    environment.opt_into_cuda_facade(env)
     paths = [os.path.dirname(os.path.abspath(bootstrap.__file__))]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env, refused
