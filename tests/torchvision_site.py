@@ -24,8 +24,12 @@ import filelock
 
 
 def paired_version() -> str:
-    """torchvision's release for the installed torch: 0.(minor+15).patch (torch 2.13.0 -> 0.28.0)."""
+    """torchvision's release for the installed torch: 0.(minor+15).patch (torch 2.13.0 -> 0.28.0), or
+    TORCHVISION_VERSION where that pair is not released yet (noxfile.py's torch 2.15.0 sets)."""
     import importlib.metadata
+
+    if os.environ.get("TORCHVISION_VERSION"):
+        return os.environ["TORCHVISION_VERSION"]
 
     torch_version = importlib.metadata.version("torch")
     major, minor, patch = re.match(r"(\d+)\.(\d+)\.(\d+)", torch_version).groups()
