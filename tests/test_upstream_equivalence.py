@@ -105,6 +105,24 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
         def test_x():
             pass
     """))
+    # a lazy import's wrapper (diffusers/transformers style): the first line hides the root cause, which the
+    # recorded message must still name -- once raised as RuntimeError (pytest keeps the exception chain),
+    # once as ImportError (pytest flattens it to text)
+    for name, wrapper in (("test_chained_runtime_error.py", "RuntimeError"),
+                          ("test_chained_import_error.py", "ImportError")):
+        (tmp_path / "tests" / name).write_text(textwrap.dedent(f"""
+            import os
+            if os.environ.get("ACCEL_NPU_DISABLE") != "1":
+                try:
+                    import a_dependency_that_is_not_installed_xyz
+                except ImportError as e:
+                    raise {wrapper}(
+                        "Failed to import synthetic.pipeline because of the following error "
+                        "(look up to see its traceback):\\n" + str(e)) from e
+
+            def test_y():
+                pass
+        """))
     select = ["tests"]
     stock = ue.run_half(tmp_path, select, stock=True, timeout=300)
     accel = ue.run_half(tmp_path, select, stock=False, timeout=300)
@@ -117,6 +135,12 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
     assert got["tests/test_collects_stock_only.py"][:2] == ("absent", "error")
     assert "broken at import" in got["tests/test_collects_stock_only.py"][2]
     assert "tests/test_synthetic.py::test_same" not in got
+    for name in ("test_chained_runtime_error.py", "test_chained_import_error.py"):
+        assert got[f"tests/{name}"][:2] == ("absent", "error")
+        message = got[f"tests/{name}"][2]
+        assert "\n" not in message, message
+        assert "ModuleNotFoundError: No module named 'a_dependency_that_is_not_installed_xyz'" in message, message
+        assert "Failed to import synthetic.pipeline" in message, message
 
 
 @pytest.mark.slow

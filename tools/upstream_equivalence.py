@@ -6,7 +6,8 @@ inherited one with every ``ACCEL_NPU_*`` variable removed, ``HF_HUB_OFFLINE=1`` 
 the stock half adds ``ACCEL_NPU_DISABLE=1`` and nothing else. This file doubles as the tiny pytest plugin
 (``-p upstream_equivalence``, found through PYTHONPATH) that appends every test's outcome -- passed,
 failed, skipped, error (setup/teardown and collection errors), xfailed, xpassed -- with the first line of
-its failure or skip message to a JSON-lines file. The two maps are compared by pytest node id: an outcome
+its failure or skip message (for an exception raised from another, its innermost one too: ``first line
+[root cause: Type: message]``) to a JSON-lines file. The two maps are compared by pytest node id: an outcome
 that differs, or a test that exists on one side only, is a difference, named with both sides' causes.
 
     python tools/upstream_equivalence.py --suite diffusers-models --src /tmp/upstream_src/diffusers \\
@@ -89,7 +90,43 @@ def _first_line(text) -> str:
     return ""
 
 
+#: an exception line as pytest prints it: ``[E   ]module.ExceptionName: message`` (or the bare name)
+_EXCEPTION_LINE = re.compile(r"^(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning|Failure))(?::\s|$)")
+
+
+def _root_cause(longrepr) -> str:
+    """The innermost exception of a chained failure (``raise X from e``, or one raised while handling
+    another) as its one-line ``Type: message``; "" when there is no chain. pytest prints a chain
+    innermost first, so in text form (an ImportError at collection, a CollectErrorRepr) it is the
+    first exception line."""
+    chain = getattr(longrepr, "chain", None)
+    if chain and len(chain) > 1:  # ExceptionChainRepr: [(reprtraceback, reprcrash, descr)], innermost first
+        reprtraceback, crash, _ = chain[0]
+        if crash is not None and crash.message:
+            return _first_line(crash.message)
+        entries = getattr(reprtraceback, "reprentries", None) or []
+        lines = getattr(entries[-1], "lines", []) if entries else []
+        errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+        return _first_line(errors[0]) if errors else ""
+    if chain is not None:  # a single exception: nothing beneath it
+        return ""
+    exceptions = _chained_text_exceptions(str(longrepr))
+    return exceptions[0] if exceptions else ""
+
+
+def _chained_text_exceptions(text: str) -> list[str]:
+    """The exception lines (``E   Type: message``, innermost first) of a chain pytest printed as text;
+    [] when the text holds no chain."""
+    if "The above exception was the direct cause" not in text and \
+            "During handling of the above exception" not in text:
+        return []
+    return [_first_line(line[1:]) for line in text.splitlines()
+            if line.startswith("E ") and _EXCEPTION_LINE.match(line)]
+
+
 def _message(report) -> str:
+    """One line: a skip's reason; a failure's or error's first line, and when the exception was raised
+    from another (a lazy import wrapping the real ImportError, say) `` [root cause: <innermost>]``."""
     longrepr = report.longrepr
     if longrepr is None:
         return ""
@@ -97,10 +134,19 @@ def _message(report) -> str:
         return _first_line(longrepr[2]).removeprefix("Skipped: ")
     crash = getattr(longrepr, "reprcrash", None)
     if crash is not None and crash.message:
-        return _first_line(crash.message)
-    text = str(longrepr)
-    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    return _first_line(errors[0] if errors else text)
+        first = _first_line(crash.message)
+    else:
+        text = str(longrepr)
+        errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+        chained = _chained_text_exceptions(text)
+        # a chain printed as text starts innermost: its first line is the outermost exception's
+        first = chained[-1] if len(chained) > 1 else _first_line(errors[0] if errors else text)
+    if report.skipped:
+        return first
+    root = _root_cause(longrepr)
+    if root and root != first and root not in first:
+        return f"{first} [root cause: {root}]"
+    return first
 
 
 def _record(row: dict) -> None:
