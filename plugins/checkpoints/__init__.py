@@ -19,7 +19,7 @@ from accel_npu.patching import Patch
 # (its library imported), not here: this module is imported inside `import torch` and must stay cheap.
 _PKG = "accel_npu.plugins.checkpoints"
 
-_SUPPORTS = "accelerate>=1.10,<1.16"
+_SUPPORTS = "accelerate>=1.10,<1.17"
 
 
 def _patch(name, reason, remove_when, wrapper):

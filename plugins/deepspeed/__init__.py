@@ -41,7 +41,7 @@ _PKG = "accel_npu.plugins.deepspeed"
 
 DEEPSPEED_LAUNCHER = Patch(
     target="accelerate.commands.launch:deepspeed_launcher",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     # A mismatch with the DeepSpeed JSON is another ValueError; a real fp16/bf16 contradiction is one
     # error naming both files, before any worker starts.
     reason="mixed_precision beside deepspeed_config_file fails in every worker (accelerate's "
@@ -53,7 +53,7 @@ DEEPSPEED_LAUNCHER = Patch(
 
 CONFIG_CHECKS = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin._deepspeed_config_checks",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     reason="'the following accelerate config variables will be ignored' for mixed_precision, which "
            "set_mixed_precision reconciles with the DeepSpeed file instead.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
@@ -62,7 +62,7 @@ CONFIG_CHECKS = Patch(
 
 SET_MIXED_PRECISION = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_mixed_precision",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     reason="'`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed config file'; the "
            "file decides, a real fp16/bf16 clash is one ConfigError.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
@@ -72,7 +72,7 @@ SET_MIXED_PRECISION = Patch(
 
 PLUGIN_POST_INIT = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.__post_init__",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     # Also where the accel_npu_configure_deepspeed hook sees every DeepSpeed config.
     reason="A script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently overrides the launch "
            "config's deepspeed_config_file; the launch-side file wins.",
@@ -96,7 +96,7 @@ ZERO3_FETCH = Patch(
 # -- accelerator.prepare: several models with one optimizer; "auto" micro batch size ------------------
 PREPARE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     # Several models with one optimizer over all their trainable parameters (diffusers' custom_diffusion with
     # --modifier_token) become one engine over a container of them (models_together.py); other multi-model
     # calls keep accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth

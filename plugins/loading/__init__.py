@@ -74,7 +74,7 @@ DIFFUSERS_PIPELINE = Patch(
 
 FSDP2_LOAD_FULL_STATE_DICT = Patch(
     target="accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     # Every other rank also receives each whole tensor into a new buffer before its shard is
     # scattered: node peak = full model + all shards + ~half a model per other rank.
     reason="accelerate/utils/fsdp_utils.py keeps rank 0's whole original_sd alive until every shard is "
@@ -85,7 +85,7 @@ FSDP2_LOAD_FULL_STATE_DICT = Patch(
 
 ZERO3_INIT_CM = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.zero3_init_context_manager",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig set, so "
            "towers still build under zero.Init (accelerate #3170).",
     remove_when="accelerate clears the weakref when zero.Init is disabled",
@@ -95,7 +95,7 @@ ZERO3_INIT_CM = Patch(
 
 ZERO3_INIT_FLAG = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_deepspeed_weakref",
-    supports="accelerate>=1.10,<1.16",
+    supports="accelerate>=1.10,<1.17",
     # The object is marked with the flag; loads honour it.
     reason="With zero3_init_flag: false accelerate still sets transformers' HfDeepSpeedConfig: towers load "
            "partitioned ('Padding_idx must be within num_embeddings').",

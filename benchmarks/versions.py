@@ -1,0 +1,212 @@
+"""The version matrix's helpers (issue 40): the `accel-npu env` check, the results row, the table.
+
+The matrix itself is ``noxfile.py`` at the repository root (one nox session per version set, each a
+fresh venv with a non-editable install); this module is what its sessions call, standard library
+plus ``packaging`` only, so it runs in any session's interpreter.
+
+    python benchmarks/versions.py check-env [--env-json FILE] [--range 'torch>=2.5,<2.16' ...]
+        Runs ``accel-npu env --json`` (or reads FILE) and fails if any patch is skipped or failed
+        while the installed version of its library is inside the range accel-npu declares for it
+        (install_requires, its extras, Requires-Python; ``--range`` replaces one library's range,
+        for a session that lifts a cap locally). Names every skipped patch either way.
+    python benchmarks/versions.py render
+        Rewrites benchmarks/results/versions.md from benchmarks/results/versions.json.
+
+``noxfile.py`` appends each session's row to versions.json (:func:`append_row`) and re-renders
+versions.md: the latest row of every session, with exact versions, commit, dirty flag and date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+JSON_FILE = RESULTS / "versions.json"
+MD_FILE = RESULTS / "versions.md"
+# the libraries a row names (importlib.metadata of the session's venv)
+DISTS = ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "peft", "safetensors", "numpy")
+CHECKS = ("lifecycle", "env", "main_job", "official")
+CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env", "main_job": "README main job",
+                "official": "official scripts"}
+
+
+# ------------------------------------------------------------------------------------------------
+# check-env
+# ------------------------------------------------------------------------------------------------
+def declared_ranges(overrides: list[str] = ()) -> dict:
+    """{normalized dist name: SpecifierSet} from the installed accel-npu's metadata (install_requires,
+    every extra, Requires-Python as "python"), then ``overrides`` ("dist>=a,<b") replacing a dist's."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+
+    ranges = {}
+    meta = importlib.metadata.metadata("accel-npu")
+    for line in importlib.metadata.requires("accel-npu") or []:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        # install_requires first; an extra's range for the same dist does not replace it
+        if req.specifier and (name not in ranges or req.marker is None):
+            ranges[name] = req.specifier
+    if meta.get("Requires-Python"):
+        ranges["python"] = SpecifierSet(meta["Requires-Python"])
+    for line in overrides:
+        req = Requirement(line)
+        ranges[canonicalize_name(req.name)] = req.specifier
+    return ranges
+
+
+def env_violations(report: dict, ranges: dict) -> tuple[list[str], list[str]]:
+    """(violations, every patch not applied for a version/attribute reason), as lines."""
+    import importlib.metadata
+
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    violations, skipped = [], []
+    for patch in report["patches"]:
+        status = patch.get("status", "")
+        if not (status.startswith("skipped") or status.startswith("failed")):
+            continue
+        dist = re.match(r"\s*([A-Za-z0-9_.-]+)", patch["supports"]).group(1)
+        name = canonicalize_name(dist)
+        if name == "python":
+            installed = platform.python_version()
+        else:
+            try:
+                installed = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                installed = None
+        line = f"{patch['target']} [{patch['supports']}; installed {dist} {installed}]: {status}"
+        skipped.append(line)
+        declared = ranges.get(name)
+        if installed is not None and declared is not None and \
+                Version(Version(installed).base_version) in declared:
+            violations.append(f"{line} -- but {dist} {installed} is inside accel-npu's declared {dist}{declared}")
+    return violations, skipped
+
+
+def check_env(args) -> int:
+    if args.env_json:
+        report = json.loads(Path(args.env_json).read_text())
+    else:
+        out = subprocess.run(["accel-npu", "env", "--json"], capture_output=True, text=True, check=True).stdout
+        report = json.loads(out)
+    violations, skipped = env_violations(report, declared_ranges(args.range))
+    applied = sum(p.get("status") == "applied" for p in report["patches"])
+    print(f"{len(report['patches'])} patches: {applied} applied, {len(skipped)} skipped/failed "
+          f"(version or attribute), the rest inactive here or not imported")
+    for line in skipped:
+        print(f"  skipped: {line}")
+    for line in violations:
+        print(f"ERROR: patch skipped inside the declared range: {line}")
+    return 1 if violations else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# rows and the table
+# ------------------------------------------------------------------------------------------------
+def git_state(root: Path) -> tuple[str, bool, list[str]]:
+    """(HEAD, dirty, the changed/untracked files) of the checkout the session snapshotted."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
+                            cwd=root, capture_output=True, text=True).stdout.splitlines()
+    files = [line[3:] for line in status if line.strip()]
+    return sha or "unknown", bool(files), files
+
+
+def load_rows() -> list[dict]:
+    return json.loads(JSON_FILE.read_text()) if JSON_FILE.exists() else []
+
+
+def append_row(row: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    rows = load_rows()
+    rows.append(row)
+    JSON_FILE.write_text(json.dumps(rows, indent=1) + "\n")
+    render()
+
+
+def _cell(check: dict | None) -> str:
+    if not check:
+        return "not run"
+    return f"{check['result']} ({check['seconds']:.0f} s)"
+
+
+def render() -> None:
+    rows = load_rows()
+    latest: dict[str, dict] = {}
+    for row in rows:  # the newest row of each session, in the order sessions first appeared
+        mark = row["commit"][:10] + ("+" if row.get("dirty") else "")
+        row = {**row, "checks": {k: {**v, "commit": mark, "date": row["date"]} for k, v in row["checks"].items()}}
+        before = latest.get(row["session"])
+        # a run of some checks only (`-- only=...`) keeps the others' results from the previous row of
+        # the same versions; each check keeps the commit and date it ran on
+        if before and before["versions"] == row["versions"]:
+            row["checks"] = {**before["checks"], **row["checks"]}
+            row["wall_s"] = before["wall_s"] + row["wall_s"]
+        latest[row["session"]] = row
+    newest = max(latest.values(), key=lambda r: r["date"]) if latest else None
+    lines = [
+        "# Version matrix (issue 40)",
+        "",
+        "Reproduce: `nox -s <session>` (noxfile.py; `nox -l` lists the sessions; `nox -s <session> -- quick`",
+        "skips the official scripts). Each row: a fresh venv, torch first, then `pip install \".[test]\"`",
+        "non-editable with the session's pins in one resolve; exact versions from importlib.metadata of that",
+        "venv. Every run appends its row to benchmarks/results/versions.json; this table shows each",
+        "session's latest row, each with its own commit and date.",
+        "",
+        f"- Date: {newest['date'] if newest else '-'} (the newest row)",
+        f"- Commit: {newest['commit'] if newest else '-'} (the newest row's"
+        + (" + uncommitted changes" if newest and newest.get("dirty") else "")
+        + "; the table names the commit each check ran on, and versions.json each row's changed files)",
+        f"- Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"rendered {datetime.datetime.now().isoformat(timespec='seconds')}",
+        "",
+        "| session | torch | accelerate | deepspeed | diffusers | transformers | peft | "
+        + " | ".join(CHECK_TITLES[c] for c in CHECKS) + " | wall | commit | date |",
+        "|" + "---|" * (7 + len(CHECKS) + 3),
+    ]
+    for name, row in latest.items():
+        v = row["versions"]
+        marks = sorted({c["commit"] for c in row["checks"].values()})
+        commit = ", ".join(marks) + (" (+: uncommitted changes)" if any(m.endswith("+") for m in marks) else "")
+        lifted = f" (caps lifted: {', '.join(row['lifted'])})" if row.get("lifted") else ""
+        lines.append(f"| {name}{lifted} | " + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
+                     + " | ".join(_cell(row["checks"].get(c)) for c in CHECKS)
+                     + f" | {row['wall_s']:.0f} s | {commit} | {row['date']} |")
+    lines += ["", "## First error of each failed check", ""]
+    for name, row in latest.items():
+        for check in CHECKS:
+            c = row["checks"].get(check)
+            if c and c["result"] == "fail":
+                error = " ".join((c.get("first_error") or "?").split()).replace("`", "'")
+                lines.append(f"- {name} / {CHECK_TITLES[check]} ({c['commit']}): `{error}`")
+    MD_FILE.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check-env")
+    c.add_argument("--env-json", help="a saved `accel-npu env --json` (default: run it)")
+    c.add_argument("--range", action="append", default=[], help="replace one library's declared range")
+    sub.add_parser("render")
+    args = p.parse_args(argv)
+    if args.command == "check-env":
+        return check_env(args)
+    render()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

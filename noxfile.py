@@ -1,0 +1,214 @@
+"""The version matrix (issue 40): one nox session per version set.
+
+    pip install nox
+    nox -l                                   # the sessions
+    nox -s lower                             # one set: fresh venv, every check, a results row
+    nox -s lower -- quick                    # lifecycle, import order, env, main job only (CI's subset)
+    nox -s newest --reuse-existing-virtualenvs
+
+Each session snapshots the working tree (tracked + untracked, not ignored files) into the session's
+tmp dir, so a checkout edited while it runs does not mix two versions; installs torch first (2.13.0 is
+the CPU build from local disk, any other version the registry's build), then the snapshot
+NON-editable with its test extra and the set's pins in one resolve; then runs, from the snapshot's root:
+
+- lifecycle: ``pytest tests/test_patch_lifecycle.py tests/test_import_order.py``
+- env: ``accel-npu env --json`` checked by ``benchmarks/versions.py check-env`` (no patch skipped for a
+  version inside its declared range; every skipped one named)
+- main_job: README's ``accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py``
+- official: tests/test_upstream_text_to_image.py (ZeRO-3 threshold 0), tests/test_upstream_qwen_lora.py
+  (Qwen-Image DreamBooth LoRA), tests/test_upstream_cogvideox_lora.py (CogVideoX LoRA), each with
+  checkpoint + resume
+
+and appends its row (exact versions, commit, dirty flag, date, pass/fail and first error per check,
+seconds) to benchmarks/results/versions.json, re-rendering benchmarks/results/versions.md. A failed
+check fails the session after the row is written.
+
+A set with ``lift`` tests versions above a declared cap before the cap is raised: the snapshot's
+setup.cfg and every ``supports=`` string get that library's upper bound replaced (only in the
+snapshot), and the machine's pip constraint file (which caps torch) is replaced by an empty one for
+that session's installs (PIP_CONSTRAINT=/dev/null), never deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nox
+
+REPO = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import versions as results  # noqa: E402  (benchmarks/versions.py: standard library only at import)
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lower"]
+
+# torch: a pip requirement for torch alone (installed first: pip resolves the rest against it).
+# pins: the other libraries; what is not pinned is what pip resolves under the declared ranges.
+# lift: {dist: new exclusive cap} applied to the snapshot only (see the module docstring).
+NEWEST = ["accelerate==1.16.0", "deepspeed==0.19.8", "diffusers==0.42.1", "transformers~=5.25.0", "peft"]
+LIFT_NEWEST = {"torch": "2.16", "accelerate": "1.17"}
+SETS = {
+    # the issue's reporter: every library at the bottom of its declared range, torch at torch_npu 2.7.1's pair
+    "lower": dict(torch="torch==2.7.1", pins=["accelerate==1.10.1", "deepspeed==0.16.9", "diffusers==0.35.2",
+                                              "transformers==4.57.6"]),
+    # torch_npu's pairings (each torch_npu release pairs with exactly one torch)
+    "torch_npu_2_5": dict(torch="torch==2.5.1", pins=[]),
+    "torch_npu_2_6": dict(torch="torch==2.6.0", pins=[]),
+    "torch_npu_2_7": dict(torch="torch==2.7.1", pins=[]),
+    "torch_npu_2_9": dict(torch="torch==2.9.1", pins=[]),
+    "torch_npu_2_12": dict(torch="torch~=2.12.0", pins=[]),
+    "torch_npu_2_14": dict(torch="torch~=2.14.0", pins=[]),
+    # the oldest accelerate and diffusers on the newest torch
+    "oldest_libs_newest_torch": dict(torch="torch==2.15.0", pins=["accelerate==1.10.1", "diffusers==0.35.2"],
+                                     lift={"torch": "2.16"}, env={"TORCHVISION_VERSION": "0.29.2"}),
+    # the newest releases
+    # torchvision 0.30.0 (torch 2.15's pair) is not on the registry yet: the official scripts' torchvision
+    # (tests/torchvision_site.py) is the newest released one, as a user would have it
+    "newest": dict(torch="torch==2.15.0", pins=NEWEST, lift=LIFT_NEWEST, env={"TORCHVISION_VERSION": "0.29.2"}),
+}
+OFFICIAL_TESTS = ["tests/test_upstream_text_to_image.py", "tests/test_upstream_qwen_lora.py",
+                  "tests/test_upstream_cogvideox_lora.py"]
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception|error)\b:? ")
+
+
+def snapshot(dest: Path, lift: dict) -> None:
+    """The working tree's tracked and untracked (not ignored) files, copied to ``dest``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if name.startswith((".nox/", ".venv/")):  # never a venv, whatever .gitignore says
+            continue
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    for dist, cap in lift.items():
+        pattern = re.compile(rf"(?<![\w.-])({re.escape(dist)}>=[\d.]+,<)[\d.]+")
+        for path in [dest / "setup.cfg", *(dest / "plugins").rglob("*.py"), *(dest / "accel_npu").rglob("*.py")]:
+            text = path.read_text()
+            new = pattern.sub(rf"\g<1>{cap}", text)
+            if new != text:
+                path.write_text(new)
+
+
+def first_error(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines()]
+    for prefix in ("E   ", "FAILED ", "ERROR "):
+        for line in output.splitlines():
+            if line.startswith(prefix):
+                return line.strip()[:300]
+    for line in lines:
+        if ERROR_LINE.search(line) and "Warning" not in line:
+            return line[:300]
+    return (lines[-1] if lines else "")[:300]
+
+
+def run_check(session, name, cmd, cwd, env, logs, ok=lambda out: True, timeout=3600):
+    session.log(f"[{name}] {' '.join(cmd)}")
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = f"{exc.stdout or ''}{exc.stderr or ''}\nTimeoutExpired: {timeout} s", -1
+    seconds = time.time() - start
+    (logs / f"{name}.log").write_text(out)
+    passed = rc == 0 and ok(out)
+    result = {"result": "pass" if passed else "fail", "seconds": round(seconds, 1), "rc": rc,
+              "log": str(logs / f"{name}.log")}
+    if not passed:
+        result["first_error"] = first_error(out) if rc != 0 else "exit 0 but the expected output is missing"
+    session.log(f"[{name}] {result['result']} in {seconds:.0f} s" + (f": {result.get('first_error')}" if not passed else ""))
+    return result
+
+
+def matrix_session(session, name: str, spec: dict) -> None:
+    started = time.time()
+    wanted = set(results.CHECKS)
+    for arg in session.posargs:
+        if arg == "quick":  # CI's subset
+            wanted.discard("official")
+        elif arg.startswith("only="):  # e.g. only=official: the other checks keep their last row's result
+            wanted = set(arg[len("only="):].split(","))
+    lift = spec.get("lift", {})
+    tmp = Path(session.create_tmp()).resolve()
+    src = tmp / "src"
+    commit, dirty, changed = results.git_state(REPO)
+    snapshot(src, lift)
+    pip_env = {"PIP_CONSTRAINT": "/dev/null"} if lift.get("torch") else {}
+    session.install("setuptools", "wheel", "packaging", env=pip_env)
+    session.install(spec["torch"], env=pip_env)
+    # deepspeed's sdist imports torch in its setup.py: built against the session's torch, not an isolated one
+    session.install("--no-build-isolation", f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env)
+
+    bin_dir = Path(session.bin)
+    env = {**os.environ, **pip_env, **spec.get("env", {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(bin_dir.parent), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    py = str(bin_dir / "python")
+    logs = tmp / "logs"
+    logs.mkdir(exist_ok=True)
+    versions = subprocess.run(
+        [py, "-c", "import importlib.metadata as m, json, sys\n"
+                   "out = {}\n"
+                   f"for d in {results.DISTS!r} + ('accel-npu',):\n"
+                   "    try: out[d] = m.version(d)\n"
+                   "    except m.PackageNotFoundError: out[d] = None\n"
+                   "out['python'] = sys.version.split()[0]\n"
+                   "print(json.dumps(out))"],
+        capture_output=True, text=True, check=True, env=env).stdout
+    versions = json.loads(versions)
+    session.log(f"versions: {versions}")
+
+    checks = {}
+    if "lifecycle" in wanted:
+        checks["lifecycle"] = run_check(session, "lifecycle", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                               "tests/test_patch_lifecycle.py",
+                                                               "tests/test_import_order.py"], src, env, logs)
+    if "env" in wanted:
+        env_json = logs / "env.json"
+        with open(env_json, "w") as f:
+            subprocess.run([str(bin_dir / "accel-npu"), "env", "--json"], cwd=tmp, env=env, stdout=f, check=False)
+        # the installed metadata is the snapshot's: a lifted cap is already the declared range there
+        checks["env"] = run_check(session, "env", [py, str(src / "benchmarks" / "versions.py"), "check-env",
+                                                   "--env-json", str(env_json)], src, env, logs)
+    out_dir = tmp / "main_job"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if "main_job" in wanted:
+        checks["main_job"] = run_check(
+            session, "main_job",
+            [str(bin_dir / "accelerate"), "launch", "--config_file", "launch_configs/cpu_zero3.yaml",
+             "docs/examples/train_dit.py", "--output_dir", str(out_dir / "out"), "--cache_dir", str(out_dir / "cache")],
+            src, env, logs, ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir())
+    if "official" in wanted:
+        checks["official"] = run_check(session, "official", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                             *OFFICIAL_TESTS], src, env, logs)
+
+    row = {"session": name, "versions": versions, "requested": [spec["torch"], *spec["pins"]],
+           "lifted": [f"{d}<{cap}" for d, cap in lift.items()], "env": spec.get("env", {}), "commit": commit, "dirty": dirty,
+           "changed_files": changed, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+           "wall_s": round(time.time() - started, 1), "checks": checks}
+    results.append_row(row)
+    failed = [c for c, r in checks.items() if r["result"] != "pass"]
+    if failed:
+        session.error(f"{name}: failed: {', '.join(failed)} (benchmarks/results/versions.md)")
+
+
+def _define(name: str, spec: dict) -> None:
+    def session_fn(session):
+        matrix_session(session, name, spec)
+
+    session_fn.__doc__ = f"{spec['torch']} {' '.join(spec['pins'])}".strip() + \
+        (f" (caps lifted: {spec['lift']})" if spec.get("lift") else "")
+    nox.session(name=name)(session_fn)
+
+
+for _name, _spec in SETS.items():
+    _define(_name, _spec)
