@@ -193,6 +193,11 @@ class PatchLedger:
                 self.unpatch(patch)
 
     # -- querying ------------------------------------------------------------------------------
+    def outside_their_range(self) -> list[Patch]:
+        """Declared patches the installed libraries' versions leave off (asked of the installed
+        metadata: no import), e.g. every accelerate patch under an accelerate newer than they know."""
+        return [p for p in self.patches if "outside the supported range" in (p.version_problem() or "")]
+
     def report(self) -> list[dict[str, str]]:
         return [
             {"target": p.target, "plugin": p.plugin, "supports": p.supports, "status": p.status,

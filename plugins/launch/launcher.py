@@ -84,10 +84,27 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
     paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if bootstrap_dir() not in paths:
         environ["PYTHONPATH"] = os.pathsep.join([bootstrap_dir(), *paths])
+    _warn_patches_outside_their_range()
     if added:
         log.info("accel-npu: worker environment defaults: %s",
                  ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
     return added
+
+
+def _warn_patches_outside_their_range() -> None:
+    """One warning per launch naming every patch the installed versions switch off, with what each
+    fixes: a library newer than accel-npu knows runs stock there, and its users must hear it before
+    step 1 (without the rank-0 save_state cooperation, for one, the hangs come back)."""
+    from accel_npu.patching import get_ledger
+
+    off = get_ledger().outside_their_range()
+    if not off:
+        return
+    versions = sorted({p.version_problem().split(" is outside")[0] for p in off})
+    log.warning("accel-npu: %d patch(es) are off for %s, so these fixes are not active in this launch "
+                "(install versions inside the ranges, or an accel-npu release that supports yours; "
+                "`accel-npu env` lists them): %s", len(off), ", ".join(versions),
+                "; ".join(f"{p.target} ({p.supports}): {p.reason}" for p in off))
 
 
 def _launch_agent(wrapped, instance, args, kwargs):
