@@ -243,6 +243,13 @@ dist.destroy_process_group()
 """
 
 
+def _accelerate_before(version: str) -> bool:
+    import accelerate
+    from packaging.version import Version
+
+    return Version(accelerate.__version__) < Version(version)
+
+
 @pytest.mark.parametrize("stock", [False, True])
 def test_fsdp2_full_state_dict_of_a_model_with_its_own_parameters(tmp_path, stock):
     """A parameter held by the model itself (diffusers' ZImageTransformer2DModel.x_pad_token) on a model
@@ -254,7 +261,7 @@ def test_fsdp2_full_state_dict_of_a_model_with_its_own_parameters(tmp_path, stoc
                           text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    if stock:
+    if stock and _accelerate_before("1.16"):
         assert result == {"error": "ValueError: not enough values to unpack (expected 2, got 1)"}, result
-    else:
+    else:  # accelerate 1.16 rewrote fsdp2_load_full_state_dict (one loop, parameters of the model itself too)
         assert result == {"same": True}, result

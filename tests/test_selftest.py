@@ -47,10 +47,15 @@ def test_selftest_on_cpu_runs_every_check_and_exits_0():
     assert "CANN libraries" not in lines       # the npu plugin's checks belong to the npu backend
 
 
-def test_accelerate_fp16_check_fails_where_the_scaler_is_disabled():
-    """The check's other half: with accel-npu's patches out (stock), accelerate's fp16 scaler is
-    torch.amp.GradScaler("cuda"), disabled without CUDA, and the check says so."""
+def test_accelerate_fp16_check_fails_where_the_scaler_is_disabled(monkeypatch):
+    """The check's other half: a scaler accelerate builds disabled (accelerate < 1.16 builds
+    torch.amp.GradScaler("cuda") on a cpu machine, which torch disables without CUDA) fails the check,
+    whatever accelerate is installed; with accelerate >= 1.16 stock builds GradScaler("cpu") itself."""
     import warnings
+
+    import accelerate.utils
+    import torch
+    from packaging.version import Version
 
     import accel_npu
     from accel_npu.cli.selftest import check_accelerate_fp16
@@ -58,6 +63,13 @@ def test_accelerate_fp16_check_fails_where_the_scaler_is_disabled():
 
     accel_npu.patch()
     assert check_accelerate_fp16().startswith("torch.amp.grad_scaler.GradScaler on cpu")
-    with stock(), warnings.catch_warnings(), pytest.raises(AssertionError, match="is disabled here"):
+    with stock(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        check_accelerate_fp16()
+        if Version(accelerate.__version__) >= Version("1.16"):
+            assert check_accelerate_fp16().startswith("torch.amp.grad_scaler.GradScaler on cpu")
+        else:
+            with pytest.raises(AssertionError, match="is disabled here"):
+                check_accelerate_fp16()
+        monkeypatch.setattr(accelerate.utils, "get_grad_scaler", lambda **kw: torch.amp.GradScaler("cuda"))
+        with pytest.raises(AssertionError, match="is disabled here"):
+            check_accelerate_fp16()
