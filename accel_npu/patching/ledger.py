@@ -196,7 +196,7 @@ class PatchLedger:
     def outside_their_range(self) -> list[Patch]:
         """Declared patches the installed libraries' versions leave off (asked of the installed
         metadata: no import), e.g. every accelerate patch under an accelerate newer than they know."""
-        return [p for p in self.patches if "outside the supported range" in (p.version_problem() or "")]
+        return [p for p in self.patches if p.installed_outside_range()]
 
     def report(self) -> list[dict[str, str]]:
         return [

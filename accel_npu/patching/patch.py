@@ -99,3 +99,15 @@ class Patch:
         if not version_satisfies(installed, clauses):
             return f"{dist} {installed} is outside the supported range {','.join(op + v for op, v in clauses)}"
         return None
+
+    def installed_outside_range(self) -> str | None:
+        """"<distribution> <version>" when that distribution is installed at a version outside the range
+        (not when it is absent or the range unreadable), else None."""
+        try:
+            dist, clauses = parse_supports(self.supports)
+        except ValueError:
+            return None
+        installed = installed_version(dist)
+        if installed is None or version_satisfies(installed, clauses):
+            return None
+        return f"{dist} {installed}"

@@ -100,7 +100,7 @@ def _warn_patches_outside_their_range() -> None:
     off = get_ledger().outside_their_range()
     if not off:
         return
-    versions = sorted({p.version_problem().split(" is outside")[0] for p in off})
+    versions = sorted({p.installed_outside_range() for p in off})
     log.warning("accel-npu: %d patch(es) are off for %s, so these fixes are not active in this launch "
                 "(install versions inside the ranges, or an accel-npu release that supports yours; "
                 "`accel-npu env` lists them): %s", len(off), ", ".join(versions),
