@@ -62,23 +62,32 @@ def _versions() -> str:
     return ", ".join(out)
 
 
+def git_state(root: Path | None = None, untracked: str = "no") -> tuple[str, list[str]]:
+    """(HEAD, the files that differ from it: changed ones, and untracked ones as git's
+    ``--untracked-files=<untracked>`` lists them) of the checkout at ``root`` (this repository by default). Results files are rewritten during a run (after
+    each measurement): only other files count. Raises OSError / CalledProcessError outside a checkout."""
+    import subprocess
+
+    root = RESULTS.parents[1] if root is None else root
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", f"--untracked-files={untracked}",
+                             "--", ".", ":(exclude)benchmarks/results"], cwd=root, capture_output=True,
+                            text=True).stdout
+    return sha, [line[3:] for line in status.splitlines() if line.strip()]  # "XY path": two status letters
+
+
 def git_commit() -> str:
     """The commit the benchmark ran on, "+ uncommitted changes to <files>" when the tree differs from it
     (named, so a reader can tell a docs edit from a change to the code measured)."""
     import subprocess
 
-    root = RESULTS.parents[1]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        # results files are rewritten during a run (after each measurement): only other files count
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True).stdout
+        sha, paths = git_state()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    if not dirty.strip():
+    if not paths:
         return sha
-    paths = [line[3:] for line in dirty.splitlines() if line.strip()]  # "XY path": two status letters
     more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
     return sha + " + uncommitted changes to " + ", ".join(paths[:5]) + more
 

@@ -117,11 +117,13 @@ def check_env(args) -> int:
 # ------------------------------------------------------------------------------------------------
 def git_state(root: Path) -> tuple[str, bool, list[str]]:
     """(HEAD, dirty, the changed/untracked files) of the checkout the session snapshotted."""
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"],
-                            cwd=root, capture_output=True, text=True).stdout.splitlines()
-    files = [line[3:] for line in status if line.strip()]
-    return sha or "unknown", bool(files), files
+    from _results import git_state as head_and_changes
+
+    try:
+        sha, files = head_and_changes(root, untracked="normal")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False, []
+    return sha, bool(files), files
 
 
 def load_rows() -> list[dict]:

@@ -87,13 +87,17 @@ class Patch:
         """Why this process is outside the patch's scope, or None (no scope, or inside it)."""
         return None if self.scope is None else self.scope.why_not()
 
+    def _installed_against_range(self):
+        """(distribution, its installed version or None, the range's clauses); ValueError when unreadable."""
+        dist, clauses = parse_supports(self.supports)
+        return dist, installed_version(dist), clauses
+
     def version_problem(self) -> str | None:
         """Why the installed version is not supported, or None when it is."""
         try:
-            dist, clauses = parse_supports(self.supports)
+            dist, installed, clauses = self._installed_against_range()
         except ValueError as exc:
             return f"unreadable version range {self.supports!r}: {exc}"
-        installed = installed_version(dist)
         if installed is None:
             return f"{dist} is not installed"
         if not version_satisfies(installed, clauses):
@@ -104,10 +108,9 @@ class Patch:
         """"<distribution> <version>" when that distribution is installed at a version outside the range
         (not when it is absent or the range unreadable), else None."""
         try:
-            dist, clauses = parse_supports(self.supports)
+            dist, installed, clauses = self._installed_against_range()
         except ValueError:
             return None
-        installed = installed_version(dist)
         if installed is None or version_satisfies(installed, clauses):
             return None
         return f"{dist} {installed}"
