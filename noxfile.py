@@ -14,10 +14,11 @@ NON-editable with its test extra and the set's pins in one resolve; then runs, f
 - lifecycle: ``pytest tests/test_patch_lifecycle.py tests/test_import_order.py``
 - env: ``accel-npu env --json`` checked by ``benchmarks/versions.py check-env`` (no patch skipped for a
   version inside its declared range; every skipped one named)
+- gated: GATED_TESTS, the in-process tests of patches whose need depends on the version (stock_correct)
 - main_job: README's ``accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py``
 - official: tests/test_upstream_text_to_image.py (ZeRO-3 threshold 0), tests/test_upstream_qwen_lora.py
   (Qwen-Image DreamBooth LoRA), tests/test_upstream_cogvideox_lora.py (CogVideoX LoRA), each with
-  checkpoint + resume
+  checkpoint + resume; the scripts of the installed diffusers' release (tests.launch_utils.RELEASE_EXAMPLES)
 
 and appends its row (exact versions, commit, dirty flag, date, pass/fail and first error per check,
 seconds) to benchmarks/results/versions.json, re-rendering benchmarks/results/versions.md. A failed
@@ -26,7 +27,8 @@ check fails the session after the row is written.
 A set with ``lift`` tests versions above a declared cap before the cap is raised: the snapshot's
 setup.cfg and every ``supports=`` string get that library's upper bound replaced (only in the
 snapshot), and the machine's pip constraint file (which caps torch) is replaced by an empty one for
-that session's installs (PIP_CONSTRAINT=/dev/null), never deleted.
+that session's installs (PIP_CONSTRAINT=/dev/null), never deleted; so is it for a set marked
+``past_machine_cap`` (a torch release newer than the machine's cap, inside the declared range).
 """
 from __future__ import annotations
 
@@ -48,30 +50,11 @@ import versions as results  # noqa: E402  (benchmarks/versions.py: standard libr
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["lower"]
 
-# torch: a pip requirement for torch alone (installed first: pip resolves the rest against it).
-# pins: the other libraries; what is not pinned is what pip resolves under the declared ranges.
-# lift: {dist: new exclusive cap} applied to the snapshot only (see the module docstring).
-NEWEST = ["accelerate==1.16.0", "deepspeed==0.19.8", "diffusers==0.42.1", "transformers~=5.25.0", "peft"]
-LIFT_NEWEST = {"torch": "2.16", "accelerate": "1.17"}
-SETS = {
-    # the issue's reporter: every library at the bottom of its declared range, torch at torch_npu 2.7.1's pair
-    "lower": dict(torch="torch==2.7.1", pins=["accelerate==1.10.1", "deepspeed==0.16.9", "diffusers==0.35.2",
-                                              "transformers==4.57.6"]),
-    # torch_npu's pairings (each torch_npu release pairs with exactly one torch)
-    "torch_npu_2_5": dict(torch="torch==2.5.1", pins=[]),
-    "torch_npu_2_6": dict(torch="torch==2.6.0", pins=[]),
-    "torch_npu_2_7": dict(torch="torch==2.7.1", pins=[]),
-    "torch_npu_2_9": dict(torch="torch==2.9.1", pins=[]),
-    "torch_npu_2_12": dict(torch="torch~=2.12.0", pins=[]),
-    "torch_npu_2_14": dict(torch="torch~=2.14.0", pins=[]),
-    # the oldest accelerate and diffusers on the newest torch
-    "oldest_libs_newest_torch": dict(torch="torch==2.15.0", pins=["accelerate==1.10.1", "diffusers==0.35.2"],
-                                     lift={"torch": "2.16"}, env={"TORCHVISION_VERSION": "0.29.2"}),
-    # the newest releases
-    # torchvision 0.30.0 (torch 2.15's pair) is not on the registry yet: the official scripts' torchvision
-    # (tests/torchvision_site.py) is the newest released one, as a user would have it
-    "newest": dict(torch="torch==2.15.0", pins=NEWEST, lift=LIFT_NEWEST, env={"TORCHVISION_VERSION": "0.29.2"}),
-}
+SETS = results.SETS  # benchmarks/versions.py: the version sets, readable without nox (tests check them)
+# in-process tests of the patches whose need depends on the version (a stock_correct range or a variant per
+# range): each asserts stock's behaviour at the installed version against what the patch declares
+GATED_TESTS = ["tests/test_upstream_cogvideox_lora.py::"
+               "test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_dtype"]
 OFFICIAL_TESTS = ["tests/test_upstream_text_to_image.py", "tests/test_upstream_qwen_lora.py",
                   "tests/test_upstream_cogvideox_lora.py"]
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|error)\b:? ")
@@ -142,11 +125,13 @@ def matrix_session(session, name: str, spec: dict) -> None:
     src = tmp / "src"
     commit, dirty, changed = results.git_state(REPO)
     snapshot(src, lift)
-    pip_env = {"PIP_CONSTRAINT": "/dev/null"} if lift.get("torch") else {}
+    pip_env = {"PIP_CONSTRAINT": "/dev/null"} if lift.get("torch") or spec.get("past_machine_cap") else {}
     session.install("setuptools", "wheel", "packaging", env=pip_env)
     session.install(spec["torch"], env=pip_env)
     # deepspeed's sdist imports torch in its setup.py: built against the session's torch, not an isolated one
-    session.install("--no-build-isolation", f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env)
+    # torch again in this resolve: otherwise pip upgrades it for a library's newest release (accelerate 1.16
+    # needs a newer torch than 2.5.1) instead of resolving that library's release for the set's torch
+    session.install("--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env)
 
     bin_dir = Path(session.bin)
     env = {**os.environ, **pip_env, **spec.get("env", {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -179,6 +164,9 @@ def matrix_session(session, name: str, spec: dict) -> None:
         # the installed metadata is the snapshot's: a lifted cap is already the declared range there
         checks["env"] = run_check(session, "env", [py, str(src / "benchmarks" / "versions.py"), "check-env",
                                                    "--env-json", str(env_json)], src, env, logs)
+    if "gated" in wanted:
+        checks["gated"] = run_check(session, "gated", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GATED_TESTS],
+                                    src, env, logs)
     out_dir = tmp / "main_job"
     shutil.rmtree(out_dir, ignore_errors=True)
     if "main_job" in wanted:

@@ -31,10 +31,40 @@ RESULTS = Path(__file__).resolve().parent / "results"
 JSON_FILE = RESULTS / "versions.json"
 MD_FILE = RESULTS / "versions.md"
 # the libraries a row names (importlib.metadata of the session's venv)
-DISTS = ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "peft", "safetensors", "numpy")
-CHECKS = ("lifecycle", "env", "main_job", "official")
-CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env", "main_job": "README main job",
-                "official": "official scripts"}
+DISTS = ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "peft", "safetensors", "numpy", "pluggy",
+         "wrapt", "filelock", "tqdm", "packaging")
+# torch: a pip requirement for torch alone (installed first: pip resolves the rest against it).
+# pins: the other libraries; what is not pinned is what pip resolves under the declared ranges.
+# lift: {dist: new exclusive cap} applied to the snapshot only (see the module docstring).
+# past_machine_cap: torch newer than this machine's pip constraint file allows (see the module docstring).
+NEWEST = ["accelerate==1.16.0", "deepspeed==0.19.8", "diffusers==0.42.1", "transformers~=5.25.0", "peft"]
+SETS = {
+    # every install_requires lower bound together (and the test extra's peft), torch at torch_npu 2.5.1's pair
+    "lower": dict(torch="torch==2.5.1", pins=["accelerate==1.10.1", "deepspeed==0.16.9", "diffusers==0.35.2",
+                                              "transformers==4.57.6", "peft==0.17.0", "safetensors==0.4.3",
+                                              "pluggy==1.5.0", "wrapt==1.16.0", "filelock==3.12.0", "tqdm==4.66.3",
+                                              "packaging==23.0"]),
+    # torch_npu's pairings (each torch_npu release pairs with exactly one torch)
+    "torch_npu_2_5": dict(torch="torch==2.5.1", pins=[]),
+    "torch_npu_2_6": dict(torch="torch==2.6.0", pins=[]),
+    "torch_npu_2_7": dict(torch="torch==2.7.1", pins=[]),
+    "torch_npu_2_9": dict(torch="torch==2.9.1", pins=[]),
+    "torch_npu_2_12": dict(torch="torch~=2.12.0", pins=[]),
+    "torch_npu_2_14": dict(torch="torch~=2.14.0", pins=[]),
+    # the oldest accelerate and diffusers on the newest torch
+    "oldest_libs_newest_torch": dict(torch="torch==2.15.0", pins=["accelerate==1.10.1", "diffusers==0.35.2"],
+                                     past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}),
+    # the ends of the ZeRO-3 dtype patch's stock_correct range (deepspeed<0.19.2) and of its supports range
+    "deepspeed_0_19_1": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.1"]),
+    "deepspeed_0_19_2": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.2"]),
+    # the newest releases
+    # torchvision 0.30.0 (torch 2.15's pair) is not on the registry yet: the official scripts' torchvision
+    # (tests/torchvision_site.py) is the newest released one, as a user would have it
+    "newest": dict(torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}),
+}
+CHECKS = ("lifecycle", "env", "gated", "main_job", "official")
+CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env",
+                "gated": "version-gated patches", "main_job": "README main job", "official": "official scripts"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,6 +137,9 @@ def check_env(args) -> int:
           f"(version or attribute), the rest inactive here or not imported")
     for line in skipped:
         print(f"  skipped: {line}")
+    for patch in report["patches"]:  # declared stock correct at this version (GATED_TESTS check the claim)
+        if patch.get("status", "").startswith("not needed"):
+            print(f"  {patch['status']}: {patch['target']} [stock correct: {patch.get('stock_correct')}]")
     for line in violations:
         print(f"ERROR: patch skipped inside the declared range: {line}")
     return 1 if violations else 0
@@ -144,19 +177,24 @@ def _cell(check: dict | None) -> str:
     return f"{check['result']} ({check['seconds']:.0f} s)"
 
 
-def render() -> None:
-    rows = load_rows()
+def latest_rows() -> dict[str, dict]:
+    """Each session's newest row, in the order sessions first appeared; each check stamped with the commit
+    and date it ran on. A run of some checks only (``-- only=...``) keeps the others' results from the
+    previous row of the same versions."""
     latest: dict[str, dict] = {}
-    for row in rows:  # the newest row of each session, in the order sessions first appeared
+    for row in load_rows():
         mark = row["commit"][:10] + ("+" if row.get("dirty") else "")
         row = {**row, "checks": {k: {**v, "commit": mark, "date": row["date"]} for k, v in row["checks"].items()}}
         before = latest.get(row["session"])
-        # a run of some checks only (`-- only=...`) keeps the others' results from the previous row of
-        # the same versions; each check keeps the commit and date it ran on
         if before and before["versions"] == row["versions"]:
             row["checks"] = {**before["checks"], **row["checks"]}
             row["wall_s"] = before["wall_s"] + row["wall_s"]
         latest[row["session"]] = row
+    return latest
+
+
+def render() -> None:
+    latest = latest_rows()
     newest = max(latest.values(), key=lambda r: r["date"]) if latest else None
     lines = [
         "# Version matrix (issue 40)",

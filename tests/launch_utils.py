@@ -17,6 +17,23 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 # diffusers v0.40.0's training scripts, vendored byte for byte (tests/upstream/README.md)
 UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "examples"
+
+
+def _examples_of_installed_diffusers() -> Path:
+    """The vendored examples/ a user of the installed diffusers runs: each official script starts with
+    check_min_version(<its release>), so v0.40.0's stop under diffusers 0.35-0.39, whose users run the
+    scripts of their release (v0.35.2's, vendored for the version matrix's lower set)."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if Version(importlib.metadata.version("diffusers")) >= Version("0.40.0"):
+        return UPSTREAM_EXAMPLES
+    return REPO / "tests" / "upstream" / "diffusers-v0.35.2" / "examples"
+
+
+# the official scripts of the installed diffusers' release (the ones the version matrix's "official" check runs)
+RELEASE_EXAMPLES = _examples_of_installed_diffusers()
 BIN = Path(sys.executable).parent
 # the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
 OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)

@@ -85,6 +85,40 @@ def test_unknown_version_is_skipped_with_reason_never_raised(target_module, supp
     assert mod.add(1, 2) == 3
 
 
+def test_a_version_declared_stock_correct_leaves_the_target_stock_and_says_why(target_module):
+    import pytest as installed
+
+    ledger = PatchLedger()
+    # the defect "came with" pytest 99: every installed pytest is stock correct, and below the supported range
+    needless = ledger.register(Patch(target=f"{MOD}:add", supports="pytest>=99", stock_correct="pytest<99",
+                                     reason="test", remove_when="test", wrapper=_times_ten))
+    ledger.arm()
+    mod = importlib.import_module(MOD)
+    assert mod.add(1, 2) == 3
+    assert needless.status == f"not needed: pytest {installed.__version__} is in pytest<99, where stock has no such defect"
+    assert needless.installed_outside_range() is None and ledger.outside_their_range() == []
+    # a stock_correct range the installed version is not in changes nothing: applied inside supports,
+    # skipped (and outside the range) beyond it
+    ledger.unpatch_all()
+    applied = make("add", supports="pytest>=7")
+    applied.stock_correct = "pytest<7"
+    skipped = Patch(target=f"{MOD}:Child.who", supports="pytest>=99", stock_correct="pytest<7", reason="test",
+                    remove_when="test", wrapper=_shout)
+    other = PatchLedger()
+    other.register(applied)
+    other.register(skipped)
+    other.arm()
+    assert applied.status == "applied" and mod.add(1, 2) == 30
+    assert skipped.status.startswith("skipped: ") and skipped.installed_outside_range() == f"pytest {installed.__version__}"
+    other.unpatch_all()
+
+
+def test_stock_correct_names_the_distribution_supports_names():
+    with pytest.raises(ValueError, match="names another distribution"):
+        Patch(target=f"{MOD}:add", supports="pytest>=7", stock_correct="torch<2", reason="", remove_when="",
+              wrapper=_times_ten)
+
+
 def test_missing_attribute_is_skipped(target_module):
     ledger = PatchLedger()
     patch = ledger.register(make("Child.no_such_method"))

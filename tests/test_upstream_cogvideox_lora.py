@@ -1,4 +1,4 @@
-"""diffusers' official CogVideoX LoRA scripts (v0.40.0, byte for byte, vendored in ``tests/upstream/``),
+"""diffusers' official CogVideoX LoRA scripts (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in ``tests/upstream/``),
 unchanged, on 2 CPU ranks under the shipped bf16 ``cpu_zero2`` config (issue 27, item 5's first finding;
 item 4's "video DiT LoRA" CI row).
 
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, ended_by_launcher, explain, \
+from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, ended_by_launcher, explain, \
     run_concurrently
 from tests.official_scripts import loaded_lora, lora_file, master_lora
 from tests.torchvision_site import with_torchvision
@@ -29,8 +29,8 @@ from tests.torchvision_site import with_torchvision
 sys.path.insert(0, str(SCRIPTS))
 
 CONFIG = REPO / "launch_configs" / "cpu_zero2.yaml"
-SCRIPTS_BY_KIND = {"t2v": UPSTREAM_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py",
-                   "i2v": UPSTREAM_EXAMPLES / "cogvideo" / "train_cogvideox_image_to_video_lora.py"}
+SCRIPTS_BY_KIND = {"t2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py",
+                   "i2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_image_to_video_lora.py"}
 PATCH = "deepspeed.runtime.engine:DeepSpeedEngine.forward"
 DOC = REPO / "docs" / "compatibility.md"
 
@@ -103,13 +103,23 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
     with pytest.raises(RuntimeError, match="same dtype"):
         engine(x.half())
 
-    # ZeRO-3, a model built in partitions (zero.Init, as accel-npu loads under zero3_init_flag), cast
-    # .to(float16) and given an adapter layer afterwards, as the CogVideoX scripts treat their transformer
-    # (.to(weight_dtype), add_adapter): DeepSpeed skips its cast for zero.Init models, so stock trains the
-    # adapter in fp16 under the bf16 config; accel-npu casts every parameter to bf16
-    def zero3_engine():
-        import deepspeed
 
+def test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_dtype(one_rank_group):
+    """ZeRO-3, a model built in partitions (zero.Init, as accel-npu loads under zero3_init_flag), cast
+    .to(float16) and given an adapter layer afterwards, as the CogVideoX scripts treat their transformer
+    (.to(weight_dtype), add_adapter). DeepSpeed from 0.19.2 skips its cast for zero.Init models
+    (engine._cast_module_mixed_precision), so stock trains the adapter in fp16 under the bf16 config and
+    the first forward stops; before 0.19.2 its module.bfloat16() cast everything, and the patch is "not
+    needed" there. Either way accel-npu ends with every parameter, and its partition, in bf16. The version
+    matrix runs this at 0.16.9, 0.19.1, 0.19.2 and 0.19.8 (noxfile.py GATED_TESTS)."""
+    import deepspeed
+    import torch
+
+    from accel_npu.patching import get_ledger
+    from accel_npu.patching.versions import parse_supports, version_satisfies
+    from tests.inprocess import stock
+
+    def zero3_engine():
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
@@ -121,8 +131,14 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
         trainable = [p for p in model.parameters() if p.requires_grad]
         return deepspeed.initialize(model=model, model_parameters=trainable, config=config)[0]
 
+    patch = get_ledger().find("deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision")
+    stock_correct = version_satisfies(deepspeed.__version__, parse_supports(patch.stock_correct)[1])
+    x = torch.randn(2, 4)
     with stock():
-        assert {p.dtype for p in zero3_engine().module[1].parameters()} == {torch.float16}
+        dtypes = {p.dtype for p in zero3_engine().module[1].parameters()}
+    # the declaration is the witness's: stock_correct holds exactly where stock casts the adapter itself
+    assert dtypes == ({torch.bfloat16} if stock_correct else {torch.float16}), (deepspeed.__version__, dtypes)
+    assert patch.status.startswith("not needed" if stock_correct else "applied"), patch.status
     engine = zero3_engine()
     assert {(p.dtype, p.ds_tensor.dtype) for p in engine.module.parameters()} == {(torch.bfloat16, torch.bfloat16)}
     assert engine(x.half()).dtype == torch.bfloat16  # gathered in bf16; the fp16 input cast at the boundary

@@ -1,4 +1,4 @@
-"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, byte for byte, vendored
+"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored
 in ``tests/upstream/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
 
 A tiny Qwen-Image pipeline from the real classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage,
@@ -19,13 +19,13 @@ import sys
 import pytest
 import yaml
 
-from tests.launch_utils import REPO, SCRIPTS, UPSTREAM_EXAMPLES, accelerate_launch, base_env, explain, one_rank_deepspeed_group
+from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group
 from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
 
-SCRIPT = UPSTREAM_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
+SCRIPT = RELEASE_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
 PROMPT = "a photo of sks dog"
 DOC = REPO / "docs" / "compatibility.md"
 

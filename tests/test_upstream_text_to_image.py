@@ -1,4 +1,4 @@
-"""diffusers' train_text_to_image.py (v0.40.0, byte for byte, vendored in tests/upstream/ and run
+"""diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in tests/upstream/ and run
 unchanged) on 2 CPU ranks, under the shipped cpu_zero2 config and a cpu_zero3 variant with real
 partitioning (stage3_param_persistence_threshold 0, as any real-size UNet is). Issues 16 and 23;
 docs/compatibility.md's rows for this script are asserted here.
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, UPSTREAM_EXAMPLES, base_env, free_port, shipped_zero_configs
+from tests.launch_utils import BIN, RELEASE_EXAMPLES, REPO, SCRIPTS, base_env, free_port, shipped_zero_configs
 from tests.official_scripts import StreamedLaunch, fixed_copy, line_of
 from tests.torchvision_site import with_torchvision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-UPSTREAM = UPSTREAM_EXAMPLES / "text_to_image" / "train_text_to_image.py"
+UPSTREAM = RELEASE_EXAMPLES / "text_to_image" / "train_text_to_image.py"
 DOC = REPO / "docs" / "compatibility.md"
 STEPS, CKPT, RESUMED_STEPS = 10, 5, 12
 VALIDATION_STEPS = 2

@@ -11,8 +11,8 @@ Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the
 - reversible: :meth:`PatchLedger.unpatch_all` puts back the *identical* original object
   (and removes the attribute again where the original was inherited from a base class);
 - queryable: each patch is "not imported", "applied", "skipped: <reason>", "failed: <error>",
-  "inactive here: <why>" (outside its scope, e.g. the CUDA façade in a process no launcher started) or
-  "disabled (ACCEL_NPU_DISABLED_PATCHES)";
+  "inactive here: <why>" (outside its scope, e.g. the CUDA façade in a process no launcher started),
+  "not needed: <why>" (a version the patch declares stock correct) or "disabled (ACCEL_NPU_DISABLED_PATCHES)";
 - transparent to TorchScript: a wrapped torch function still compiles as its aten op (torchscript.py);
 - never raises: an unknown library version, a missing attribute or a broken version string
   becomes "skipped"/"failed" with the reason, not an exception.
@@ -30,7 +30,7 @@ import wrapt
 from accel_npu import environment
 from accel_npu.patching.imports import call_when_imported, still_importing
 from accel_npu.patching import torchscript
-from accel_npu.patching.patch import APPLIED, DISABLED, INACTIVE, NOT_IMPORTED, UNPATCHED, Patch
+from accel_npu.patching.patch import APPLIED, DISABLED, INACTIVE, NOT_IMPORTED, NOT_NEEDED, UNPATCHED, Patch
 
 log = logging.getLogger("accel_npu")
 
@@ -136,6 +136,11 @@ class PatchLedger:
             patch.status = DISABLED
             self._trace(patch)
             return None
+        needless = patch.not_needed()
+        if needless:
+            patch.status = f"{NOT_NEEDED}: {needless}"
+            self._trace(patch)
+            return None
         problem = patch.version_problem()
         if problem:
             patch.status = f"skipped: {problem}"
@@ -201,7 +206,8 @@ class PatchLedger:
     def report(self) -> list[dict[str, str]]:
         return [
             {"target": p.target, "plugin": p.plugin, "supports": p.supports, "status": p.status,
-             "reason": p.reason, "remove_when": p.remove_when}
+             "reason": p.reason, "remove_when": p.remove_when, **({"stock_correct": p.stock_correct}
+                                                                  if p.stock_correct else {})}
             for p in self.patches
         ]
 

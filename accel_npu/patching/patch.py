@@ -14,6 +14,7 @@ APPLIED = "applied"
 UNPATCHED = "unpatched"
 DISABLED = "disabled (ACCEL_NPU_DISABLED_PATCHES)"
 INACTIVE = "inactive here"
+NOT_NEEDED = "not needed"
 
 
 class Patch:
@@ -31,16 +32,21 @@ class Patch:
                  inside ``import torch``.
     scope:       optional :class:`~accel_npu.patching.scope.Scope`: the processes the patch applies in
                  (elsewhere its status is "inactive here: <why>" and the target stays stock).
+    stock_correct: optional requirement on the same distribution, e.g. "deepspeed<0.19": the versions
+                 where the defect does not exist (it came with a later release). There the patch is
+                 "not needed: ...", neither applied nor counted as a version the patch lacks.
 
     A plain class, not a dataclass: plugins declare patches inside ``import torch``, and a
     dataclass's generated methods cost an ``exec`` per class there.
     """
 
-    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "scope", "status",
+    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "scope", "stock_correct",
+                 "status",
                  "_parent", "_attribute", "_original", "_had_own_attribute", "_installed")
 
     def __init__(self, target: str, supports: str, reason: str, remove_when: str,
-                 wrapper: Union[Wrapper, str], plugin: str = "", scope: Scope | None = None) -> None:
+                 wrapper: Union[Wrapper, str], plugin: str = "", scope: Scope | None = None,
+                 stock_correct: str = "") -> None:
         if ":" not in target:
             raise ValueError(f"Patch target {target!r} must be 'module:qualified.name'")
         if isinstance(wrapper, str) and ":" not in wrapper:
@@ -49,6 +55,10 @@ class Patch:
         # The declared path stays readable after the wrapper is resolved (accel-npu env, tests).
         self.wrapper_path = wrapper if isinstance(wrapper, str) else ""
         self._wrapper, self.plugin, self.scope = wrapper, plugin, scope
+        if stock_correct and parse_supports(stock_correct)[0] != parse_supports(supports)[0]:
+            raise ValueError(f"Patch {target!r}: stock_correct {stock_correct!r} names another distribution "
+                             f"than supports {supports!r}")
+        self.stock_correct = stock_correct
         # ledger-owned state
         self.status = NOT_IMPORTED
         self._parent: Any = None
@@ -92,6 +102,16 @@ class Patch:
         dist, clauses = parse_supports(self.supports)
         return dist, installed_version(dist), clauses
 
+    def not_needed(self) -> str | None:
+        """Why the installed version needs no patch (it is in ``stock_correct``), or None."""
+        if not self.stock_correct:
+            return None
+        dist, clauses = parse_supports(self.stock_correct)
+        installed = installed_version(dist)
+        if installed is None or not version_satisfies(installed, clauses):
+            return None
+        return f"{dist} {installed} is in {self.stock_correct}, where stock has no such defect"
+
     def version_problem(self) -> str | None:
         """Why the installed version is not supported, or None when it is."""
         try:
@@ -111,6 +131,6 @@ class Patch:
             dist, installed, clauses = self._installed_against_range()
         except ValueError:
             return None
-        if installed is None or version_satisfies(installed, clauses):
+        if installed is None or version_satisfies(installed, clauses) or self.not_needed():
             return None
         return f"{dist} {installed}"

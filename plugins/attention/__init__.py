@@ -19,7 +19,7 @@ from accel_npu.scopes import CUDA_FACADE
 
 # The wrappers are named by path and imported when their library is: this module is imported inside `import torch`.
 _PKG = "accel_npu.plugins.attention"
-_DIFFUSERS = "diffusers>=0.35,<0.43"
+_DIFFUSERS = "diffusers>=0.35.2,<0.43"
 _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (xformers runs on CUDA only)"
 
 XFORMERS_AVAILABLE = Patch(
@@ -55,7 +55,7 @@ ATTENTION_MODULE_XFORMERS = Patch(
 
 FLASH_ATTENTION_2 = Patch(
     target="transformers.modeling_utils:PreTrainedModel._check_and_adjust_attn_implementation",
-    supports="transformers>=4.56,<5.30",
+    supports="transformers>=4.57.6,<5.26",
     reason="transformers/modeling_utils.py raises ImportError for attn_implementation='flash_attention_2' without "
            "flash_attn: SDPA on cpu (npu: transformers' own path).",
     remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",

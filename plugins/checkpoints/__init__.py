@@ -19,7 +19,7 @@ from accel_npu.patching import Patch
 # (its library imported), not here: this module is imported inside `import torch` and must stay cheap.
 _PKG = "accel_npu.plugins.checkpoints"
 
-_SUPPORTS = "accelerate>=1.10,<1.17"
+_SUPPORTS = "accelerate>=1.10.1,<1.17"
 
 
 def _patch(name, reason, remove_when, wrapper):
@@ -72,26 +72,26 @@ END_TRAINING = Patch(
     wrapper=f"{_PKG}.boundary:end_training")
 GATHERED_ENTER = Patch(
     target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     reason="A ZeRO-3 gather made on one rank for a save hangs; it is announced first, so idle ranks "
            "join it and busy ones make it fail in time.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
     wrapper=f"{_PKG}.serving:gathered_enter")
 ZERO3_FORWARD_FETCH = Patch(
     target="deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     # In the step window (boundary.py) the paused ranks join each of rank 0's fetches.
     reason="A ZeRO-3 forward run on rank 0 alone (train_unconditional.py's sampling) hangs in its gathers.",
     remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
     wrapper=f"{_PKG}.boundary:pre_sub_module_forward")
 DIFFUSERS_SAVE_PRETRAINED = Patch(
-    target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35,<0.43",
+    target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35.2,<0.43",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
            "(train_text_to_image.py's final save); the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
     wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained")
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
-    target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.50,<5.30",
+    target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.57.6,<5.26",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
            "(train_llada2.py's checkpoints); the trained model is lost.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
@@ -99,7 +99,7 @@ TRANSFORMERS_SAVE_PRETRAINED = Patch(
 SAFETENSORS_SAVE_FILE = Patch(
     # transformers/modeling_utils.py binds its alias safe_save_file at import, after this is applied
     # (safetensors.torch imports torch, which activates accel-npu): save_pretrained's shards come here too
-    target="safetensors.torch:save_file", supports="safetensors>=0.4,<0.9",
+    target="safetensors.torch:save_file", supports="safetensors>=0.4.3,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
     wrapper=f"{_PKG}.partitioned:save_file")
@@ -107,7 +107,7 @@ SAFETENSORS_SAVE_FILE = Patch(
 
 PEFT_STATE_DICT = Patch(
     target="peft.utils.save_and_load:get_peft_model_state_dict",
-    supports="peft>=0.13,<0.22",
+    supports="peft>=0.17,<0.22",
     # It hands back the partitioned parameters, which save_file gathers.
     reason="Under ZeRO-3 get_peft_model_state_dict returns empty copies, so save_lora_weights writes "
            "shape-[0] tensors (exit 0) that load_lora_weights refuses.",
@@ -117,7 +117,7 @@ PEFT_STATE_DICT = Patch(
 
 PEFT_LOAD_ADAPTER = Patch(
     target="peft.peft_model:PeftModel.load_adapter",
-    supports="peft>=0.13,<0.22",
+    supports="peft>=0.17,<0.22",
     # Only inside load_state's hooks under DeepSpeed, for an adapter the engine-held model already has.
     reason="On resume, a load hook's load_adapter casts the engine's bf16 LoRA to new fp32 parameters the "
            "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
@@ -127,7 +127,7 @@ PEFT_LOAD_ADAPTER = Patch(
 )
 DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     target="diffusers.loaders.peft:PeftAdapterMixin.load_lora_adapter",
-    supports="diffusers>=0.35,<0.43",
+    supports="diffusers>=0.35.2,<0.43",
     # Keys already in peft's naming are left as they are; the in-place load only inside load_state's hooks
     # under DeepSpeed, for keys matching an adapter the model already has.
     reason="A LoRA mixing old and peft key names loads in part (diffusers #14548); on resume a load hook's "

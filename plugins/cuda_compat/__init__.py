@@ -29,7 +29,7 @@ from accel_npu.scopes import CUDA_FACADE
 # (its target imported), not here: this module is imported inside `import torch` and must stay cheap.
 _PKG = "accel_npu.plugins.cuda_compat"
 
-_SUPPORTS = "torch>=2.5,<2.16"
+_SUPPORTS = "torch>=2.5.1,<2.16"
 _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (torch keeps treating 'cuda' literally)"
 
 

@@ -29,7 +29,7 @@ _PKG = "accel_npu.plugins.ddp"
 
 DDP_UNUSED_PARAMETERS = Patch(
     target="torch.nn.parallel.distributed:DistributedDataParallel.__init__",
-    supports="torch>=2.4,<2.16",
+    supports="torch>=2.5.1,<2.16",
     # Also: DDP(model, device_ids=[rank]) of a CPU module on the cpu backend raises; the ids are dropped.
     reason="DDP with parameters no forward uses dies at step 2 ('Expected to have finished reduction'); "
            "a meta-device probe finds them and sets static_graph.",

@@ -41,7 +41,7 @@ _PKG = "accel_npu.plugins.deepspeed"
 
 DEEPSPEED_LAUNCHER = Patch(
     target="accelerate.commands.launch:deepspeed_launcher",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # A mismatch with the DeepSpeed JSON is another ValueError; a real fp16/bf16 contradiction is one
     # error naming both files, before any worker starts.
     reason="mixed_precision beside deepspeed_config_file fails in every worker (accelerate's "
@@ -53,7 +53,7 @@ DEEPSPEED_LAUNCHER = Patch(
 
 CONFIG_CHECKS = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin._deepspeed_config_checks",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="'the following accelerate config variables will be ignored' for mixed_precision, which "
            "set_mixed_precision reconciles with the DeepSpeed file instead.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
@@ -62,7 +62,7 @@ CONFIG_CHECKS = Patch(
 
 SET_MIXED_PRECISION = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_mixed_precision",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="'`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed config file'; the "
            "file decides, a real fp16/bf16 clash is one ConfigError.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
@@ -72,7 +72,7 @@ SET_MIXED_PRECISION = Patch(
 
 PLUGIN_POST_INIT = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.__post_init__",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # Also where the accel_npu_configure_deepspeed hook sees every DeepSpeed config.
     reason="A script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently overrides the launch "
            "config's deepspeed_config_file; the launch-side file wins.",
@@ -84,7 +84,7 @@ PLUGIN_POST_INIT = Patch(
 # -- ZeRO-3 fetch outside inference mode ------------------------------------------------------------
 ZERO3_FETCH = Patch(
     target="deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator.fetch_sub_module",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     # ZeRO-3 keeps parameters gathered after a forward without backward.
     reason="ZeRO-3 parameters gathered under inference_mode() break the next training forward "
            "('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
@@ -96,7 +96,7 @@ ZERO3_FETCH = Patch(
 # -- accelerator.prepare: several models with one optimizer; "auto" micro batch size ------------------
 PREPARE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # Several models with one optimizer over all their trainable parameters (diffusers' custom_diffusion with
     # --modifier_token) become one engine over a container of them (models_together.py); other multi-model
     # calls keep accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
@@ -114,7 +114,7 @@ PREPARE = Patch(
 # -- inputs of the other half dtype -----------------------------------------------------------------
 ENGINE_INPUT_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.forward",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     # diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py run frozen towers in fp16 under a
     # bf16 config and stop with 'mat1 and mat2 must have the same dtype' (models/embeddings.py).
     reason="DeepSpeed casts inputs only under fp16.auto_cast: other-half inputs are cast; fp32 activations run "
@@ -125,7 +125,11 @@ ENGINE_INPUT_DTYPE = Patch(
 
 ZERO3_PARAM_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
-    supports="deepspeed>=0.19,<0.20",
+    supports="deepspeed>=0.19.2,<0.20",
+    # Before 0.19.2 _configure_distributed_model called module.bfloat16()/half() on every model, zero.Init
+    # partitions included (deepspeed 0.19.1 runtime/engine.py), which cast what a script cast after loading;
+    # 0.19.2 moved the cast into _cast_module_mixed_precision, which skips zero.Init models.
+    stock_correct="deepspeed<0.19.2",
     # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config.
     reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
            "loading trains in the wrong dtype; partitions are cast.",
@@ -141,7 +145,7 @@ ZERO3_PARAM_DTYPE = Patch(
 # engine after every step.
 ENGINE_PARAMETERS = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.parameters",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     reason="A script iterating a ZeRO-3 engine's parameters() reads shape-[0] partitions ('size of tensor a (3) "
            "must match ... b (0)'); gathered while held.",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
@@ -150,7 +154,7 @@ ENGINE_PARAMETERS = Patch(
 
 ENGINE_NAMED_PARAMETERS = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.named_parameters",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     reason="A script iterating a ZeRO-3 engine's named_parameters() reads shape-[0] partitions; gathered while "
            "held (GatheredParameters).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",

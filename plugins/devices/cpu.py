@@ -141,7 +141,7 @@ def _register_close_at_exit(wrapped, instance, args, kwargs):
 
 PREPARE_BACKEND = Patch(
     target="accelerate.state:PartialState._prepare_backend",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="No accelerator + distributed launch: stock returns no backend, so every rank is "
            "rank 0 of 1 while DeepSpeed's gloo group has N (duplicate data and checkpoints).",
     remove_when="accelerate selects gloo/MULTI_CPU for LOCAL_RANK launches without an accelerator",
@@ -150,7 +150,7 @@ PREPARE_BACKEND = Patch(
 
 VALIDATE_LAUNCH = Patch(
     target="accelerate.commands.launch:_validate_launch_command",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="`accelerate launch --num_processes N` without an accelerator starts 1 process "
            "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
     remove_when="accelerate launches N gloo workers with torchrun on CPU-only machines",
@@ -160,7 +160,7 @@ VALIDATE_LAUNCH = Patch(
 
 FSDP_ON_CPU = Patch(
     target="accelerate.state:AcceleratorState.__init__",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # accelerate/state.py AcceleratorState.__init__ sets DistributedType.FSDP only for
     # MULTI_GPU/NPU/XPU/..., never MULTI_CPU.
     reason="An FSDP launch config on gloo ranks silently trains as plain DDP: accelerate/state.py "
@@ -171,7 +171,7 @@ FSDP_ON_CPU = Patch(
 
 CLOSE_GLOO_AT_EXIT = Patch(
     target="accelerate.state:PartialState.__init__",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # A gloo worker that drops its last work (its tensors) after Python starts finalizing needs the
     # GIL and aborts ('terminate called without an active exception'); the atexit fix pytorch#179291
     # was abandoned. At exit: destroy the default group, then wait until the groups still
@@ -205,7 +205,7 @@ def _shm_op_only_when_asked(wrapped, instance, args, kwargs):
 
 SHM_OP_ONLY_WHEN_ASKED = Patch(
     target="deepspeed.comm.torch:build_shm_op",
-    supports="deepspeed>=0.16,<0.20",
+    supports="deepspeed>=0.16.9,<0.20",
     reason="deepspeed/comm/torch.py TorchBackend.__init__ compiles the CPU shm all-reduce op with g++ "
            "(fails without a compiler); only inference_all_reduce uses it.",
     remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",

@@ -25,7 +25,7 @@ _PKG = "accel_npu.plugins.frozen_towers"
 
 PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="DeepSpeed casts a frozen fp32 VAE/text encoder held by the model to bf16 ('Input type "
            "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
     remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",

@@ -27,7 +27,7 @@ COLLECTIVES = (
     "scatter_object_list",
 )
 
-_SUPPORTS = "torch>=2.5,<2.16"
+_SUPPORTS = "torch>=2.5.1,<2.16"
 # The target is torch.distributed's own binding, not distributed_c10d where the functions are
 # defined: `from .distributed_c10d import *` binds these names when torch imports torch.distributed,
 # before accel-npu activates at the end of `import torch`, and the callers (deepspeed.comm,

@@ -125,7 +125,7 @@ def _launch_agent(wrapped, instance, args, kwargs):
 
 LAUNCH_AGENT = Patch(
     target="torch.distributed.launcher.api:launch_agent",
-    supports="torch>=2.5,<2.16",
+    supports="torch>=2.5.1,<2.16",
     reason="Workers must inherit accel-npu's activation and the backend's environment defaults, and "
            "a launch that cannot work must be refused before they start.",
     remove_when="never: this is how accel-npu reaches launched workers",

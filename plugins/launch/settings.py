@@ -154,7 +154,7 @@ def _launch_command(wrapped, instance, args, kwargs):
 
 LAUNCH_COMMAND = Patch(
     target="accelerate.commands.launch:launch_command",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     # accelerate configs also cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...):
     # `accel-npu config`'s sidecar is applied here.
     reason="A relative deepspeed_config_file resolves against each worker's cwd, so a shipped config "

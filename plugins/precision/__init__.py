@@ -46,7 +46,7 @@ _PKG = "accel_npu.plugins.precision"
 # -- 1. autocast("cuda") ----------------------------------------------------------------------------
 AUTOCAST = Patch(
     target="torch.amp.autocast_mode:autocast.__init__",
-    supports="torch>=2.5,<2.16",
+    supports="torch>=2.5.1,<2.16",
     reason="autocast('cuda') without CUDA: torch/amp/autocast_mode.py disables autocast with a warning "
            "and the script silently trains in fp32; it runs on the active device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
@@ -61,7 +61,7 @@ AUTOCAST = Patch(
 def _norm_patch(name: str) -> Patch:
     return Patch(
         target=f"torch.nn.functional:{name}",
-        supports="torch>=2.5,<2.16",
+        supports="torch>=2.5.1,<2.16",
         reason=f"{name} under CPU autocast, half weights, other activations: 'mixed dtype (CPU)'; fp32 as on CUDA/NPU.",
         remove_when=f"torch's CPU autocast lists {name} among its fp32 ops, as its CUDA autocast does",
         wrapper=f"{_PKG}.autocast:norm_in_fp32",
@@ -77,7 +77,7 @@ LAYER_NORM_FP32, GROUP_NORM_FP32 = _norm_patch("layer_norm"), _norm_patch("group
 def _concat_patch(name: str) -> Patch:
     return Patch(
         target=f"torch:{name}",
-        supports="torch>=2.5,<2.16",
+        supports="torch>=2.5.1,<2.16",
         reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; promotes as on CUDA.",
         remove_when=f"torch's CPU autocast stops promoting {name} (CUDA's does not)",
         wrapper=f"{_PKG}.autocast:concat_as_on_cuda",
@@ -91,7 +91,7 @@ CAT_AS_ON_CUDA, STACK_AS_ON_CUDA = _concat_patch("cat"), _concat_patch("stack")
 # -- 1b. GradScaler("cuda") -------------------------------------------------------------------------
 GRAD_SCALER = Patch(
     target="torch.amp.grad_scaler:GradScaler.__init__",
-    supports="torch>=2.5,<2.16",
+    supports="torch>=2.5.1,<2.16",
     # torch_npu implements _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ for npu
     # (Ascend/pytorch test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py).
     reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler without CUDA, so fp16 autocast on "
@@ -105,7 +105,7 @@ GRAD_SCALER = Patch(
 # -- 1c. accelerate's fp16 on the cpu backend -------------------------------------------------------
 ACCELERATOR_FP16_CPU = Patch(
     target="accelerate.accelerator:Accelerator.__init__",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="accelerate ignores mixed_precision fp16 on a cpu device (fp32, no scaler): the cpu backend "
            "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
     remove_when="accelerate runs fp16 autocast with a GradScaler on cpu",
@@ -117,7 +117,7 @@ ACCELERATOR_FP16_CPU = Patch(
 # -- 6. bf16 .numpy() -------------------------------------------------------------------------------
 BF16_NUMPY = Patch(
     target="torch._tensor:Tensor.numpy",
-    supports="torch>=2.5,<2.16",
+    supports="torch>=2.5.1,<2.16",
     reason="tensor.numpy() on bfloat16 raises 'TypeError: Got unsupported ScalarType BFloat16' "
            "(numpy has no bfloat16); returns a float32 array.",
     remove_when="numpy gains a bfloat16 dtype that torch converts to",
@@ -128,7 +128,7 @@ BF16_NUMPY = Patch(
 # -- 2. fused AdamW ---------------------------------------------------------------------------------
 ADAMW_INIT = Patch(
     target="torch.optim.adamw:AdamW.__init__",
-    supports="torch>=2.5,<2.16",
+    supports="torch>=2.5.1,<2.16",
     # On npu AdamW defaults to torch_npu's fused kernel, but never with an fp16 GradScaler's
     # grad_scale/found_inf, which torch_npu's fused mode does not take.
     reason="AdamW(fused=True) raises where torch/torch_npu has no fused kernel for a parameter's device "
@@ -141,7 +141,7 @@ ADAMW_INIT = Patch(
 # -- 7. float64 on the npu backend (float64.py, imported when diffusers' module is) ---------------------
 LUMINA2_FREQS_CIS = Patch(
     target="diffusers.models.transformers.transformer_lumina2:Lumina2RotaryPosEmbed._precompute_freqs_cis",
-    supports="diffusers>=0.33,<0.43",
+    supports="diffusers>=0.35.2,<0.43",
     # transformer_lumina2.py:245 (v0.40.0) guards only mps; the tables go to the device on every forward
     reason="Lumina2's RoPE tables are complex128 except on mps and NPU kernels reject float64 (diffusers #10428): "
            "complex64 on npu, as on mps.",
@@ -156,7 +156,7 @@ LUMINA2_FREQS_CIS = Patch(
 # collate_fn rebuilt as fp32 ('expected m1 and m2 to have the same dtype').
 FROZEN_HALF_DIFFUSERS = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.to",
-    supports="diffusers>=0.33,<0.43",
+    supports="diffusers>=0.35.2,<0.43",
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
            "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
@@ -165,7 +165,7 @@ FROZEN_HALF_DIFFUSERS = Patch(
 
 FROZEN_HALF_TRANSFORMERS = Patch(
     target="transformers.modeling_utils:PreTrainedModel.to",
-    supports="transformers>=4.50,<5.30",
+    supports="transformers>=4.57.6,<5.26",
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
            "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
@@ -177,7 +177,7 @@ FROZEN_HALF_TRANSFORMERS = Patch(
 # but gives only the adapter to the optimizer: a half model no prepared optimizer holds is as good as frozen.
 FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
     target="accelerate.optimizer:AcceleratedOptimizer.__init__",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="Which parameters the prepared optimizers hold: a half model given fp32 activations whose gradients "
            "no optimizer applies runs under autocast as a frozen one.",
     remove_when="with the frozen half models' autocast",

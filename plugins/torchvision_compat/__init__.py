@@ -30,7 +30,7 @@ _PKG = "accel_npu.plugins.torchvision_compat"
 
 FAKE_IMPL_OF_MISSING_OPS = Patch(
     target="torch.library:register_fake",
-    supports="torch>=2.4,<2.16",
+    supports="torch>=2.5.1,<2.16",
     reason="A torchvision wheel built for another torch dies on import: 'operator torchvision::nms does "
            "not exist' (pytorch/vision#9085); its fake impls are skipped.",
     remove_when="torchvision/_meta_registrations.py guards register_fake with extension._has_ops()",

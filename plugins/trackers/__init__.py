@@ -26,7 +26,7 @@ _PKG = "accel_npu.plugins.trackers"
 
 TENSORBOARD_HPARAMS = Patch(
     target="accelerate.tracking:TensorBoardTracker.store_init_configuration",
-    supports="accelerate>=1.10,<1.17",
+    supports="accelerate>=1.10.1,<1.17",
     reason="init_trackers(config=vars(args)) with a list/dict value raises in torch's add_hparams "
            "(accelerate #3727); TensorBoard records its str(), hparams.yml the value.",
     remove_when="accelerate's TensorBoardTracker or torch's hparams accept (or stringify) non-scalar values",

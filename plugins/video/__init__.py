@@ -21,7 +21,7 @@ _REASON = ("decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not ena
 def _ctx_patch(module: str, cls: str) -> Patch:
     return Patch(
         target=f"decord.{module}:{cls}.__init__",
-        supports="decord>=0.6,<0.7",
+        supports="decord==0.6.0",
         reason=_REASON.format(cls),
         remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
         wrapper=f"{_PKG}.readers:{module}_init",
