@@ -38,7 +38,7 @@ def lower_venv(tmp_path_factory):
     steps = [[str(py), "-m", "pip", "install", "-q", "setuptools", "wheel", f"torch=={_torch_here()}"],
              # non-editable, the set's pins in one resolve (deepspeed's sdist imports torch in its setup.py)
              [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", f"torch=={_torch_here()}", str(REPO),
-              "pytest", "pytest-timeout", "decord==0.6.0", *pins]]
+              "matplotlib", "pytest", "pytest-timeout", "decord==0.6.0", *pins]]  # README installs matplotlib too
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=root)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
