@@ -96,7 +96,13 @@ def qwen_tokenizer(folder):
         json.dump(vocab, f)
     with open(os.path.join(folder, "merges.txt"), "w") as f:
         f.write("#version: 0.2\n")
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x's slow tokenizer reads the two files
+        tok = Qwen2Tokenizer(vocab_file=os.path.join(folder, "vocab.json"),
+                             merges_file=os.path.join(folder, "merges.txt"), errors="replace")
+    else:
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
     tok.add_special_tokens({"additional_special_tokens": _SPECIAL[1:]})
     tok.save_pretrained(folder)
     return tok

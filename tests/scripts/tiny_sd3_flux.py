@@ -32,6 +32,25 @@ VAE = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,
            scaling_factor=1.5035, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def _unigram(pieces):
+    """The Unigram tokenizer transformers 5's T5TokenizerFast(vocab=...) builds (tokenization_t5.py): Metaspace
+    pre-tokenizer and decoder, "</s>" appended to every sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tk = Tokenizer(models.Unigram(pieces, unk_id=2))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                      special_tokens=[("</s>", 1)])
+    return tk
+
+
 def t5_tokenizer(directory: str):
     """A Unigram T5TokenizerFast over a few words (pieces with SentencePiece's word marker)."""
     from transformers import T5TokenizerFast
@@ -39,7 +58,11 @@ def t5_tokenizer(directory: str):
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [("\u2581" + w, -1.0) for w in WORDS + ["sks", "photo"] if ("\u2581" + w, -1.0) not in pieces]
     pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
+    if _transformers_major() < 5:  # 4.x builds a fast tokenizer from files or a tokenizers object only
+        tok = T5TokenizerFast(tokenizer_object=_unigram(pieces), extra_ids=0, eos_token="</s>", unk_token="<unk>",
+                              pad_token="<pad>")
+    else:
+        tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
     tok.save_pretrained(directory)
     return T5TokenizerFast.from_pretrained(directory)
 
