@@ -4,7 +4,7 @@
     nox -l                                   # the sessions
     nox -s lower                             # one set: fresh venv, every check, a results row
     nox -s lower -- quick                    # lifecycle, import order, env, main job only (CI's subset)
-    nox -s newest --reuse-existing-virtualenvs
+    nox -r -s newest                         # reuse its venv (-r; never -R, which skips the installs)
 
 Each session snapshots the working tree (tracked + untracked, not ignored files) into the session's
 tmp dir, so a checkout edited while it runs does not mix two versions; installs torch first (2.13.0 is
@@ -112,6 +112,22 @@ def run_check(session, name, cmd, cwd, env, logs, ok=lambda out: True, timeout=3
     return result
 
 
+def _check_installed_is_the_snapshot(session, src: Path) -> None:
+    """The accel-npu the venv holds is the snapshot's, file for file: ``nox -R`` (``--no-install``) skips
+    every install, and a row would then record a reused venv's older accel-npu under this commit."""
+    probe = ("import pathlib, sys, accel_npu, accel_npu.plugins as p\n"
+             "root = pathlib.Path(sys.argv[1])\n"
+             "for pkg, src in ((accel_npu, root / 'accel_npu'), (p, root / 'plugins')):\n"
+             "    for f in src.rglob('*.py'):\n"
+             "        if (pathlib.Path(pkg.__path__[0]) / f.relative_to(src)).read_bytes() != f.read_bytes():\n"
+             "            sys.exit(f'differs from the snapshot: {f.relative_to(root)}')\n")
+    proc = subprocess.run([str(Path(session.bin) / "python"), "-c", probe, str(src)], cwd="/", capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        session.error(f"the installed accel-npu is not this snapshot ({proc.stderr.strip()[-300:]}); "
+                      "nox -R skips installs: use -r (--reuse-existing-virtualenvs) to reuse a venv")
+
+
 def matrix_session(session, name: str, spec: dict) -> None:
     started = time.time()
     wanted = set(results.CHECKS)
@@ -134,6 +150,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
     session.install("--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env)
 
     bin_dir = Path(session.bin)
+    _check_installed_is_the_snapshot(session, src)
     env = {**os.environ, **pip_env, **spec.get("env", {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "VIRTUAL_ENV": str(bin_dir.parent), "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
