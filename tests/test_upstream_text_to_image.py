@@ -69,19 +69,19 @@ class Run(StreamedLaunch):
 
 
 def _unet_state(directory: Path) -> dict:
-    from safetensors.torch import load
+    from safetensors.torch import load_file
 
-    # read into memory: load_file's tensors map the file, and safetensors 0.4.3's save_file rewrites an existing
-    # file in place, so a later run saving to the same path would change a state kept from an earlier one
-    return load((directory / "unet" / "diffusion_pytorch_model.safetensors").read_bytes())
+    # copied into memory: load_file's tensors map the file, and safetensors 0.4.3's save_file rewrites an
+    # existing file in place, so a later run saving to the same path would change a state kept from an earlier one
+    return {k: v.clone() for k, v in load_file(str(directory / "unet" / "diffusion_pytorch_model.safetensors")).items()}
 
 
 def _load(path: Path):
     import torch
-    from safetensors.torch import load
+    from safetensors.torch import load_file
 
     if path.suffix == ".safetensors":
-        return load(path.read_bytes())  # in memory, as _unet_state
+        return {k: v.clone() for k, v in load_file(str(path)).items()}  # in memory, as _unet_state
     if path.suffix == ".json":
         return json.loads(path.read_text())
     if path.suffix in (".pt", ".bin", ".pkl"):

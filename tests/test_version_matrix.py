@@ -115,3 +115,24 @@ def test_the_env_check_fails_on_a_patch_skipped_inside_the_declared_range():
     # applied, not needed, inactive here: neither
     for status in ("applied", "not needed: pytest 8 is in pytest<999, ...", "inactive here: not launched"):
         assert matrix.env_violations(_report(status), ranges) == ([], [])
+
+
+# -- a release that needs a newer torch than it declares: explained after the traceback -------------------
+@pytest.mark.parametrize("torch_version,diffusers_version,explained", [
+    ("2.5.1", "0.42.1", True),     # what pip resolves under torch_npu 2.5.1's torch (the torch_npu_2_5 row)
+    ("2.5.1", "0.40.0", False),    # before diffusers used torch.accelerator: the error has another cause
+    ("2.6.0", "0.42.1", False),    # torch has torch.accelerator: not this cause
+])
+def test_diffusers_needing_torch_accelerator_on_torch_2_5_is_explained(monkeypatch, torch_version, diffusers_version,
+                                                                        explained):
+    from accel_npu.plugins.explain_errors import versions
+    from accel_npu.plugins.explain_errors.excepthook import explanations
+
+    installed = {"torch": torch_version, "diffusers": diffusers_version}
+    monkeypatch.setattr("accel_npu.patching.installed_version", installed.get)
+    lines = explanations(AttributeError("module 'torch' has no attribute 'accelerator'"))
+    want = (f"diffusers {diffusers_version} needs torch >= 2.6 (torch.accelerator; diffusers does not declare it) "
+            f"and torch {torch_version} is installed: pip install 'diffusers<0.41.0', or use a torch (and torch_npu) "
+            f"pair >= 2.6.")
+    assert (want in lines) is explained, lines
+    assert versions.explain(AttributeError("module 'torch' has no attribute 'xyz'")) is None

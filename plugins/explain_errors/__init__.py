@@ -5,7 +5,8 @@ Plugins recognise errors whose cause is the environment rather than the script (
 touching the NPU, graph capture under ``TASK_QUEUE_ENABLE=2``); this plugin prints their lines after
 Python's own traceback, so the last thing a user reads is the fix.
 
-This module declares the patch; ``excepthook.py`` holds the wrapper and ``explanations``.
+This module declares the patch; ``excepthook.py`` holds the wrapper and ``explanations``; ``versions.py``
+explains a library release that needs a newer torch than it declares.
 """
 from __future__ import annotations
 
@@ -29,3 +30,11 @@ EXCEPTHOOK = Patch(
 @hookimpl
 def accel_npu_register_patches():
     return [EXCEPTHOOK]
+
+
+@hookimpl
+def accel_npu_explain_error(error):
+    # a library release that needs a newer torch than it declares (versions.py)
+    from accel_npu.plugins.explain_errors import versions
+
+    return versions.explain(error)

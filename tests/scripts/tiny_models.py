@@ -72,6 +72,18 @@ QWEN_IMAGE_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, at
 QWEN_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=2, max_position_embeddings=512,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+
+
+def _qwen_vl_text() -> dict:
+    """QWEN_VL_TEXT as the installed transformers reads it: 4.x takes the multimodal RoPE as rope_scaling
+    (configuration_qwen2_5_vl.py of 4.57) and ignores rope_parameters, which 5.x reads."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return dict(QWEN_VL_TEXT)
+    rope = QWEN_VL_TEXT["rope_parameters"]
+    return {**{k: v for k, v in QWEN_VL_TEXT.items() if k != "rope_parameters"}, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
 QWEN_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                       fullatt_block_indexes=[0], patch_size=4, window_size=8)
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -121,7 +133,7 @@ def qwen_image_pipeline(folder) -> dict:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _SPECIAL}
     torch.manual_seed(0)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config={**QWEN_VL_TEXT, "vocab_size": n, "pad_token_id": ids["<|endoftext|>"],
+        text_config={**_qwen_vl_text(), "vocab_size": n, "pad_token_id": ids["<|endoftext|>"],
                      "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"]},
         vision_config=QWEN_VL_VISION, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
