@@ -9,6 +9,7 @@ benchmarks/results/versions.md is the torch floor's evidence. Everything else is
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -32,12 +33,15 @@ def _torch_here() -> str:
 @pytest.fixture(scope="module")
 def lower_venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("lower")
+    # a copy of the tree, as nox snapshots it: the non-editable build writes build/ and *.egg-info into its source
+    shutil.copytree(REPO, root / "src", ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".ci-venv", ".nox", "__pycache__", "*.egg-info", "build", "dist", "outputs", ".pytest_cache"))
     venv.create(root / "venv", with_pip=True)
     py = root / "venv" / "bin" / "python"
     pins = matrix.SETS["lower"]["pins"]
     steps = [[str(py), "-m", "pip", "install", "-q", "setuptools", "wheel", f"torch=={_torch_here()}"],
              # non-editable, the set's pins in one resolve (deepspeed's sdist imports torch in its setup.py)
-             [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", f"torch=={_torch_here()}", str(REPO),
+             [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", f"torch=={_torch_here()}", str(root / "src"),
               "matplotlib", "pytest", "pytest-timeout", "decord==0.6.0", *pins]]  # README installs matplotlib too
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=root)
@@ -53,7 +57,7 @@ def test_lifecycle_and_import_order_at_the_lower_bounds(lower_venv):
     py = lower_venv / "venv" / "bin" / "python"
     proc = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            "tests/test_patch_lifecycle.py", "tests/test_import_order.py"],
-                          cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=1500)
+                          cwd=lower_venv / "src", env=base_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-6000:]
 
 
@@ -63,7 +67,8 @@ def test_readme_main_job_at_the_lower_bounds(lower_venv):
     env = base_env(PATH=f"{bin_dir}:{base_env().get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
     proc = subprocess.run([str(bin_dir / "accelerate"), "launch", "--config_file", "launch_configs/cpu_zero3.yaml",
                            "docs/examples/train_dit.py", "--output_dir", str(out / "out"), "--cache_dir",
-                           str(out / "cache")], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                           str(out / "cache")], cwd=lower_venv / "src", env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, explain(proc)
     # witnesses: the saved transformer loads with the lower set's diffusers, its weights moved from the initial ones
     check = subprocess.run([str(bin_dir / "python"), "-c",
