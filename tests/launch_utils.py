@@ -34,6 +34,20 @@ def _examples_of_installed_diffusers() -> Path:
 
 # the official scripts of the installed diffusers' release (the ones the version matrix's "official" check runs)
 RELEASE_EXAMPLES = _examples_of_installed_diffusers()
+
+
+def release_examples_env(env: dict) -> dict:
+    """``env`` for a launch of a RELEASE_EXAMPLES script. The LoRA scripts end with
+    ``load_lora_weights(output_dir)``, no weight_name; diffusers before 0.37 refuses that under HF_HUB_OFFLINE even
+    for a local folder (loaders/lora_base.py ``_best_guess_weight_name``), so their launches run without it:
+    every path the tests' runs read is local, and online mode reaches no hub."""
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    if Version(importlib.metadata.version("diffusers")) < Version("0.37.0"):
+        env = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
+    return env
 BIN = Path(sys.executable).parent
 # the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
 OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)

@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, ended_by_launcher, explain, \
-    run_concurrently
+    release_examples_env, run_concurrently
 from tests.official_scripts import loaded_lora, lora_file, master_lora
 from tests.torchvision_site import with_torchvision
 
@@ -156,14 +156,6 @@ def _args(kind: str, pipe, videos, out, steps: int, *extra: str) -> list[str]:
             "--rank", "4", "--lora_alpha", "8", "--seed", "0", "--learning_rate", "1e-2", *extra]
 
 
-def _diffusers_below(version: str) -> bool:
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    return Version(importlib.metadata.version("diffusers")) < Version(version)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (CompletedProcess, output dir)} plus the pipeline folders and the LoRA after step 4."""
@@ -179,14 +171,8 @@ def runs(tmp_path_factory):
     def launch(name, kind, steps, *extra, **env):
         out = root / name
         out.mkdir(exist_ok=True)
-        launch_env = base_env(**env)
-        if _diffusers_below("0.37.0"):
-            # the script's final load_lora_weights(output_dir) names no weight_name; diffusers before 0.37
-            # refuses that under HF_HUB_OFFLINE even for a local folder (loaders/lora_base.py
-            # _best_guess_weight_name). Every path these runs read is local: online mode reaches no hub.
-            launch_env.pop("HF_HUB_OFFLINE", None)
         proc = accelerate_launch(_args(kind, pipes[kind], videos, out, steps, *extra),
-                                 env=with_torchvision(launch_env), timeout=600, cwd=root)
+                                 env=with_torchvision(release_examples_env(base_env(**env))), timeout=600, cwd=root)
         return proc, out
 
     done = {}

@@ -19,7 +19,8 @@ import sys
 import pytest
 import yaml
 
-from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group
+from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group, \
+    release_examples_env
 from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
 
@@ -179,7 +180,7 @@ def _train(config, pipe, images, out, steps: int, *extra: str):
             "--checkpointing_steps", "2", "--rank", "4", "--lora_alpha", "8", "--max_sequence_length", "16",
             "--seed", "0", "--learning_rate", "1e-2", "--skip_final_inference", *extra]
     # the script imports torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
-    return accelerate_launch(args, env=with_torchvision(base_env()), timeout=400, cwd=out.parent)
+    return accelerate_launch(args, env=with_torchvision(release_examples_env(base_env())), timeout=400, cwd=out.parent)
 
 
 def _loaded_lora(pipe, lora_dir) -> dict:
