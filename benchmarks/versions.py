@@ -45,10 +45,9 @@ SETS = {
                                               "pluggy==1.5.0", "wrapt==1.16.0", "filelock==3.12.0", "tqdm==4.66.3",
                                               "packaging==23.0"]),
     # torch_npu's pairings (each torch_npu release pairs with exactly one torch)
-    # pip's own resolve under torch 2.5.1 picks diffusers 0.42.1, which needs torch.accelerator (torch 2.6) at
-    # import without declaring it; the set installs what accel-npu's explanation of that error says
-    # (plugins/explain_errors/versions.py)
-    "torch_npu_2_5": dict(torch="torch==2.5.1", pins=["diffusers<0.41.0"]),
+    # pip's own resolve under torch 2.5.1 picks diffusers 0.42.1 and transformers 5.25, which need torch 2.6
+    # without declaring it; the set installs what accel-npu's launch warning says (accel_npu/compat.py)
+    "torch_npu_2_5": dict(torch="torch==2.5.1", pins=["diffusers<0.41.0", "transformers<5.0.0"]),
     "torch_npu_2_6": dict(torch="torch==2.6.0", pins=[]),
     "torch_npu_2_7": dict(torch="torch==2.7.1", pins=[]),
     "torch_npu_2_9": dict(torch="torch==2.9.1", pins=[]),

@@ -117,22 +117,24 @@ def test_the_env_check_fails_on_a_patch_skipped_inside_the_declared_range():
         assert matrix.env_violations(_report(status), ranges) == ([], [])
 
 
-# -- a release that needs a newer torch than it declares: explained after the traceback -------------------
-@pytest.mark.parametrize("torch_version,diffusers_version,explained", [
-    ("2.5.1", "0.42.1", True),     # what pip resolves under torch_npu 2.5.1's torch (the torch_npu_2_5 row)
-    ("2.5.1", "0.40.0", False),    # before diffusers used torch.accelerator: the error has another cause
-    ("2.6.0", "0.42.1", False),    # torch has torch.accelerator: not this cause
+# -- a release that needs a newer torch than it declares: named after the traceback and at launch -------------
+@pytest.mark.parametrize("installed,named", [
+    # what pip resolves under torch_npu 2.5.1's torch (the torch_npu_2_5 rows)
+    ({"torch": "2.5.1", "diffusers": "0.42.1", "transformers": "5.25.0"}, ["diffusers", "transformers"]),
+    ({"torch": "2.5.1", "diffusers": "0.40.0", "transformers": "4.57.6"}, []),   # the releases before them
+    ({"torch": "2.6.0", "diffusers": "0.42.1", "transformers": "5.25.0"}, []),   # torch has what they need
 ])
-def test_diffusers_needing_torch_accelerator_on_torch_2_5_is_explained(monkeypatch, torch_version, diffusers_version,
-                                                                        explained):
-    from accel_npu.plugins.explain_errors import versions
+def test_a_release_needing_a_newer_torch_than_it_declares_is_named(monkeypatch, caplog, installed, named):
     from accel_npu.plugins.explain_errors.excepthook import explanations
+    from accel_npu.plugins.launch.launcher import _warn_undeclared_torch_needs
 
-    installed = {"torch": torch_version, "diffusers": diffusers_version}
     monkeypatch.setattr("accel_npu.patching.installed_version", installed.get)
     lines = explanations(AttributeError("module 'torch' has no attribute 'accelerator'"))
-    want = (f"diffusers {diffusers_version} needs torch >= 2.6 (torch.accelerator; diffusers does not declare it) "
-            f"and torch {torch_version} is installed: pip install 'diffusers<0.41.0', or use a torch (and torch_npu) "
-            f"pair >= 2.6.")
-    assert (want in lines) is explained, lines
-    assert versions.explain(AttributeError("module 'torch' has no attribute 'xyz'")) is None
+    mine = [line for line in lines if "does not declare it" in line]
+    since = {"diffusers": "0.41.0", "transformers": "5.0.0"}
+    assert [f"pip install '{d}<{since[d]}'" in " ".join(mine) for d in named] == [True] * len(named)
+    assert bool(mine) is bool(named) and all(f"torch {installed['torch']} is installed" in m for m in mine)
+    with caplog.at_level("WARNING", logger="accel_npu"):
+        _warn_undeclared_torch_needs()
+    warned = [r.getMessage() for r in caplog.records if "does not declare it" in r.getMessage()]
+    assert [d for d in named if any(w.startswith(f"accel-npu: {d} ") for w in warned)] == named and len(warned) == len(named)

@@ -37,4 +37,4 @@ def accel_npu_explain_error(error):
     # a library release that needs a newer torch than it declares (versions.py)
     from accel_npu.plugins.explain_errors import versions
 
-    return versions.explain(error)
+    return " ".join(versions.explain(error)) or None

@@ -85,6 +85,7 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
     if bootstrap_dir() not in paths:
         environ["PYTHONPATH"] = os.pathsep.join([bootstrap_dir(), *paths])
     _warn_patches_outside_their_range()
+    _warn_undeclared_torch_needs()
     if added:
         log.info("accel-npu: worker environment defaults: %s",
                  ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
@@ -105,6 +106,15 @@ def _warn_patches_outside_their_range() -> None:
                 "(install versions inside the ranges, or an accel-npu release that supports yours; "
                 "`accel-npu env` lists them): %s", len(off), ", ".join(versions),
                 "; ".join(f"{p.target} ({p.supports}): {p.reason}" for p in off))
+
+
+def _warn_undeclared_torch_needs() -> None:
+    """A library release that needs a newer torch than installed (accel_npu.compat): every rank would fail far
+    from the cause, so the launch says it once, with the pip fix, before any worker starts."""
+    from accel_npu.compat import undeclared_torch_mismatches
+
+    for line in undeclared_torch_mismatches():
+        log.warning("accel-npu: %s", line)
 
 
 def _launch_agent(wrapped, instance, args, kwargs):
