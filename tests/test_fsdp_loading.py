@@ -190,11 +190,11 @@ def test_fsdp2_other_ranks_receive_into_their_shards_only(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["1.10.1", "1.12.0", "1.13.0", "1.16.0"])
 def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
-    """The patch declares accelerate>=1.10: on each pip-installed release (1.10-1.12 take no
+    """The patch declares accelerate>=1.10.1: on each pip-installed release (1.10-1.12 take no
     cpu_offload; 1.10/1.11 broadcast on the mesh's group) it replaces the real function the same way."""
     from accel_npu.plugins.loading import FSDP2_LOAD_FULL_STATE_DICT
 
-    assert FSDP2_LOAD_FULL_STATE_DICT.supports == "accelerate>=1.10,<1.17"
+    assert FSDP2_LOAD_FULL_STATE_DICT.supports == "accelerate>=1.10.1,<1.17"
     target = tmp_path / f"accelerate-{version}"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                           f"accelerate=={version}"], capture_output=True, text=True, timeout=600)
