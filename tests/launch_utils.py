@@ -38,14 +38,14 @@ RELEASE_EXAMPLES = _examples_of_installed_diffusers()
 
 def release_examples_env(env: dict) -> dict:
     """``env`` for a launch of a RELEASE_EXAMPLES script. The LoRA scripts end with
-    ``load_lora_weights(output_dir)``, no weight_name; diffusers before 0.37 refuses that under HF_HUB_OFFLINE even
+    ``load_lora_weights(output_dir)``, no weight_name; diffusers before 0.41 refuses that under HF_HUB_OFFLINE even
     for a local folder (loaders/lora_base.py ``_best_guess_weight_name``), so their launches run without it:
     every path the tests' runs read is local, and online mode reaches no hub."""
     import importlib.metadata
 
     from packaging.version import Version
 
-    if Version(importlib.metadata.version("diffusers")) < Version("0.37.0"):
+    if Version(importlib.metadata.version("diffusers")) < Version("0.41.0"):
         env = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
     return env
 BIN = Path(sys.executable).parent
