@@ -21,14 +21,18 @@ UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "example
 
 def _examples_of_installed_diffusers() -> Path:
     """The vendored examples/ a user of the installed diffusers runs: each official script starts with
-    check_min_version(<its release>), so v0.40.0's stop under diffusers 0.35-0.39, whose users run the
-    scripts of their release (v0.35.2's, vendored for the version matrix's lower set)."""
+    check_min_version(<its release>), so v0.40.0's stop under an older diffusers, whose users run the scripts
+    of their release: v0.39.0's (what pip resolves beside transformers 4.x, torch_npu 2.5.1's set) and
+    v0.35.2's (the lower set), vendored for the version matrix."""
     import importlib.metadata
 
     from packaging.version import Version
 
-    if Version(importlib.metadata.version("diffusers")) >= Version("0.40.0"):
-        return UPSTREAM_EXAMPLES
+    installed = Version(importlib.metadata.version("diffusers"))
+    for release, folder in (("0.40.0", UPSTREAM_EXAMPLES.parent), ("0.39.0", "diffusers-v0.39.0"),
+                            ("0.35.2", "diffusers-v0.35.2")):
+        if installed >= Version(release):
+            return REPO / "tests" / "upstream" / folder / "examples"
     return REPO / "tests" / "upstream" / "diffusers-v0.35.2" / "examples"
 
 
