@@ -60,27 +60,6 @@ OFFICIAL_TESTS = ["tests/test_upstream_text_to_image.py", "tests/test_upstream_q
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|error)\b:? ")
 
 
-def snapshot(dest: Path, lift: dict) -> None:
-    """The working tree's tracked and untracked (not ignored) files, copied to ``dest``."""
-    shutil.rmtree(dest, ignore_errors=True)
-    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, files):
-        if name.startswith((".nox/", ".venv/")):  # never a venv, whatever .gitignore says
-            continue
-        src = REPO / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    for dist, cap in lift.items():
-        pattern = re.compile(rf"(?<![\w.-])({re.escape(dist)}>=[\d.]+,<)[\d.]+")
-        for path in [dest / "setup.cfg", *(dest / "plugins").rglob("*.py"), *(dest / "accel_npu").rglob("*.py")]:
-            text = path.read_text()
-            new = pattern.sub(rf"\g<1>{cap}", text)
-            if new != text:
-                path.write_text(new)
-
-
 def first_error(output: str) -> str:
     lines = [line.strip() for line in output.splitlines()]
     for prefix in ("E   ", "FAILED ", "ERROR "):
@@ -140,7 +119,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
     tmp = Path(session.create_tmp()).resolve()
     src = tmp / "src"
     commit, dirty, changed = results.git_state(REPO)
-    snapshot(src, lift)
+    results.snapshot(REPO, src, lift)
     pip_env = {"PIP_CONSTRAINT": "/dev/null"} if lift.get("torch") or spec.get("past_machine_cap") else {}
     session.install("setuptools", "wheel", "packaging", env=pip_env)
     session.install(spec["torch"], env=pip_env)

@@ -69,6 +69,31 @@ CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env",
                 "gated": "version-gated patches", "main_job": "README main job", "official": "official scripts"}
 
 
+def snapshot(root: Path, dest: Path, lift: dict | None = None) -> None:
+    """The working tree's tracked and untracked (not ignored) files under ``root``, copied to ``dest``: what a
+    matrix session installs and runs (a non-editable build writes build/ and *.egg-info into its source).
+    ``lift``: {dist: new exclusive cap} written into the copy's setup.cfg and ``supports=`` strings."""
+    import shutil
+
+    shutil.rmtree(dest, ignore_errors=True)
+    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if name.startswith((".nox/", ".venv/")):  # never a venv, whatever .gitignore says
+            continue
+        src = root / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    for dist, cap in (lift or {}).items():
+        pattern = re.compile(rf"(?<![\w.-])({re.escape(dist)}>=[\d.]+,<)[\d.]+")
+        for path in [dest / "setup.cfg", *(dest / "plugins").rglob("*.py"), *(dest / "accel_npu").rglob("*.py")]:
+            text = path.read_text()
+            new = pattern.sub(rf"\g<1>{cap}", text)
+            if new != text:
+                path.write_text(new)
+
+
 # ------------------------------------------------------------------------------------------------
 # check-env
 # ------------------------------------------------------------------------------------------------

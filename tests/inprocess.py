@@ -4,6 +4,14 @@ import contextlib
 import accel_npu
 
 
+def declared_patches() -> list:
+    """Every patch the registered plugins declare, as the plugin manager hands them to the ledger."""
+    from accel_npu.manager import get_plugin_manager
+
+    pm = get_plugin_manager()
+    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()]
+
+
 @contextlib.contextmanager
 def stock():
     """Run the body with every accel-npu patch removed (the exact originals back), then re-arm."""

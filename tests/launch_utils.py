@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -19,21 +21,19 @@ SCRIPTS = REPO / "tests" / "scripts"
 UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "examples"
 
 
+# the installed diffusers' release: which official scripts its users run, and how they launch (below)
+INSTALLED_DIFFUSERS = Version(importlib.metadata.version("diffusers"))
+
+
 def _examples_of_installed_diffusers() -> Path:
     """The vendored examples/ a user of the installed diffusers runs: each official script starts with
     check_min_version(<its release>), so v0.40.0's stop under an older diffusers, whose users run the scripts
     of their release: v0.39.0's (what pip resolves beside transformers 4.x, torch_npu 2.5.1's set) and
     v0.35.2's (the lower set), vendored for the version matrix."""
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    installed = Version(importlib.metadata.version("diffusers"))
-    for release, folder in (("0.40.0", UPSTREAM_EXAMPLES.parent), ("0.39.0", "diffusers-v0.39.0"),
-                            ("0.35.2", "diffusers-v0.35.2")):
-        if installed >= Version(release):
+    for release, folder in (("0.40.0", UPSTREAM_EXAMPLES.parent.name), ("0.39.0", "diffusers-v0.39.0")):
+        if INSTALLED_DIFFUSERS >= Version(release):
             return REPO / "tests" / "upstream" / folder / "examples"
-    return REPO / "tests" / "upstream" / "diffusers-v0.35.2" / "examples"
+    return REPO / "tests" / "upstream" / "diffusers-v0.35.2" / "examples"  # the declared lower bound's
 
 
 # the official scripts of the installed diffusers' release (the ones the version matrix's "official" check runs)
@@ -45,13 +45,11 @@ def release_examples_env(env: dict) -> dict:
     ``load_lora_weights(output_dir)``, no weight_name; diffusers before 0.41 refuses that under HF_HUB_OFFLINE even
     for a local folder (loaders/lora_base.py ``_best_guess_weight_name``), so their launches run without it:
     every path the tests' runs read is local, and online mode reaches no hub."""
-    import importlib.metadata
-
-    from packaging.version import Version
-
-    if Version(importlib.metadata.version("diffusers")) < Version("0.41.0"):
+    if INSTALLED_DIFFUSERS < Version("0.41.0"):
         env = {k: v for k, v in env.items() if k != "HF_HUB_OFFLINE"}
     return env
+
+
 BIN = Path(sys.executable).parent
 # the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
 OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)

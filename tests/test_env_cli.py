@@ -3,14 +3,8 @@ import json
 import subprocess
 
 from accel_npu.scopes import CUDA_FACADE
+from tests.inprocess import declared_patches as _declared_patches
 from tests.launch_utils import BIN, base_env
-
-
-def _declared_patches():
-    from accel_npu.manager import get_plugin_manager
-
-    pm = get_plugin_manager()
-    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in (impl.function() or ())]
 
 
 def _declared():

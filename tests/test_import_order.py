@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from tests.inprocess import declared_patches as _declared_patches
 from tests.launch_utils import base_env
 
 LIBRARIES = ["torch", "accelerate", "diffusers", "transformers", "deepspeed", "decord"]
@@ -40,13 +41,6 @@ for patch in ledger.patches:
     importlib.import_module(patch.module)
 print("RESULT " + json.dumps({p.target: p.status for p in ledger.patches}))
 '''
-
-
-def _declared_patches() -> list:
-    from accel_npu.manager import get_plugin_manager
-
-    pm = get_plugin_manager()
-    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()]
 
 
 def _declared_targets() -> set[str]:

@@ -9,7 +9,6 @@ benchmarks/results/versions.md is the torch floor's evidence. Everything else is
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import venv
@@ -33,9 +32,7 @@ def _torch_here() -> str:
 @pytest.fixture(scope="module")
 def lower_venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("lower")
-    # a copy of the tree, as nox snapshots it: the non-editable build writes build/ and *.egg-info into its source
-    shutil.copytree(REPO, root / "src", ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".ci-venv", ".nox", "__pycache__", "*.egg-info", "build", "dist", "outputs", ".pytest_cache"))
+    matrix.snapshot(REPO, root / "src")  # the tree's files, as a matrix session installs them
     venv.create(root / "venv", with_pip=True)
     py = root / "venv" / "bin" / "python"
     pins = matrix.SETS["lower"]["pins"]

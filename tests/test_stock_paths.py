@@ -75,11 +75,9 @@ SAMPLES = {
 
 
 def _torch_targets() -> set[str]:
-    from accel_npu.manager import get_plugin_manager
+    from tests.inprocess import declared_patches
 
-    pm = get_plugin_manager()
-    return {p.target for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()
-            if p.module.split(".")[0] == "torch"}
+    return {p.target for p in declared_patches() if p.module.split(".")[0] == "torch"}
 
 
 def test_every_wrapped_torch_callable_has_a_torchscript_sample():

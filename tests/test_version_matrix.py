@@ -11,6 +11,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.inprocess import declared_patches as _declared_patches
 from tests.launch_utils import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -33,13 +34,6 @@ def _bounds(specifier) -> tuple[str | None, str | None]:
     lower = next((s.version for s in specifier if s.operator in (">=", "==")), None)
     upper = next((s.version for s in specifier if s.operator in ("<", "==")), None)
     return lower, upper
-
-
-def _declared_patches():
-    from accel_npu.manager import get_plugin_manager
-
-    pm = get_plugin_manager()
-    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()]
 
 
 DECLARED = _install_requires()

@@ -27,11 +27,9 @@ def _accelerate_outside_the_range(tmp_path):
 
 
 def _accelerate_patches():
-    from accel_npu.manager import get_plugin_manager
+    from tests.inprocess import declared_patches
 
-    pm = get_plugin_manager()
-    return {p.target for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()
-            if p.supports.startswith("accelerate")}
+    return {p.target for p in declared_patches() if p.supports.startswith("accelerate")}
 
 
 @pytest.mark.slow

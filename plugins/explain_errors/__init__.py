@@ -5,8 +5,8 @@ Plugins recognise errors whose cause is the environment rather than the script (
 touching the NPU, graph capture under ``TASK_QUEUE_ENABLE=2``); this plugin prints their lines after
 Python's own traceback, so the last thing a user reads is the fix.
 
-This module declares the patch; ``excepthook.py`` holds the wrapper and ``explanations``; ``versions.py``
-explains a library release that needs a newer torch than it declares.
+This module declares the patch and names a library release that needs a newer torch than it declares
+(accel_npu.compat); ``excepthook.py`` holds the wrapper and ``explanations``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def accel_npu_register_patches():
 
 @hookimpl
 def accel_npu_explain_error(error):
-    # a library release that needs a newer torch than it declares (versions.py)
-    from accel_npu.plugins.explain_errors import versions
+    # whatever the error, a library release that needs a newer torch than installed is its likely cause, and
+    # the error itself (an AttributeError on torch.accelerator, a TypeError in object.__init__) does not say so
+    from accel_npu.compat import undeclared_torch_mismatches
 
-    return " ".join(versions.explain(error)) or None
+    return " ".join(undeclared_torch_mismatches()) or None

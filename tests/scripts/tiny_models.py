@@ -77,9 +77,7 @@ QWEN_VL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, n
 def _qwen_vl_text() -> dict:
     """QWEN_VL_TEXT as the installed transformers reads it: 4.x takes the multimodal RoPE as rope_scaling
     (configuration_qwen2_5_vl.py of 4.57) and ignores rope_parameters, which 5.x reads."""
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    if transformers_major() >= 5:
         return dict(QWEN_VL_TEXT)
     rope = QWEN_VL_TEXT["rope_parameters"]
     return {**{k: v for k, v in QWEN_VL_TEXT.items() if k != "rope_parameters"}, "rope_theta": rope["rope_theta"],
@@ -88,6 +86,13 @@ QWEN_VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2
                       fullatt_block_indexes=[0], patch_size=4, window_size=8)
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]
+
+
+def transformers_major() -> int:
+    """The installed transformers' major release: 4.x and 5.x build tokenizers and configs differently."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def qwen_tokenizer(folder):
@@ -108,9 +113,7 @@ def qwen_tokenizer(folder):
         json.dump(vocab, f)
     with open(os.path.join(folder, "merges.txt"), "w") as f:
         f.write("#version: 0.2\n")
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x's slow tokenizer reads the two files
+    if transformers_major() < 5:  # 4.x's slow tokenizer reads the two files
         tok = Qwen2Tokenizer(vocab_file=os.path.join(folder, "vocab.json"),
                              merges_file=os.path.join(folder, "merges.txt"), errors="replace")
     else:

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from tiny_models import dreambooth_images  # noqa: E402,F401  (re-exported for the tests)
+from tiny_models import transformers_major  # noqa: E402
 from tiny_sd import WORDS, write_tokenizer  # noqa: E402
 
 CLIP_LENGTH = 77  # the scripts' hard-coded CLIP max_length
@@ -30,12 +31,6 @@ T5 = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_atten
 VAE = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
            norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
            scaling_factor=1.5035, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
-
-
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
 
 
 def _unigram(pieces):
@@ -58,7 +53,7 @@ def t5_tokenizer(directory: str):
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [("\u2581" + w, -1.0) for w in WORDS + ["sks", "photo"] if ("\u2581" + w, -1.0) not in pieces]
     pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    if _transformers_major() < 5:  # 4.x builds a fast tokenizer from files or a tokenizers object only
+    if transformers_major() < 5:  # 4.x builds a fast tokenizer from files or a tokenizers object only
         tok = T5TokenizerFast(tokenizer_object=_unigram(pieces), extra_ids=0, eos_token="</s>", unk_token="<unk>",
                               pad_token="<pad>")
     else:
