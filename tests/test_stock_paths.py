@@ -289,3 +289,38 @@ def test_torchscript_entries_follow_the_wrappers_through_unpatch_and_repatch():
         assert _find_builtin(torch.stack) == "aten::stack" and script_and_run() == [3.0, 3.0]
     assert type(torch.stack).__name__ == "FunctionWrapper"
     assert _find_builtin(torch.stack) == "aten::stack" and script_and_run() == [3.0, 3.0]
+
+
+def test_torchscript_entries_hold_when_the_table_was_built_under_someone_elses_function():
+    """deepspeed.zero.Init swaps torch.zeros for its own function while a model is built; a table built then
+    holds that function's id, neither the original's nor a wrapper's. Patched, unpatched and patched again
+    afterwards, a scripted torch.zeros still compiles as aten::zeros."""
+    import torch
+    import torch.jit._builtins as builtins
+
+    import accel_npu
+    from tests.inprocess import stock
+
+    accel_npu.patch()
+    current = torch.zeros
+
+    def someone_elses_zeros(*args, **kwargs):
+        return current(*args, **kwargs)
+
+    # built again below, as a first script inside zero.Init builds it: from torch's modules as they are then
+    # (the entries an earlier build registered are left out, or the rebuild would find them)
+    ops = builtins._builtin_ops
+    builtins._builtin_ops = [entry for entry in ops if getattr(entry[0], "__name__", None) != "zeros"]
+    builtins._builtin_table = None
+    torch.zeros = someone_elses_zeros
+    try:
+        builtins._get_builtin_table()
+    finally:
+        torch.zeros = current
+        builtins._builtin_ops = ops
+    assert builtins._find_builtin(torch.zeros) is None  # the state the ledger now meets
+    with stock():
+        assert builtins._find_builtin(torch.zeros) == "aten::zeros"
+    assert type(torch.zeros).__name__ == "FunctionWrapper" and builtins._find_builtin(torch.zeros) == "aten::zeros"
+    unit = torch.jit.CompilationUnit("def f(a: Tensor):\n    return a + torch.zeros(2)\n")
+    assert unit.f(torch.ones(2)).tolist() == [1.0, 1.0]
