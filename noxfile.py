@@ -121,12 +121,14 @@ def matrix_session(session, name: str, spec: dict) -> None:
     commit, dirty, changed = results.git_state(REPO)
     results.snapshot(REPO, src, lift)
     pip_env = {"PIP_CONSTRAINT": "/dev/null"} if lift.get("torch") or spec.get("past_machine_cap") else {}
-    session.install("setuptools", "wheel", "packaging", env=pip_env)
-    session.install(spec["torch"], env=pip_env)
+    # --no-compile: modules are byte-compiled when first imported, not all of them at install (minutes of CPU)
+    session.install("--no-compile", "setuptools", "wheel", "packaging", env=pip_env)
+    session.install("--no-compile", spec["torch"], env=pip_env)
     # deepspeed's sdist imports torch in its setup.py: built against the session's torch, not an isolated one
     # torch again in this resolve: otherwise pip upgrades it for a library's newest release (accelerate 1.16
     # needs a newer torch than 2.5.1) instead of resolving that library's release for the set's torch
-    session.install("--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env)
+    session.install("--no-compile", "--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"],
+                    env=pip_env)
 
     bin_dir = Path(session.bin)
     _check_installed_is_the_snapshot(session, src)

@@ -56,8 +56,8 @@ def wheel_target(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheel = next((work / "dist").glob("accel_npu-*.whl"))
     target = work / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                           str(wheel)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps",
+                           "--target", str(target), str(wheel)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (target / "accel_npu" / "plugins" / "__init__.py").is_file()
     assert not (target / "plugins").exists(), "the wheel must not install a top-level 'plugins' package"

@@ -36,9 +36,12 @@ def lower_venv(tmp_path_factory):
     venv.create(root / "venv", with_pip=True)
     py = root / "venv" / "bin" / "python"
     pins = matrix.SETS["lower"]["pins"]
-    steps = [[str(py), "-m", "pip", "install", "-q", "setuptools", "wheel", f"torch=={_torch_here()}"],
+    # --no-compile: modules are byte-compiled when first imported; pip would compile every module it installs
+    # (transformers and diffusers alone: about 20 s of CPU), most of which no test imports
+    pip = [str(py), "-m", "pip", "install", "-q", "--no-compile"]
+    steps = [[*pip, "setuptools", "wheel", f"torch=={_torch_here()}"],
              # non-editable, the set's pins in one resolve (deepspeed's sdist imports torch in its setup.py)
-             [str(py), "-m", "pip", "install", "-q", "--no-build-isolation", f"torch=={_torch_here()}", str(root / "src"),
+             [*pip, "--no-build-isolation", f"torch=={_torch_here()}", str(root / "src"),
               "matplotlib", "pytest", "pytest-timeout", "decord==0.6.0", *pins]]  # README installs matplotlib too
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=root)

@@ -54,7 +54,7 @@ def package_site(requirement: str) -> str:
         if not (site / name / "__init__.py").is_file():
             partial = Path(tempfile.mkdtemp(dir=root, prefix="partial-"))
             # --no-deps: its Requires-Dist pins torch; pip must not touch the torch under test.
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--no-deps",
                                    "--disable-pip-version-check", "--target", str(partial),
                                    requirement], capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
