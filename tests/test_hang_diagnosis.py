@@ -77,12 +77,17 @@ def test_stalled_rank_named_with_stacks_and_the_job_fails_where_stock_waits_on(t
                                  env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)), timeout=300)
         _check_report(logs, proc, time.time(), "sum_losses", "dist.all_reduce(total)")
 
-        # 2. Plain gloo through torchrun: rank 0 blocks on an async all_reduce's handle, outside the
-        #    collective call, as a host does on HCCL/NCCL.
+        # 2. Plain gloo through torchrun: rank 0 blocks on an async collective's handle, outside the
+        #    collective call, as a host does on HCCL/NCCL. Under torch >= 2.13 the collective is
+        #    all_gather_single: unwatched, the report would count the barrier before it and name no one.
         logs = tmp_path / "plain"
         proc = subprocess.run(_torchrun(logs, "--plain"), env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)),
                               capture_output=True, text=True, timeout=300)
         _check_report(logs, proc, time.time(), "sum_asynchronously", "handle.wait()")
+        import torch.distributed as dist
+
+        collective = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_reduce"
+        assert f"since {collective} #" in _rank_logs(logs, 0)[1], _rank_logs(logs, 0)[1][-4000:]
 
         # Stock: the same plain run is still waiting well past the bound the accel-npu runs met.
         stock_entered = None

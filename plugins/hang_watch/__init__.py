@@ -26,6 +26,9 @@ COLLECTIVES = (
     "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather_object",
     "scatter_object_list",
 )
+#: torch 2.13's names for the single-tensor collectives (pytorch PR 186130; absent before): the deprecated
+#: all_gather_into_tensor / reduce_scatter_tensor forward to them, and callers migrate to them (FSDP, PR 186124).
+SINGLE_TENSOR_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
 
 _SUPPORTS = "torch>=2.5.1,<2.16"
 # The target is torch.distributed's own binding, not distributed_c10d where the functions are
@@ -42,6 +45,10 @@ COLLECTIVE_PATCHES = tuple(
     Patch(target=f"torch.distributed:{name}", supports=_SUPPORTS, reason=_REASON, remove_when=_REMOVE_WHEN,
           wrapper=collective_wrapper(name))
     for name in COLLECTIVES
+) + tuple(
+    Patch(target=f"torch.distributed:{name}", supports="torch>=2.13,<2.16", stock_correct="torch<2.13",
+          reason=_REASON, remove_when=_REMOVE_WHEN, wrapper=collective_wrapper(name))
+    for name in SINGLE_TENSOR_COLLECTIVES
 )
 
 INIT_PROCESS_GROUP = Patch(

@@ -4,8 +4,8 @@
       DeepSpeed ZeRO-2: one training step on both ranks, then rank 1 sleeps and rank 0 enters
       `torch.distributed.all_reduce` (gloo blocks in it).
   torchrun --nproc_per_node 2 stall_one_rank.py --plain
-      gloo only: rank 0 starts an asynchronous all_reduce and blocks on its handle, outside the
-      collective call, as a host does on HCCL/NCCL (the call returns once queued).
+      gloo only: rank 0 starts an asynchronous all_gather_single (all_reduce before torch 2.13) and blocks
+      on its handle, outside the collective call, as a host does on HCCL/NCCL (the call returns once queued).
 
 Rank 0 prints `RESULT {"rank": 0, "entering": ...}` just before the collective it will wait in.
 """
@@ -50,16 +50,25 @@ def sum_losses(loss):
     return total
 
 
+#: the asynchronous collective of the plain run: torch >= 2.13's single-tensor gather, by its own name
+ASYNC_COLLECTIVE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_reduce"
+
+
 def sum_asynchronously(value):
     total = torch.tensor([value])
-    handle = dist.all_reduce(total, async_op=True)
+    if ASYNC_COLLECTIVE == "all_gather_single":
+        gathered = torch.empty(dist.get_world_size())
+        handle = dist.all_gather_single(gathered, total, async_op=True)
+    else:
+        gathered, handle = None, dist.all_reduce(total, async_op=True)
     handle.wait()  # rank 0 waits here for rank 1
-    return total
+    return total if gathered is None else gathered.sum(0, keepdim=True)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--plain", action="store_true", help="gloo without accelerate/DeepSpeed, async all_reduce")
+    p.add_argument("--plain", action="store_true",
+                   help="gloo without accelerate/DeepSpeed, an async all_gather_single (all_reduce before torch 2.13)")
     p.add_argument("--stall", type=float, default=600.0, help="seconds rank 1 sleeps before the collective")
     a = p.parse_args()
     if a.plain:
@@ -71,7 +80,8 @@ def main():
     if rank == 1:
         time.sleep(a.stall)
     else:
-        print("RESULT " + json.dumps({"rank": rank, "pid": os.getpid(), "entering": "all_reduce", "at": time.time()}),
+        entering = ASYNC_COLLECTIVE if a.plain else "all_reduce"
+        print("RESULT " + json.dumps({"rank": rank, "pid": os.getpid(), "entering": entering, "at": time.time()}),
               flush=True)
     total = sum_asynchronously(1.0) if a.plain else sum_losses(loss)
     print("RESULT " + json.dumps({"rank": rank, "total": total.tolist()}), flush=True)
