@@ -46,6 +46,10 @@ def wrapper_installed(original, installed) -> None:
         return
     op = table.get(id(original)) or _op_by_name(installed)
     if op is not None:
+        # kept alive for the process, as torch keeps its own entries' functions (``_builtin_ops``): an id is
+        # reused once its object is freed, and a removed wrapper can come back (deepspeed.zero.Init puts back
+        # the torch.zeros it saved at import on exit, partition_parameters.py), so its entry stays
+        _builtins()._builtin_ops.append((installed, op))
         table[id(installed)] = op
 
 
@@ -53,6 +57,6 @@ def wrapper_removed(original, installed) -> None:
     table = _table()
     if table is None:
         return
-    op = table.pop(id(installed), None) or _op_by_name(original)
+    op = table.get(id(installed)) or _op_by_name(original)
     if op is not None:
         table.setdefault(id(original), op)
