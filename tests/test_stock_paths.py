@@ -241,7 +241,8 @@ def test_where_the_facade_answers():
         on, _ = _sees(**env)
         assert on["is_available"] is True and on["autocast_cuda_enabled"] is True, env
         assert not on["stock_objects"] and on["facade_statuses"] == ["applied"], env
-        assert on["device_count"] == int(env.get("LOCAL_WORLD_SIZE", on["device_count"])), env
+        if "LOCAL_WORLD_SIZE" in env:
+            assert on["device_count"] == 2, on
     # opted out of a launched rank; a value that means nothing is named once and leaves torch stock
     off, _ = _sees(LOCAL_RANK="0", ACCEL_NPU_CUDA_FACADE="0")
     assert off["is_available"] is False and off["facade_statuses"] == ["inactive here: ACCEL_NPU_CUDA_FACADE=0"]
