@@ -50,8 +50,12 @@ SETS = {
     "torch_npu_2_5": dict(torch="torch==2.5.1", pins=["diffusers<0.41.0", "transformers<5.0.0"]),
     "torch_npu_2_6": dict(torch="torch==2.6.0", pins=[]),
     "torch_npu_2_7": dict(torch="torch==2.7.1", pins=[]),
+    "torch_npu_2_8": dict(torch="torch==2.8.0", pins=[]),
     "torch_npu_2_9": dict(torch="torch==2.9.1", pins=[]),
+    "torch_npu_2_10": dict(torch="torch~=2.10.0", pins=[]),
+    "torch_npu_2_11": dict(torch="torch~=2.11.0", pins=[]),
     "torch_npu_2_12": dict(torch="torch~=2.12.0", pins=[]),
+    "torch_npu_2_13": dict(torch="torch==2.13.0", pins=[]),
     "torch_npu_2_14": dict(torch="torch~=2.14.0", pins=[]),
     # the oldest accelerate and diffusers on the newest torch
     "oldest_libs_newest_torch": dict(torch="torch==2.15.0", pins=["accelerate==1.10.1", "diffusers==0.35.2"],
