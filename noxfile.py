@@ -3,7 +3,7 @@
     pip install nox
     nox -l                                   # the sessions
     nox -s lower                             # one set: fresh venv, every check, a results row
-    nox -s lower -- quick                    # lifecycle, import order, env, main job only (CI's subset)
+    nox -s lower -- quick                    # every check but the official scripts
     nox -r -s newest                         # reuse its venv (-r; never -R, which skips the installs)
 
 Each session snapshots the working tree (tracked + untracked, not ignored files) into the session's
@@ -16,6 +16,8 @@ NON-editable with its test extra and the set's pins in one resolve; then runs, f
   version inside its declared range; every skipped one named)
 - gated: GATED_TESTS, the tests of patches whose need depends on the version (stock_correct)
 - main_job: README's ``accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py``
+- examples: ``pytest tests/test_example_plugin.py`` (docs/examples/accel-npu-dit4dit, a plugin a repository ships:
+  pip-installed, listed by ``accel-npu env``, its patch applied, blockable by name)
 - official: tests/test_upstream_text_to_image.py (ZeRO-3 threshold 0), tests/test_upstream_qwen_lora.py
   (Qwen-Image DreamBooth LoRA), tests/test_upstream_cogvideox_lora.py (CogVideoX LoRA), each with
   checkpoint + resume; the scripts of the installed diffusers' release (tests.launch_utils.RELEASE_EXAMPLES)
@@ -176,6 +178,9 @@ def matrix_session(session, name: str, spec: dict) -> None:
             [str(bin_dir / "accelerate"), "launch", "--config_file", "launch_configs/cpu_zero3.yaml",
              "docs/examples/train_dit.py", "--output_dir", str(out_dir / "out"), "--cache_dir", str(out_dir / "cache")],
             src, env, logs, ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir())
+    if "examples" in wanted:
+        checks["examples"] = run_check(session, "examples", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                             "tests/test_example_plugin.py"], src, env, logs)
     if "official" in wanted:
         checks["official"] = run_check(session, "official", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                                              *OFFICIAL_TESTS], src, env, logs)

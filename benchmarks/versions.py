@@ -68,9 +68,9 @@ SETS = {
     # (tests/torchvision_site.py) is the newest released one, as a user would have it
     "newest": dict(torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}),
 }
-CHECKS = ("lifecycle", "env", "gated", "main_job", "official")
-CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env",
-                "gated": "version-gated patches", "main_job": "README main job", "official": "official scripts"}
+CHECKS = ("lifecycle", "env", "gated", "main_job", "examples", "official")
+CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env", "gated": "version-gated patches",
+                "main_job": "README main job", "examples": "docs/examples plugin", "official": "official scripts"}
 
 
 def snapshot(root: Path, dest: Path, lift: dict | None = None) -> None:
