@@ -199,9 +199,10 @@ def _define(name: str, spec: dict) -> None:
     def session_fn(session):
         matrix_session(session, name, spec)
 
-    session_fn.__doc__ = f"{spec['torch']} {' '.join(spec['pins'])}".strip() + \
+    session_fn.__doc__ = (f"Python {spec['python']}: " if spec.get("python") else "") + \
+        f"{spec['torch']} {' '.join(spec['pins'])}".strip() + \
         (f" (caps lifted: {spec['lift']})" if spec.get("lift") else "")
-    nox.session(name=name)(session_fn)
+    nox.session(name=name, python=spec.get("python"))(session_fn)
 
 
 for _name, _spec in SETS.items():

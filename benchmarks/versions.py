@@ -63,6 +63,11 @@ SETS = {
     # the ends of the ZeRO-3 dtype patch's stock_correct range (deepspeed<0.19.2) and of its supports range
     "deepspeed_0_19_1": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.1"]),
     "deepspeed_0_19_2": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.2"]),
+    # the ends of python_requires (>=3.10): its lowest release on a torch_npu pairing, and the newest Python
+    # with the newest releases; nox finds the interpreter on PATH (python3.10, python3.12)
+    "python_3_10": dict(python="3.10", torch="torch==2.7.1", pins=[]),
+    "python_3_12": dict(python="3.12", torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True,
+                        env={"TORCHVISION_VERSION": "0.29.2"}),
     # the newest releases
     # torchvision 0.30.0 (torch 2.15's pair) is not on the registry yet: the official scripts' torchvision
     # (tests/torchvision_site.py) is the newest released one, as a user would have it
@@ -243,16 +248,16 @@ def render() -> None:
         f"- Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"rendered {datetime.datetime.now().isoformat(timespec='seconds')}",
         "",
-        "| session | torch | accelerate | deepspeed | diffusers | transformers | peft | "
+        "| session | Python | torch | accelerate | deepspeed | diffusers | transformers | peft | "
         + " | ".join(CHECK_TITLES[c] for c in CHECKS) + " | wall | commit | date |",
-        "|" + "---|" * (7 + len(CHECKS) + 3),
+        "|" + "---|" * (8 + len(CHECKS) + 3),
     ]
     for name, row in latest.items():
         v = row["versions"]
         marks = sorted({c["commit"] for c in row["checks"].values()})
         commit = ", ".join(marks) + (" (+: uncommitted changes)" if any(m.endswith("+") for m in marks) else "")
         lifted = f" (caps lifted: {', '.join(row['lifted'])})" if row.get("lifted") else ""
-        lines.append(f"| {name}{lifted} | " + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
+        lines.append(f"| {name}{lifted} | {v.get('python') or '-'} | " + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
                      + " | ".join(_cell(row["checks"].get(c)) for c in CHECKS)
                      + f" | {row['wall_s']:.0f} s | {commit} | {row['date']} |")
     lines += ["", "## First error of each failed check", ""]
