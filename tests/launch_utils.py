@@ -51,6 +51,16 @@ def release_examples_env(env: dict) -> dict:
 
 
 BIN = Path(sys.executable).parent
+
+
+def source_tree(dest: Path) -> Path:
+    """The repository's files as a fresh clone of this working tree has them (tracked, and untracked but not
+    ignored): what a wheel is built from, never this checkout's venvs, .nox sessions or build output."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import versions  # benchmarks/versions.py: the snapshot nox sessions install
+
+    versions.snapshot(REPO, dest)
+    return dest
 # the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
 OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)
 # CI runs one official script per distinct shape; RUN_OFFICIAL_MATRIX=1 runs the tests/test_official_*.py

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import BIN, REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port, results
+from tests.launch_utils import BIN, REPO, SCRIPTS, accelerate_launch, base_env, explain, free_port, results, source_tree
 
 CONFIGS = REPO / "launch_configs"
 SIDECAR = ".accel-npu.yaml"
@@ -47,12 +47,10 @@ def test_templates_are_package_data_of_accel_npu_launch_configs():
 
 def test_a_built_wheel_ships_every_template(tmp_path):
     """What `pip install accel-npu` gets: a wheel built from a copy of the source tree."""
-    import shutil
     import zipfile
 
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "tests", "benchmarks", "build", "dist", "__pycache__", "*.egg-info"))
+    source_tree(src)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

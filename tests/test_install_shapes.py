@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, results
+from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, results, source_tree
 
 def builtin_modules() -> set[str]:
     from accel_npu.manager import DEFAULT_PLUGINS
@@ -49,8 +49,7 @@ def wheel_target(tmp_path_factory):
     directory of its own that the processes below get on PYTHONPATH."""
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", ".ci-venv", "outputs", "build",
-                                                              "dist", "*.egg-info", "__pycache__"))
+    source_tree(src)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(work / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

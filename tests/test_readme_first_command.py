@@ -8,14 +8,13 @@ this test run's venv, so the command builds its own `.venv` exactly as written.
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import REPO, explain
+from tests.launch_utils import REPO, explain, source_tree
 
 README = REPO / "README.md"
 
@@ -24,17 +23,6 @@ def first_command() -> str:
     block = re.search(r"```bash\n(.*?)```", README.read_text(), flags=re.S).group(1).splitlines()
     assert block[0].startswith("# install and run the main job")
     return block[1]
-
-
-def fresh_clone(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        src = REPO / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def user_environment() -> dict[str, str]:
@@ -56,7 +44,7 @@ def test_readme_first_command_is_the_documented_shape():
 
 @pytest.mark.slow
 def test_readme_first_command_verbatim_in_a_fresh_clone(tmp_path):
-    clone = fresh_clone(tmp_path / "accel-npu")
+    clone = source_tree(tmp_path / "accel-npu")
     proc = subprocess.run(["bash", "-c", first_command()], cwd=clone, env=user_environment(),
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, explain(proc)
