@@ -159,6 +159,30 @@ def test_version_ranges_agree_with_packaging(supports, installed):
     assert version_satisfies(installed, clauses) == spec.contains(Version(installed).public, prereleases=True)
 
 
+def test_an_installed_version_reads_the_same_whether_or_not_its_package_is_imported(monkeypatch):
+    """A package's __version__ serves while it is the metadata's; one with a local label (torch's CUDA wheels:
+    2.9.1+cu128 there, 2.9.1 in their metadata) gives way to the metadata, so a status reads the same in
+    every process."""
+    import importlib.metadata
+    import types
+
+    from accel_npu.patching.versions import installed_version
+
+    def read(module):  # the answer is cached per process: read afresh with the package as given
+        monkeypatch.setitem(sys.modules, "pluggy", module)
+        installed_version.cache_clear()
+        return installed_version("pluggy")
+
+    metadata = importlib.metadata.version("pluggy")
+    try:
+        assert read(None) == metadata
+        assert read(types.SimpleNamespace(__version__=metadata + "+cu128")) == metadata
+        assert read(types.SimpleNamespace(__version__="9.9.9")) == "9.9.9"  # the cheap path: no metadata scan
+    finally:
+        monkeypatch.undo()
+        installed_version.cache_clear()
+
+
 LOCK_ORDER = r'''
 import sys, threading
 sys.path.insert(0, sys.argv[1])

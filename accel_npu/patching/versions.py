@@ -57,10 +57,12 @@ def installed_version(dist: str) -> str | None:
 
         return platform.python_version()
     # A patch is checked when its module is imported, so the distribution's package usually is too:
-    # its __version__ is the metadata's version without a scan of every site-packages directory.
+    # its __version__ is the metadata's version without a scan of every site-packages directory. Not
+    # where it carries a local label: torch's CUDA wheels say 2.9.1+cu128 there and 2.9.1 in their
+    # metadata, and a status must read the same in every process, whatever it imported.
     module = sys.modules.get(dist.replace("-", "_"))
     version = getattr(module, "__version__", None)
-    if isinstance(version, str) and version[:1].isdigit():
+    if isinstance(version, str) and version[:1].isdigit() and "+" not in version:
         return version
     try:
         return importlib.metadata.version(dist)
