@@ -157,7 +157,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
 
     checks = {}
     if "lifecycle" in wanted:
-        checks["lifecycle"] = run_check(session, "lifecycle", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        checks["lifecycle"] = run_check(session, "lifecycle", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
                                                                "tests/test_patch_lifecycle.py",
                                                                "tests/test_import_order.py"], src, env, logs)
     if "env" in wanted:
@@ -168,7 +168,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
         checks["env"] = run_check(session, "env", [py, str(src / "benchmarks" / "versions.py"), "check-env",
                                                    "--env-json", str(env_json)], src, env, logs)
     if "gated" in wanted:
-        checks["gated"] = run_check(session, "gated", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GATED_TESTS],
+        checks["gated"] = run_check(session, "gated", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider", *GATED_TESTS],
                                     src, env, logs)
     out_dir = tmp / "main_job"
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -179,10 +179,10 @@ def matrix_session(session, name: str, spec: dict) -> None:
              "docs/examples/train_dit.py", "--output_dir", str(out_dir / "out"), "--cache_dir", str(out_dir / "cache")],
             src, env, logs, ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir())
     if "examples" in wanted:
-        checks["examples"] = run_check(session, "examples", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        checks["examples"] = run_check(session, "examples", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
                                                              "tests/test_example_plugin.py"], src, env, logs)
     if "official" in wanted:
-        checks["official"] = run_check(session, "official", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        checks["official"] = run_check(session, "official", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
                                                              *OFFICIAL_TESTS], src, env, logs)
 
     row = {"session": name, "versions": versions, "requested": [spec["torch"], *spec["pins"]],

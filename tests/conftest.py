@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests import process_guard
+
 # Launched processes inherit this; keeps 2 ranks on 2 cores from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The in-process tests exercise the CUDA façade family (torch.cuda answers, autocast("cuda"), ...) in this
@@ -22,3 +24,52 @@ def fresh_pm(monkeypatch):
     yield
     reset_plugin_manager()
     reset_backend_cache()
+
+
+# -- the fast loop: a plain `pytest` runs the in-process tests; tests that start processes are marked slow ----
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow: those that start processes (launches, pip, "
+                          "subprocesses). README's test command passes it; so does CI")
+
+
+def pytest_configure(config):
+    process_guard.install(config.rootpath / "tests")
+    config.add_cleanup(process_guard.uninstall)
+
+
+def pytest_report_header(config):
+    if not _runs_slow(config):
+        return "slow tests (they start processes) deselected: --runslow runs them too"
+    return None
+
+
+def _runs_slow(config) -> bool:
+    return config.getoption("--runslow") or bool(config.option.markexpr)  # an -m expression decides itself
+
+
+def pytest_collection_modifyitems(config, items):
+    if _runs_slow(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    process_guard.started = None if item.get_closest_marker("slow") else []
+    try:
+        return (yield)
+    finally:
+        process_guard.started = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "call" and process_guard.started and report.outcome != "failed":
+        report.outcome = "failed"
+        report.longrepr = process_guard.failure_message(process_guard.started)
+    return report

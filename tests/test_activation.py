@@ -31,6 +31,7 @@ def probe(**env):
     return json.loads(line[7:]), proc
 
 
+@pytest.mark.slow
 def test_importing_the_patched_stack_activates():
     result, _ = probe()
     assert result["active"] and result["prepare_backend_wrapped"]
@@ -53,6 +54,7 @@ print("RESULT " + json.dumps(deferred))
 
 @pytest.mark.parametrize("environ, at_import_torch", [({}, False), ({"LOCAL_RANK": "0"}, True)],
                          ids=["plain-process", "launched-rank"])
+@pytest.mark.slow
 def test_import_torch_alone_waits_for_the_patched_stack_except_in_a_launched_rank(environ, at_import_torch):
     """`import torch` in a process that uses nothing accel-npu patches (a compile worker, a quick
     `python -c`) loads no plugin, not even pluggy or wrapt; the first trigger import (here accelerate)
@@ -83,6 +85,7 @@ print("RESULT " + json.dumps({"active": active, "after_unpatch": accel_npu.is_ac
 '''
 
 
+@pytest.mark.slow
 def test_explicit_activation_while_waiting_neither_deadlocks_nor_rearms_later():
     proc = subprocess.run([sys.executable, "-c", EXPLICIT_WHILE_WAITING], env=base_env(), capture_output=True,
                           text=True, timeout=120, cwd="/")
@@ -145,11 +148,13 @@ def test_every_declared_patch_is_reached_by_a_trigger():
         assert module not in TRIGGER_MODULES, module
 
 
+@pytest.mark.slow
 def test_disable_activates_nothing():
     result, _ = probe(ACCEL_NPU_DISABLE="1")
     assert result == {"active": False, "prepare_backend_wrapped": False, "applied": [], "applied_by": []}
 
 
+@pytest.mark.slow
 def test_disabled_plugins_block_by_name_and_star():
     result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="cpu")
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
@@ -159,6 +164,7 @@ def test_disabled_plugins_block_by_name_and_star():
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
 
 
+@pytest.mark.slow
 def test_essential_plugins_cannot_be_blocked():
     from accel_npu.manager import ESSENTIAL_PLUGINS
 
@@ -168,11 +174,13 @@ def test_essential_plugins_cannot_be_blocked():
     assert "plugin 'deepspeed_setup' is essential and cannot be blocked" in proc.stderr
 
 
+@pytest.mark.slow
 def test_trace_logs_patch_applications():
     _, proc = probe(ACCEL_NPU_TRACE="1")
     assert "[accel-npu trace] patch accelerate.state:PartialState._prepare_backend (cpu): applied" in proc.stderr
 
 
+@pytest.mark.slow
 def test_activation_never_breaks_import_torch(tmp_path):
     # A broken accel-npu core (here: pluggy made unimportable) must leave `import torch` working, and
     # the import that activates (accelerate's).
@@ -184,6 +192,7 @@ def test_activation_never_breaks_import_torch(tmp_path):
     assert "accel-npu: disabled in this process" in proc.stderr
 
 
+@pytest.mark.slow
 def test_top_level_plugins_import_fails_loudly():
     proc = subprocess.run([sys.executable, "-c", "import plugins"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env=base_env())
@@ -209,6 +218,7 @@ def env_json(target, **env):
     return json.loads(proc.stdout), proc
 
 
+@pytest.mark.slow
 def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
     run = [sys.executable, "-c", "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))"]
     # four independent processes (one core each): side by side
@@ -239,6 +249,7 @@ def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
     assert unfixed.stdout.strip() == "16", unfixed.stderr
 
 
+@pytest.mark.slow
 def test_disabled_patches_leave_one_function_stock():
     result, proc = probe(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:PartialState._prepare_backend, nope:x")
     assert result["active"] and not result["prepare_backend_wrapped"]
@@ -256,6 +267,7 @@ print("RESULT " + json.dumps({"active": accel_npu.is_active(),
 '''
 
 
+@pytest.mark.slow
 def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
     """Issue 15 item 3: where `import torch` activates (here a launched rank), only the plugins'
     declarations load; the machinery named by path in `wrapper=` waits until its target library is

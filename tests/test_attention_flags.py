@@ -37,11 +37,13 @@ def probes(tmp_path_factory):
     return ours, r_ours, r_stock, r_plain
 
 
+@pytest.mark.slow
 def test_a_plain_process_meets_each_flag_as_stock_does(probes):
     *_, stock, plain = probes
     assert plain == stock
 
 
+@pytest.mark.slow
 def test_stock_raises_at_each_flag(probes):
     _, _, stock, _ = probes
     assert stock["script_sees_xformers"] is False  # the official scripts raise "xformers is not available" here
@@ -50,6 +52,7 @@ def test_stock_raises_at_each_flag(probes):
     assert stock["llama_fa2_error"].startswith("ImportError: FlashAttention2"), stock
 
 
+@pytest.mark.slow
 def test_xformers_switch_runs_sdpa_on_cpu(probes):
     proc, ours, *_ = probes
     # the script is told xformers is there, diffusers (a library) is told the truth
@@ -64,6 +67,7 @@ def test_xformers_switch_runs_sdpa_on_cpu(probes):
     assert len(lines) == 2, proc.stderr[-3000:]  # one per attention kind, not one per layer
 
 
+@pytest.mark.slow
 def test_flash_attention_2_runs_sdpa_on_cpu(probes):
     proc, ours, *_ = probes
     assert ours["llama_attn_implementation"] == "sdpa", ours

@@ -65,6 +65,7 @@ def _worker(rank, port, queue):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_rendezvous_pairs_up_all_ranks_and_fails_bounded_on_one_rank_saying_what_to_do():
     from tests.launch_utils import free_port
 

@@ -3,9 +3,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_ci_extracts_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", readme, flags=re.S).group(1).splitlines()

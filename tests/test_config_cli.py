@@ -48,6 +48,7 @@ def files_in(directory: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(directory.iterdir())} if directory.exists() else {}
 
 
+@pytest.mark.slow
 def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_path):
     zero3 = tmp_path / "z3" / "accelerate.yaml"
     proc = config_process("--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero3",
@@ -105,6 +106,7 @@ def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_p
         (1, "10.1.2.3", 29555)
 
 
+@pytest.mark.slow
 def test_default_location_is_accelerates_default_config_file(tmp_path):
     hf_home = tmp_path / "hf"
     proc = config_process("--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero2",

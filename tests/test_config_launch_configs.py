@@ -45,6 +45,7 @@ def test_templates_are_package_data_of_accel_npu_launch_configs():
     assert "accel_npu.launch_configs = *.yaml, *.json, *.md" in setup_cfg
 
 
+@pytest.mark.slow
 def test_a_built_wheel_ships_every_template(tmp_path):
     """What `pip install accel-npu` gets: a wheel built from a copy of the source tree."""
     import zipfile
@@ -61,6 +62,7 @@ def test_a_built_wheel_ships_every_template(tmp_path):
             assert f"accel_npu/launch_configs/{p.name}" in names, p.name
 
 
+@pytest.mark.slow
 def test_every_variant_passes_accelerates_and_deepspeeds_own_parsers():
     """Stock accelerate (accel-npu off) run from launch_configs/ so it finds the relative JSON."""
     yamls = [p.name for p in accelerate_yamls("")]

@@ -2,6 +2,8 @@
 import re
 import subprocess
 
+import pytest
+
 from tests.launch_utils import BIN, REPO, base_env
 
 DOC = (REPO / "docs" / "troubleshooting.md").read_text()
@@ -14,6 +16,7 @@ def first_text_block(after_heading: str) -> str:
     return re.search(r"^```text\n(.*?)^```", DOC.split(after_heading, 1)[1], flags=re.S | re.M).group(1)
 
 
+@pytest.mark.slow
 def test_quoted_cpu_env_output_is_current():
     quoted = first_text_block("## Is accel-npu active?")
     proc = subprocess.run([str(BIN / "accel-npu"), "env"], env=base_env(), capture_output=True, text=True,

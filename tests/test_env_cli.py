@@ -2,6 +2,8 @@
 import json
 import subprocess
 
+import pytest
+
 from accel_npu.scopes import CUDA_FACADE
 from tests.inprocess import declared_patches as _declared_patches
 from tests.launch_utils import BIN, base_env
@@ -20,6 +22,7 @@ def _run(*args, **env):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_env_json_lists_exactly_declared_plugins_and_patches():
     plugins, targets = _declared()
     report = json.loads(_run("--json"))
@@ -41,6 +44,7 @@ def test_env_json_lists_exactly_declared_plugins_and_patches():
     assert report["versions"]["torch"].startswith("2.")
 
 
+@pytest.mark.slow
 def test_env_text_is_pasteable_and_shows_why():
     _, targets = _declared()
     text = _run()
@@ -49,6 +53,7 @@ def test_env_text_is_pasteable_and_shows_why():
     assert "why: " in text and "remove when: " in text and "## Plugins" in text
 
 
+@pytest.mark.slow
 def test_env_when_disabled_says_so():
     report = json.loads(_run("--json", ACCEL_NPU_DISABLE="1"))
     assert report["activation"]["disabled (ACCEL_NPU_DISABLE)"] is True
@@ -56,6 +61,7 @@ def test_env_when_disabled_says_so():
     assert all(p["status"] != "applied" for p in report["patches"])
 
 
+@pytest.mark.slow
 def test_env_reports_a_target_that_fails_to_import_as_failed(tmp_path):
     """A target module that raises on import is a failure to show, not a "skip"."""
     (tmp_path / "decord").mkdir()

@@ -40,6 +40,7 @@ def env_report(site: Path, **env) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{\n"):])
 
 
+@pytest.mark.slow
 def test_listed_by_accel_npu_env_with_its_patch_applied(site):
     text = run(site, [str(BIN / "accel-npu"), "env"])
     assert text.returncode == 0, text.stderr[-3000:]
@@ -50,6 +51,7 @@ def test_listed_by_accel_npu_env_with_its_patch_applied(site):
     assert "## DiT4DiT (accel-npu-dit4dit)\n  version            0.1.0\n  eval_action_model  applied\n" in out
 
 
+@pytest.mark.slow
 def test_fix_applies_to_the_repos_unchanged_eval_code(site):
     fixed = run(site, [sys.executable, "-m", "dit4dit_mini"])
     assert fixed.returncode == 0, fixed.stderr[-3000:]
@@ -60,6 +62,7 @@ def test_fix_applies_to_the_repos_unchanged_eval_code(site):
     assert stock.returncode != 0 and STOCK_ERROR in stock.stderr
 
 
+@pytest.mark.slow
 def test_blocked_by_name(site):
     report = env_report(site, ACCEL_NPU_DISABLED_PLUGINS="dit4dit")
     assert {p["name"]: p for p in report["plugins"]}["dit4dit"]["status"] == "blocked"
@@ -85,6 +88,7 @@ for name in ("npu", "cpu"):
 """
 
 
+@pytest.mark.slow
 def test_launch_default_for_ascend_workers(site):
     """The plugin's accel_npu_launch_env default, called through the plugin manager as the launcher does."""
     proc = run(site, [sys.executable, "-c", LAUNCH_ENV_PROBE])

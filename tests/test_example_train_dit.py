@@ -42,6 +42,7 @@ def run_script(args, tmp_path, **env):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cosmos_variant_single_process_then_model_path_and_resume(tmp_path):
     common = ["--model_type", "cosmos", "--output_dir", "run", "--checkpointing_steps", "2", "--eval_steps", "2",
               "--log_steps", "1"]

@@ -32,6 +32,7 @@ def _run(tmp_path: Path, name: str, **env: str) -> tuple[dict, str]:
     return torch.load(out), proc.stderr
 
 
+@pytest.mark.slow
 def test_a_frozen_bf16_unet_given_fp32_prompt_embeddings_runs_under_autocast(tmp_path):
     (stock, _), (ours, log) = run_concurrently(lambda: _run(tmp_path, "stock", ACCEL_NPU_DISABLE="1"),
                                                lambda: _run(tmp_path, "ours"))

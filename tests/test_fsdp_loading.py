@@ -159,6 +159,7 @@ def _load_full_state_dict(tmp_path, pythonpath: str = "", world: int = 1, **env)
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_full_state_dict_is_released_tensor_by_tensor(tmp_path):
     """Installed accelerate: each full tensor is freed as it is scattered; stock keeps all 8 alive."""
     [ours] = _load_full_state_dict(tmp_path)
@@ -250,6 +251,7 @@ def _accelerate_before(version: str) -> bool:
     return Version(accelerate.__version__) < Version(version)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stock", [False, True])
 def test_fsdp2_full_state_dict_of_a_model_with_its_own_parameters(tmp_path, stock):
     """A parameter held by the model itself (diffusers' ZImageTransformer2DModel.x_pad_token) on a model

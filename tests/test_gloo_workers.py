@@ -71,6 +71,7 @@ print("drained", len(drained), time.monotonic() >= callback.get("ended", float("
 """
 
 
+@pytest.mark.slow
 def test_a_worker_running_a_work_callback_is_busy_until_it_drops_the_work():
     from tests.launch_utils import base_env, free_port
 

@@ -47,6 +47,7 @@ def runs():
         lambda: _run(ACCEL_NPU_DISABLE="1"))
 
 
+@pytest.mark.slow
 def test_cuda_grad_scaler_scales_on_the_autocast_device(runs):
     (ours, proc), _, _ = runs
     assert len(ours) == 6  # three spellings x (SGD, fused AdamW)
@@ -60,6 +61,7 @@ def test_cuda_grad_scaler_scales_on_the_autocast_device(runs):
     assert (proc.stdout + proc.stderr).count("GradScaler('cuda') scales on 'cpu'") == 1
 
 
+@pytest.mark.slow
 def test_without_the_patch_fp16_gradients_underflow(runs):
     _, (unpatched, _), _ = runs
     for name, r in unpatched.items():
@@ -69,6 +71,7 @@ def test_without_the_patch_fp16_gradients_underflow(runs):
         assert r["params_moved"] < 0.01 * r["param_rel_err"], name
 
 
+@pytest.mark.slow
 def test_stock_disables_both_and_runs_fp32(runs):
     _, _, (theirs, _) = runs
     for name, r in theirs.items():

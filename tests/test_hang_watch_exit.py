@@ -6,9 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch_utils import SCRIPTS, base_env
 
 
+@pytest.mark.slow
 def test_watchdog_inside_a_store_call_at_exit_does_not_abort_the_finished_script():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "hang_watch_store_call_at_exit.py")], env=base_env(),
                           capture_output=True, text=True, timeout=120)

@@ -63,6 +63,7 @@ def test_every_patch_applied_whatever_the_import_order(order, tmp_path):
     assert not not_applied, f"import order {order}: {json.dumps(not_applied, indent=1)}"
 
 
+@pytest.mark.slow
 def test_stock_half_accelerate_before_torch_is_half_initialised(tmp_path):
     """The mechanism the fix relies on, shown on the real libraries: with `import accelerate`
     first, torch (and so our activation) is imported while accelerate.accelerator has not yet
@@ -84,6 +85,7 @@ print("RESULT", seen["half"], seen["initializing"])
     assert "RESULT True True" in proc.stdout
 
 
+@pytest.mark.slow
 def test_call_when_imported_fires_after_the_module_body(tmp_path):
     """The deferral itself, on a module of our own that imports a hook trigger half-way."""
     pkg = tmp_path / "halfmod"

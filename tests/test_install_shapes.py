@@ -26,6 +26,7 @@ def plugin_loading_lines(text: str) -> list[str]:
     return [l for l in text.splitlines() if "failed to load" in l or "no built-in plugin loads" in l]
 
 
+@pytest.mark.slow
 def test_repository_root_first_on_sys_path_loads_every_plugin():
     """`python -c` from the repository root: the source accel_npu/ comes first."""
     code = ("import torch, sys, accel_npu.plugins as p; from accel_npu.manager import get_plugin_manager; "
@@ -79,6 +80,7 @@ def startup_hook_in(site_dir: Path, **env) -> tuple[str, str]:
     return next(l for l in proc.stdout.splitlines() if l.startswith("RESULT")).split(" ", 2)[1:]
 
 
+@pytest.mark.slow
 def test_every_install_shape_ships_the_startup_hook(wheel_target, tmp_path):
     """accel_npu_startup.pth (written by setup.py) reaches site-packages from a wheel / `pip install .`
     and from `pip install -e .`, and there puts the torch_npu startup hook on sys.meta_path (not
@@ -181,6 +183,7 @@ AS_NON_EDITABLE = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
                    "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]; ")
 
 
+@pytest.mark.slow
 def test_a_shadowing_copy_that_cannot_load_plugins_is_named_once_per_process(tmp_path):
     stale = stale_checkout(tmp_path / "old")
     # accelerate: the import that activates outside a launched rank (accel_npu/activation/triggers.py)

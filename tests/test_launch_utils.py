@@ -24,6 +24,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_kill_tree_reaches_ranks_in_sessions_of_their_own():
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -45,6 +46,7 @@ def test_kill_tree_reaches_ranks_in_sessions_of_their_own():
     assert not _alive(rank)
 
 
+@pytest.mark.slow
 def test_run_timeout_kills_the_ranks():
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as info:  # 8 s: time to print its rank on a busy machine

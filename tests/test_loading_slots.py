@@ -32,6 +32,7 @@ def test_slot_count_default_and_override(monkeypatch):
         slot_count(1)
 
 
+@pytest.mark.slow
 def test_malloc_trim_gives_freed_heap_back_to_the_os(tmp_path):
     """Witnessed by the kernel (RssAnon of a fresh process), not by malloc_trim's own answer:
     200 MB of small heap blocks freed stay resident until the trim returns them."""
@@ -55,6 +56,7 @@ def test_malloc_trim_gives_freed_heap_back_to_the_os(tmp_path):
     assert trimmed == "True" and int(freed) - int(after) > 150, proc.stdout
 
 
+@pytest.mark.slow
 def test_slots_serialize_within_a_process(monkeypatch, tmp_path):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", uuid.uuid4().hex)

@@ -55,7 +55,7 @@ def lower_venv(tmp_path_factory):
 
 def test_lifecycle_and_import_order_at_the_lower_bounds(lower_venv):
     py = lower_venv / "venv" / "bin" / "python"
-    proc = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    proc = subprocess.run([str(py), "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider", "-p", "no:xdist",
                            "tests/test_patch_lifecycle.py", "tests/test_import_order.py"],
                           cwd=lower_venv / "src", env=base_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-6000:]

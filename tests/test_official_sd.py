@@ -180,6 +180,7 @@ def _files(directory: Path, name: str) -> dict:
     return load_file(str(directory / name))
 
 
+@pytest.mark.slow
 @launched
 @matrix_only
 @pytest.mark.parametrize("kind", list(SCRIPT))
@@ -199,6 +200,7 @@ def test_rank0_only_save_state_fails_naming_the_line_and_the_fix(runs, kind):
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")] if out.exists() else True
 
 
+@pytest.mark.slow
 @launched
 @pytest.mark.parametrize("kind", kinds())
 def test_stock_zero3_fails_at_the_partitioned_text_encoder(runs, kind):
@@ -209,6 +211,7 @@ def test_stock_zero3_fails_at_the_partitioned_text_encoder(runs, kind):
         if run["out"].exists() else True
 
 
+@pytest.mark.slow
 @launched
 @matrix_only
 def test_dreambooth_lora_final_save_loads_and_equals(runs):
@@ -237,6 +240,7 @@ def test_dreambooth_lora_final_save_loads_and_equals(runs):
         assert torch.equal(params[name].detach(), value), key
 
 
+@pytest.mark.slow
 @launched
 @matrix_only
 def test_dreambooth_full_final_save_loads_and_equals(runs):
@@ -258,6 +262,7 @@ def test_dreambooth_full_final_save_loads_and_equals(runs):
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in got.items())
 
 
+@pytest.mark.slow
 @launched
 @matrix_only
 def test_controlnet_final_save_loads_and_equals(runs):
@@ -283,6 +288,7 @@ def test_controlnet_final_save_loads_and_equals(runs):
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in got.items())
 
 
+@pytest.mark.slow
 @launched
 @matrix_only
 def test_compatibility_doc_rows_are_true(runs):

@@ -106,6 +106,7 @@ def lifecycle():
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["import-then-patch", "patch-then-import"])
 @pytest.mark.parametrize("module", MODULES)
 def test_patch_lifecycle(lifecycle, module, order):
@@ -193,6 +194,7 @@ UNPATCH_BEFORE_IMPORT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow
 def test_unpatch_before_import_leaves_the_module_stock_until_the_next_patch():
     """One process for every module: patch, unpatch, then import them all (ddtrace's patch-test base
     has this case): nothing is wrapped; the next patch() applies every supported patch."""

@@ -214,6 +214,7 @@ print("RESULT", plain_target.f(), slow_target.g(), flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_a_wrapper_module_importing_a_module_another_thread_imports_does_not_deadlock(tmp_path):
     """The ledger resolves wrapper modules with its lock released (wrapt's importer.py calls hooks
     outside its lock for the same reason): a thread importing a patched module runs the ledger's

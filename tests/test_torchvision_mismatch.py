@@ -8,6 +8,8 @@ mismatch and the wheel, and the operators raise torchvision's own error when cal
 import subprocess
 import sys
 
+import pytest
+
 from tests.launch_utils import base_env
 from tests.torchvision_site import paired_version, with_torchvision
 
@@ -46,6 +48,7 @@ def _run(**extra):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_import_torchvision_beside_a_torch_it_was_not_built_for():
     import json
 

@@ -30,6 +30,7 @@ def _probe(work, site, **env):
                           env=env_with(site, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **env), capture_output=True, text=True, timeout=600, cwd="/")
 
 
+@pytest.mark.slow
 def test_npu_flags_run_torch_npu_attention_and_stock_raises(tmp_path):
     site = make_site(tmp_path)
     (tmp_path / "ours").mkdir(), (tmp_path / "stock").mkdir()

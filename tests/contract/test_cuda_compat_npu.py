@@ -42,6 +42,7 @@ print("RESULT " + json.dumps(out))
 TRANSFER = "import torch_npu.contrib.transfer_to_npu"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["facade only", "transfer_to_npu first", "transfer_to_npu after"])
 def test_cuda_routes_to_torch_npu(tmp_path, order):
     site = make_site(tmp_path)
@@ -61,6 +62,7 @@ def test_cuda_routes_to_torch_npu(tmp_path, order):
     assert r["cuda_is_npu_function"] is (order != "facade only")
 
 
+@pytest.mark.slow
 def test_stock_npu_cuda_calls(tmp_path):
     site = make_site(tmp_path)
     code = ("import json, torch, torch_npu, torch.distributed as dist\n"
@@ -97,6 +99,7 @@ print("RESULT " + json.dumps({"script": script["out"], "torch": internal["out"],
 """
 
 
+@pytest.mark.slow
 def test_torch_internals_see_torch_answers_on_npu_while_the_script_sees_the_npus(tmp_path):
     site = make_site(tmp_path)
     (ours,) = results(py(INTERNAL, env_with(site, LOCAL_RANK="0")))

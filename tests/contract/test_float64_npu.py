@@ -70,6 +70,7 @@ print("RESULT " + json.dumps({
 WIDE = {"torch.float64", "torch.complex128"}
 
 
+@pytest.mark.slow
 def test_lumina2_rope_puts_no_float64_on_the_npu(tmp_path):
     site = make_site(tmp_path)
     runs = {}

@@ -164,6 +164,7 @@ def test_npu_config_without_torch_npu_refuses_the_launch(tmp_path):
     assert "ACCEL_NPU_BACKEND=cpu" in out and "Traceback" not in out, explain(proc)
 
 
+@pytest.mark.slow
 def test_decord_fix_holds_with_transfer_to_npu_imported(tmp_path):
     """transfer_to_npu makes torch.cuda.is_available() answer for the NPUs: accel-npu's "is CUDA
     here" must still say no, so decord.gpu(0) decodes on the CPU (decord has no NPU decoder)."""
@@ -184,6 +185,7 @@ def test_decord_fix_holds_with_transfer_to_npu_imported(tmp_path):
     assert stock.returncode != 0 and "CUDA not enabled" in stock.stderr, explain(stock)
 
 
+@pytest.mark.slow
 def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
     """torch_npu's default is already "disable" and its config is write-only (upstream
     npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it
@@ -199,6 +201,7 @@ def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
 
 
 # -- item 9: pairing and libraries ----------------------------------------------------------------
+@pytest.mark.slow
 def test_torch_torch_npu_pairing_mismatch_is_one_clear_error(tmp_path):
     site = make_site(tmp_path, version="2.7.1.post2")
     stock = py("import torch, torch_npu", env_with(site, ACCEL_NPU_DISABLE="1"))
@@ -233,6 +236,7 @@ def test_broken_torch_npu_refuses_launch_before_workers(tmp_path):
     assert "pip install 'torch==2.7.1'" in out
 
 
+@pytest.mark.slow
 def test_missing_libraries_on_loader_path(tmp_path):
     site = make_site(tmp_path)
     base = dict(STANDIN_REQUIRE_LD_LIBRARY_PATH="1", LD_LIBRARY_PATH="")
@@ -256,6 +260,7 @@ def test_missing_libraries_on_loader_path(tmp_path):
     assert npu["libtorch_npu.so"].endswith("(on LD_LIBRARY_PATH)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lib", ["libhccl.so", "libascendcl.so"])
 def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
     """A CANN library missing from the loader path: the fix is CANN's set_env.sh (issue 13 item 1),
@@ -284,6 +289,7 @@ def backend_entry_points(proc) -> list[str]:
     return eval(next(l for l in proc.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER "):])
 
 
+@pytest.mark.slow
 def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     """torch >= 2.5 imports torch_npu inside `import torch` (its torch.backends entry point) and wraps a
     failure in "Failed to load the backend extension" (torch/__init__.py _import_device_backends).
@@ -347,6 +353,7 @@ print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': tor
 """
 
 
+@pytest.mark.slow
 def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imported(tmp_path):
     """patcher 2.0 (DrivingSDK master): default_patcher.add(TransformersNPU).apply(), before the
     script's `import transformers`; importing mx_driving.patcher brings transfer_to_npu (issue 13 item 5)."""
@@ -364,6 +371,7 @@ def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imp
         assert other["cuda"] is False, other          # no transfer_to_npu
 
 
+@pytest.mark.slow
 def test_mx_driving_patcher_1_0_builder(tmp_path):
     """patcher 1.0 (DrivingSDK branch_v7.2.RC1 .. branch_v26.0.0): default_patcher_builder.build().__enter__(),
     whose __enter__ imports transfer_to_npu; no TransformersNPU exists there, and `accel-npu env` says so."""
@@ -397,6 +405,7 @@ print("RESULT " + json.dumps({"autocast": autocast, "fused": opt.param_groups[0]
 """
 
 
+@pytest.mark.slow
 def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step(tmp_path):
     site = make_site(tmp_path)
     ours = results(py(ADAMW_PROBE, env_with(site)))[0]
@@ -418,6 +427,7 @@ print("RESULT " + json.dumps({"scalers": [[s._device, s.is_enabled()] for s in s
 """
 
 
+@pytest.mark.slow
 def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
     """A "cuda" GradScaler is torch's GradScaler on "npu" where autocast('cuda') runs on npu (torch_npu
     implements its _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ kernels: Ascend/pytorch
@@ -427,6 +437,7 @@ def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
     assert results(py(SCALER_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]["scalers"] == [["cuda", False]] * 3
 
 
+@pytest.mark.slow
 def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
     """A 910A has no bf16 (torch.npu.get_amp_supported_dtype() lists only fp16/fp32): autocast('cuda',
     bf16) is off there, and accel-npu says so once instead of claiming a bf16 remap (issue 13 item 8)."""
@@ -472,6 +483,7 @@ def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
 VISIBILITY_VALUES = ["0,1", "3,1", "0, 1", "1,0", "0,,1", "0,1,", "", "abc", "0,9", "7", "8", "0-3", "2,3,4", " 0,1"]
 
 
+@pytest.mark.slow
 def test_visible_devices_are_counted_as_the_standin_torch_npu_counts_them(tmp_path):
     """Our parse against the stand-in's (which mirrors torch_npu/npu/__init__.py, cited there), value
     by value, on an 8-NPU machine."""
@@ -524,6 +536,7 @@ def test_desync_debug_is_left_off_and_a_busy_hccl_port_range_is_avoided(tmp_path
             probe.bind(("", port))
 
 
+@pytest.mark.slow
 def test_an_npu_used_in_a_forked_dataloader_worker_is_explained_after_the_traceback(tmp_path):
     site = make_site(tmp_path)
     script = str(SCRIPTS / "npu_forked_worker.py")
