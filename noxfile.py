@@ -62,6 +62,8 @@ GATED_TESTS = ["tests/test_upstream_cogvideox_lora.py::"
                "tests/test_stock_paths.py::test_torchscript_compiles_every_wrapped_torch_callable_as_stock"]
 OFFICIAL_TESTS = ["tests/test_upstream_text_to_image.py", "tests/test_upstream_qwen_lora.py",
                   "tests/test_upstream_cogvideox_lora.py"]
+# every check's tests, the slow ones (they start processes) included
+PYTEST = ["-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider"]
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|error)\b:? ")
 
 
@@ -157,8 +159,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
 
     checks = {}
     if "lifecycle" in wanted:
-        checks["lifecycle"] = run_check(session, "lifecycle", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
-                                                               "tests/test_patch_lifecycle.py",
+        checks["lifecycle"] = run_check(session, "lifecycle", [py, *PYTEST, "tests/test_patch_lifecycle.py",
                                                                "tests/test_import_order.py"], src, env, logs)
     if "env" in wanted:
         env_json = logs / "env.json"
@@ -168,8 +169,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
         checks["env"] = run_check(session, "env", [py, str(src / "benchmarks" / "versions.py"), "check-env",
                                                    "--env-json", str(env_json)], src, env, logs)
     if "gated" in wanted:
-        checks["gated"] = run_check(session, "gated", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider", *GATED_TESTS],
-                                    src, env, logs)
+        checks["gated"] = run_check(session, "gated", [py, *PYTEST, *GATED_TESTS], src, env, logs)
     out_dir = tmp / "main_job"
     shutil.rmtree(out_dir, ignore_errors=True)
     if "main_job" in wanted:
@@ -179,11 +179,9 @@ def matrix_session(session, name: str, spec: dict) -> None:
              "docs/examples/train_dit.py", "--output_dir", str(out_dir / "out"), "--cache_dir", str(out_dir / "cache")],
             src, env, logs, ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir())
     if "examples" in wanted:
-        checks["examples"] = run_check(session, "examples", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
-                                                             "tests/test_example_plugin.py"], src, env, logs)
+        checks["examples"] = run_check(session, "examples", [py, *PYTEST, "tests/test_example_plugin.py"], src, env, logs)
     if "official" in wanted:
-        checks["official"] = run_check(session, "official", [py, "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider",
-                                                             *OFFICIAL_TESTS], src, env, logs)
+        checks["official"] = run_check(session, "official", [py, *PYTEST, *OFFICIAL_TESTS], src, env, logs)
 
     row = {"session": name, "versions": versions, "requested": [spec["torch"], *spec["pins"]],
            "lifted": [f"{d}<{cap}" for d, cap in lift.items()], "env": spec.get("env", {}), "commit": commit, "dirty": dirty,
