@@ -257,7 +257,8 @@ def render() -> None:
         marks = sorted({c["commit"] for c in row["checks"].values()})
         commit = ", ".join(marks) + (" (+: uncommitted changes)" if any(m.endswith("+") for m in marks) else "")
         lifted = f" (caps lifted: {', '.join(row['lifted'])})" if row.get("lifted") else ""
-        lines.append(f"| {name}{lifted} | {v.get('python') or '-'} | " + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
+        lines.append(f"| {name}{lifted} | {v.get('python') or '-'} | "
+                     + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
                      + " | ".join(_cell(row["checks"].get(c)) for c in CHECKS)
                      + f" | {row['wall_s']:.0f} s | {commit} | {row['date']} |")
     lines += ["", "## First error of each failed check", ""]

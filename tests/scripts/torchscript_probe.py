@@ -50,7 +50,8 @@ def outcome(compile_fn, traced=None):
         value = compiled(a, b)
         # a repr without its address: torch 2.9.1 compiles a scripted torch.cuda.Event(...) and returns a
         # ScriptObject even without CUDA (2.13 refuses to compile it), whose repr says where it lies in memory
-        out["result"] = value.tolist() if isinstance(value, torch.Tensor) else re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+        out["result"] = (value.tolist() if isinstance(value, torch.Tensor)
+                         else re.sub(r" at 0x[0-9a-f]+", "", repr(value)))
     except Exception as exc:  # noqa: BLE001
         out["result"] = type(exc).__name__
     return out
