@@ -51,10 +51,12 @@ def _runs_slow(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     if _runs_slow(config):
         return
-    slow = [item for item in items if item.get_closest_marker("slow")]
+    kept, slow = [], []
+    for item in items:
+        (slow if item.get_closest_marker("slow") else kept).append(item)
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        items[:] = kept
 
 
 @pytest.hookimpl(wrapper=True)

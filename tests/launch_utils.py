@@ -56,7 +56,8 @@ BIN = Path(sys.executable).parent
 def source_tree(dest: Path) -> Path:
     """The repository's files as a fresh clone of this working tree has them (tracked, and untracked but not
     ignored): what a wheel is built from, never this checkout's venvs, .nox sessions or build output."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
     import versions  # benchmarks/versions.py: the snapshot nox sessions install
 
     versions.snapshot(REPO, dest)

@@ -15,7 +15,7 @@ import venv
 
 import pytest
 
-from tests.launch_utils import REPO, base_env, explain
+from tests.launch_utils import REPO, base_env, explain, source_tree
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import versions as matrix  # noqa: E402  (benchmarks/versions.py: the version sets, standard library only)
@@ -32,7 +32,7 @@ def _torch_here() -> str:
 @pytest.fixture(scope="module")
 def lower_venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("lower")
-    matrix.snapshot(REPO, root / "src")  # the tree's files, as a matrix session installs them
+    source_tree(root / "src")  # the tree's files, as a matrix session installs them
     venv.create(root / "venv", with_pip=True)
     py = root / "venv" / "bin" / "python"
     pins = matrix.SETS["lower"]["pins"]
