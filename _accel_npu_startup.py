@@ -16,6 +16,7 @@ when ``torch_npu`` is looked up *and found*, once. With ACCEL_NPU_DISABLE=1 noth
 Outside the ``accel_npu`` package on purpose: importing ``accel_npu`` at startup would fix which
 copy of it a process uses before the script's directory is on ``sys.path``.
 """
+
 import _thread
 import os
 import sys
@@ -55,8 +56,11 @@ class ExplainTorchNpuImport:
             self._local.busy = False
 
     def _diagnosed_spec(self, fullname, path, target):
-        if not any(finder.find_spec(fullname, path, target) is not None
-                   for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")):
+        if not any(
+            finder.find_spec(fullname, path, target) is not None
+            for finder in list(sys.meta_path)
+            if finder is not self and hasattr(finder, "find_spec")
+        ):
             return None  # not installed (or not on sys.path yet): nothing to explain, keep waiting
         with self._lock:
             if not self.waiting:

@@ -32,6 +32,7 @@ snapshot), and the machine's pip constraint file (which caps torch) is replaced 
 that session's installs (PIP_CONSTRAINT=/dev/null), never deleted; so is it for a set marked
 ``past_machine_cap`` (a torch release newer than the machine's cap, inside the declared range).
 """
+
 from __future__ import annotations
 
 import json
@@ -55,13 +56,18 @@ nox.options.sessions = ["lower"]
 SETS = results.SETS  # benchmarks/versions.py: the version sets, readable without nox (tests check them)
 # tests of the patches whose need depends on the version (a stock_correct range or a variant per
 # range): each asserts stock's behaviour at the installed version against what the patch declares
-GATED_TESTS = ["tests/test_upstream_cogvideox_lora.py::"
-               "test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_dtype",
-               # hang watch's single-tensor collectives exist from torch 2.13 (stock_correct below it)
-               "tests/test_hang_diagnosis.py::test_stalled_rank_named_with_stacks_and_the_job_fails_where_stock_waits_on",
-               "tests/test_stock_paths.py::test_torchscript_compiles_every_wrapped_torch_callable_as_stock"]
-OFFICIAL_TESTS = ["tests/test_upstream_text_to_image.py", "tests/test_upstream_qwen_lora.py",
-                  "tests/test_upstream_cogvideox_lora.py"]
+GATED_TESTS = [
+    "tests/test_upstream_cogvideox_lora.py::"
+    "test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_dtype",
+    # hang watch's single-tensor collectives exist from torch 2.13 (stock_correct below it)
+    "tests/test_hang_diagnosis.py::test_stalled_rank_named_with_stacks_and_the_job_fails_where_stock_waits_on",
+    "tests/test_stock_paths.py::test_torchscript_compiles_every_wrapped_torch_callable_as_stock",
+]
+OFFICIAL_TESTS = [
+    "tests/test_upstream_text_to_image.py",
+    "tests/test_upstream_qwen_lora.py",
+    "tests/test_upstream_cogvideox_lora.py",
+]
 # every check's tests, the slow ones (they start processes) included
 PYTEST = ["-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider"]
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception|error)\b:? ")
@@ -90,28 +96,39 @@ def run_check(session, name, cmd, cwd, env, logs, ok=lambda out: True, timeout=3
     seconds = time.time() - start
     (logs / f"{name}.log").write_text(out)
     passed = rc == 0 and ok(out)
-    result = {"result": "pass" if passed else "fail", "seconds": round(seconds, 1), "rc": rc,
-              "log": str(logs / f"{name}.log")}
+    result = {
+        "result": "pass" if passed else "fail",
+        "seconds": round(seconds, 1),
+        "rc": rc,
+        "log": str(logs / f"{name}.log"),
+    }
     if not passed:
         result["first_error"] = first_error(out) if rc != 0 else "exit 0 but the expected output is missing"
-    session.log(f"[{name}] {result['result']} in {seconds:.0f} s" + (f": {result.get('first_error')}" if not passed else ""))
+    session.log(
+        f"[{name}] {result['result']} in {seconds:.0f} s" + (f": {result.get('first_error')}" if not passed else "")
+    )
     return result
 
 
 def _check_installed_is_the_snapshot(session, src: Path) -> None:
     """The accel-npu the venv holds is the snapshot's, file for file: ``nox -R`` (``--no-install``) skips
     every install, and a row would then record a reused venv's older accel-npu under this commit."""
-    probe = ("import pathlib, sys, accel_npu, accel_npu.plugins as p\n"
-             "root = pathlib.Path(sys.argv[1])\n"
-             "for pkg, src in ((accel_npu, root / 'accel_npu'), (p, root / 'plugins')):\n"
-             "    for f in src.rglob('*.py'):\n"
-             "        if (pathlib.Path(pkg.__path__[0]) / f.relative_to(src)).read_bytes() != f.read_bytes():\n"
-             "            sys.exit(f'differs from the snapshot: {f.relative_to(root)}')\n")
-    proc = subprocess.run([str(Path(session.bin) / "python"), "-c", probe, str(src)], cwd="/", capture_output=True,
-                          text=True)
+    probe = (
+        "import pathlib, sys, accel_npu, accel_npu.plugins as p\n"
+        "root = pathlib.Path(sys.argv[1])\n"
+        "for pkg, src in ((accel_npu, root / 'accel_npu'), (p, root / 'plugins')):\n"
+        "    for f in src.rglob('*.py'):\n"
+        "        if (pathlib.Path(pkg.__path__[0]) / f.relative_to(src)).read_bytes() != f.read_bytes():\n"
+        "            sys.exit(f'differs from the snapshot: {f.relative_to(root)}')\n"
+    )
+    proc = subprocess.run(
+        [str(Path(session.bin) / "python"), "-c", probe, str(src)], cwd="/", capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        session.error(f"the installed accel-npu is not this snapshot ({proc.stderr.strip()[-300:]}); "
-                      "nox -R skips installs: use -r (--reuse-existing-virtualenvs) to reuse a venv")
+        session.error(
+            f"the installed accel-npu is not this snapshot ({proc.stderr.strip()[-300:]}); "
+            "nox -R skips installs: use -r (--reuse-existing-virtualenvs) to reuse a venv"
+        )
 
 
 def matrix_session(session, name: str, spec: dict) -> None:
@@ -121,7 +138,7 @@ def matrix_session(session, name: str, spec: dict) -> None:
         if arg == "quick":  # CI's subset
             wanted.discard("official")
         elif arg.startswith("only="):  # e.g. only=official: the other checks keep their last row's result
-            wanted = set(arg[len("only="):].split(","))
+            wanted = set(arg[len("only=") :].split(","))
     lift = spec.get("lift", {})
     tmp = Path(session.create_tmp()).resolve()
     src = tmp / "src"
@@ -134,59 +151,111 @@ def matrix_session(session, name: str, spec: dict) -> None:
     # deepspeed's sdist imports torch in its setup.py: built against the session's torch, not an isolated one
     # torch again in this resolve: otherwise pip upgrades it for a library's newest release (accelerate 1.16
     # needs a newer torch than 2.5.1) instead of resolving that library's release for the set's torch
-    session.install("--no-compile", "--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"],
-                    env=pip_env)
+    session.install(
+        "--no-compile", "--no-build-isolation", spec["torch"], f"{src}[test]", "matplotlib", *spec["pins"], env=pip_env
+    )
 
     bin_dir = Path(session.bin)
     _check_installed_is_the_snapshot(session, src)
-    env = {**os.environ, **pip_env, **spec.get("env", {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "VIRTUAL_ENV": str(bin_dir.parent), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        **pip_env,
+        **spec.get("env", {}),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(bin_dir.parent),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("PYTHONPATH", None)
     py = str(bin_dir / "python")
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     versions = subprocess.run(
-        [py, "-c", "import importlib.metadata as m, json, sys\n"
-                   "out = {}\n"
-                   f"for d in {results.DISTS!r} + ('accel-npu',):\n"
-                   "    try: out[d] = m.version(d)\n"
-                   "    except m.PackageNotFoundError: out[d] = None\n"
-                   "out['python'] = sys.version.split()[0]\n"
-                   "print(json.dumps(out))"],
-        capture_output=True, text=True, check=True, env=env).stdout
+        [
+            py,
+            "-c",
+            "import importlib.metadata as m, json, sys\n"
+            "out = {}\n"
+            f"for d in {results.DISTS!r} + ('accel-npu',):\n"
+            "    try: out[d] = m.version(d)\n"
+            "    except m.PackageNotFoundError: out[d] = None\n"
+            "out['python'] = sys.version.split()[0]\n"
+            "print(json.dumps(out))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     versions = json.loads(versions)
     session.log(f"versions: {versions}")
 
     checks = {}
     if "lifecycle" in wanted:
-        checks["lifecycle"] = run_check(session, "lifecycle", [py, *PYTEST, "tests/test_patch_lifecycle.py",
-                                                               "tests/test_import_order.py"], src, env, logs)
+        checks["lifecycle"] = run_check(
+            session,
+            "lifecycle",
+            [py, *PYTEST, "tests/test_patch_lifecycle.py", "tests/test_import_order.py"],
+            src,
+            env,
+            logs,
+        )
     if "env" in wanted:
         env_json = logs / "env.json"
         with open(env_json, "w") as f:
             subprocess.run([str(bin_dir / "accel-npu"), "env", "--json"], cwd=tmp, env=env, stdout=f, check=False)
         # the installed metadata is the snapshot's: a lifted cap is already the declared range there
-        checks["env"] = run_check(session, "env", [py, str(src / "benchmarks" / "versions.py"), "check-env",
-                                                   "--env-json", str(env_json)], src, env, logs)
+        checks["env"] = run_check(
+            session,
+            "env",
+            [py, str(src / "benchmarks" / "versions.py"), "check-env", "--env-json", str(env_json)],
+            src,
+            env,
+            logs,
+        )
     if "gated" in wanted:
         checks["gated"] = run_check(session, "gated", [py, *PYTEST, *GATED_TESTS], src, env, logs)
     out_dir = tmp / "main_job"
     shutil.rmtree(out_dir, ignore_errors=True)
     if "main_job" in wanted:
         checks["main_job"] = run_check(
-            session, "main_job",
-            [str(bin_dir / "accelerate"), "launch", "--config_file", "launch_configs/cpu_zero3.yaml",
-             "docs/examples/train_dit.py", "--output_dir", str(out_dir / "out"), "--cache_dir", str(out_dir / "cache")],
-            src, env, logs, ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir())
+            session,
+            "main_job",
+            [
+                str(bin_dir / "accelerate"),
+                "launch",
+                "--config_file",
+                "launch_configs/cpu_zero3.yaml",
+                "docs/examples/train_dit.py",
+                "--output_dir",
+                str(out_dir / "out"),
+                "--cache_dir",
+                str(out_dir / "cache"),
+            ],
+            src,
+            env,
+            logs,
+            ok=lambda out: "Loss table" in out and (out_dir / "out" / "transformer").is_dir(),
+        )
     if "examples" in wanted:
-        checks["examples"] = run_check(session, "examples", [py, *PYTEST, "tests/test_example_plugin.py"], src, env, logs)
+        checks["examples"] = run_check(
+            session, "examples", [py, *PYTEST, "tests/test_example_plugin.py"], src, env, logs
+        )
     if "official" in wanted:
         checks["official"] = run_check(session, "official", [py, *PYTEST, *OFFICIAL_TESTS], src, env, logs)
 
-    row = {"session": name, "versions": versions, "requested": [spec["torch"], *spec["pins"]],
-           "lifted": [f"{d}<{cap}" for d, cap in lift.items()], "env": spec.get("env", {}), "commit": commit, "dirty": dirty,
-           "changed_files": changed, "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-           "wall_s": round(time.time() - started, 1), "checks": checks}
+    row = {
+        "session": name,
+        "versions": versions,
+        "requested": [spec["torch"], *spec["pins"]],
+        "lifted": [f"{d}<{cap}" for d, cap in lift.items()],
+        "env": spec.get("env", {}),
+        "commit": commit,
+        "dirty": dirty,
+        "changed_files": changed,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "wall_s": round(time.time() - started, 1),
+        "checks": checks,
+    }
     results.append_row(row)
     failed = [c for c, r in checks.items() if r["result"] != "pass"]
     if failed:
@@ -197,9 +266,11 @@ def _define(name: str, spec: dict) -> None:
     def session_fn(session):
         matrix_session(session, name, spec)
 
-    session_fn.__doc__ = (f"Python {spec['python']}: " if spec.get("python") else "") + \
-        f"{spec['torch']} {' '.join(spec['pins'])}".strip() + \
-        (f" (caps lifted: {spec['lift']})" if spec.get("lift") else "")
+    session_fn.__doc__ = (
+        (f"Python {spec['python']}: " if spec.get("python") else "")
+        + f"{spec['torch']} {' '.join(spec['pins'])}".strip()
+        + (f" (caps lifted: {spec['lift']})" if spec.get("lift") else "")
+    )
     nox.session(name=name, python=spec.get("python"))(session_fn)
 
 

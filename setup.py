@@ -8,6 +8,7 @@ kept as a file so that every sdist carries it without a MANIFEST.in. Its name so
 ``__editable__.*.pth``: site runs .pth files in name order, and in an editable install that finder
 is what finds ``_accel_npu_startup``.
 """
+
 from pathlib import Path
 
 from setuptools import setup

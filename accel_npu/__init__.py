@@ -5,11 +5,11 @@ Importing this package patches nothing (from a source checkout it only maps ``pl
 through the ``torch.backends`` entry point (inside ``import torch``), through
 ``import accel_npu.auto``, or explicitly through :func:`patch`.
 """
+
 from __future__ import annotations
 
 # Only the standard library at import time: torch imports this package inside `import torch`
 # (the torch.backends entry point), before our own error handling can run.
-
 from accel_npu._version import __version__
 
 #: Subpackages whose source sits at the repository root, beside accel_npu/ (setup.cfg package_dir).
@@ -47,15 +47,17 @@ def _map_source_checkout() -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # Only a checkout of this project: an installed copy has no setup.cfg beside it.
-    if not (os.path.isfile(os.path.join(root, "setup.cfg"))
-            and os.path.isfile(os.path.join(root, "plugins", "__init__.py"))):
+    if not (
+        os.path.isfile(os.path.join(root, "setup.cfg")) and os.path.isfile(os.path.join(root, "plugins", "__init__.py"))
+    ):
         return
     if any(isinstance(f, _SourceCheckoutFinder) for f in sys.meta_path):
         return
     # Before PathFinder, so an editable finder of some other checkout cannot pair this accel_npu
     # with that checkout's plugins.
-    position = next((i for i, f in enumerate(sys.meta_path) if getattr(f, "__name__", "") == "PathFinder"),
-                    len(sys.meta_path))
+    position = next(
+        (i for i, f in enumerate(sys.meta_path) if getattr(f, "__name__", "") == "PathFinder"), len(sys.meta_path)
+    )
     sys.meta_path.insert(position, _SourceCheckoutFinder(root))
 
 

@@ -2,6 +2,7 @@
 
 (e.g. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``). Safe to import before or after torch.
 """
+
 from accel_npu.activation import activate as _activate
 
 _activate(strict=False)

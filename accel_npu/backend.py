@@ -1,9 +1,10 @@
 """The device backend a process trains on, chosen by the ``accel_npu_select_backend`` hook."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,11 @@ def cpu_fallback_refusal(env=os.environ) -> str | None:
     if environment.forced_backend(env) == "cpu":
         return None
     name, why = next(iter(_unusable.items()))
-    return (f"accel-npu: rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} has no usable "
-            f"{name.upper()}, and a rank of a launched job does not fall back to the CPU: {why}. To train on "
-            "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu.")
+    return (
+        f"accel-npu: rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} has no usable "
+        f"{name.upper()}, and a rank of a launched job does not fall back to the CPU: {why}. To train on "
+        "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu."
+    )
 
 
 def current_backend() -> Backend:

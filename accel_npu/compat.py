@@ -7,6 +7,7 @@ stops at "module 'torch' has no attribute 'accelerator'" (diffusers/utils/torch_
 "Disabling PyTorch because PyTorch >= 2.6 is required" (transformers/utils/import_utils.py) and its models then
 fail in ``object.__init__``. The version matrix found both (torch_npu_2_5 in benchmarks/results/versions.md).
 """
+
 from __future__ import annotations
 
 # (distribution, its first release that needs the newer torch, that torch, what the release does without it)
@@ -27,7 +28,9 @@ def undeclared_torch_mismatches() -> list[str]:
         if torch is None or installed is None:
             continue
         if version_satisfies(installed, [(">=", since)]) and not version_satisfies(torch, [(">=", torch_since)]):
-            lines.append(f"{dist} {installed} needs torch >= {torch_since} ({what}; {dist} does not declare it) "
-                         f"and torch {torch} is installed: pip install '{dist}<{since}', or use a torch (and "
-                         f"torch_npu) pair >= {torch_since}.")
+            lines.append(
+                f"{dist} {installed} needs torch >= {torch_since} ({what}; {dist} does not declare it) "
+                f"and torch {torch} is installed: pip install '{dist}<{since}', or use a torch (and "
+                f"torch_npu) pair >= {torch_since}."
+            )
     return lines

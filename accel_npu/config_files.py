@@ -3,6 +3,7 @@
 ``<stem>.yaml`` (accelerate) + ``<stem>.deepspeed.json`` + ``<stem>.accel-npu.yaml`` (the
 sidecar: ``env:`` variables for the training processes).
 """
+
 from __future__ import annotations
 
 import os

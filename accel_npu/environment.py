@@ -2,6 +2,7 @@
 
 ``accel-npu env`` prints this table; docs/environment.md is checked against it.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,20 +23,66 @@ class EnvVar:
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("ACCEL_NPU_DISABLE", "0", "1: accel-npu does nothing at all (as if not installed)."),
-    EnvVar("ACCEL_NPU_DISABLED_PLUGINS", "", "Comma-separated plugin names to block, or '*' for all but the essential ones."),
-    EnvVar("ACCEL_NPU_DISABLED_PATCHES", "", "Comma-separated patch targets (module:Qual.name, as `accel-npu env` lists them) left unapplied: that function runs stock."),
+    EnvVar(
+        "ACCEL_NPU_DISABLED_PLUGINS",
+        "",
+        "Comma-separated plugin names to block, or '*' for all but the essential ones.",
+    ),
+    EnvVar(
+        "ACCEL_NPU_DISABLED_PATCHES",
+        "",
+        "Comma-separated patch targets (module:Qual.name, as `accel-npu env` lists them) left unapplied: that function runs stock.",
+    ),
     EnvVar("ACCEL_NPU_TRACE", "0", "1: log every hook call and every patch application to stderr."),
     EnvVar("ACCEL_NPU_BACKEND", "", "Force a device backend (npu, cuda, cpu) instead of detecting one."),
-    EnvVar("ACCEL_NPU_TRUNCATE", "", "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks."),
-    EnvVar("ACCEL_NPU_LOAD_SLOTS", "", "How many ranks of one node may materialize weights at once (default: from free memory)."),
-    EnvVar("ACCEL_NPU_LOAD_TIMEOUT", "1800", "Seconds a rank waits for a load slot before failing with the holder's name."),
-    EnvVar("ACCEL_NPU_LOAD_THREADS", "", "Threads one rank uses to read and cast weights (default: this node's cores / ranks loading at once, at most 4)."),
-    EnvVar("ACCEL_NPU_ZERO3_INIT", "1", "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0."),
-    EnvVar("ACCEL_NPU_FROZEN_MODULES", "", "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained)."),
-    EnvVar("ACCEL_NPU_COLLECTIVE_TIMEOUT", "30", "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error."),
-    EnvVar("ACCEL_NPU_HANG_TIMEOUT", "", "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive are named and the job fails; 0: off (default: just under the process-group timeout)."),
-    EnvVar("ACCEL_NPU_DEEPSPEED_SHM_OP", "0", "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training."),
-    EnvVar("ACCEL_NPU_CUDA_FACADE", "auto", "Where \"cuda\" stands for the active device (the torch.cuda façade, autocast(\"cuda\"), a \"cuda\" GradScaler, the xformers/flash-attention flags): auto = launched ranks only, 1 = also plain processes, 0 = nowhere."),
+    EnvVar(
+        "ACCEL_NPU_TRUNCATE",
+        "",
+        "Class:layers pairs; from_pretrained of that class builds and reads only the first N blocks.",
+    ),
+    EnvVar(
+        "ACCEL_NPU_LOAD_SLOTS",
+        "",
+        "How many ranks of one node may materialize weights at once (default: from free memory).",
+    ),
+    EnvVar(
+        "ACCEL_NPU_LOAD_TIMEOUT", "1800", "Seconds a rank waits for a load slot before failing with the holder's name."
+    ),
+    EnvVar(
+        "ACCEL_NPU_LOAD_THREADS",
+        "",
+        "Threads one rank uses to read and cast weights (default: this node's cores / ranks loading at once, at most 4).",
+    ),
+    EnvVar(
+        "ACCEL_NPU_ZERO3_INIT",
+        "1",
+        "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0.",
+    ),
+    EnvVar(
+        "ACCEL_NPU_FROZEN_MODULES",
+        "",
+        "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained).",
+    ),
+    EnvVar(
+        "ACCEL_NPU_COLLECTIVE_TIMEOUT",
+        "30",
+        "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error.",
+    ),
+    EnvVar(
+        "ACCEL_NPU_HANG_TIMEOUT",
+        "",
+        "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive are named and the job fails; 0: off (default: just under the process-group timeout).",
+    ),
+    EnvVar(
+        "ACCEL_NPU_DEEPSPEED_SHM_OP",
+        "0",
+        "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training.",
+    ),
+    EnvVar(
+        "ACCEL_NPU_CUDA_FACADE",
+        "auto",
+        'Where "cuda" stands for the active device (the torch.cuda façade, autocast("cuda"), a "cuda" GradScaler, the xformers/flash-attention flags): auto = launched ranks only, 1 = also plain processes, 0 = nowhere.',
+    ),
     EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
 )
 
@@ -145,5 +192,9 @@ def hang_timeout(env=None) -> float | None:
     timeout), 0 when off; anything but a number >= 0 is one ConfigError naming it."""
     if not get("ACCEL_NPU_HANG_TIMEOUT", env).strip():
         return None
-    return seconds("ACCEL_NPU_HANG_TIMEOUT", env, at_least=0,
-                   note=" (0 turns hang diagnosis off; unset: just under the process-group timeout)")
+    return seconds(
+        "ACCEL_NPU_HANG_TIMEOUT",
+        env,
+        at_least=0,
+        note=" (0 turns hang diagnosis off; unset: just under the process-group timeout)",
+    )

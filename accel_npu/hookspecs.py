@@ -6,10 +6,12 @@ Plugins implement hooks with ``@hookimpl`` (``from accel_npu.hookspecs import ho
 All hooks are prefixed ``accel_npu_``. docs/plugin_hooks.md lists each one with its exact
 signature (tests/test_hookspecs_documented.py keeps the two in step).
 """
+
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -45,8 +47,9 @@ def accel_npu_register_patches() -> list[Patch]:
 
 
 @hookspec
-def accel_npu_launch_env(backend: Backend, env: Mapping[str, str], nodes: Nodes,
-                         launching: bool) -> Mapping[str, str] | None:
+def accel_npu_launch_env(
+    backend: Backend, env: Mapping[str, str], nodes: Nodes, launching: bool
+) -> Mapping[str, str] | None:
     """Return environment defaults for processes a launcher is about to start.
 
     Called in the launcher (``accelerate launch`` / ``torchrun``) before workers start. Values

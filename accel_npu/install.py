@@ -7,6 +7,7 @@ checkout of this version serves ``accel_npu.plugins`` itself (``accel_npu/__init
 older one does not, and then no built-in plugin loads. This module names such a copy.
 Standard library only.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -89,9 +90,11 @@ def worker_import_problem(pythonpath: str, script_dir: str | None = None) -> str
         return None
     if builtin_plugins_dir(shadow) is not None:
         return None
-    return (f"workers would import accel_npu from {shadow} (first on their sys.path through {via}), "
-            f"a copy that cannot load accel-npu's built-in plugins, instead of {imported_package_dir()}. "
-            f"Remove it from PYTHONPATH or launch from another directory, or update that checkout")
+    return (
+        f"workers would import accel_npu from {shadow} (first on their sys.path through {via}), "
+        f"a copy that cannot load accel-npu's built-in plugins, instead of {imported_package_dir()}. "
+        f"Remove it from PYTHONPATH or launch from another directory, or update that checkout"
+    )
 
 
 #: The startup hook: setup.py installs STARTUP_PTH into site-packages; its line imports STARTUP_MODULE.
@@ -114,9 +117,11 @@ def startup_hook_state() -> str:
         found = next((os.path.join(d, STARTUP_PTH) for d in dirs if os.path.isfile(os.path.join(d, STARTUP_PTH))), None)
         if found:
             return f"not loaded in this process, though {found} is installed"
-        return (f"not installed: no {STARTUP_PTH} in this interpreter's site-packages (accel-npu installed with "
-                "--target or found through PYTHONPATH; reinstall it with pip). A failed `import torch_npu` "
-                "is then explained only once accel-npu is active")
+        return (
+            f"not installed: no {STARTUP_PTH} in this interpreter's site-packages (accel-npu installed with "
+            "--target or found through PYTHONPATH; reinstall it with pip). A failed `import torch_npu` "
+            "is then explained only once accel-npu is active"
+        )
     hooks = [f for f in sys.meta_path if type(f).__name__ == "ExplainTorchNpuImport"]
     where = getattr(module, "__file__", STARTUP_MODULE)
     if not hooks:

@@ -7,6 +7,7 @@ which call the hooks other plugins rely on (``accel_npu_check_launch``, ``accel_
 ``accel_npu_configure_deepspeed``) and so cannot be blocked, as pytest's essential plugins cannot.
 A plugin that raises while loading is recorded with its error and skipped: training goes on.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -90,9 +91,12 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         asked = "*" in blocked or name in blocked
         if asked and name in ESSENTIAL_PLUGINS:
             if name in blocked:
-                log.warning("accel-npu: plugin %r is essential and cannot be blocked (ACCEL_NPU_DISABLED_PLUGINS): "
-                            "it %s. ACCEL_NPU_DISABLE=1 turns accel-npu off as a whole.", name,
-                            ESSENTIAL_PLUGINS[name])
+                log.warning(
+                    "accel-npu: plugin %r is essential and cannot be blocked (ACCEL_NPU_DISABLED_PLUGINS): "
+                    "it %s. ACCEL_NPU_DISABLE=1 turns accel-npu off as a whole.",
+                    name,
+                    ESSENTIAL_PLUGINS[name],
+                )
             return False
         return asked
 
@@ -105,13 +109,20 @@ class AccelNpuPluginManager(pluggy.PluginManager):
             plugin = loader()
             self.register(plugin, name=name)
         except Exception as exc:  # a broken plugin must never break training
-            log.warning("accel-npu: plugin %r (%s) failed to load and is skipped: %s: %s",
-                        name, module_name, type(exc).__name__, exc)
-            self.records.append(PluginRecord(name, source, module_name, version,
-                                             f"failed: {type(exc).__name__}: {exc}"))
+            log.warning(
+                "accel-npu: plugin %r (%s) failed to load and is skipped: %s: %s",
+                name,
+                module_name,
+                type(exc).__name__,
+                exc,
+            )
+            self.records.append(
+                PluginRecord(name, source, module_name, version, f"failed: {type(exc).__name__}: {exc}")
+            )
             return
-        self.records.append(PluginRecord(name, source, module_name, version, "loaded",
-                                         origin=getattr(plugin, "__file__", "") or ""))
+        self.records.append(
+            PluginRecord(name, source, module_name, version, "loaded", origin=getattr(plugin, "__file__", "") or "")
+        )
 
     def load_plugins(self) -> None:
         if self._loaded:
@@ -130,8 +141,9 @@ class AccelNpuPluginManager(pluggy.PluginManager):
                 self.records.append(PluginRecord(name, source, module_name, __version__, status))
                 continue
             source = "builtin, essential" if name in ESSENTIAL_PLUGINS else "builtin"
-            self._register_module(name, module_name, source, __version__,
-                                  lambda m=module_name: importlib.import_module(m))
+            self._register_module(
+                name, module_name, source, __version__, lambda m=module_name: importlib.import_module(m)
+            )
         self._load_entry_points()
 
     def _load_entry_points(self) -> None:

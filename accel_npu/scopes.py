@@ -7,6 +7,7 @@ sees stock torch (``torch.cuda.is_available()`` False), as it does without accel
 ACCEL_NPU_CUDA_FACADE=1 opts a plain ``python script.py`` in (debugging a CUDA script without a
 launcher), =0 opts every process out. docs/cuda-compat.md ("Where the façade answers").
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ memory, library versions, load average before and after: the CI box is shared, s
 repeated runs is part of the result). docs/ quote these files; tests/test_docs_figures.py checks
 that every figure a doc quotes from one appears in it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MB = 1024 ** 2
+MB = 1024**2
 
 
 def command_line(argv: list[str] | None = None) -> str:
@@ -44,7 +45,7 @@ def _mem_total_gib() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024 ** 2
+                return int(line.split()[1]) / 1024**2
     except OSError:
         pass
     return float("nan")
@@ -69,11 +70,15 @@ def git_state(root: Path | None = None, untracked: str = "no") -> tuple[str, lis
     import subprocess
 
     root = RESULTS.parents[1] if root is None else root
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain", f"--untracked-files={untracked}",
-                             "--", ".", ":(exclude)benchmarks/results"], cwd=root, capture_output=True,
-                            text=True).stdout
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    status = subprocess.run(
+        ["git", "status", "--porcelain", f"--untracked-files={untracked}", "--", ".", ":(exclude)benchmarks/results"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout
     return sha, [line[3:] for line in status.splitlines() if line.strip()]  # "XY path": two status letters
 
 
@@ -111,8 +116,10 @@ class Report:
         self.parts: list[str] = []
 
     def table(self, header: list[str], rows: list[list[str]], caption: str = "") -> None:
-        lines = ([caption, ""] if caption else []) + ["| " + " | ".join(header) + " |",
-                                                      "|" + "|".join("---" for _ in header) + "|"]
+        lines = ([caption, ""] if caption else []) + [
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+        ]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
         self.parts.append("\n".join(lines))
 

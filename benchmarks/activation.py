@@ -16,6 +16,7 @@
 Usage: python benchmarks/activation.py [--runs 15] [--loops 5]
 Writes benchmarks/results/activation.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report, median_spread  # noqa: E402
+from _results import Report, median_spread
 
-LOOP = r'''
+LOOP = r"""
 import inspect, json, os, time, torch
 import accelerate  # activates accel-npu (unless disabled): the loop runs through the patched entry points
 wrapped = type(inspect.getattr_static(torch.autocast, "__init__")).__name__ == "FunctionWrapper"
@@ -50,10 +51,10 @@ for step in range(230):
     loss.detach().numpy()
     times.append(time.perf_counter() - t0)
 print(json.dumps(sorted(times[30:])[len(times[30:]) // 2]))
-'''
+"""
 
 
-CALLS = r'''
+CALLS = r"""
 import json, timeit, torch
 import accelerate  # activates accel-npu (unless disabled)
 x = torch.randn(4)
@@ -64,13 +65,14 @@ n = 20000
 # min of repeats: the least-disturbed estimate of one call's cost
 print(json.dumps({name: min(timeit.repeat(fn, number=n, repeat=7)) / n
                   for name, fn in (("autocast", autocast), ("numpy", lambda: x.numpy()))}))
-'''
+"""
 
 
 def call_costs(disabled: bool) -> dict:
     """Seconds per call of the patched entry points the training loop calls every step."""
-    out = subprocess.run([sys.executable, "-c", CALLS], env=env(disabled), check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CALLS], env=env(disabled), check=True, capture_output=True, text=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -104,40 +106,51 @@ IMPORTS = (
 )
 
 
-ACTIVATE = r'''
+ACTIVATE = r"""
 import time, torch          # autoload off: accel-npu is not active yet
 t0 = time.perf_counter()
 import accel_npu.auto       # exactly what the torch.backends entry point does
 print((time.perf_counter() - t0))
-'''
+"""
 
 
-DEFERRED = r'''
+DEFERRED = r"""
 import time, torch          # autoload off: accel-npu's entry point has not run yet
 t0 = time.perf_counter()
 from accel_npu.activation.autoload import activate_from_torch
 activate_from_torch()       # exactly what the torch.backends entry point runs; in a plain process it waits
 print((time.perf_counter() - t0))
-'''
+"""
 
 
 def deferred_time() -> float:
     """accel-npu's share of `import torch` in a plain process (the entry point decides to wait)."""
-    out = subprocess.run([sys.executable, "-c", DEFERRED], env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", DEFERRED],
+        env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 
 def activation_time() -> float:
     """accel-npu's own share of `import torch`, timed inside one process (no process-start noise)."""
-    out = subprocess.run([sys.executable, "-c", ACTIVATE], env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", ACTIVATE],
+        env=dict(env(False), TORCH_DEVICE_BACKEND_AUTOLOAD="0"),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 
 def step_time(disabled: bool) -> float:
-    out = subprocess.run([sys.executable, "-c", LOOP], env=env(disabled), check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", LOOP], env=env(disabled), check=True, capture_output=True, text=True
+    ).stdout
     return float(json.loads(out.strip().splitlines()[-1]))
 
 
@@ -168,35 +181,77 @@ def main() -> None:
         cpu_on, cpu_off = [c for _, c in on], [c for _, c in off]
         # the ratio of each interleaved pair: its spread shows the noise the goal is read against
         pair_ratio = sorted(x / y for x, y in zip(cpu_on, cpu_off))
-        rows.append([f"{label}: CPU time (user+sys), {a.runs} runs",
-                     median_spread([x * 1e3 for x in cpu_on], ms, " ms"), median_spread([x * 1e3 for x in cpu_off], ms, " ms"),
-                     f"{statistics.median(cpu_on) / statistics.median(cpu_off):.3f} "
-                     f"(pairs {pair_ratio[0]:.3f}-{pair_ratio[-1]:.3f})",
-                     "<= 1.01" if label == IMPORTS[0][0] else ""])
+        rows.append(
+            [
+                f"{label}: CPU time (user+sys), {a.runs} runs",
+                median_spread([x * 1e3 for x in cpu_on], ms, " ms"),
+                median_spread([x * 1e3 for x in cpu_off], ms, " ms"),
+                f"{statistics.median(cpu_on) / statistics.median(cpu_off):.3f} "
+                f"(pairs {pair_ratio[0]:.3f}-{pair_ratio[-1]:.3f})",
+                "<= 1.01" if label == IMPORTS[0][0] else "",
+            ]
+        )
     on, off = samples[IMPORTS[0][0]]
     wall_on, wall_off = [w for w, _ in on], [w for w, _ in off]
     rows += [
-        [f"{IMPORTS[0][0]}: wall time, {a.runs} runs", median_spread([x * 1e3 for x in wall_on], ms, " ms"),
-         median_spread([x * 1e3 for x in wall_off], ms, " ms"),
-         f"{statistics.median(wall_on) / statistics.median(wall_off):.3f}", ""],
-        [f"accel-npu's share of `import torch` in a plain process (in-process: the entry point waits), {a.runs} runs",
-         median_spread([x * 1e3 for x in waits], "{:.2f}", " ms"), "-", "-", ""],
-        [f"accel-npu's activation alone (in-process), {a.runs} runs",
-         median_spread([x * 1e3 for x in act], "{:.1f}", " ms"), "-", "-", ""],
-        [f"train step (autocast, foreach AdamW, .numpy(); patches applied), median of {a.loops}",
-         median_spread([x * 1e3 for x in s_on], "{:.3f}", " ms"), median_spread([x * 1e3 for x in s_off], "{:.3f}", " ms"),
-         f"{statistics.median(s_on) / statistics.median(s_off):.3f}", "<= 1.01"],
+        [
+            f"{IMPORTS[0][0]}: wall time, {a.runs} runs",
+            median_spread([x * 1e3 for x in wall_on], ms, " ms"),
+            median_spread([x * 1e3 for x in wall_off], ms, " ms"),
+            f"{statistics.median(wall_on) / statistics.median(wall_off):.3f}",
+            "",
+        ],
+        [
+            f"accel-npu's share of `import torch` in a plain process (in-process: the entry point waits), {a.runs} runs",
+            median_spread([x * 1e3 for x in waits], "{:.2f}", " ms"),
+            "-",
+            "-",
+            "",
+        ],
+        [
+            f"accel-npu's activation alone (in-process), {a.runs} runs",
+            median_spread([x * 1e3 for x in act], "{:.1f}", " ms"),
+            "-",
+            "-",
+            "",
+        ],
+        [
+            f"train step (autocast, foreach AdamW, .numpy(); patches applied), median of {a.loops}",
+            median_spread([x * 1e3 for x in s_on], "{:.3f}", " ms"),
+            median_spread([x * 1e3 for x in s_off], "{:.3f}", " ms"),
+            f"{statistics.median(s_on) / statistics.median(s_off):.3f}",
+            "<= 1.01",
+        ],
     ]
     extra = sum(calls_on.values()) - sum(calls_off.values())
-    for name, label in (("autocast", "`with torch.autocast(\"cpu\", bfloat16)` enter+exit"), ("numpy", "`tensor.numpy()`")):
-        rows.append([f"one {label} call (min of 7 x 20,000)", f"{calls_on[name] * 1e6:.2f} us",
-                     f"{calls_off[name] * 1e6:.2f} us", f"{calls_on[name] / calls_off[name]:.3f}", ""])
-    rows.append(["the step's patched calls: added time per step / step time", f"{extra * 1e6:+.2f} us",
-                 f"{statistics.median(s_off) * 1e3:.3f} ms", f"{1 + extra / statistics.median(s_off):.4f}", "<= 1.01"])
-    report.text("Each import is a fresh `python -c` process (OMP_NUM_THREADS=1, bytecode caching on); "
-                "accel-npu vs ACCEL_NPU_DISABLE=1, interleaved. Values: median (min-max). A plain process "
-                "activates at the first import of what accel-npu patches (docs/activation.md); a launched "
-                "rank, an Ascend machine or an installed third-party plugin activates inside `import torch`.")
+    for name, label in (
+        ("autocast", '`with torch.autocast("cpu", bfloat16)` enter+exit'),
+        ("numpy", "`tensor.numpy()`"),
+    ):
+        rows.append(
+            [
+                f"one {label} call (min of 7 x 20,000)",
+                f"{calls_on[name] * 1e6:.2f} us",
+                f"{calls_off[name] * 1e6:.2f} us",
+                f"{calls_on[name] / calls_off[name]:.3f}",
+                "",
+            ]
+        )
+    rows.append(
+        [
+            "the step's patched calls: added time per step / step time",
+            f"{extra * 1e6:+.2f} us",
+            f"{statistics.median(s_off) * 1e3:.3f} ms",
+            f"{1 + extra / statistics.median(s_off):.4f}",
+            "<= 1.01",
+        ]
+    )
+    report.text(
+        "Each import is a fresh `python -c` process (OMP_NUM_THREADS=1, bytecode caching on); "
+        "accel-npu vs ACCEL_NPU_DISABLE=1, interleaved. Values: median (min-max). A plain process "
+        "activates at the first import of what accel-npu patches (docs/activation.md); a launched "
+        "rank, an Ascend machine or an installed third-party plugin activates inside `import torch`."
+    )
     report.table(["measure", "accel-npu", "disabled", "ratio", "goal"], rows)
     print(report.render())
     report.write()

@@ -18,6 +18,7 @@ operation, each operation after ``malloc_trim``.
 Usage: python benchmarks/checkpoint.py [--layers 32] [--tower-layers 16] [--width 1024] [--shard-mb 20]
 Writes benchmarks/results/checkpoint.md. A few minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report  # noqa: E402
+from _results import Report
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -144,12 +145,17 @@ def worker(a) -> None:
         t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
         return t.numel() * t.element_size()
 
-    rec = {"rank": rank, "rss_after_step": rss_anon(), "accelerate_num_processes": accelerator.num_processes, "rss_before_prepare": before_prepare,
-           "tower_bytes": sum(resident(p) for p in tower_params),
-           "tower_dtype": str(tower_params[0].ds_tensor.dtype if hasattr(tower_params[0], "ds_tensor")
-                              else tower_params[0].dtype),
-           "model_bf16_bytes": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                   for p in model.parameters()) * 2}
+    rec = {
+        "rank": rank,
+        "rss_after_step": rss_anon(),
+        "accelerate_num_processes": accelerator.num_processes,
+        "rss_before_prepare": before_prepare,
+        "tower_bytes": sum(resident(p) for p in tower_params),
+        "tower_dtype": str(
+            tower_params[0].ds_tensor.dtype if hasattr(tower_params[0], "ds_tensor") else tower_params[0].dtype
+        ),
+        "model_bf16_bytes": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) * 2,
+    }
     # the frozen tower's forward: stock gathers its ZeRO-3 partitions (bf16) for the call
     tower = getattr(model, "module", model).tower
     trim()
@@ -181,26 +187,51 @@ def worker(a) -> None:
 # ------------------------------------------------------------------------------------------
 # the driver
 def launch(a, tmp: Path, name: str, **env_extra) -> list[dict]:
-    ds = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                "stage3_gather_16bit_weights_on_model_save": True},
-          "bf16": {"enabled": True}, "train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
-          "gradient_accumulation_steps": 1}
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "bf16": {"enabled": True},
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+    }
     d = tmp / name
     d.mkdir(parents=True)
     (d / "ds.json").write_text(json.dumps(ds))
     (d / "acc.yaml").write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
         f"deepspeed_config:\n  deepspeed_config_file: {d / 'ds.json'}\n  zero3_init_flag: false\n"
-        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: false\n")
+        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: false\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **env_extra)
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(d / "acc.yaml"),
-           "--main_process_port", str(_free_port()), __file__, "--worker",
-           "--out", str(d), "--width", str(a.width), "--layers", str(a.layers), "--tower-layers",
-           str(a.tower_layers), "--shard-mb", str(a.shard_mb), "--hang-s", str(a.hang_s)]
+    cmd = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(d / "acc.yaml"),
+        "--main_process_port",
+        str(_free_port()),
+        __file__,
+        "--worker",
+        "--out",
+        str(d),
+        "--width",
+        str(a.width),
+        "--layers",
+        str(a.layers),
+        "--tower-layers",
+        str(a.tower_layers),
+        "--shard-mb",
+        str(a.shard_mb),
+        "--hang-s",
+        str(a.hang_s),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    recs = [json.loads(line.split("RESULT ", 1)[1]) for line in (p.stdout + p.stderr).splitlines()
-            if "RESULT " in line]
+    recs = [json.loads(line.split("RESULT ", 1)[1]) for line in (p.stdout + p.stderr).splitlines() if "RESULT " in line]
     if p.returncode != 0 or len(recs) != 2:
         sys.exit(f"benchmark launch {name} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
     return sorted(recs, key=lambda r: r["rank"])
@@ -250,8 +281,14 @@ def main() -> None:
         ckpt = tmp / "ours" / "ckpt"
         shard = a.shard_mb * MB
         base = "import torch, deepspeed.utils.zero_to_fp32 as z, accel_npu.plugins.checkpoints.consolidate as c; print('BASE', flush=True); "
-        ours_peak = peak_of(base + f"c.consolidate({str(ckpt)!r}, {str(tmp / 'cons')!r}, max_shard_size='{a.shard_mb}MB', progress=False)")
-        z2f_peak = peak_of(base + f"z.convert_zero_checkpoint_to_state_dict({str(ckpt)!r}, {str(tmp / 'z2f')!r}, max_shard_size=None, safe_serialization=True)")
+        ours_peak = peak_of(
+            base
+            + f"c.consolidate({str(ckpt)!r}, {str(tmp / 'cons')!r}, max_shard_size='{a.shard_mb}MB', progress=False)"
+        )
+        z2f_peak = peak_of(
+            base
+            + f"z.convert_zero_checkpoint_to_state_dict({str(ckpt)!r}, {str(tmp / 'z2f')!r}, max_shard_size=None, safe_serialization=True)"
+        )
 
     s0, o0 = stock[0], ours[0]
     model = o0["model_bf16_bytes"]
@@ -260,34 +297,68 @@ def main() -> None:
     def extra(r, key):
         return f"{r[key] / MB:.1f} MB = {r[key] / model:.2f}× model"
 
-    report.text(f"Model: {a.layers} trained `Linear({a.width}, {a.width})` (+bias; {model / MB:.1f} MB in bf16) and a "
-                f"frozen fp32 tower of {a.tower_layers} `Linear({a.width}, {a.width})`; ZeRO-3 bf16, N = {n} CPU ranks "
-                "(gloo), `accelerate launch`. Memory: rank 0's RssAnon above its value just before the operation, "
-                "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`. "
-                f"accelerate's own view of the job: {s0['accelerate_num_processes']} process(es) stock, "
-                f"{o0['accelerate_num_processes']} with accel-npu (stock accelerate does not see gloo ranks as a "
-                "multi-process DeepSpeed job, while DeepSpeed itself partitions over all ranks: the stock column is "
-                "what stock does on CPU ranks).")
-    report.table(["operation (all ranks call it)", "stock", "accel-npu", "goal (accel-npu)"], [
-        ["`save_state`", extra(s0, "save_state_extra"), extra(o0, "save_state_extra"),
-         f"≤ model/N + 10 % = {1 / n + 0.1:.2f}× model"],
-        [f"`save_model`, {a.shard_mb} MB shards", extra(s0, "save_model_extra"), extra(o0, "save_model_extra"), ""],
-        ["`get_state_dict` (the gather itself, for scale; not a save)", extra(s0, "get_state_dict_extra"),
-         extra(o0, "get_state_dict_extra"), ""],
-    ], caption="1. Saving: rank 0's extra RssAnon")
-    report.table(["tool", "peak above baseline", "goal"], [
-        [f"`accel-npu consolidate`, {a.shard_mb} MB shards", f"{ours_peak / MB:.1f} MB = {ours_peak / shard:.2f}× shard",
-         "≤ 2× shard"],
-        ["`zero_to_fp32`, unsharded", f"{z2f_peak / MB:.1f} MB = {z2f_peak / shard:.2f}× shard", ""],
-    ], caption=f"2. Consolidating the accel-npu run's ZeRO-3 checkpoint ({o0['ckpt_bytes'] / MB:.1f} MB on disk)")
-    report.table(["per rank", "stock", "accel-npu"], [
-        ["resident tower tensors", f"{s0['tower_bytes'] / MB:.1f} MB ({s0['tower_dtype']})",
-         f"{o0['tower_bytes'] / MB:.1f} MB ({o0['tower_dtype']})"],
-        ["rank 0 extra RssAnon during a tower forward", f"{s0['tower_forward_extra'] / MB:.1f} MB",
-         f"{o0['tower_forward_extra'] / MB:.1f} MB"],
-        ["rank 0 RssAnon after one training step", f"{s0['rss_after_step'] / MB:,.0f} MB",
-         f"{o0['rss_after_step'] / MB:,.0f} MB"],
-    ], caption="3. The frozen fp32 tower")
+    report.text(
+        f"Model: {a.layers} trained `Linear({a.width}, {a.width})` (+bias; {model / MB:.1f} MB in bf16) and a "
+        f"frozen fp32 tower of {a.tower_layers} `Linear({a.width}, {a.width})`; ZeRO-3 bf16, N = {n} CPU ranks "
+        "(gloo), `accelerate launch`. Memory: rank 0's RssAnon above its value just before the operation, "
+        "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`. "
+        f"accelerate's own view of the job: {s0['accelerate_num_processes']} process(es) stock, "
+        f"{o0['accelerate_num_processes']} with accel-npu (stock accelerate does not see gloo ranks as a "
+        "multi-process DeepSpeed job, while DeepSpeed itself partitions over all ranks: the stock column is "
+        "what stock does on CPU ranks)."
+    )
+    report.table(
+        ["operation (all ranks call it)", "stock", "accel-npu", "goal (accel-npu)"],
+        [
+            [
+                "`save_state`",
+                extra(s0, "save_state_extra"),
+                extra(o0, "save_state_extra"),
+                f"≤ model/N + 10 % = {1 / n + 0.1:.2f}× model",
+            ],
+            [f"`save_model`, {a.shard_mb} MB shards", extra(s0, "save_model_extra"), extra(o0, "save_model_extra"), ""],
+            [
+                "`get_state_dict` (the gather itself, for scale; not a save)",
+                extra(s0, "get_state_dict_extra"),
+                extra(o0, "get_state_dict_extra"),
+                "",
+            ],
+        ],
+        caption="1. Saving: rank 0's extra RssAnon",
+    )
+    report.table(
+        ["tool", "peak above baseline", "goal"],
+        [
+            [
+                f"`accel-npu consolidate`, {a.shard_mb} MB shards",
+                f"{ours_peak / MB:.1f} MB = {ours_peak / shard:.2f}× shard",
+                "≤ 2× shard",
+            ],
+            ["`zero_to_fp32`, unsharded", f"{z2f_peak / MB:.1f} MB = {z2f_peak / shard:.2f}× shard", ""],
+        ],
+        caption=f"2. Consolidating the accel-npu run's ZeRO-3 checkpoint ({o0['ckpt_bytes'] / MB:.1f} MB on disk)",
+    )
+    report.table(
+        ["per rank", "stock", "accel-npu"],
+        [
+            [
+                "resident tower tensors",
+                f"{s0['tower_bytes'] / MB:.1f} MB ({s0['tower_dtype']})",
+                f"{o0['tower_bytes'] / MB:.1f} MB ({o0['tower_dtype']})",
+            ],
+            [
+                "rank 0 extra RssAnon during a tower forward",
+                f"{s0['tower_forward_extra'] / MB:.1f} MB",
+                f"{o0['tower_forward_extra'] / MB:.1f} MB",
+            ],
+            [
+                "rank 0 RssAnon after one training step",
+                f"{s0['rss_after_step'] / MB:,.0f} MB",
+                f"{o0['rss_after_step'] / MB:,.0f} MB",
+            ],
+        ],
+        caption="3. The frozen fp32 tower",
+    )
     print(report.render())
     report.write()
 

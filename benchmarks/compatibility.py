@@ -29,6 +29,7 @@ needs: pip install ".[test,matrix]" (setup.cfg: webdataset for the LCM scripts, 
 usage: python benchmarks/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [--configs zero2,...]
        python benchmarks/compatibility.py --list
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,15 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
 from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402
-from tests.launch_utils import (BIN, UPSTREAM_EXAMPLES, base_env, free_port, kill_tree, process_tree,  # noqa: E402
-                                shipped_zero_configs)
+from tests.launch_utils import (
+    BIN,
+    UPSTREAM_EXAMPLES,
+    base_env,
+    free_port,
+    kill_tree,
+    process_tree,
+    shipped_zero_configs,
+)
 
 RESULT_FILE = RESULTS / "compatibility.md"
 CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
@@ -60,21 +68,31 @@ CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # torchvision fails stock's imports here), and deepspeed_setup's training-time patches off
 STOCK_ENV = {
     "ACCEL_NPU_DISABLED_PLUGINS": "npu,cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-                                  "launch_settings,hang_watch,trackers",
+    "launch_settings,hang_watch,trackers",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
-                                  "deepspeed.runtime.zero.partitioned_param_coordinator:"
-                                  "PartitionedParameterCoordinator.fetch_sub_module,"
-                                  "accelerate.accelerator:Accelerator.prepare",
+    "deepspeed.runtime.zero.partitioned_param_coordinator:"
+    "PartitionedParameterCoordinator.fetch_sub_module,"
+    "accelerate.accelerator:Accelerator.prepare",
 }
 PROMPT = "a photo of sks dog"
 # FSDP2 on the 2 CPU ranks, as tests/test_checkpoints.py launches it, with the zero configs' bf16; wrap policy
 # TRANSFORMER_BASED_WRAP with no class list: accelerate wraps each of the model's own _no_split_modules
 # (accelerate/utils/fsdp_utils.py fsdp2_prepare_auto_wrap_policy), so one config fits every script
-FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
-                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                                "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
-                "mixed_precision": "bf16", "num_machines": 1, "num_processes": 2, "machine_rank": 0,
-                "use_cpu": False}
+FSDP2_CONFIG = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    },
+    "mixed_precision": "bf16",
+    "num_machines": 1,
+    "num_processes": 2,
+    "machine_rank": 0,
+    "use_cpu": False,
+}
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + model index, a DCP folder
 
 
@@ -92,6 +110,7 @@ OFFICIAL_CLI = {
 @dataclass
 class Spec:
     """How to run one official script (or a field report's script, ``path`` under tests/) on a tiny pipeline."""
+
     path: str  # relative to examples/, or to the repository when it starts with "tests/"
     family: str
     builder: str  # key of BUILDERS
@@ -129,19 +148,42 @@ class Spec:
 
 
 DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMPT]
-LORA_T = ["--rank", "4", "--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-2",
-          "--dataloader_num_workers", "0"]
+LORA_T = [
+    "--rank",
+    "4",
+    "--resolution",
+    "16",
+    "--train_batch_size",
+    "1",
+    "--learning_rate",
+    "1e-2",
+    "--dataloader_num_workers",
+    "0",
+]
 SD = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 FLUX2_TEXT = ["--max_sequence_length", "16"]
 # the script's own switch for a forward without accelerate's autocast, as under DeepSpeed: it casts the fp32
 # latents and text features to the weights' dtype (train_dreambooth_lora_ideogram4.py, --disable_training_autocast)
 IDEOGRAM4 = ["--max_sequence_length", "64", "--disable_training_autocast"]
-IMG2IMG = ["--dataset_name", "{work}/img2img", "--image_column", "image", "--cond_image_column", "cond_image",
-           "--caption_column", "prompt",
-           "--instance_prompt", PROMPT]
+IMG2IMG = [
+    "--dataset_name",
+    "{work}/img2img",
+    "--image_column",
+    "image",
+    "--cond_image_column",
+    "cond_image",
+    "--caption_column",
+    "prompt",
+    "--instance_prompt",
+    PROMPT,
+]
 # Kandinsky 2.2 takes a prior and a decoder ({work}: the builder's folder)
-KANDINSKY = ["--pretrained_decoder_model_name_or_path", "{work}/model/decoder",
-             "--pretrained_prior_model_name_or_path", "{work}/model/prior"]
+KANDINSKY = [
+    "--pretrained_decoder_model_name_or_path",
+    "{work}/model/decoder",
+    "--pretrained_prior_model_name_or_path",
+    "{work}/model/prior",
+]
 KANDINSKY_DATA = ["--train_data_dir", "{work}/data"]
 # SDXL UNet: tiny_sdxl_family.py's VAE downsamples x8 (ControlNetModel.from_unet's conditioning embedding
 # does), so --resolution 32; the LCM wds scripts divide by --dataloader_num_workers and read --max_train_samples
@@ -151,185 +193,623 @@ SDXL_WDS = ["--train_shards_path_or_url", "{work}/data/shards/{{00000..00001}}.t
 # the LCM scripts' webdataset loader divides by its worker count: at least one worker
 LCM = ["--resolution", "32", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "1"]
 LCM_WDS = ["--train_shards_path_or_url", "{work}/shards/shard-{{000000..000001}}.tar", "--max_train_samples", "8"]
-COG = ["--instance_data_root", "{work}/videos", "--caption_column", "prompts.txt", "--video_column", "videos.txt",
-       "--max_num_frames", "9", "--train_batch_size", "1", "--rank", "4", "--lora_alpha", "8", "--learning_rate", "1e-2"]
+COG = [
+    "--instance_data_root",
+    "{work}/videos",
+    "--caption_column",
+    "prompts.txt",
+    "--video_column",
+    "videos.txt",
+    "--max_num_frames",
+    "9",
+    "--train_batch_size",
+    "1",
+    "--rank",
+    "4",
+    "--lora_alpha",
+    "8",
+    "--learning_rate",
+    "1e-2",
+]
 # Flux.1 and SD3: full fine-tunes (no --rank); the control scripts read a local parquet dataset (--dataset_name)
 FULL_T = ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 CONTROL = ["--dataset_name", "{work}/controlnet_data"]
 
 SPECS = [
-    Spec("text_to_image/train_text_to_image.py", "SD", "sd",
-         ["--train_data_dir", "{work}/data", "--caption_column", "text"],
-         "full:UNet2DConditionModel:unet", ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3",
-                                            "--dataloader_num_workers", "0"]),
+    Spec(
+        "text_to_image/train_text_to_image.py",
+        "SD",
+        "sd",
+        ["--train_data_dir", "{work}/data", "--caption_column", "text"],
+        "full:UNet2DConditionModel:unet",
+        ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"],
+    ),
     Spec("dreambooth/train_dreambooth.py", "SD", "sd_family", DREAMBOOTH, "full:UNet2DConditionModel:unet", SD),
     Spec("dreambooth/train_dreambooth_lora.py", "SD", "sd_family", DREAMBOOTH, "lora:StableDiffusionPipeline:unet", SD),
-    Spec("controlnet/train_controlnet.py", "SD", "sd_family", ["--train_data_dir", "{work}/controlnet_data"],
-         "full:ControlNetModel:", SD),
-    Spec("dreambooth/train_dreambooth_lora_sdxl.py", "SDXL", "sdxl", DREAMBOOTH,
-         "lora:StableDiffusionXLPipeline:unet", LORA_T),
+    Spec(
+        "controlnet/train_controlnet.py",
+        "SD",
+        "sd_family",
+        ["--train_data_dir", "{work}/controlnet_data"],
+        "full:ControlNetModel:",
+        SD,
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_sdxl.py",
+        "SDXL",
+        "sdxl",
+        DREAMBOOTH,
+        "lora:StableDiffusionXLPipeline:unet",
+        LORA_T,
+    ),
     # -- SD / SDXL UNet scripts --
     # SD 1.x UNet
-    Spec("text_to_image/train_text_to_image_lora.py", "SD", "sd",
-         ["--train_data_dir", "{work}/data", "--caption_column", "text"], "lora:StableDiffusionPipeline:unet",
-         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
-          "--rank", "4"]),
-    Spec("advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py", "SD", "sd_family", DREAMBOOTH,
-         "lora:StableDiffusionPipeline:unet", SD + ["--rank", "4"]),
+    Spec(
+        "text_to_image/train_text_to_image_lora.py",
+        "SD",
+        "sd",
+        ["--train_data_dir", "{work}/data", "--caption_column", "text"],
+        "lora:StableDiffusionPipeline:unet",
+        [
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "2",
+            "--learning_rate",
+            "1e-3",
+            "--dataloader_num_workers",
+            "0",
+            "--rank",
+            "4",
+        ],
+    ),
+    Spec(
+        "advanced_diffusion_training/train_dreambooth_lora_sd15_advanced.py",
+        "SD",
+        "sd_family",
+        DREAMBOOTH,
+        "lora:StableDiffusionPipeline:unet",
+        SD + ["--rank", "4"],
+    ),
     # with upstream README's --modifier_token
-    Spec("custom_diffusion/train_custom_diffusion.py", "SD", "sd_family",
-         ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
-         "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
-         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"]),
-    Spec("instruct_pix2pix/train_instruct_pix2pix.py", "SD", "sd15_data", ["--dataset_name", "{work}/pix2pix_data"],
-         "full:UNet2DConditionModel:unet", SD),
-    Spec("consistency_distillation/train_lcm_distill_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
-         "full:UNet2DConditionModel:unet", LCM, cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec(
+        "custom_diffusion/train_custom_diffusion.py",
+        "SD",
+        "sd_family",
+        ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
+        "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
+        SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"],
+    ),
+    Spec(
+        "instruct_pix2pix/train_instruct_pix2pix.py",
+        "SD",
+        "sd15_data",
+        ["--dataset_name", "{work}/pix2pix_data"],
+        "full:UNet2DConditionModel:unet",
+        SD,
+    ),
+    Spec(
+        "consistency_distillation/train_lcm_distill_sd_wds.py",
+        "SD",
+        "sd15_lcm",
+        LCM_WDS,
+        "full:UNet2DConditionModel:unet",
+        LCM,
+        cli={"model": ["--pretrained_teacher_model", "{model}"]},
+    ),
     # the LoRA the LCM LoRA scripts save with save_lora_weights (unet_lora/) keeps peft's "base_model.model."
     # prefix (get_peft_model_state_dict of their PeftModel), which load_lora_weights refuses on any hardware
     # (NoMatchingPeftModuleError); their other final save, unet.save_pretrained(output_dir) in peft's format
     # ("to be able to load them back"), loads with PeftModel.from_pretrained
-    Spec("consistency_distillation/train_lcm_distill_lora_sd_wds.py", "SD", "sd15_lcm", LCM_WDS,
-         "peft:UNet2DConditionModel:unet", LCM + ["--lora_rank", "4"],
-         cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec(
+        "consistency_distillation/train_lcm_distill_lora_sd_wds.py",
+        "SD",
+        "sd15_lcm",
+        LCM_WDS,
+        "peft:UNet2DConditionModel:unet",
+        LCM + ["--lora_rank", "4"],
+        cli={"model": ["--pretrained_teacher_model", "{model}"]},
+    ),
     # builds its UNet2DModel from a config and counts epochs (4 images, batch 1 on 2 ranks: 2 steps an epoch)
-    Spec("unconditional_image_generation/train_unconditional.py", "unconditional", "sd15_data",
-         ["--train_data_dir", "{work}/unconditional/images", "--model_config_name_or_path",
-          "{work}/unconditional/unet"], "full:UNet2DModel:unet",
-         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
-          "--eval_batch_size", "1", "--ddpm_num_inference_steps", "2", "--save_images_epochs", "100",
-          "--save_model_epochs", "100"], epoch_steps=2,
-         cli={"model": [], "common": ["--output_dir", "{out}", "--checkpointing_steps", "{every}"],
-              "first": ["--num_epochs", "{epochs}"], "resume": ["--num_epochs", "{resume_epochs}",
-                                                                "--resume_from_checkpoint", "latest"]}),
+    Spec(
+        "unconditional_image_generation/train_unconditional.py",
+        "unconditional",
+        "sd15_data",
+        ["--train_data_dir", "{work}/unconditional/images", "--model_config_name_or_path", "{work}/unconditional/unet"],
+        "full:UNet2DModel:unet",
+        [
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "1",
+            "--learning_rate",
+            "1e-3",
+            "--dataloader_num_workers",
+            "0",
+            "--eval_batch_size",
+            "1",
+            "--ddpm_num_inference_steps",
+            "2",
+            "--save_images_epochs",
+            "100",
+            "--save_model_epochs",
+            "100",
+        ],
+        epoch_steps=2,
+        cli={
+            "model": [],
+            "common": ["--output_dir", "{out}", "--checkpointing_steps", "{every}"],
+            "first": ["--num_epochs", "{epochs}"],
+            "resume": ["--num_epochs", "{resume_epochs}", "--resume_from_checkpoint", "latest"],
+        },
+    ),
     # SDXL UNet
-    Spec("text_to_image/train_text_to_image_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
-         "full:UNet2DConditionModel:unet", SDXL_T),
-    Spec("text_to_image/train_text_to_image_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
-         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
-    Spec("controlnet/train_controlnet_sdxl.py", "SDXL", "sdxl_family", ["--train_data_dir", "{work}/data/controlnet"],
-         "full:ControlNetModel:", SDXL_T),
-    Spec("t2i_adapter/train_t2i_adapter_sdxl.py", "SDXL", "sdxl_adapter", ["--train_data_dir", "{work}/data/controlnet"],
-         "full:T2IAdapter:", SDXL_T),
-    Spec("instruct_pix2pix/train_instruct_pix2pix_sdxl.py", "SDXL", "sdxl_family",
-         ["--train_data_dir", "{work}/data/pix2pix"], "full:UNet2DConditionModel:unet", SDXL_T),
-    Spec("advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py", "SDXL", "sdxl_family",
-         ["--instance_data_dir", "{work}/data/instance", "--instance_prompt", PROMPT],
-         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--rank", "4"]),
-    Spec("consistency_distillation/train_lcm_distill_lora_sdxl.py", "SDXL", "sdxl_family", SDXL_TEXT,
-         "lora:StableDiffusionXLPipeline:unet", SDXL_T + ["--lora_rank", "4"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
+    Spec(
+        "text_to_image/train_text_to_image_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        SDXL_TEXT,
+        "full:UNet2DConditionModel:unet",
+        SDXL_T,
+    ),
+    Spec(
+        "text_to_image/train_text_to_image_lora_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        SDXL_TEXT,
+        "lora:StableDiffusionXLPipeline:unet",
+        SDXL_T + ["--rank", "4"],
+    ),
+    Spec(
+        "controlnet/train_controlnet_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        ["--train_data_dir", "{work}/data/controlnet"],
+        "full:ControlNetModel:",
+        SDXL_T,
+    ),
+    Spec(
+        "t2i_adapter/train_t2i_adapter_sdxl.py",
+        "SDXL",
+        "sdxl_adapter",
+        ["--train_data_dir", "{work}/data/controlnet"],
+        "full:T2IAdapter:",
+        SDXL_T,
+    ),
+    Spec(
+        "instruct_pix2pix/train_instruct_pix2pix_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        ["--train_data_dir", "{work}/data/pix2pix"],
+        "full:UNet2DConditionModel:unet",
+        SDXL_T,
+    ),
+    Spec(
+        "advanced_diffusion_training/train_dreambooth_lora_sdxl_advanced.py",
+        "SDXL",
+        "sdxl_family",
+        ["--instance_data_dir", "{work}/data/instance", "--instance_prompt", PROMPT],
+        "lora:StableDiffusionXLPipeline:unet",
+        SDXL_T + ["--rank", "4"],
+    ),
+    Spec(
+        "consistency_distillation/train_lcm_distill_lora_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        SDXL_TEXT,
+        "lora:StableDiffusionXLPipeline:unet",
+        SDXL_T + ["--lora_rank", "4"],
+        cli={"model": ["--pretrained_teacher_model", "{model}"]},
+    ),
     # the artifact: see train_lcm_distill_lora_sd_wds.py's
-    Spec("consistency_distillation/train_lcm_distill_lora_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
-         "peft:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1", "--lora_rank", "4"],
-         cli={"model": ["--pretrained_teacher_model", "{model}"]}),
-    Spec("consistency_distillation/train_lcm_distill_sdxl_wds.py", "SDXL", "sdxl_lcm", SDXL_WDS,
-         "full:UNet2DConditionModel:unet", SDXL_T[:-1] + ["1"], cli={"model": ["--pretrained_teacher_model", "{model}"]}),
-    Spec("dreambooth/train_dreambooth_lora_sd3.py", "SD3", "sd3", DREAMBOOTH,
-         "lora:StableDiffusion3Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
-    Spec("dreambooth/train_dreambooth_lora_flux.py", "Flux", "flux", DREAMBOOTH, "lora:FluxPipeline:transformer",
-         LORA_T + ["--max_sequence_length", "16"]),
-    Spec("dreambooth/train_dreambooth_lora_sana.py", "Sana", "sana", DREAMBOOTH, "lora:SanaPipeline:transformer",
-         LORA_T + ["--max_sequence_length", "16"]),
-    Spec("dreambooth/train_dreambooth_lora_qwen_image.py", "Qwen-Image", "qwen", DREAMBOOTH,
-         "lora:QwenImagePipeline:transformer", LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16",
-                                                         "--skip_final_inference"]),
-    Spec("cogvideo/train_cogvideox_lora.py", "CogVideoX", "cog_t2v", COG, "lora:CogVideoXPipeline:transformer",
-         ["--height", "16", "--width", "16"]),
-    Spec("cogvideo/train_cogvideox_image_to_video_lora.py", "CogVideoX", "cog_i2v", COG,
-         "lora:CogVideoXImageToVideoPipeline:transformer", ["--height", "32", "--width", "32"]),
+    Spec(
+        "consistency_distillation/train_lcm_distill_lora_sdxl_wds.py",
+        "SDXL",
+        "sdxl_lcm",
+        SDXL_WDS,
+        "peft:UNet2DConditionModel:unet",
+        SDXL_T[:-1] + ["1", "--lora_rank", "4"],
+        cli={"model": ["--pretrained_teacher_model", "{model}"]},
+    ),
+    Spec(
+        "consistency_distillation/train_lcm_distill_sdxl_wds.py",
+        "SDXL",
+        "sdxl_lcm",
+        SDXL_WDS,
+        "full:UNet2DConditionModel:unet",
+        SDXL_T[:-1] + ["1"],
+        cli={"model": ["--pretrained_teacher_model", "{model}"]},
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_sd3.py",
+        "SD3",
+        "sd3",
+        DREAMBOOTH,
+        "lora:StableDiffusion3Pipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux.py",
+        "Flux",
+        "flux",
+        DREAMBOOTH,
+        "lora:FluxPipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_sana.py",
+        "Sana",
+        "sana",
+        DREAMBOOTH,
+        "lora:SanaPipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_qwen_image.py",
+        "Qwen-Image",
+        "qwen",
+        DREAMBOOTH,
+        "lora:QwenImagePipeline:transformer",
+        LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16", "--skip_final_inference"],
+    ),
+    Spec(
+        "cogvideo/train_cogvideox_lora.py",
+        "CogVideoX",
+        "cog_t2v",
+        COG,
+        "lora:CogVideoXPipeline:transformer",
+        ["--height", "16", "--width", "16"],
+    ),
+    Spec(
+        "cogvideo/train_cogvideox_image_to_video_lora.py",
+        "CogVideoX",
+        "cog_i2v",
+        COG,
+        "lora:CogVideoXImageToVideoPipeline:transformer",
+        ["--height", "32", "--width", "32"],
+    ),
     # -- Flux, Flux2, SD3 DiT scripts --
     # Flux.1 and SD3
-    Spec("dreambooth/train_dreambooth_flux.py", "Flux", "flux", DREAMBOOTH, "full:FluxTransformer2DModel:transformer",
-         FULL_T + ["--max_sequence_length", "16"]),
-    Spec("advanced_diffusion_training/train_dreambooth_lora_flux_advanced.py", "Flux", "flux", DREAMBOOTH,
-         "lora:FluxPipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
-    Spec("dreambooth/train_dreambooth_lora_flux_kontext.py", "Flux", "flux", DREAMBOOTH,
-         "lora:FluxKontextPipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
+    Spec(
+        "dreambooth/train_dreambooth_flux.py",
+        "Flux",
+        "flux",
+        DREAMBOOTH,
+        "full:FluxTransformer2DModel:transformer",
+        FULL_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "advanced_diffusion_training/train_dreambooth_lora_flux_advanced.py",
+        "Flux",
+        "flux",
+        DREAMBOOTH,
+        "lora:FluxPipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux_kontext.py",
+        "Flux",
+        "flux",
+        DREAMBOOTH,
+        "lora:FluxKontextPipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
     Spec("flux-control/train_control_flux.py", "Flux", "flux_control", CONTROL, "full:FluxTransformer2DModel:", FULL_T),
-    Spec("flux-control/train_control_lora_flux.py", "Flux", "flux_control", CONTROL,
-         "lora:FluxControlPipeline:transformer", LORA_T),
-    Spec("controlnet/train_controlnet_flux.py", "Flux", "flux_control", CONTROL, "full:FluxControlNetModel:",
-         FULL_T + ["--num_double_layers", "1", "--num_single_layers", "1"]),
-    Spec("dreambooth/train_dreambooth_sd3.py", "SD3", "sd3", DREAMBOOTH, "full:SD3Transformer2DModel:transformer",
-         FULL_T + ["--max_sequence_length", "16"]),
-    Spec("controlnet/train_controlnet_sd3.py", "SD3", "sd3_control", CONTROL, "full:SD3ControlNetModel:",
-         FULL_T + ["--max_sequence_length", "16"]),
+    Spec(
+        "flux-control/train_control_lora_flux.py",
+        "Flux",
+        "flux_control",
+        CONTROL,
+        "lora:FluxControlPipeline:transformer",
+        LORA_T,
+    ),
+    Spec(
+        "controlnet/train_controlnet_flux.py",
+        "Flux",
+        "flux_control",
+        CONTROL,
+        "full:FluxControlNetModel:",
+        FULL_T + ["--num_double_layers", "1", "--num_single_layers", "1"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_sd3.py",
+        "SD3",
+        "sd3",
+        DREAMBOOTH,
+        "full:SD3Transformer2DModel:transformer",
+        FULL_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "controlnet/train_controlnet_sd3.py",
+        "SD3",
+        "sd3_control",
+        CONTROL,
+        "full:SD3ControlNetModel:",
+        FULL_T + ["--max_sequence_length", "16"],
+    ),
     # Flux2, Z-Image, Ideogram4
-    Spec("dreambooth/train_dreambooth_lora_flux2.py", "Flux2", "flux2", DREAMBOOTH, "lora:Flux2Pipeline:transformer",
-         LORA_T + FLUX2_TEXT),
-    Spec("dreambooth/train_dreambooth_lora_flux2_img2img.py", "Flux2", "flux2", IMG2IMG,
-         "lora:Flux2Pipeline:transformer", LORA_T + FLUX2_TEXT),
-    Spec("dreambooth/train_dreambooth_lora_flux2_klein.py", "Flux2", "flux2_klein", DREAMBOOTH,
-         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
-    Spec("dreambooth/train_dreambooth_lora_flux2_klein_img2img.py", "Flux2", "flux2_klein", IMG2IMG,
-         "lora:Flux2KleinPipeline:transformer", LORA_T + FLUX2_TEXT),
-    Spec("dreambooth/train_dreambooth_lora_z_image.py", "Z-Image", "z_image", DREAMBOOTH,
-         "lora:ZImagePipeline:transformer", LORA_T + ["--max_sequence_length", "32"]),
-    Spec("dreambooth/train_dreambooth_lora_ideogram4.py", "Ideogram4", "ideogram4", DREAMBOOTH,
-         "lora:Ideogram4Pipeline:transformer", LORA_T + IDEOGRAM4),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux2.py",
+        "Flux2",
+        "flux2",
+        DREAMBOOTH,
+        "lora:Flux2Pipeline:transformer",
+        LORA_T + FLUX2_TEXT,
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux2_img2img.py",
+        "Flux2",
+        "flux2",
+        IMG2IMG,
+        "lora:Flux2Pipeline:transformer",
+        LORA_T + FLUX2_TEXT,
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux2_klein.py",
+        "Flux2",
+        "flux2_klein",
+        DREAMBOOTH,
+        "lora:Flux2KleinPipeline:transformer",
+        LORA_T + FLUX2_TEXT,
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_flux2_klein_img2img.py",
+        "Flux2",
+        "flux2_klein",
+        IMG2IMG,
+        "lora:Flux2KleinPipeline:transformer",
+        LORA_T + FLUX2_TEXT,
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_z_image.py",
+        "Z-Image",
+        "z_image",
+        DREAMBOOTH,
+        "lora:ZImagePipeline:transformer",
+        LORA_T + ["--max_sequence_length", "32"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_ideogram4.py",
+        "Ideogram4",
+        "ideogram4",
+        DREAMBOOTH,
+        "lora:Ideogram4Pipeline:transformer",
+        LORA_T + IDEOGRAM4,
+    ),
     # -- other image DiTs, video, discrete --
     # no --max_train_steps / --checkpointing_steps / resume: 2 clips on 2 ranks at batch 1 make an epoch one
     # step, so --num_train_epochs is the step count; it saves checkpoint-<epoch index> every
     # --checkpointing_epochs but never after the last epoch, and its save hook writes the LoRA into it
-    Spec("cosmos/train_cosmos_predict25_lora.py", "Cosmos", "cosmos25", ["--train_data_dir", "{work}/data"],
-         "lora:Cosmos2_5_PredictBasePipeline:transformer",
-         ["--height", "32", "--width", "32", "--num_frames", "5", "--train_batch_size", "1", "--lora_rank", "4",
-          "--lora_alpha", "8", "--learning_rate", "1e-2", "--scheduler_warm_up_steps", "1",
-          "--dataloader_num_workers", "0"],
-         cli={"common": ["--seed", "0", "--output_dir", "{out}"],
-              "first": ["--num_train_epochs", "{steps}", "--checkpointing_epochs", "{every}"], "resume": None},
-         checkpoint="latest", artifact_in="checkpoint", stand_ins=("safety_checker",)),
-    Spec("dreambooth/train_dreambooth_lora_lumina2.py", "Lumina2", "lumina2", DREAMBOOTH,
-         "lora:Lumina2Pipeline:transformer", LORA_T + ["--max_sequence_length", "16"]),
-    Spec("dreambooth/train_dreambooth_lora_krea2.py", "Krea2", "krea2", DREAMBOOTH, "lora:Krea2Pipeline:transformer",
-         LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16", "--skip_final_inference"]),
-    Spec("dreambooth/train_dreambooth_lora_hidream.py", "HiDream", "hidream",
-         DREAMBOOTH + ["--pretrained_tokenizer_4_name_or_path", "{work}/model/tokenizer_4",
-                       "--pretrained_text_encoder_4_name_or_path", "{work}/model/text_encoder_4"],
-         "lora:HiDreamImagePipeline:transformer",
-         LORA_T + ["--max_sequence_length", "16", "--skip_final_inference"]),
-    Spec("cogview4-control/train_control_cogview4.py", "CogView4", "cogview4_control",
-         ["--jsonl_for_train", "{work}/control/train.jsonl", "--image_column", "image", "--caption_column", "text",
-          "--conditioning_image_column", "conditioning_image"],
-         "full:CogView4Transformer2DModel:", ["--resolution", "16", "--train_batch_size", "1", "--learning_rate",
-                                              "1e-3", "--dataloader_num_workers", "0", "--max_sequence_length", "16"]),
-    Spec("amused/train_amused.py", "aMUSEd", "amused", ["--instance_data_dir", "{work}/images"], "full:UVit2DModel:",
-         ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
-          "--report_to", "tensorboard"]),  # its default, wandb, must be installed (the others default to tensorboard)
+    Spec(
+        "cosmos/train_cosmos_predict25_lora.py",
+        "Cosmos",
+        "cosmos25",
+        ["--train_data_dir", "{work}/data"],
+        "lora:Cosmos2_5_PredictBasePipeline:transformer",
+        [
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--num_frames",
+            "5",
+            "--train_batch_size",
+            "1",
+            "--lora_rank",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--learning_rate",
+            "1e-2",
+            "--scheduler_warm_up_steps",
+            "1",
+            "--dataloader_num_workers",
+            "0",
+        ],
+        cli={
+            "common": ["--seed", "0", "--output_dir", "{out}"],
+            "first": ["--num_train_epochs", "{steps}", "--checkpointing_epochs", "{every}"],
+            "resume": None,
+        },
+        checkpoint="latest",
+        artifact_in="checkpoint",
+        stand_ins=("safety_checker",),
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_lumina2.py",
+        "Lumina2",
+        "lumina2",
+        DREAMBOOTH,
+        "lora:Lumina2Pipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_krea2.py",
+        "Krea2",
+        "krea2",
+        DREAMBOOTH,
+        "lora:Krea2Pipeline:transformer",
+        LORA_T + ["--lora_alpha", "8", "--max_sequence_length", "16", "--skip_final_inference"],
+    ),
+    Spec(
+        "dreambooth/train_dreambooth_lora_hidream.py",
+        "HiDream",
+        "hidream",
+        DREAMBOOTH
+        + [
+            "--pretrained_tokenizer_4_name_or_path",
+            "{work}/model/tokenizer_4",
+            "--pretrained_text_encoder_4_name_or_path",
+            "{work}/model/text_encoder_4",
+        ],
+        "lora:HiDreamImagePipeline:transformer",
+        LORA_T + ["--max_sequence_length", "16", "--skip_final_inference"],
+    ),
+    Spec(
+        "cogview4-control/train_control_cogview4.py",
+        "CogView4",
+        "cogview4_control",
+        [
+            "--jsonl_for_train",
+            "{work}/control/train.jsonl",
+            "--image_column",
+            "image",
+            "--caption_column",
+            "text",
+            "--conditioning_image_column",
+            "conditioning_image",
+        ],
+        "full:CogView4Transformer2DModel:",
+        [
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "1",
+            "--learning_rate",
+            "1e-3",
+            "--dataloader_num_workers",
+            "0",
+            "--max_sequence_length",
+            "16",
+        ],
+    ),
+    Spec(
+        "amused/train_amused.py",
+        "aMUSEd",
+        "amused",
+        ["--instance_data_dir", "{work}/images"],
+        "full:UVit2DModel:",
+        [
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "1",
+            "--learning_rate",
+            "1e-3",
+            "--dataloader_num_workers",
+            "0",
+            "--report_to",
+            "tensorboard",
+        ],
+    ),  # its default, wandb, must be installed (the others default to tensorboard)
     # no DeepSpeed checkpoint and no resume: it saves save_pretrained copies every --checkpointing_steps and
     # final/; random-token data (--use_dummy_data) instead of the hub's wikitext
-    Spec("discrete_diffusion/train_llada2.py", "LLaDA2", "llada2", ["--use_dummy_data", "--num_dummy_samples", "16"],
-         "pretrained:AutoModelForCausalLM:final",
-         ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1", "--max_length", "32",
-          "--prompt_length", "8", "--block_length", "8", "--lr_warmup_steps", "0", "--learning_rate", "1e-2"],
-         cli={"model": ["--model_name_or_path", "{model}"], "resume": None}, checkpoint=None),
+    Spec(
+        "discrete_diffusion/train_llada2.py",
+        "LLaDA2",
+        "llada2",
+        ["--use_dummy_data", "--num_dummy_samples", "16"],
+        "pretrained:AutoModelForCausalLM:final",
+        [
+            "--per_device_train_batch_size",
+            "1",
+            "--gradient_accumulation_steps",
+            "1",
+            "--max_length",
+            "32",
+            "--prompt_length",
+            "8",
+            "--block_length",
+            "8",
+            "--lr_warmup_steps",
+            "0",
+            "--learning_rate",
+            "1e-2",
+        ],
+        cli={"model": ["--model_name_or_path", "{model}"], "resume": None},
+        checkpoint=None,
+    ),
     # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
     # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
-    Spec("tests/scripts/train_dit4dit.py", "DiT4DiT (field report)", "dit4dit", [],
-         "module:train_dit4dit.DiT4DiT:model",
-         cli={"model": ["--pretrained", "{model}"], "common": [],
-              "first": ["--steps", "{steps}", "--save-at", "{steps}", "--save-dir", "{out}/checkpoint-{steps}"],
-              "resume": ["--resume", "{out}/checkpoint-{steps}", "--start-step", "{steps}", "--steps", "{more}",
-                         "--final-save", "{out}/checkpoint-{resume_to}", "--save-model", "{out}/model"]},
-         resumed_from=None),
+    Spec(
+        "tests/scripts/train_dit4dit.py",
+        "DiT4DiT (field report)",
+        "dit4dit",
+        [],
+        "module:train_dit4dit.DiT4DiT:model",
+        cli={
+            "model": ["--pretrained", "{model}"],
+            "common": [],
+            "first": ["--steps", "{steps}", "--save-at", "{steps}", "--save-dir", "{out}/checkpoint-{steps}"],
+            "resume": [
+                "--resume",
+                "{out}/checkpoint-{steps}",
+                "--start-step",
+                "{steps}",
+                "--steps",
+                "{more}",
+                "--final-save",
+                "{out}/checkpoint-{resume_to}",
+                "--save-model",
+                "{out}/model",
+            ],
+        },
+        resumed_from=None,
+    ),
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
     # Kandinsky 2.2 and VQGAN
-    Spec("kandinsky2_2/text_to_image/train_text_to_image_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
-         "full:UNet2DConditionModel:unet", SD, cli={"model": KANDINSKY}),
-    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_decoder.py", "Kandinsky", "kandinsky", KANDINSKY_DATA,
-         "lora:KandinskyV22Pipeline:unet", SD + ["--rank", "4"], cli={"model": KANDINSKY}),
-    Spec("kandinsky2_2/text_to_image/train_text_to_image_prior.py", "Kandinsky", "kandinsky",
-         KANDINSKY_DATA + ["--caption_column", "text"], "full:PriorTransformer:prior", SD, cli={"model": KANDINSKY}),
-    Spec("kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py", "Kandinsky", "kandinsky",
-         KANDINSKY_DATA + ["--caption_column", "text"], "lora:KandinskyV22PriorPipeline:prior", SD + ["--rank", "4"],
-         cli={"model": KANDINSKY}),
+    Spec(
+        "kandinsky2_2/text_to_image/train_text_to_image_decoder.py",
+        "Kandinsky",
+        "kandinsky",
+        KANDINSKY_DATA,
+        "full:UNet2DConditionModel:unet",
+        SD,
+        cli={"model": KANDINSKY},
+    ),
+    Spec(
+        "kandinsky2_2/text_to_image/train_text_to_image_lora_decoder.py",
+        "Kandinsky",
+        "kandinsky",
+        KANDINSKY_DATA,
+        "lora:KandinskyV22Pipeline:unet",
+        SD + ["--rank", "4"],
+        cli={"model": KANDINSKY},
+    ),
+    Spec(
+        "kandinsky2_2/text_to_image/train_text_to_image_prior.py",
+        "Kandinsky",
+        "kandinsky",
+        KANDINSKY_DATA + ["--caption_column", "text"],
+        "full:PriorTransformer:prior",
+        SD,
+        cli={"model": KANDINSKY},
+    ),
+    Spec(
+        "kandinsky2_2/text_to_image/train_text_to_image_lora_prior.py",
+        "Kandinsky",
+        "kandinsky",
+        KANDINSKY_DATA + ["--caption_column", "text"],
+        "lora:KandinskyV22PriorPipeline:prior",
+        SD + ["--rank", "4"],
+        cli={"model": KANDINSKY},
+    ),
     # the perceptual loss's timm backbone: random weights in a local hub cache (tiny_kandinsky.vqgan)
-    Spec("vqgan/train_vqgan.py", "VQGAN", "vqgan",
-         ["--train_data_dir", "{work}/data", "--discriminator_config_name_or_path", "{work}/discriminator.json"],
-         "full:VQModel:vqmodel",
-         ["--resolution", "16", "--train_batch_size", "2", "--learning_rate", "1e-3", "--dataloader_num_workers", "0",
-          "--timm_model_backend", "test_resnet", "--timm_model_layers", "layer1", "--timm_model_offset", "3"],
-         env={"HF_HUB_CACHE": "{work}/hub"}, site=["timm==1.0.31"]),
+    Spec(
+        "vqgan/train_vqgan.py",
+        "VQGAN",
+        "vqgan",
+        ["--train_data_dir", "{work}/data", "--discriminator_config_name_or_path", "{work}/discriminator.json"],
+        "full:VQModel:vqmodel",
+        [
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "2",
+            "--learning_rate",
+            "1e-3",
+            "--dataloader_num_workers",
+            "0",
+            "--timm_model_backend",
+            "test_resnet",
+            "--timm_model_layers",
+            "layer1",
+            "--timm_model_offset",
+            "3",
+        ],
+        env={"HF_HUB_CACHE": "{work}/hub"},
+        site=["timm==1.0.31"],
+    ),
 ]
 
 
@@ -337,7 +817,7 @@ SPECS = [
 BUILDERS = {
     "sd": "import tiny_sd as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
     "sd_family": "import tiny_sd_family as t; t.build('{w}/model'); t.write_instance_images('{w}/images'); "
-                 "t.write_controlnet_dataset('{w}/controlnet_data')",
+    "t.write_controlnet_dataset('{w}/controlnet_data')",
     "sdxl": "import tiny_sana_sdxl as t, tiny_models as m; t.sdxl_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     "sana": "import tiny_sana_sdxl as t, tiny_models as m; t.sana_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
     "sd3": "import tiny_sd3_flux as t; t.sd3_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
@@ -348,11 +828,11 @@ BUILDERS = {
     # -- SD / SDXL UNet scripts --
     # SD 1.x UNet
     "sd15_data": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model'); "
-                 "t.write_pix2pix_dataset('{w}/pix2pix_data'); t.write_shards('{w}/shards'); "
-                 "t.write_unconditional('{w}/unconditional')",
+    "t.write_pix2pix_dataset('{w}/pix2pix_data'); t.write_shards('{w}/shards'); "
+    "t.write_unconditional('{w}/unconditional')",
     # the LCM scripts tokenize their unconditional prompt to a fixed 77 tokens
     "sd15_lcm": "import tiny_sd_family as f, tiny_sd15 as t; f.build('{w}/model', max_length=77); "
-                "t.write_shards('{w}/shards')",
+    "t.write_shards('{w}/shards')",
     # SDXL UNet
     "sdxl_family": "import tiny_sdxl_family as t; t.build('{w}/model'); t.write_data('{w}/data')",
     "sdxl_adapter": "import tiny_sdxl_family as t; t.build_adapter('{w}/model'); t.write_data('{w}/data')",
@@ -360,14 +840,14 @@ BUILDERS = {
     # -- Flux, Flux2, SD3 DiT scripts --
     # Flux.1 and SD3
     "flux_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.flux_pipeline('{w}/model'); "
-                    "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
+    "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
     "sd3_control": "import tiny_sd3_flux as t, tiny_sd_family as f; t.sd3_pipeline('{w}/model', num_layers=13); "
-                   "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
+    "f.write_controlnet_dataset('{w}/controlnet_data', size=16)",
     # Flux2, Z-Image, Ideogram4
     "flux2": "import tiny_flux2 as t; t.flux2_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
-             "t.img2img_dataset('{w}/img2img')",
+    "t.img2img_dataset('{w}/img2img')",
     "flux2_klein": "import tiny_flux2 as t; t.klein_pipeline('{w}/model'); t.dreambooth_images('{w}/images'); "
-                   "t.img2img_dataset('{w}/img2img')",
+    "t.img2img_dataset('{w}/img2img')",
     "z_image": "import tiny_flux2 as t; t.z_image_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     "ideogram4": "import tiny_flux2 as t; t.ideogram4_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     # -- other image DiTs, video, discrete --
@@ -394,8 +874,14 @@ def _build(kind: str, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     code = BUILDERS[kind].format(w=work)
     env = dict(base_env(), PYTHONPATH=str(REPO / "tests" / "scripts"))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=str(REPO / "tests" / "scripts"))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(REPO / "tests" / "scripts"),
+    )
     if done.returncode:  # the builder's own error: a missing matrix extra (`pip install ".[matrix]"`), a bad config
         raise SystemExit(f"building {kind!r} in {work} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     marker.write_text("ok")
@@ -415,9 +901,14 @@ def _rss_anon(pid: int) -> int:
 def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
     """One ``accelerate launch``: exit code, output, seconds, peak node RSS (bytes)."""
     started = time.monotonic()
-    proc = subprocess.Popen([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *args],
-                            env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     peak = [0]
     done = threading.Event()
 
@@ -437,8 +928,12 @@ def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
         code = "timeout"
     done.set()
     sampler.join()
-    return {"code": code, "output": out.decode(errors="replace"), "seconds": time.monotonic() - started,
-            "peak_rss": peak[0]}
+    return {
+        "code": code,
+        "output": out.decode(errors="replace"),
+        "seconds": time.monotonic() - started,
+        "peak_rss": peak[0],
+    }
 
 
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b:?.*)$")
@@ -452,9 +947,9 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
         m = _ERROR.match(line.strip())
         if not m or line.lstrip().startswith(("File ", "warnings.warn")) or "Warning" in m.group(1).split(":")[0]:
             continue
-        if any("During handling of the above exception" in x for x in lines[i + 1:i + 4]):
+        if any("During handling of the above exception" in x for x in lines[i + 1 : i + 4]):
             continue  # a chained exception: the one raised while handling it is what stopped the run
-        frames = [f.group(1) for f in (_FRAME.match(x) for x in lines[max(0, i - 80):i]) if f]
+        frames = [f.group(1) for f in (_FRAME.match(x) for x in lines[max(0, i - 80) : i]) if f]
         # torch raises for whatever called it wrongly: the innermost frame outside torch says whose call it was
         outside = [f for f in frames if "site-packages/torch/" not in f] or frames
         return m.group(1)[:300], _whose(outside[-1] if outside else "", m.group(1), script)
@@ -464,68 +959,96 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
 # failures whose cause is known beyond the frame that raised them: (pattern, whose), the pattern searched in
 # "<script name>: <first error or failed check>" (a pattern starting ^<script name> is that script's alone)
 KNOWN_CAUSES = [
-    (r"^train_dreambooth_lora_sd15_advanced\.py: .*(IndexError: list index out of range|no attribute "
-     r"'ds_active_sub_modules')",
-     "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
-     "load_lora_into_unet, which injects a second adapter the optimizer does not hold (the call diffusers #6514 "
-     "removed from train_dreambooth_lora_sdxl.py); without those lines the resume passes (zero2, zero3_t0)"),
-    (r"^train_custom_diffusion\.py: .*multiple models when using DeepSpeed",
-     "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
-     "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
-     "script's final `for token in args.modifier_token` (line 1333) fails on None"),
-    (r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
-     "the script's, under ZeRO-3: between accelerator.backward and optimizer.step() it zeroes rows of the text "
-     "encoder's embedding .grad (lines 1192-1205), and a ZeRO-3 parameter is partitioned (shape [0]), its gradient "
-     "in DeepSpeed's partitions: param.grad is None (under ZeRO-1/2 accel-npu shows the whole gradient there and "
-     "writes it back before the step); stock stops earlier, at accelerate's 'multiple models when using "
-     "DeepSpeed'"),
-    (r"^train_unconditional\.py: .*CollectiveMisuseError",
-     "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
-     "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
-     "all-gathers never pair, a hang on GPUs too (stock: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG "
-     "broadcast); accel-npu stops both ranks at the first gather, naming line 692; the error is accel-npu's"),
-    (r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
-     "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
-     "deepspeed.runtime.engine:DeepSpeedEngine.forward)"),
-    (r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
-     r"tensor b \(0\)",
-     "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
-     "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): train_lcm_distill_sd_wds.py:1371, "
-     "train_lcm_distill_sdxl_wds.py:1474; the loop at line 432)"),
-    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: IndexError: list index out of range",
-     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
-     "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
-     "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
-     "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket"),
-    (r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: AttributeError: 'Parameter' object has no attribute 'ds_status'",
-     "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
-     "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 LoRA "
-     "parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which ZeRO-3 never partitioned: "
-     "the next forward's fetch finds no ds_status"),
-    (r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
-     "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
-     "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_adapter converts "
-     "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0; diffusers #14548), so the "
-     "attention layers are never injected (only peft's RuntimeWarning about extra target modules says so); "
-     "accel-npu's load_lora_adapter patch reads every key (plugins/checkpoints/lora.py): ✘ only with it off"),
-    (r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
-     "the script's, also on GPUs: fp32 activations into bf16 weights outside what accelerate autocasts under DDP "
-     "(accel-npu runs a DeepSpeed engine's forward under autocast when given fp32 activations: "
-     "plugins/deepspeed/input_dtype.py)"),
-    (r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\) at non-singleton dimension 1\.  "
-     r"Target sizes: \[\d+, \d+\]",
-     "the script's, also on GPUs: its text attention mask (train_control_cogview4.py:1048, the caption's own "
-     "length) is shorter than the prompt embeddings CogView4ControlPipeline.encode_prompt pads to a multiple of 16 "
-     "(pipeline_cogview4_control.py:210); transformer_cogview4.py:173 cannot fit one into the other"),
-    (r"CollectiveMisuseError", "the script's: save_state inside `if accelerator.is_main_process:` (diffusers "
-                               "#2606); the error is accel-npu's"),
-    (r"LoRA\w*Processor\.__init__\(\) got an unexpected keyword argument",
-     "upstream (the script's, also on GPUs): diffusers 0.30 made LoRAAttnProcessor / LoRAAttnAddedKVProcessor "
-     "argument-less stubs (diffusers #8777, models/attention_processor.py); the Kandinsky 2.2 LoRA scripts still "
-     "build them with hidden_size= (diffusers #7606)"),
-    (r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
-     "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
-     "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)"),
+    (
+        r"^train_dreambooth_lora_sd15_advanced\.py: .*(IndexError: list index out of range|no attribute "
+        r"'ds_active_sub_modules')",
+        "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
+        "load_lora_into_unet, which injects a second adapter the optimizer does not hold (the call diffusers #6514 "
+        "removed from train_dreambooth_lora_sdxl.py); without those lines the resume passes (zero2, zero3_t0)",
+    ),
+    (
+        r"^train_custom_diffusion\.py: .*multiple models when using DeepSpeed",
+        "accelerate's: one model per Accelerator under DeepSpeed (accelerate/accelerator.py Accelerator.prepare); with "
+        "--modifier_token the script prepares custom_diffusion_layers and text_encoder together; without it, the "
+        "script's final `for token in args.modifier_token` (line 1333) fails on None",
+    ),
+    (
+        r"^train_custom_diffusion\.py: AttributeError: 'NoneType' object has no attribute 'data'",
+        "the script's, under ZeRO-3: between accelerator.backward and optimizer.step() it zeroes rows of the text "
+        "encoder's embedding .grad (lines 1192-1205), and a ZeRO-3 parameter is partitioned (shape [0]), its gradient "
+        "in DeepSpeed's partitions: param.grad is None (under ZeRO-1/2 accel-npu shows the whole gradient there and "
+        "writes it back before the step); stock stops earlier, at accelerate's 'multiple models when using "
+        "DeepSpeed'",
+    ),
+    (
+        r"^train_unconditional\.py: .*CollectiveMisuseError",
+        "the script's: after an epoch's wait_for_everyone rank 0 alone samples with DDPMPipeline from the ZeRO-3 model "
+        "(lines 677-692, under `if accelerator.is_main_process`) while rank 1 goes on to its next epoch: the parameter "
+        "all-gathers never pair, a hang on GPUs too (stock: rank 0 in fetch_sub_module, rank 1 in the DataLoader's RNG "
+        "broadcast); accel-npu stops both ranks at the first gather, naming line 692; the error is accel-npu's",
+    ),
+    (
+        r"mat1 and mat2 must have the same dtype, but got Half and BFloat16",
+        "the script's: fp16 frozen towers under a bf16 DeepSpeed config (accel-npu casts at the engine: "
+        "deepspeed.runtime.engine:DeepSpeedEngine.forward)",
+    ),
+    (
+        r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
+        r"tensor b \(0\)",
+        "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
+        "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): train_lcm_distill_sd_wds.py:1371, "
+        "train_lcm_distill_sdxl_wds.py:1474; the loop at line 432)",
+    ),
+    (
+        r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: IndexError: list index out of range",
+        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+        "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
+        "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
+        "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket",
+    ),
+    (
+        r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: AttributeError: 'Parameter' object has no attribute 'ds_status'",
+        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+        "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 LoRA "
+        "parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which ZeRO-3 never partitioned: "
+        "the next forward's fetch finds no ds_status",
+    ),
+    (
+        r"^train_lcm_distill_lora_sdxl\.py: \d+ of \d+ master tensors not in the loaded artifact",
+        "diffusers': the script saves convert_state_dict_to_diffusers(...) (train_lcm_distill_lora_sdxl.py:1445), "
+        "attention keys renamed to_k.lora.down, conv / time_emb_proj keys left lora_A; load_lora_adapter converts "
+        "only when the first key lacks lora_A (diffusers/loaders/peft.py:212 at v0.40.0; diffusers #14548), so the "
+        "attention layers are never injected (only peft's RuntimeWarning about extra target modules says so); "
+        "accel-npu's load_lora_adapter patch reads every key (plugins/checkpoints/lora.py): ✘ only with it off",
+    ),
+    (
+        r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
+        "the script's, also on GPUs: fp32 activations into bf16 weights outside what accelerate autocasts under DDP "
+        "(accel-npu runs a DeepSpeed engine's forward under autocast when given fp32 activations: "
+        "plugins/deepspeed/input_dtype.py)",
+    ),
+    (
+        r"The expanded size of the tensor \(\d+\) must match the existing size \(\d+\) at non-singleton dimension 1\.  "
+        r"Target sizes: \[\d+, \d+\]",
+        "the script's, also on GPUs: its text attention mask (train_control_cogview4.py:1048, the caption's own "
+        "length) is shorter than the prompt embeddings CogView4ControlPipeline.encode_prompt pads to a multiple of 16 "
+        "(pipeline_cogview4_control.py:210); transformer_cogview4.py:173 cannot fit one into the other",
+    ),
+    (
+        r"CollectiveMisuseError",
+        "the script's: save_state inside `if accelerator.is_main_process:` (diffusers #2606); the error is accel-npu's",
+    ),
+    (
+        r"LoRA\w*Processor\.__init__\(\) got an unexpected keyword argument",
+        "upstream (the script's, also on GPUs): diffusers 0.30 made LoRAAttnProcessor / LoRAAttnAddedKVProcessor "
+        "argument-less stubs (diffusers #8777, models/attention_processor.py); the Kandinsky 2.2 LoRA scripts still "
+        "build them with hidden_size= (diffusers #7606)",
+    ),
+    (
+        r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
+        "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
+        "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)",
+    ),
 ]
 
 
@@ -562,6 +1085,8 @@ def _fsdp_master(folder: Path) -> dict:
         dcp_to_torch_save(str(folder), str(target))
         state = torch.load(target, weights_only=False)
     return state["model"]
+
+
 def _global_steps(ckpt: Path) -> int | None:
     """DeepSpeed's own optimizer-step count saved in a checkpoint (engine.global_steps, restored by a resume)."""
     import torch
@@ -625,8 +1150,11 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         component = getattr(getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32), where)
         names = list(component.attn_processors)
         read = component._process_custom_diffusion(state_dict=load_file(str(where_dir / below[0])))
-        return {f"layers.{names.index(name)}.{k}": v for name, processor in read.items()
-                for k, v in processor.state_dict().items()}
+        return {
+            f"layers.{names.index(name)}.{k}": v
+            for name, processor in read.items()
+            for k, v in processor.state_dict().items()
+        }
     if kind == "module":
         import importlib
 
@@ -650,16 +1178,18 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     if spec.artifact.startswith("attn_procs:"):
         # AttnProcsLayers' parameters; under one engine with other models prepared together (accel-npu's
         # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
-        master = {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items()
-                  if re.match(r"^(\d+\.)?layers\.", k)}
+        master = {
+            re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items() if re.match(r"^(\d+\.)?layers\.", k)
+        }
     if spec.artifact.startswith(("lora:", "peft:")):
         master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
     got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
     if spec.artifact_in == "checkpoint":
         final = _load_artifact(spec, model, out)
         if set(final) != set(got):
-            return False, (f"the final artifact's tensors are not the checkpoint's: {len(set(final) ^ set(got))} "
-                           "names differ")
+            return False, (
+                f"the final artifact's tensors are not the checkpoint's: {len(set(final) ^ set(got))} names differ"
+            )
     missing = sorted(set(master) - set(got))
     if not master or missing:
         return False, f"{len(missing)} of {len(master)} master tensors not in the loaded artifact"
@@ -669,8 +1199,10 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
         if not (torch.equal(g, v) or torch.equal(g, v.to(torch.bfloat16).float())):
             worst = max(worst, (g - v).abs().max().item())
     if worst and all(torch.equal(got[k].float(), v.half().float()) for k, v in master.items()):
-        return False, ("the loaded artifact equals the master weights rounded to float16, not bfloat16: the "
-                       "engine's module ran in fp16 under a bf16 DeepSpeed config")
+        return False, (
+            "the loaded artifact equals the master weights rounded to float16, not bfloat16: the "
+            "engine's module ran in fp16 under a bf16 DeepSpeed config"
+        )
     if worst:
         return False, f"loaded artifact differs from the master weights: max |Δ| {worst:.3g}"
     return True, f"{len(master)} tensors = master"
@@ -695,12 +1227,17 @@ def compare_pretrained(spec: Spec, model: Path, out: Path) -> tuple[bool, str]:
     if not saved or wrong:
         return False, f"{len(wrong)} of {len(skeleton)} tensors missing or of another shape in {where}/"
     bad = [k for k, v in saved.items() if not torch.isfinite(v.float()).all()]
-    unchanged = [k for k, v in saved.items() if k in initial and initial[k].shape == v.shape
-                 and torch.equal(v.float(), initial[k].to(v.dtype).float())]
+    unchanged = [
+        k
+        for k, v in saved.items()
+        if k in initial and initial[k].shape == v.shape and torch.equal(v.float(), initial[k].to(v.dtype).float())
+    ]
     if bad or unchanged:
         return False, f"{where}/: {len(bad)} tensors not finite, {len(unchanged)} unchanged from the initial weights"
-    return True, (f"no DeepSpeed checkpoint (save_pretrained): {where}/ read back, {len(skeleton)} tensors of the "
-                  "architecture's shapes, finite, all trained")
+    return True, (
+        f"no DeepSpeed checkpoint (save_pretrained): {where}/ read back, {len(skeleton)} tensors of the "
+        "architecture's shapes, finite, all trained"
+    )
 
 
 # -- one row ----------------------------------------------------------------------------------------
@@ -716,8 +1253,12 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     cfgs = shipped_zero_configs(root)
     from tests.torchvision_site import with_torchvision
 
-    env = with_torchvision(base_env(HF_DATASETS_CACHE=str(root / "datasets-cache"),
-                                    **{k: v.format(work=work) for k, v in spec.env.items()}), *spec.site)
+    env = with_torchvision(
+        base_env(
+            HF_DATASETS_CACHE=str(root / "datasets-cache"), **{k: v.format(work=work) for k, v in spec.env.items()}
+        ),
+        *spec.site,
+    )
     if config == "stock_zero2":
         env.update(STOCK_ENV)
     cfgs["fsdp2"] = root / "fsdp2.yaml"
@@ -729,8 +1270,17 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     data = [a.format(work=work) for a in spec.data]
     cli = {**OFFICIAL_CLI, **spec.cli}
     per_epoch = spec.epoch_steps or 1
-    values = dict(work=work, model=work / "model", out=out, steps=steps, every=every, resume_to=resume_to,
-                  more=resume_to - steps, epochs=steps // per_epoch, resume_epochs=resume_to // per_epoch)
+    values = dict(
+        work=work,
+        model=work / "model",
+        out=out,
+        steps=steps,
+        every=every,
+        resume_to=resume_to,
+        more=resume_to - steps,
+        epochs=steps // per_epoch,
+        resume_epochs=resume_to // per_epoch,
+    )
 
     def fill(args: list[str]) -> list[str]:
         return [a.format(**values) for a in args]
@@ -757,8 +1307,10 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         except Exception as exc:  # noqa: BLE001 - the row records it
             ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
         return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
-    written = sorted((p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
-                     key=lambda p: int(p.name.split("-")[-1]))
+    written = sorted(
+        (p for p in out.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+    )
     if spec.checkpoint == "latest":
         last = written[-1] if written else out / "checkpoint-(none)"
     else:
@@ -772,8 +1324,12 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         resumed = spec.resumed_from.format(**values) in runs[1]["output"]
         expected = f"resume from {spec.resumed_from.format(**values)} and "
     if not resumed or not last.is_dir():
-        return {**row, "ok": False, "whose": "unknown",
-                "what": f"did not {expected}write {last.name}: {[p.name for p in written]}"}
+        return {
+            **row,
+            "ok": False,
+            "whose": "unknown",
+            "what": f"did not {expected}write {last.name}: {[p.name for p in written]}",
+        }
     try:
         ok, what = compare_artifact(spec, work / "model", out, last)
     except Exception as exc:  # noqa: BLE001 - the row records it
@@ -784,16 +1340,28 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
 
 
 # -- the results file ---------------------------------------------------------------------------------
-HEADER = ["script", "family", "config", "result", "first error / check", "whose", "wall", "peak node RSS",
-          "commit", "date"]
+HEADER = [
+    "script",
+    "family",
+    "config",
+    "result",
+    "first error / check",
+    "whose",
+    "wall",
+    "peak node RSS",
+    "commit",
+    "date",
+]
 
 
 def _commit() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -830,8 +1398,14 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
     planned = {f"`{s.name}`" for s in SPECS}  # a script given a Spec since: its "not run" row goes
     rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0] in planned)}
     order = {s.name: i for i, s in enumerate(SPECS)}
-    keys = sorted(rows, key=lambda k: (order.get(k[0].strip("`"), len(order)), k[0], CONFIGS.index(k[1])
-                                       if k[1] in CONFIGS else len(CONFIGS)))
+    keys = sorted(
+        rows,
+        key=lambda k: (
+            order.get(k[0].strip("`"), len(order)),
+            k[0],
+            CONFIGS.index(k[1]) if k[1] in CONFIGS else len(CONFIGS),
+        ),
+    )
     lines = [
         "# Official diffusers v0.40.0 training scripts × launch configs (2 CPU ranks, tiny models)",
         "",
@@ -879,8 +1453,9 @@ def not_run_rows(stamp: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="", help="comma-separated families (SD, SDXL, SD3, Flux, Sana, "
-                                                       "Qwen-Image, CogVideoX)")
+    parser.add_argument(
+        "--family", default="", help="comma-separated families (SD, SDXL, SD3, Flux, Sana, Qwen-Image, CogVideoX)"
+    )
     parser.add_argument("--only", default="", help="comma-separated substrings of script names")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=4)
@@ -896,8 +1471,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})")
-    specs = [s for s in SPECS if (not families or s.family.lower() in families)
-             and (not only or any(o in s.name for o in only))]
+    specs = [
+        s
+        for s in SPECS
+        if (not families or s.family.lower() in families) and (not only or any(o in s.name for o in only))
+    ]
     plan = [(s, c) for s in specs for c in configs]
     if args.list:
         for s, c in plan:
@@ -914,9 +1492,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)
-            new[key] = [key[0], spec.family, config, "✔" if row["ok"] else "✘", _cell(row["what"]),
-                        _cell(row["whose"]), f"{row['seconds']:.0f} s", f"{row['peak_rss'] / 2 ** 30:.2f} GiB",
-                        *stamp]
+            new[key] = [
+                key[0],
+                spec.family,
+                config,
+                "✔" if row["ok"] else "✘",
+                _cell(row["what"]),
+                _cell(row["whose"]),
+                f"{row['seconds']:.0f} s",
+                f"{row['peak_rss'] / 2**30:.2f} GiB",
+                *stamp,
+            ]
             print("  " + " | ".join(new[key][3:8]), flush=True)
             write_rows(new, sys.argv if argv is None else [sys.argv[0], *argv])
         stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]

@@ -12,6 +12,7 @@ minus accel-npu without it.
 Usage: python benchmarks/cuda_compat_overhead.py [--runs 3] [--calls 20000]
 Writes benchmarks/results/cuda_compat_overhead.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report, median_spread  # noqa: E402
+from _results import Report, median_spread
 
 CASES = {
     "x.to(torch.float16)": "x.to(torch.float16)",
@@ -36,7 +37,7 @@ CASES = {
     "torch.cuda.is_available()": "torch.cuda.is_available()",
 }
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys, timeit
 import torch
 import wrapt
@@ -54,14 +55,19 @@ for name, stmt in json.loads(sys.argv[2]).items():
     t = timeit.Timer(stmt, globals=globals())
     out[name] = min(t.repeat(5, calls)) / calls * 1e9
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def run(extra: dict, calls: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update(OMP_NUM_THREADS="1", LOCAL_RANK="0", **extra)
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(calls), json.dumps(CASES)], env=env,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(calls), json.dumps(CASES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[7:])
 
@@ -87,11 +93,28 @@ def main(argv=None):
             diff, per_thousand = f"{extra:+.0f} ns", f"{extra / 1e3:+.1f} ms"
         else:
             diff = per_thousand = "raises without it"
-        rows.append([f"`{k}`", median_spread(stock, "{:.0f}", " ns"), median_spread(without, "{:.0f}", " ns"),
-                     median_spread(ours, "{:.0f}", " ns"), diff, per_thousand])
-    report.table(["call", "stock (ACCEL_NPU_DISABLE=1)", "accel-npu without the façade", "accel-npu",
-                  "façade's cost", "per 1,000 calls"], rows,
-                 caption=f"Per call, best of 5 × {a.calls} calls, median (min-max) over {a.runs} processes each, one thread.")
+        rows.append(
+            [
+                f"`{k}`",
+                median_spread(stock, "{:.0f}", " ns"),
+                median_spread(without, "{:.0f}", " ns"),
+                median_spread(ours, "{:.0f}", " ns"),
+                diff,
+                per_thousand,
+            ]
+        )
+    report.table(
+        [
+            "call",
+            "stock (ACCEL_NPU_DISABLE=1)",
+            "accel-npu without the façade",
+            "accel-npu",
+            "façade's cost",
+            "per 1,000 calls",
+        ],
+        rows,
+        caption=f"Per call, best of 5 × {a.calls} calls, median (min-max) over {a.runs} processes each, one thread.",
+    )
     report.write()
     print(report.render())
 

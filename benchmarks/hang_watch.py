@@ -13,6 +13,7 @@ machine (a round fits in one scheduler time slice).
 
 Usage: python benchmarks/hang_watch.py [--calls 2000] [--rounds 100]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,14 @@ def worker(calls: int, rounds: int) -> None:
     stock = original_of("torch.distributed:all_reduce")
     assert stock is not None, "accel-npu is not active: the all_reduce patch is not applied"
     t = torch.zeros(1)
-    rows: dict[str, list[float]] = {"noop bare": [], "noop passthrough": [], "noop watched": [], "all_reduce stock": [],
-                                    "all_reduce watched": [], "store add": []}
+    rows: dict[str, list[float]] = {
+        "noop bare": [],
+        "noop passthrough": [],
+        "noop watched": [],
+        "all_reduce stock": [],
+        "all_reduce watched": [],
+        "store add": [],
+    }
     store = dist.distributed_c10d._get_default_store()
     for _ in range(rounds):
         rows["noop bare"].append(_per_call(lambda: noop(t), calls))
@@ -116,9 +123,24 @@ def main() -> None:
         worker(a.calls, a.rounds)
         return
     torchrun = Path(sys.executable).parent / "torchrun"
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), __file__,
-                           "--worker", "--calls", str(a.calls), "--rounds", str(a.rounds)],
-                          env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            __file__,
+            "--worker",
+            "--calls",
+            str(a.calls),
+            "--rounds",
+            str(a.rounds),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or "BENCH " not in proc.stdout:
         sys.exit(f"benchmark ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     r = json.loads(proc.stdout.split("BENCH ", 1)[1].splitlines()[0])
@@ -127,20 +149,27 @@ def main() -> None:
     from _results import Report
 
     report = Report("hang_watch", "What the hang watch adds to each collective")
-    report.table(["call", "µs per call"], [
-        ["no-op, bare", f"{r['noop bare']:.2f}"],
-        ["no-op, through a pass-through wrapt wrapper", f"{r['noop passthrough']:.2f}"],
-        ["no-op, through the hang-watch wrapper (2 ranks: watching)", f"{r['noop watched']:.2f}"],
-        ["no-op, through the wrapper (1 rank: off)", f"{one:.2f}"],
-        ["**added per collective**", f"**{added:.2f}**"],
-        ["gloo all_reduce of 1 float, stock function", f"{r['all_reduce stock']:.1f}"],
-        ["gloo all_reduce of 1 float, patched", f"{r['all_reduce watched']:.1f}"],
-        ["one store round trip (`add`), per collective if published eagerly", f"{r['store add']:.1f}"],
-    ], caption=f"Fastest of {a.rounds} rounds of {a.calls} calls per figure (2 gloo ranks, OMP_NUM_THREADS=1).")
-    report.text(f"added / smallest gloo all_reduce: {added / r['all_reduce stock']:.2%}; the bookkeeping beyond "
-                f"any patch's wrapper: {r['noop watched'] - r['noop passthrough']:.2f} µs")
+    report.table(
+        ["call", "µs per call"],
+        [
+            ["no-op, bare", f"{r['noop bare']:.2f}"],
+            ["no-op, through a pass-through wrapt wrapper", f"{r['noop passthrough']:.2f}"],
+            ["no-op, through the hang-watch wrapper (2 ranks: watching)", f"{r['noop watched']:.2f}"],
+            ["no-op, through the wrapper (1 rank: off)", f"{one:.2f}"],
+            ["**added per collective**", f"**{added:.2f}**"],
+            ["gloo all_reduce of 1 float, stock function", f"{r['all_reduce stock']:.1f}"],
+            ["gloo all_reduce of 1 float, patched", f"{r['all_reduce watched']:.1f}"],
+            ["one store round trip (`add`), per collective if published eagerly", f"{r['store add']:.1f}"],
+        ],
+        caption=f"Fastest of {a.rounds} rounds of {a.calls} calls per figure (2 gloo ranks, OMP_NUM_THREADS=1).",
+    )
+    report.text(
+        f"added / smallest gloo all_reduce: {added / r['all_reduce stock']:.2%}; the bookkeeping beyond "
+        f"any patch's wrapper: {r['noop watched'] - r['noop passthrough']:.2f} µs"
+    )
     print(report.render())
     report.write()
+
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ point of (a)); the table says so and gives the estimate from N=1.
 Usage: python benchmarks/host_memory.py [--ns 1,2,3] [--cases a,b,c,d,e,f,g,h,i,j,k] [--cache DIR]
 Writes benchmarks/results/host_memory.md (``--results NAME``: results/NAME.md, for partial runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,18 +44,26 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report  # noqa: E402
+from _results import Report
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-GB = 1024 ** 3
-MB = 1024 ** 2
+GB = 1024**3
+MB = 1024**2
 
-CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-              num_attention_heads=8, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+CONFIG = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=8,
+    joint_attention_dim=3584,
+    axes_dims_rope=(16, 56, 56),
+)
 SHARDS = 9
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(1)
@@ -117,7 +126,7 @@ nbytes = 0 if model is None else sum(held(p).numel() * p.element_size() for p in
 print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "seconds": secs, "params": n,
                               "param_bytes": nbytes}), flush=True)
 time.sleep(1.0)  # let the sampler see the steady state
-'''
+"""
 
 
 def default_cache() -> Path:
@@ -221,19 +230,33 @@ def remove_cgroup(path: Path) -> None:
         pass
 
 
-def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env: dict,
-             cgroup: Path | None = None) -> dict:
+def run_case(
+    worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env: dict, cgroup: Path | None = None
+) -> dict:
     import psutil
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               ACCEL_NPU_DISABLE="0" if accel else "1", **extra_env)
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={n}", "--master_port", str(_free_port()),
-           str(worker), mode, str(ckpt)]
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        ACCEL_NPU_DISABLE="0" if accel else "1",
+        **extra_env,
+    )
+    cmd = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={n}",
+        "--master_port",
+        str(_free_port()),
+        str(worker),
+        mode,
+        str(ckpt),
+    ]
     # output to files, not pipes: stock's per-key warning flood would fill a pipe and block the ranks
     import tempfile
 
     out_f, err_f = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+
     def enter_cgroup():
         if cgroup is not None:
             (cgroup / "cgroup.procs").write_text(str(os.getpid()))
@@ -253,13 +276,25 @@ def run_case(worker: Path, mode: str, ckpt: Path, n: int, accel: bool, extra_env
     out_f.seek(0)
     err_f.seek(0)
     out, err = out_f.read(), err_f.read()
-    summary = [line for line in err.splitlines() if "accel-npu:" in line and ("truncated" in line or "ZeRO-3 partitions" in line
-                                                                   or "read on rank 0 only" in line)]
+    summary = [
+        line
+        for line in err.splitlines()
+        if "accel-npu:" in line
+        and ("truncated" in line or "ZeRO-3 partitions" in line or "read on rank 0 only" in line)
+    ]
     flood = sum(1 for line in err.splitlines() if "were not used when initializing" in line)
     res = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
-    return {"rc": proc.returncode, "peak": peak, "wall": time.time() - t0, "results": res,
-            "stderr": err[-2000:], "killed": proc.returncode != 0, "summary": summary[:1],
-            "stderr_bytes": len(err), "unused_key_warnings": flood}
+    return {
+        "rc": proc.returncode,
+        "peak": peak,
+        "wall": time.time() - t0,
+        "results": res,
+        "stderr": err[-2000:],
+        "killed": proc.returncode != 0,
+        "summary": summary[:1],
+        "stderr_bytes": len(err),
+        "unused_key_warnings": flood,
+    }
 
 
 def _free_port() -> int:
@@ -274,24 +309,46 @@ FSDP2_PREPARE_PATCH = "accelerate.utils.fsdp_utils:fsdp2_load_full_state_dict"
 CASES = {
     "a": ("stock: full from_pretrained (no torch_dtype), slice 2", "full_then_slice", False, {}),
     "b": ("stock: from_pretrained(num_layers=2)", "num_layers", False, {}),
-    "c": ("accel-npu: (a) + ACCEL_NPU_TRUNCATE=...:2", "full_then_slice", True,
-          {"ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"}),
+    "c": (
+        "accel-npu: (a) + ACCEL_NPU_TRUNCATE=...:2",
+        "full_then_slice",
+        True,
+        {"ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"},
+    ),
     "d": ("accel-npu: (b)", "num_layers", True, {}),
     "e": ("ZeRO-3, stock (ACCEL_NPU_DISABLE=1): whole model per rank", "zero3_full", False, {}),
     "f": ("ZeRO-3, accel-npu: partitions, read once", "zero3_full", True, {}),
-    "g": ("FSDP2 efficient loading, every rank reads (stock diffusers)", "fsdp2", True,
-          {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
+    "g": (
+        "FSDP2 efficient loading, every rank reads (stock diffusers)",
+        "fsdp2",
+        True,
+        {"ACCEL_NPU_DISABLED_PLUGINS": "loading"},
+    ),
     "h": ("FSDP2 efficient loading, accel-npu: rank 0 reads", "fsdp2", True, {}),
-    "i": ("(g) without torch_dtype (fp32), every rank reads", "fsdp2_fp32", True,
-          {"ACCEL_NPU_DISABLED_PLUGINS": "loading"}),
+    "i": (
+        "(g) without torch_dtype (fp32), every rank reads",
+        "fsdp2_fp32",
+        True,
+        {"ACCEL_NPU_DISABLED_PLUGINS": "loading"},
+    ),
     "j": ("(h) without torch_dtype (fp32), accel-npu: rank 0 reads", "fsdp2_fp32", True, {}),
-    "k": ("(j) without the prepare patch (ACCEL_NPU_DISABLED_PATCHES=" + FSDP2_PREPARE_PATCH + ")", "fsdp2_fp32",
-          True, {"ACCEL_NPU_DISABLED_PATCHES": FSDP2_PREPARE_PATCH}),
+    "k": (
+        "(j) without the prepare patch (ACCEL_NPU_DISABLED_PATCHES=" + FSDP2_PREPARE_PATCH + ")",
+        "fsdp2_fp32",
+        True,
+        {"ACCEL_NPU_DISABLED_PATCHES": FSDP2_PREPARE_PATCH},
+    ),
 }
 _DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
-_FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
-             "FSDP_SYNC_MODULE_STATES": "true", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-             "FSDP_RESHARD_AFTER_FORWARD": "true", "ACCELERATE_MIXED_PRECISION": "no"}
+_FSDP_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "FSDP_SYNC_MODULE_STATES": "true",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
 
 
 def main(argv=None) -> int:
@@ -301,8 +358,12 @@ def main(argv=None) -> int:
     ap.add_argument("--results", default="host_memory", help="results file name (benchmarks/results/NAME.md)")
     ap.add_argument("--cache", default=str(default_cache()))
     ap.add_argument("--json", default=None, help="also write the measurements here")
-    ap.add_argument("--cgroup-gib", type=float, default=4.0,
-                    help="memory limit for the (a)-vs-(c) run at N=2 in a memory cgroup (0: skip)")
+    ap.add_argument(
+        "--cgroup-gib",
+        type=float,
+        default=4.0,
+        help="memory limit for the (a)-vs-(c) run at N=2 in a memory cgroup (0: skip)",
+    )
     a = ap.parse_args(argv)
     ns = [int(x) for x in a.ns.split(",")]
     cache = Path(a.cache)
@@ -355,8 +416,17 @@ def main(argv=None) -> int:
             if per_rank is not None:
                 need = n * per_rank
                 if need > 0.85 * mem_available():
-                    rows.append((case, n, label, None, f"not run: needs ~{need / GB:.1f} GiB "
-                                 f"(estimate: {formula}), {mem_available() / GB:.1f} GiB available", None))
+                    rows.append(
+                        (
+                            case,
+                            n,
+                            label,
+                            None,
+                            f"not run: needs ~{need / GB:.1f} GiB "
+                            f"(estimate: {formula}), {mem_available() / GB:.1f} GiB available",
+                            None,
+                        )
+                    )
                     measured["cases"][f"{case}{n}"] = {"estimate": need}
                     continue
             r = run_case(worker, mode, ckpt, n, accel, env)
@@ -364,9 +434,14 @@ def main(argv=None) -> int:
             params = r["results"][0]["param_bytes"] if r["results"] else 0
             note = "OK" if r["rc"] == 0 else f"FAILED rc={r['rc']}: {r['stderr'][-300:]!r}"
             rows.append((case, n, label, r["peak"], note, secs))
-            measured["cases"][f"{case}{n}"] = {"peak": r["peak"], "rc": r["rc"], "seconds": secs,
-                                                "param_bytes": params, "stderr_bytes": r["stderr_bytes"],
-                                                "summary": r["summary"]}
+            measured["cases"][f"{case}{n}"] = {
+                "peak": r["peak"],
+                "rc": r["rc"],
+                "seconds": secs,
+                "param_bytes": params,
+                "stderr_bytes": r["stderr_bytes"],
+                "summary": r["summary"],
+            }
             if case == "a" and n == 1 and r["rc"] == 0:
                 per_rank_a = r["peak"]
             if case == "e" and n == 1 and r["rc"] == 0:
@@ -376,8 +451,11 @@ def main(argv=None) -> int:
             print(f"  ({case}) N={n}: {r['peak'] / MB:,.0f} MB  {secs:.1f} s  {note[:80]}", flush=True)
 
     out()
-    out(f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
-        f"{ckpt_bytes / GB:.2f} GB bf16", record=False)
+    out(
+        f"Node peak of summed RssAnon (MB); process baseline {baseline / MB:,.0f} MB; checkpoint "
+        f"{ckpt_bytes / GB:.2f} GB bf16",
+        record=False,
+    )
     table = []
     out(f"{'case':<5}{'N':>3}  {'peak MB':>10}  {'load s':>7}  {'log KB':>7}  description / note", record=False)
     for case, n, label, peak, note, secs in rows:
@@ -386,12 +464,22 @@ def main(argv=None) -> int:
         logkb = measured["cases"].get(f"{case}{n}", {}).get("stderr_bytes")
         lk = f"{logkb / 1024:>7.0f}" if logkb is not None else f"{'-':>7}"
         out(f"({case}) {n:>3}  {p}  {s}  {lk}  {label}" + ("" if note == "OK" else f"  [{note}]"), record=False)
-        table.append([f"({case})", str(n), f"{peak / MB:,.0f} MB" if peak is not None else "-",
-                      f"{secs:.1f} s" if secs is not None else "-", f"{lk.strip()} KB", label,
-                      "" if note == "OK" else note])
-    report.text(f"Checkpoint: {ckpt.name}, {ckpt_bytes / GB:.2f} GB bf16 (60 blocks, 9 shards). Node peak = max "
-                f"over time of the summed RssAnon of all rank processes (20 ms samples); process baseline "
-                f"{baseline / MB:,.0f} MB; {mem_available() / GB:.1f} GiB available at the end.")
+        table.append(
+            [
+                f"({case})",
+                str(n),
+                f"{peak / MB:,.0f} MB" if peak is not None else "-",
+                f"{secs:.1f} s" if secs is not None else "-",
+                f"{lk.strip()} KB",
+                label,
+                "" if note == "OK" else note,
+            ]
+        )
+    report.text(
+        f"Checkpoint: {ckpt.name}, {ckpt_bytes / GB:.2f} GB bf16 (60 blocks, 9 shards). Node peak = max "
+        f"over time of the summed RssAnon of all rank processes (20 ms samples); process baseline "
+        f"{baseline / MB:,.0f} MB; {mem_available() / GB:.1f} GiB available at the end."
+    )
     report.table(["case", "N", "node peak", "load", "stderr", "description", "note"], table)
     report.text("Derived:")
     trunc = measured.get("truncated_bytes")
@@ -400,36 +488,50 @@ def main(argv=None) -> int:
         c, a_, b_, d_ = (measured["cases"].get(f"{x}{n}", {}) for x in "cabd")
         a_peak = a_.get("peak") or a_.get("estimate")
         if c.get("peak") and a_peak:
-            out(f"N={n}: (a)/(c) = {a_peak / c['peak']:.1f}x (goal >= 10x at N=3)"
-                  + (" [a estimated]" if "estimate" in a_ else ""))
+            out(
+                f"N={n}: (a)/(c) = {a_peak / c['peak']:.1f}x (goal >= 10x at N=3)"
+                + (" [a estimated]" if "estimate" in a_ else "")
+            )
         if d_.get("peak") and b_.get("peak"):
             out(f"N={n}: (d)/(b) = {d_['peak'] / b_['peak']:.2f} (goal <= 1.0)")
         if d_.get("peak") and trunc:
             bound = 1.2 * (n * (trunc + baseline))
-            out(f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
-                  f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}")
+            out(
+                f"N={n}: (d) {d_['peak'] / MB:,.0f} MB vs 1.2 x (N x (truncated model {trunc / MB:,.0f} MB + "
+                f"baseline)) = {bound / MB:,.0f} MB -> {'OK' if d_['peak'] <= bound else 'ABOVE'}"
+            )
     for n in ns:
         e_, f_ = (measured["cases"].get(f"{x}{n}", {}) for x in "ef")
         zb = zero3_base.get(f"z{n}")
         if f_.get("peak") and zb:
             bound = 1.2 * ckpt_bytes + zb
             e_peak = e_.get("peak") or e_.get("estimate")
-            out(f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
-                  f"{1.2 * ckpt_bytes / MB:,.0f} + {zb / MB:,.0f} = {bound / MB:,.0f} MB -> "
-                  f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
-                  + (f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
-                     if e_peak else ""))
+            out(
+                f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
+                f"{1.2 * ckpt_bytes / MB:,.0f} + {zb / MB:,.0f} = {bound / MB:,.0f} MB -> "
+                f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
+                + (
+                    f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
+                    if e_peak
+                    else ""
+                )
+            )
     for stock, ours in ("gh", "ij"):
         for n in ns:
             g_, h_ = (measured["cases"].get(f"{x}{n}", {}) for x in (stock, ours))
             sb = zero3_base.get(f"s{n}")
             if h_.get("peak") and sb:
                 g_peak = g_.get("peak") or g_.get("estimate")
-                out(f"N={n}: FSDP2 ({ours}) {h_['peak'] / MB:,.0f} MB, above baseline "
-                      f"{(h_['peak'] - sb) / ckpt_bytes:.2f} x bf16 model"
-                      + (f"; ({stock}) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x; ({stock})/({ours}) = "
-                         f"{g_peak / h_['peak']:.1f}x" + (f" [{stock} estimated]" if "estimate" in g_ else "")
-                         if g_peak else ""))
+                out(
+                    f"N={n}: FSDP2 ({ours}) {h_['peak'] / MB:,.0f} MB, above baseline "
+                    f"{(h_['peak'] - sb) / ckpt_bytes:.2f} x bf16 model"
+                    + (
+                        f"; ({stock}) above baseline {(g_peak - sb) / ckpt_bytes:.2f} x; ({stock})/({ours}) = "
+                        f"{g_peak / h_['peak']:.1f}x" + (f" [{stock} estimated]" if "estimate" in g_ else "")
+                        if g_peak
+                        else ""
+                    )
+                )
     # load throughput: benchmarks/load_throughput.py (whole calls, same threads, warm and cold)
     for key in ("c1", "d1", *(f"f{n}" for n in ns), *(f"h{n}" for n in ns)):
         if measured["cases"].get(key, {}).get("summary"):
@@ -448,8 +550,10 @@ def main(argv=None) -> int:
                     killed = "OOM-killed" if "Signal 9" in r["stderr"] or "-9" in r["stderr"] else ""
                     status = "completed" if r["rc"] == 0 else f"FAILED rc={r['rc']} {killed}".strip()
                     out(f"  ({case}) {label}: {status}, node peak {r['peak'] / MB:,.0f} MB")
-                    measured["cgroup"] = {**measured.get("cgroup", {}), case: {"rc": r["rc"], "peak": r["peak"],
-                                                                             "status": status}}
+                    measured["cgroup"] = {
+                        **measured.get("cgroup", {}),
+                        case: {"rc": r["rc"], "peak": r["peak"], "status": status},
+                    }
             finally:
                 remove_cgroup(cg)
     report.text("\n".join(f"- {line}" for line in summary))

@@ -41,6 +41,7 @@ than a ratio of medians.
 Usage: python benchmarks/load_throughput.py [--repeat 5] [--repeat-keep 2:15] [--keep 2,60] [--threads 1,2] [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,12 +56,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import host_memory  # noqa: E402  (the checkpoint and its cache)
-from _results import Report, median_spread  # noqa: E402
+import host_memory  # the checkpoint and its cache
+from _results import Report, median_spread
 
-MB = 1024 ** 2
+MB = 1024**2
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys, time
 import torch
 reader, cast, path, keep, threads = sys.argv[1], sys.argv[2] == "cast", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
@@ -143,7 +144,7 @@ print("RESULT " + json.dumps({"seconds": secs, "cpu": cpu, "system": system, "bu
                               "anon": after["RssAnon"] - base["RssAnon"], "file": after["RssFile"] - base["RssFile"],
                               "late": late}),
       flush=True)
-'''
+"""
 
 
 #: The same untimed predecessor before every timed run: a process that writes ``argv[1]`` bytes of fresh
@@ -194,9 +195,11 @@ def free_page_reporting() -> bool | None:
 def machine_note() -> str:
     if not free_page_reporting():
         return ""
-    return ("This machine is a VM whose balloon reports free pages to its host (VIRTIO_BALLOON_F_REPORTING): "
-            "memory the guest frees can be taken back by the host, so what a first touch of fresh memory costs "
-            "(the system column) depends on what ran before and varies between runs of the same code.")
+    return (
+        "This machine is a VM whose balloon reports free pages to its host (VIRTIO_BALLOON_F_REPORTING): "
+        "memory the guest frees can be taken back by the host, so what a first touch of fresh memory costs "
+        "(the system column) depends on what ran before and varies between runs of the same code."
+    )
 
 
 def kept_tensors(ckpt: Path, keep: int) -> tuple[list[str], int, list[Path]]:
@@ -228,28 +231,52 @@ def fill_cache(files: list[Path]) -> None:
                 pass
 
 
-def run(worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int, keys_file: Path,
-        start_at: float) -> dict:
+def run(
+    worker: Path, reader: str, cast: bool, ckpt: Path, keep: int, threads: int, keys_file: Path, start_at: float
+) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
-    env.update(OMP_NUM_THREADS=str(threads if reader == "stock" else 1), HF_HUB_OFFLINE="1",
-               ACCEL_NPU_DISABLE="0" if reader == "accel" else "1")
+    env.update(
+        OMP_NUM_THREADS=str(threads if reader == "stock" else 1),
+        HF_HUB_OFFLINE="1",
+        ACCEL_NPU_DISABLE="0" if reader == "accel" else "1",
+    )
     if reader == "accel":
         env.update(ACCEL_NPU_TRUNCATE=f"QwenImageTransformer2DModel:{keep}", ACCEL_NPU_LOAD_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, str(worker), reader, "cast" if cast else "nocast", str(ckpt), str(keep),
-                           str(threads), str(keys_file), repr(start_at)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(worker),
+            reader,
+            "cast" if cast else "nocast",
+            str(ckpt),
+            str(keep),
+            str(threads),
+            str(keys_file),
+            repr(start_at),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise SystemExit(f"{reader} ({'cast' if cast else 'no cast'}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
 
 
-LABELS = {"raw": "raw safe_open read", "accel": "accel-npu `from_pretrained` (whole call)",
-          "stock": "stock `from_pretrained` (whole call)"}
+LABELS = {
+    "raw": "raw safe_open read",
+    "accel": "accel-npu `from_pretrained` (whole call)",
+    "stock": "stock `from_pretrained` (whole call)",
+}
 
 
 def late_note(got) -> str:
     late = [x["late"] for runs in got.values() for x in runs]
     over = [x for x in late if x > 0.05]
-    return f"{len(over)} of {len(late)} runs started over 0.05 s late" + (f", at most {max(over):.2f} s" if over else "")
+    return f"{len(over)} of {len(late)} runs started over 0.05 s late" + (
+        f", at most {max(over):.2f} s" if over else ""
+    )
 
 
 def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, rounds) -> None:
@@ -275,8 +302,8 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
         "maps them then). Then, before every run, the same untimed predecessor for every reader: a process "
         "that writes twice the kept checkpoint bytes (the cast's fp32 size) into fresh memory and exits; "
         f"every reader's clock starts {START_AFTER_S:g} s after it exited, its imports done "
-        f"(late: {late_note(got)}). "
-        + machine_note())
+        f"(late: {late_note(got)}). " + machine_note()
+    )
     rows = []
     for k in keeps:
         for t in threads:
@@ -292,17 +319,43 @@ def write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, cast
                         secs = [x["seconds"] for x in runs]
                         med = statistics.median(secs)
                         ratios = [x["seconds"] / y["seconds"] for x, y in zip(raw_runs, runs)]  # same round
-                        rows.append([str(k), str(t), s, "fp32 (cast)" if c else "bf16 (no cast)", LABELS[r],
-                                     str(len(runs)), median_spread(secs, "{:.3f}", " s"),
-                                     f"{statistics.median(x['cpu'] for x in runs):.3f} s",
-                                     f"{statistics.median(x['system'] for x in runs):.3f} s",
-                                     "—" if r == "raw" else f"{statistics.median(x['build'] for x in runs):.3f} s",
-                                     f"{kept[k] / MB / med:,.0f} MB/s",
-                                     "—" if r == "raw" else median_spread(ratios, "{:.2f}", "×"),
-                                     f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
-                                     f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB"])
-    report.table(["blocks", "threads", "cache", "load", "reader", "runs", "seconds", "CPU", "system", "build",
-                  "throughput", "vs raw", "anon", "file"], rows)
+                        rows.append(
+                            [
+                                str(k),
+                                str(t),
+                                s,
+                                "fp32 (cast)" if c else "bf16 (no cast)",
+                                LABELS[r],
+                                str(len(runs)),
+                                median_spread(secs, "{:.3f}", " s"),
+                                f"{statistics.median(x['cpu'] for x in runs):.3f} s",
+                                f"{statistics.median(x['system'] for x in runs):.3f} s",
+                                "—" if r == "raw" else f"{statistics.median(x['build'] for x in runs):.3f} s",
+                                f"{kept[k] / MB / med:,.0f} MB/s",
+                                "—" if r == "raw" else median_spread(ratios, "{:.2f}", "×"),
+                                f"{statistics.median(x['anon'] for x in runs) / MB:,.0f} MB",
+                                f"{statistics.median(x['file'] for x in runs) / MB:,.0f} MB",
+                            ]
+                        )
+    report.table(
+        [
+            "blocks",
+            "threads",
+            "cache",
+            "load",
+            "reader",
+            "runs",
+            "seconds",
+            "CPU",
+            "system",
+            "build",
+            "throughput",
+            "vs raw",
+            "anon",
+            "file",
+        ],
+        rows,
+    )
     report.write()
 
 
@@ -311,10 +364,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="rounds (each cell once a round)")
     ap.add_argument("--repeat-keep", default="", help="KEEP:N,...: rounds for those keeps instead of --repeat")
     ap.add_argument("--cache", default=str(host_memory.default_cache()))
-    ap.add_argument("--keep", default="2,60", help="blocks kept (host_memory.py's case (c) keeps 2; 60: the "
-                                                    "whole checkpoint); a list measures each")
-    ap.add_argument("--threads", default="1,2", help="reader threads, the same for raw, accel-npu and stock; "
-                                                     "a list (1,2) measures each")
+    ap.add_argument(
+        "--keep",
+        default="2,60",
+        help="blocks kept (host_memory.py's case (c) keeps 2; 60: the whole checkpoint); a list measures each",
+    )
+    ap.add_argument(
+        "--threads",
+        default="1,2",
+        help="reader threads, the same for raw, accel-npu and stock; a list (1,2) measures each",
+    )
     ap.add_argument("--states", default="warm,cold")
     ap.add_argument("--readers", default="raw,accel,stock")
     ap.add_argument("--casts", default="nocast,cast")
@@ -344,7 +403,9 @@ def main(argv=None) -> int:
         keys_files[k] = cache / f"load_throughput_keys_{k}.json"
         keys_files[k].write_text(json.dumps(keys))
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    report = Report("load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads")
+    report = Report(
+        "load_throughput", "Load throughput: whole from_pretrained vs raw safe_open, same bytes, same threads"
+    )
     got: dict = {(k, t, s, c, r): [] for k in keeps for t in threads for s in states for c in casts for r in readers}
     for i in range(max(repeats.values())):  # rounds: the results file is rewritten after each run
         for k in [k for k in keeps if i < repeats[k]]:
@@ -353,22 +414,30 @@ def main(argv=None) -> int:
                     for c in casts:
                         # raw first in odd rounds, last in even ones: a machine drifting within a round
                         # favours neither side of a pair
-                        for r in (readers if i % 2 == 0 else readers[::-1]):
+                        for r in readers if i % 2 == 0 else readers[::-1]:
                             if s == "warm":  # everything the call reads: config, index, the kept tensors' shards
-                                fill_cache([ckpt / "config.json",
-                                            ckpt / "diffusion_pytorch_model.safetensors.index.json", *shards[k]])
+                                fill_cache(
+                                    [
+                                        ckpt / "config.json",
+                                        ckpt / "diffusion_pytorch_model.safetensors.index.json",
+                                        *shards[k],
+                                    ]
+                                )
                             else:
                                 fadvise_dontneed(shards[k])
                             start_at = run_predecessor(2 * kept[k])  # the cell's fp32 bytes, every reader alike
                             got[(k, t, s, c, r)].append(run(worker, r, c, ckpt, k, t, keys_files[k], start_at))
                             x = got[(k, t, s, c, r)][-1]
-                            print(f"  {k} block(s) {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
-                                  f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
-                                  flush=True)
+                            print(
+                                f"  {k} block(s) {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
+                                f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
+                                flush=True,
+                            )
                             # after every run: a cut-short run still reports the cells it measured
                             started = ", ".join(f"{k} blocks {min(i + 1, repeats[k])} of {repeats[k]}" for k in keeps)
-                            write_report(report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers,
-                                         got, started)
+                            write_report(
+                                report, a, ckpt, ckpt_bytes, kept, keeps, threads, states, casts, readers, got, started
+                            )
     return 0
 
 

@@ -9,6 +9,7 @@ load read only those. Same global batch and seed for both runs. Prints the loss 
 Usage: python benchmarks/loss_equality.py [--steps 100]
 Writes benchmarks/results/loss_equality.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def main(argv=None) -> int:
-    import torch
     import tiny_models as tm
+    import torch
+
     from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results
 
     ap = argparse.ArgumentParser()
@@ -39,9 +41,23 @@ def main(argv=None) -> int:
         losses = {}
         for n in (1, 2):
             proc = accelerate_launch(
-                ["--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-                 "no", str(SCRIPTS / "train_qwen_truncated.py"), str(ckpt), "--steps", str(a.steps)],
-                env=base_env(ACCEL_NPU_TRUNCATE="QwenImageTransformer2DModel:2"), timeout=1800)
+                [
+                    "--num_processes",
+                    str(n),
+                    "--num_machines",
+                    "1",
+                    "--mixed_precision",
+                    "no",
+                    "--dynamo_backend",
+                    "no",
+                    str(SCRIPTS / "train_qwen_truncated.py"),
+                    str(ckpt),
+                    "--steps",
+                    str(a.steps),
+                ],
+                env=base_env(ACCEL_NPU_TRUNCATE="QwenImageTransformer2DModel:2"),
+                timeout=1800,
+            )
             if proc.returncode != 0:
                 print(explain(proc))
                 return 1
@@ -52,11 +68,15 @@ def main(argv=None) -> int:
         print(f"Step {i + 1}: loss={one[i]:.4f} | {two[i]:.4f}")
     diff = sum(abs(x - y) for x, y in zip(one, two)) / len(one)
     print(f"mean |loss2 - loss1| over {a.steps} steps = {diff:.2e} (goal < 5e-3)")
-    report.text(f"The field-report DiT (6-block bf16 QwenImage checkpoint, 2 kept via "
-                f"ACCEL_NPU_TRUNCATE, loaded without torch_dtype), {a.steps} steps, CPU (gloo). "
-                f"Mean |loss(2 ranks) - loss(1 rank)| over {a.steps} steps = {diff:.1e} (goal < 5e-3).")
-    report.table(["step", "loss, 1 rank", "loss, 2 ranks"],
-                 [[str(i + 1), f"{one[i]:.4f}", f"{two[i]:.4f}"] for i in range(9, a.steps, 10)])
+    report.text(
+        f"The field-report DiT (6-block bf16 QwenImage checkpoint, 2 kept via "
+        f"ACCEL_NPU_TRUNCATE, loaded without torch_dtype), {a.steps} steps, CPU (gloo). "
+        f"Mean |loss(2 ranks) - loss(1 rank)| over {a.steps} steps = {diff:.1e} (goal < 5e-3)."
+    )
+    report.table(
+        ["step", "loss, 1 rank", "loss, 2 ranks"],
+        [[str(i + 1), f"{one[i]:.4f}", f"{two[i]:.4f}"] for i in range(9, a.steps, 10)],
+    )
     report.write()
     assert diff < 5e-3
     return 0

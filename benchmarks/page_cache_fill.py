@@ -23,6 +23,7 @@ faults and CPU are ``getrusage`` of the process; the fill of "fault" is inside i
 Usage: python benchmarks/page_cache_fill.py [--repeat 3] [--cache DIR]
 Writes benchmarks/results/page_cache_fill.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import host_memory  # noqa: E402  (the checkpoint and its cache)
-from _results import Report, median_spread  # noqa: E402
+import host_memory  # the checkpoint and its cache
+from _results import Report, median_spread
 
-from accel_npu.plugins.loading.lazy import _readahead_bytes  # noqa: E402  (the piece size Readahead uses)
+from accel_npu.plugins.loading.lazy import _readahead_bytes  # the piece size Readahead uses
 
 MODES = ("willneed", "populate", "sendfile", "fault")
 MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h (Python 3.11's mmap module lacks the name)
@@ -87,10 +88,16 @@ def measure(mode: str, path: str) -> dict:
         touched = _usage()
     finally:
         os.close(fd)
-    return {"fill_cpu": filled[0] - before[0], "fill_wall": filled[2] - before[2],
-            "touch_cpu": touched[0] - filled[0], "touch_faults": touched[1] - filled[1],
-            "touch_wall": touched[2] - filled[2], "cpu": touched[0] - before[0], "wall": touched[2] - before[2],
-            "bytes": size}
+    return {
+        "fill_cpu": filled[0] - before[0],
+        "fill_wall": filled[2] - before[2],
+        "touch_cpu": touched[0] - filled[0],
+        "touch_faults": touched[1] - filled[1],
+        "touch_wall": touched[2] - filled[2],
+        "cpu": touched[0] - before[0],
+        "wall": touched[2] - before[2],
+        "bytes": size,
+    }
 
 
 def main(argv=None) -> int:
@@ -108,28 +115,41 @@ def main(argv=None) -> int:
     got: dict[str, list[dict]] = {m: [] for m in MODES}
     for i in range(a.repeat):  # interleaved rounds, a fresh process per run
         for mode in MODES:
-            proc = subprocess.run([sys.executable, __file__, "--worker", mode, str(shard)], capture_output=True,
-                                  text=True, timeout=600)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", mode, str(shard)], capture_output=True, text=True, timeout=600
+            )
             if proc.returncode != 0 or "RESULT " not in proc.stdout:
                 raise SystemExit(f"{mode} failed:\n{proc.stderr[-3000:]}")
             got[mode].append(json.loads(proc.stdout.split("RESULT ", 1)[1]))
             x = got[mode][-1]
-            print(f"  {mode} #{i + 1}: fill cpu {x['fill_cpu'] * 1e3:.0f} ms, touch cpu {x['touch_cpu'] * 1e3:.0f} ms, "
-                  f"{x['touch_faults']} faults", flush=True)
+            print(
+                f"  {mode} #{i + 1}: fill cpu {x['fill_cpu'] * 1e3:.0f} ms, touch cpu {x['touch_cpu'] * 1e3:.0f} ms, "
+                f"{x['touch_faults']} faults",
+                flush=True,
+            )
     size = got[MODES[0]][0]["bytes"]
     report.text(
-        f"One shard, {shard.name} of {ckpt.name} ({size / 2 ** 20:,.0f} MB), dropped from the cache before each run; "
+        f"One shard, {shard.name} of {ckpt.name} ({size / 2**20:,.0f} MB), dropped from the cache before each run; "
         f"{a.repeat} interleaved rounds, a fresh process per run. Median (min-max). Fill: the calls that ask for "
         "the bytes (none for fault). Touch: one byte of every 4 KiB page through a fresh read-only mapping; its "
-        "minor faults. CPU: the process's user + system time (getrusage); total = fill + touch.")
+        "minor faults. CPU: the process's user + system time (getrusage); total = fill + touch."
+    )
 
     def ms(values):
         return median_spread([v * 1e3 for v in values], "{:.0f}", " ms")
 
-    rows = [[mode, ms([x["fill_cpu"] for x in got[mode]]), ms([x["fill_wall"] for x in got[mode]]),
-             median_spread([x["touch_faults"] for x in got[mode]], "{:,.0f}"),
-             ms([x["touch_cpu"] for x in got[mode]]), ms([x["cpu"] for x in got[mode]]),
-             ms([x["wall"] for x in got[mode]])] for mode in MODES]
+    rows = [
+        [
+            mode,
+            ms([x["fill_cpu"] for x in got[mode]]),
+            ms([x["fill_wall"] for x in got[mode]]),
+            median_spread([x["touch_faults"] for x in got[mode]], "{:,.0f}"),
+            ms([x["touch_cpu"] for x in got[mode]]),
+            ms([x["cpu"] for x in got[mode]]),
+            ms([x["wall"] for x in got[mode]]),
+        ]
+        for mode in MODES
+    ]
     report.table(["fill", "fill CPU", "fill wall", "touch faults", "touch CPU", "total CPU", "total wall"], rows)
     report.write()
     return 0

@@ -13,6 +13,7 @@
 Usage: python benchmarks/startup_hook.py [--runs 40]
 Writes benchmarks/results/startup_hook.md. Needs accel-npu installed (the .pth in site-packages).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report, median_spread  # noqa: E402
+from _results import Report, median_spread
 
 PTH = "accel_npu_startup.pth"
 ADD = r"""
@@ -40,9 +41,11 @@ for name in (["hook.pth-copy", "twin.pth-copy"] if hook_first else ["twin.pth-co
     times[name] = time.perf_counter() - t0
 print(times["hook.pth-copy"], times["twin.pth-copy"], "_accel_npu_startup" in sys.modules, "_empty_twin" in sys.modules)
 """
-FIND = ("import time, _accel_npu_startup as h; f = h.ExplainTorchNpuImport(); t0 = time.perf_counter()\n"
-        "for _ in range(1_000_000): f.find_spec('numpy.core', None)\n"
-        "print((time.perf_counter() - t0) / 1e6)")
+FIND = (
+    "import time, _accel_npu_startup as h; f = h.ExplainTorchNpuImport(); t0 = time.perf_counter()\n"
+    "for _ in range(1_000_000): f.find_spec('numpy.core', None)\n"
+    "print((time.perf_counter() - t0) / 1e6)"
+)
 
 
 def installed_pth() -> Path:
@@ -56,12 +59,22 @@ def add_times(directory: Path, hook_first: bool, importtime: bool = False) -> tu
     """(seconds for the hook's .pth, seconds for the twin's, importtime's self time of the module
     when ``importtime``: its own bookkeeping slows every import, so those runs are not timed)."""
     flags = ["-X", "importtime"] if importtime else []
-    proc = subprocess.run([sys.executable, "-S", *flags, "-c", ADD, str(directory), str(int(hook_first))],
-                          check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-S", *flags, "-c", ADD, str(directory), str(int(hook_first))],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     hook, twin, loaded, twin_loaded = proc.stdout.split()
     assert loaded == twin_loaded == "True", proc.stdout
-    own = next((int(line.split("|")[0].split(":")[1]) / 1e6 for line in proc.stderr.splitlines()
-                if line.rstrip().endswith("| _accel_npu_startup")), None)
+    own = next(
+        (
+            int(line.split("|")[0].split(":")[1]) / 1e6
+            for line in proc.stderr.splitlines()
+            if line.rstrip().endswith("| _accel_npu_startup")
+        ),
+        None,
+    )
     return float(hook), float(twin), own
 
 
@@ -91,22 +104,36 @@ def main() -> None:
             with_hook.append(h), twin.append(t)
             own.append(add_times(directory, hook_first=run % 2 == 0, importtime=True)[2])
     pairs = sorted(x - y for x, y in zip(with_hook, twin))
-    find = float(subprocess.run([sys.executable, "-c", FIND], check=True, capture_output=True,
-                                text=True).stdout.strip())
+    find = float(
+        subprocess.run([sys.executable, "-c", FIND], check=True, capture_output=True, text=True).stdout.strip()
+    )
     ms = "{:.2f}"
     rows = [
-        [f"site.addpackage of the .pth (reads it, runs its line, imports the module, installs the finder), "
-         f"{a.runs} runs", median_spread([x * 1e3 for x in with_hook], ms, " ms"),
-         median_spread([x * 1e3 for x in twin], ms, " ms"),
-         f"{pairs[len(pairs) // 2] * 1e3:.2f} ms (pairs {pairs[0] * 1e3:.2f} to {pairs[-1] * 1e3:.2f} ms)"],
-        [f"`python -S -X importtime`, same script: the _accel_npu_startup line (self time), {a.runs} runs",
-         median_spread([x * 1e3 for x in own], ms, " ms"), "-", "-"],
-        ["find_spec of another name (every other import while the hook is on sys.meta_path)",
-         f"{find * 1e9:.0f} ns", "-", "-"],
+        [
+            f"site.addpackage of the .pth (reads it, runs its line, imports the module, installs the finder), "
+            f"{a.runs} runs",
+            median_spread([x * 1e3 for x in with_hook], ms, " ms"),
+            median_spread([x * 1e3 for x in twin], ms, " ms"),
+            f"{pairs[len(pairs) // 2] * 1e3:.2f} ms (pairs {pairs[0] * 1e3:.2f} to {pairs[-1] * 1e3:.2f} ms)",
+        ],
+        [
+            f"`python -S -X importtime`, same script: the _accel_npu_startup line (self time), {a.runs} runs",
+            median_spread([x * 1e3 for x in own], ms, " ms"),
+            "-",
+            "-",
+        ],
+        [
+            "find_spec of another name (every other import while the hook is on sys.meta_path)",
+            f"{find * 1e9:.0f} ns",
+            "-",
+            "-",
+        ],
     ]
-    report.text(f"Installed .pth: `{pth}`. Values: median (min-max). \"Same line, empty module\": the .pth's line "
-                "importing an empty module from the same directory instead; the difference pairs the two "
-                "measured in one process.")
+    report.text(
+        f'Installed .pth: `{pth}`. Values: median (min-max). "Same line, empty module": the .pth\'s line '
+        "importing an empty module from the same directory instead; the difference pairs the two "
+        "measured in one process."
+    )
     report.table(["measure", "the hook", "same line, empty module", "difference"], rows)
     print(report.render())
     report.write()

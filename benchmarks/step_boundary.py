@@ -17,6 +17,7 @@ per side, the median over launches of the slower rank's median.
 Usage: python benchmarks/step_boundary.py [--runs 4] [--steps 150] [--width 1024]
 Writes benchmarks/results/step_boundary.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,19 +31,21 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report, median_spread  # noqa: E402
+from _results import Report, median_spread
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 20
-FEATURE = ",".join([
-    "accelerate.accelerator:Accelerator.backward",
-    "accelerate.data_loader:DataLoaderShard.__iter__",
-    "accelerate.data_loader:DataLoaderDispatcher.__iter__",
-    "accelerate.data_loader:SkipDataLoader.__iter__",
-    "accelerate.optimizer:AcceleratedOptimizer.step",
-])
+FEATURE = ",".join(
+    [
+        "accelerate.accelerator:Accelerator.backward",
+        "accelerate.data_loader:DataLoaderShard.__iter__",
+        "accelerate.data_loader:DataLoaderDispatcher.__iter__",
+        "accelerate.data_loader:SkipDataLoader.__iter__",
+        "accelerate.optimizer:AcceleratedOptimizer.step",
+    ]
+)
 
-LOOP = r'''
+LOOP = r"""
 import json, os, sys, time
 import torch
 from accelerate import Accelerator
@@ -93,7 +96,7 @@ wrapped = type(accelerator.backward).__name__ == "BoundFunctionWrapper"
 tail, spent = sorted(times[WARMUP:]), sorted(feature[WARMUP:])
 print("RESULT " + json.dumps({"rank": accelerator.process_index, "median": tail[len(tail) // 2],
                               "inside": spent[len(spent) // 2], "patched": wrapped, "loss": loss.item()}), flush=True)
-'''.replace("WARMUP", str(WARMUP))
+""".replace("WARMUP", str(WARMUP))
 
 
 def _free_port() -> int:
@@ -108,11 +111,23 @@ def launch(script: Path, feature_on: bool, steps: int, width: int) -> list[dict]
         env.pop(k, None)
     if not feature_on:
         env["ACCEL_NPU_DISABLED_PATCHES"] = FEATURE
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", str(_free_port()),
-           "--config_file", str(REPO / "launch_configs" / "cpu_zero2.yaml"), str(script), str(steps), str(width)]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--main_process_port",
+        str(_free_port()),
+        "--config_file",
+        str(REPO / "launch_configs" / "cpu_zero2.yaml"),
+        str(script),
+        str(steps),
+        str(width),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=script.parent)
-    out = [json.JSONDecoder().raw_decode(part)[0] for line in (proc.stdout + proc.stderr).splitlines()
-           for part in line.split("RESULT ")[1:]]  # two ranks' prints can share a line
+    out = [
+        json.JSONDecoder().raw_decode(part)[0]
+        for line in (proc.stdout + proc.stderr).splitlines()
+        for part in line.split("RESULT ")[1:]
+    ]  # two ranks' prints can share a line
     if proc.returncode != 0 or len(out) != 2:
         raise SystemExit(f"launch ({'on' if feature_on else 'off'}) failed:\n{proc.stderr[-4000:]}")
     if any(r["patched"] != feature_on for r in out):
@@ -133,38 +148,65 @@ def main(argv=None) -> int:
         for i in range(a.runs):
             on.append(launch(script, True, a.steps, a.width))
             off.append(launch(script, False, a.steps, a.width))
-            print(f"  #{i + 1} ms/step (rank 0, rank 1): on {[round(r['median'] * 1e3, 3) for r in on[-1]]}, "
-                  f"off {[round(r['median'] * 1e3, 3) for r in off[-1]]}", flush=True)
+            print(
+                f"  #{i + 1} ms/step (rank 0, rank 1): on {[round(r['median'] * 1e3, 3) for r in on[-1]]}, "
+                f"off {[round(r['median'] * 1e3, 3) for r in off[-1]]}",
+                flush=True,
+            )
     if on[0][0]["loss"] != off[0][0]["loss"]:
         raise SystemExit(f"the sides trained differently: {on[0][0]['loss']} vs {off[0][0]['loss']}")
     rows = []
-    for label, pick in (("rank 0 (releases)", lambda r: r[0]["median"]), ("rank 1 (waits)", lambda r: r[1]["median"]),
-                        ("slower rank", lambda r: max(x["median"] for x in r))):
+    for label, pick in (
+        ("rank 0 (releases)", lambda r: r[0]["median"]),
+        ("rank 1 (waits)", lambda r: r[1]["median"]),
+        ("slower rank", lambda r: max(x["median"] for x in r)),
+    ):
         s_on, s_off = [pick(r) * 1e3 for r in on], [pick(r) * 1e3 for r in off]
         cost_us = (statistics.median(s_on) - statistics.median(s_off)) * 1e3
         pairs = [(x - y) * 1e3 for x, y in zip(s_on, s_off)]
-        rows.append([label, median_spread(s_off, "{:.3f}", " ms"), median_spread(s_on, "{:.3f}", " ms"),
-                     f"{cost_us:+.0f} µs", f"{cost_us / (statistics.median(s_off) * 1e3) * 100:+.2f} %",
-                     median_spread(pairs, "{:+.0f}", " µs")])
+        rows.append(
+            [
+                label,
+                median_spread(s_off, "{:.3f}", " ms"),
+                median_spread(s_on, "{:.3f}", " ms"),
+                f"{cost_us:+.0f} µs",
+                f"{cost_us / (statistics.median(s_off) * 1e3) * 100:+.2f} %",
+                median_spread(pairs, "{:+.0f}", " µs"),
+            ]
+        )
     inside = [[r[rank]["inside"] * 1e6 for r in on] for rank in (0, 1)]
     step_us = statistics.median(max(x["median"] for x in r) for r in on) * 1e6
-    own = [["rank 0: its store write at its next batch (the feature's own work)", median_spread(inside[0], "{:.0f}", " µs"),
-            f"{statistics.median(inside[0]) / step_us * 100:.3f} %"],
-           ["rank 1: waiting there for rank 0's release (time it would otherwise wait in the next allreduce)",
-            median_spread(inside[1], "{:.0f}", " µs"), f"{statistics.median(inside[1]) / step_us * 100:.3f} %"]]
+    own = [
+        [
+            "rank 0: its store write at its next batch (the feature's own work)",
+            median_spread(inside[0], "{:.0f}", " µs"),
+            f"{statistics.median(inside[0]) / step_us * 100:.3f} %",
+        ],
+        [
+            "rank 1: waiting there for rank 0's release (time it would otherwise wait in the next allreduce)",
+            median_spread(inside[1], "{:.0f}", " µs"),
+            f"{statistics.median(inside[1]) / step_us * 100:.3f} %",
+        ],
+    ]
     report = Report("step_boundary", "Per-step cost of the step-boundary cooperation (rank-0-only save_state)")
-    report.text(f"`accelerate launch --config_file launch_configs/cpu_zero2.yaml`: 2 CPU ranks (gloo), DeepSpeed ZeRO-2 "
-                f"bf16, 1 thread each. A train_*.py-shaped loop: 4 × Linear({a.width}, {a.width}) + GELU, batch 8 per "
-                f"rank, AdamW, LambdaLR, a never-firing `if accelerator.is_main_process: save_state` block. Per launch "
-                f"and rank: median wall time of steps {WARMUP + 1}-{a.steps}. {a.runs} launches per side, alternating. "
-                f"Off: `ACCEL_NPU_DISABLED_PATCHES={FEATURE}`. Same loss on both sides ({on[0][0]['loss']:.6g}). "
-                f"Goal (issue 23 item 4): ≤ 1 % of a step; no extra collective (the feature uses the store only).")
-    report.table(["per step", "feature off", "feature on", "cost (difference of medians)", "% of step",
-                  "per-pair difference"], rows)
-    report.text("Time inside the feature's functions (boundary.before_backward, after_backward, after_optimizer_step, "
-                "clean_point), timed in the feature-on launches by the loop itself: per launch the median over steps, "
-                "then median (min-max) over launches; % of the slower rank's median step. It does not move with "
-                "what the other jobs on the machine do to whole steps.")
+    report.text(
+        f"`accelerate launch --config_file launch_configs/cpu_zero2.yaml`: 2 CPU ranks (gloo), DeepSpeed ZeRO-2 "
+        f"bf16, 1 thread each. A train_*.py-shaped loop: 4 × Linear({a.width}, {a.width}) + GELU, batch 8 per "
+        f"rank, AdamW, LambdaLR, a never-firing `if accelerator.is_main_process: save_state` block. Per launch "
+        f"and rank: median wall time of steps {WARMUP + 1}-{a.steps}. {a.runs} launches per side, alternating. "
+        f"Off: `ACCEL_NPU_DISABLED_PATCHES={FEATURE}`. Same loss on both sides ({on[0][0]['loss']:.6g}). "
+        f"Goal (issue 23 item 4): ≤ 1 % of a step; no extra collective (the feature uses the store only)."
+    )
+    report.table(
+        ["per step", "feature off", "feature on", "cost (difference of medians)", "% of step", "per-pair difference"],
+        rows,
+    )
+    report.text(
+        "Time inside the feature's functions (boundary.before_backward, after_backward, after_optimizer_step, "
+        "clean_point), timed in the feature-on launches by the loop itself: per launch the median over steps, "
+        "then median (min-max) over launches; % of the slower rank's median step. It does not move with "
+        "what the other jobs on the machine do to whole steps."
+    )
     report.table(["feature on, per step", "inside the feature", "% of step"], own)
     print(report.render())
     report.write()

@@ -15,6 +15,7 @@ are partitioned again after each step (so the fetch ran). Processes alternate ac
 Usage: python benchmarks/step_overhead.py [--runs 7] [--steps 200]
 Writes benchmarks/results/step_overhead.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import Report, median_spread  # noqa: E402
+from _results import Report, median_spread
 
 WARMUP = 30
 
-ZERO3_LOOP = r'''
+ZERO3_LOOP = r"""
 import inspect, json, os, socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -63,7 +64,7 @@ for step in range(int(sys.argv[1])):
     assert all(p.numel() == 0 for p in engine.module.parameters()), "parameters not partitioned"
 med = lambda xs: sorted(xs[%d:])[len(xs[%d:]) // 2]
 print("RESULT " + json.dumps({"median": med(times), "cpu": med(cpu), "loss": loss.item()}))
-''' % (WARMUP, WARMUP)
+""" % (WARMUP, WARMUP)
 
 
 #: the one patch that changes the path itself: stock DeepSpeed on CPU builds its shm comm op and then
@@ -87,9 +88,13 @@ def env(disabled: bool, disabled_patches: str = "") -> dict:
 
 
 def zero3_step(disabled: bool, steps: int, disabled_patches: str = "") -> dict:
-    proc = subprocess.run([sys.executable, "-c", ZERO3_LOOP, str(steps)], env=env(disabled, disabled_patches),
-                          capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", ZERO3_LOOP, str(steps)],
+        env=env(disabled, disabled_patches),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0 or "RESULT " not in proc.stdout:
         raise SystemExit(f"ZeRO-3 loop ({'stock' if disabled else 'accel-npu'}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.split("RESULT ", 1)[1])
@@ -105,30 +110,59 @@ def main(argv=None) -> int:
         same.append(zero3_step(False, a.steps, SHM_OP))
         stock.append(zero3_step(True, a.steps))
         ours.append(zero3_step(False, a.steps))
-        print(f"  #{i + 1} CPU ms/step: accel-npu without the shm-op patch {same[-1]['cpu'] * 1e3:.3f}, stock "
-              f"{stock[-1]['cpu'] * 1e3:.3f}, accel-npu {ours[-1]['cpu'] * 1e3:.3f}", flush=True)
+        print(
+            f"  #{i + 1} CPU ms/step: accel-npu without the shm-op patch {same[-1]['cpu'] * 1e3:.3f}, stock "
+            f"{stock[-1]['cpu'] * 1e3:.3f}, accel-npu {ours[-1]['cpu'] * 1e3:.3f}",
+            flush=True,
+        )
     if not ours[0]["loss"] == same[0]["loss"] == stock[0]["loss"]:
-        raise SystemExit(f"the sides trained differently: loss {ours[0]['loss']}, {same[0]['loss']}, {stock[0]['loss']}")
+        raise SystemExit(
+            f"the sides trained differently: loss {ours[0]['loss']}, {same[0]['loss']}, {stock[0]['loss']}"
+        )
     rows = []
     for measure, field in (("CPU time", "cpu"), ("wall time", "median")):
         s = [r[field] * 1e3 for r in stock]
-        for label, side in ((f"accel-npu, `ACCEL_NPU_DISABLED_PATCHES={SHM_OP}` (the same DeepSpeed path as "
-                             "stock: the patches' overhead)", same),
-                            ("accel-npu, all patches (stock's CPU shm comm op not built)", ours)):
+        for label, side in (
+            (
+                f"accel-npu, `ACCEL_NPU_DISABLED_PATCHES={SHM_OP}` (the same DeepSpeed path as "
+                "stock: the patches' overhead)",
+                same,
+            ),
+            ("accel-npu, all patches (stock's CPU shm comm op not built)", ours),
+        ):
             o = [r[field] * 1e3 for r in side]
             pairs = [x / y for x, y in zip(o, s)]
-            rows.append([measure, label, median_spread(s, "{:.3f}", " ms"), median_spread(o, "{:.3f}", " ms"),
-                         f"{statistics.median(o) / statistics.median(s):.3f}", median_spread(pairs, "{:.3f}")])
+            rows.append(
+                [
+                    measure,
+                    label,
+                    median_spread(s, "{:.3f}", " ms"),
+                    median_spread(o, "{:.3f}", " ms"),
+                    f"{statistics.median(o) / statistics.median(s):.3f}",
+                    median_spread(pairs, "{:.3f}"),
+                ]
+            )
     report = Report("step_overhead", "Step-time overhead of accel-npu's patches: ZeRO-3 fetch path (stock runs it too)")
-    report.text(f"One process, world size 1 (gloo), `deepspeed.initialize`, ZeRO-3 with "
-                f"stage3_param_persistence_threshold 0 (every layer fetched through the patched "
-                f"`fetch_sub_module` every forward and backward), 4 × Linear(256, 256) + GELU, batch 16, "
-                f"torch AdamW, 1 thread. Per process: median step time (CPU time of the training thread, which waiting "
-                f"for a core on a shared machine does not inflate; and wall time) of steps {WARMUP + 1}-{a.steps}; "
-                f"{a.runs} processes per side, interleaved; same loss on both sides ({ours[0]['loss']:.6g}). "
-                f"Goal (issue 15 item 3): ≤ 1 % overhead.")
-    report.table(["per step", "ZeRO-3 step (fetch path)", "stock (ACCEL_NPU_DISABLE=1)", "accel-npu",
-                  "ratio of medians", "per-run ratios"], rows)
+    report.text(
+        f"One process, world size 1 (gloo), `deepspeed.initialize`, ZeRO-3 with "
+        f"stage3_param_persistence_threshold 0 (every layer fetched through the patched "
+        f"`fetch_sub_module` every forward and backward), 4 × Linear(256, 256) + GELU, batch 16, "
+        f"torch AdamW, 1 thread. Per process: median step time (CPU time of the training thread, which waiting "
+        f"for a core on a shared machine does not inflate; and wall time) of steps {WARMUP + 1}-{a.steps}; "
+        f"{a.runs} processes per side, interleaved; same loss on both sides ({ours[0]['loss']:.6g}). "
+        f"Goal (issue 15 item 3): ≤ 1 % overhead."
+    )
+    report.table(
+        [
+            "per step",
+            "ZeRO-3 step (fetch path)",
+            "stock (ACCEL_NPU_DISABLE=1)",
+            "accel-npu",
+            "ratio of medians",
+            "per-run ratios",
+        ],
+        rows,
+    )
     print(report.render())
     report.write()
     return 0

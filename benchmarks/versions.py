@@ -15,6 +15,7 @@ plus ``packaging`` only, so it runs in any session's interpreter.
 ``noxfile.py`` appends each session's row to versions.json (:func:`append_row`) and re-renders
 versions.md: the latest row of every session, with exact versions, commit, dirty flag and date.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 JSON_FILE = RESULTS / "versions.json"
 MD_FILE = RESULTS / "versions.md"
 # the libraries a row names (importlib.metadata of the session's venv)
-DISTS = ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "peft", "safetensors", "numpy", "pluggy",
-         "wrapt", "filelock", "tqdm", "packaging")
+DISTS = (
+    "torch",
+    "accelerate",
+    "deepspeed",
+    "diffusers",
+    "transformers",
+    "peft",
+    "safetensors",
+    "numpy",
+    "pluggy",
+    "wrapt",
+    "filelock",
+    "tqdm",
+    "packaging",
+)
 # torch: a pip requirement for torch alone (installed first: pip resolves the rest against it).
 # pins: the other libraries; what is not pinned is what pip resolves under the declared ranges.
 # lift: {dist: new exclusive cap} applied to the snapshot only (see the module docstring).
@@ -40,10 +54,22 @@ DISTS = ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "peft"
 NEWEST = ["accelerate==1.16.0", "deepspeed==0.19.8", "diffusers==0.42.1", "transformers~=5.25.0", "peft"]
 SETS = {
     # every install_requires lower bound together (and the test extra's peft), torch at torch_npu 2.5.1's pair
-    "lower": dict(torch="torch==2.5.1", pins=["accelerate==1.10.1", "deepspeed==0.16.9", "diffusers==0.35.2",
-                                              "transformers==4.57.6", "peft==0.17.0", "safetensors==0.4.3",
-                                              "pluggy==1.5.0", "wrapt==1.16.0", "filelock==3.12.0", "tqdm==4.66.3",
-                                              "packaging==23.0"]),
+    "lower": dict(
+        torch="torch==2.5.1",
+        pins=[
+            "accelerate==1.10.1",
+            "deepspeed==0.16.9",
+            "diffusers==0.35.2",
+            "transformers==4.57.6",
+            "peft==0.17.0",
+            "safetensors==0.4.3",
+            "pluggy==1.5.0",
+            "wrapt==1.16.0",
+            "filelock==3.12.0",
+            "tqdm==4.66.3",
+            "packaging==23.0",
+        ],
+    ),
     # torch_npu's pairings (each torch_npu release pairs with exactly one torch)
     # pip's own resolve under torch 2.5.1 picks diffusers 0.42.1 and transformers 5.25, which need torch 2.6
     # without declaring it; the set installs what accel-npu's launch warning says (accel_npu/compat.py)
@@ -58,24 +84,35 @@ SETS = {
     "torch_npu_2_13": dict(torch="torch==2.13.0", pins=[]),
     "torch_npu_2_14": dict(torch="torch~=2.14.0", pins=[]),
     # the oldest accelerate and diffusers on the newest torch
-    "oldest_libs_newest_torch": dict(torch="torch==2.15.0", pins=["accelerate==1.10.1", "diffusers==0.35.2"],
-                                     past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}),
+    "oldest_libs_newest_torch": dict(
+        torch="torch==2.15.0",
+        pins=["accelerate==1.10.1", "diffusers==0.35.2"],
+        past_machine_cap=True,
+        env={"TORCHVISION_VERSION": "0.29.2"},
+    ),
     # the ends of the ZeRO-3 dtype patch's stock_correct range (deepspeed<0.19.2) and of its supports range
     "deepspeed_0_19_1": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.1"]),
     "deepspeed_0_19_2": dict(torch="torch==2.13.0", pins=["deepspeed==0.19.2"]),
     # the ends of python_requires (>=3.10): its lowest release on a torch_npu pairing, and the newest Python
     # with the newest releases; nox finds the interpreter on PATH (python3.10, python3.12)
     "python_3_10": dict(python="3.10", torch="torch==2.7.1", pins=[]),
-    "python_3_12": dict(python="3.12", torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True,
-                        env={"TORCHVISION_VERSION": "0.29.2"}),
+    "python_3_12": dict(
+        python="3.12", torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}
+    ),
     # the newest releases
     # torchvision 0.30.0 (torch 2.15's pair) is not on the registry yet: the official scripts' torchvision
     # (tests/torchvision_site.py) is the newest released one, as a user would have it
     "newest": dict(torch="torch==2.15.0", pins=NEWEST, past_machine_cap=True, env={"TORCHVISION_VERSION": "0.29.2"}),
 }
 CHECKS = ("lifecycle", "env", "gated", "main_job", "examples", "official")
-CHECK_TITLES = {"lifecycle": "lifecycle + import order", "env": "accel-npu env", "gated": "version-gated patches",
-                "main_job": "README main job", "examples": "docs/examples plugin", "official": "official scripts"}
+CHECK_TITLES = {
+    "lifecycle": "lifecycle + import order",
+    "env": "accel-npu env",
+    "gated": "version-gated patches",
+    "main_job": "README main job",
+    "examples": "docs/examples plugin",
+    "official": "official scripts",
+}
 
 
 def snapshot(root: Path, dest: Path, lift: dict | None = None) -> None:
@@ -85,8 +122,9 @@ def snapshot(root: Path, dest: Path, lift: dict | None = None) -> None:
     import shutil
 
     shutil.rmtree(dest, ignore_errors=True)
-    files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
     for name in filter(None, files):
         if name.startswith((".nox/", ".venv/")):  # never a venv, whatever .gitignore says
             continue
@@ -155,8 +193,7 @@ def env_violations(report: dict, ranges: dict) -> tuple[list[str], list[str]]:
         line = f"{patch['target']} [{patch['supports']}; installed {dist} {installed}]: {status}"
         skipped.append(line)
         declared = ranges.get(name)
-        if installed is not None and declared is not None and \
-                Version(Version(installed).base_version) in declared:
+        if installed is not None and declared is not None and Version(Version(installed).base_version) in declared:
             violations.append(f"{line} -- but {dist} {installed} is inside accel-npu's declared {dist}{declared}")
     return violations, skipped
 
@@ -169,8 +206,10 @@ def check_env(args) -> int:
         report = json.loads(out)
     violations, skipped = env_violations(report, declared_ranges(args.range))
     applied = sum(p.get("status") == "applied" for p in report["patches"])
-    print(f"{len(report['patches'])} patches: {applied} applied, {len(skipped)} skipped/failed "
-          f"(version or attribute), the rest inactive here or not imported")
+    print(
+        f"{len(report['patches'])} patches: {applied} applied, {len(skipped)} skipped/failed "
+        f"(version or attribute), the rest inactive here or not imported"
+    )
     for line in skipped:
         print(f"  skipped: {line}")
     for patch in report["patches"]:  # declared stock correct at this version (GATED_TESTS check the claim)
@@ -236,7 +275,7 @@ def render() -> None:
         "# Version matrix (issue 40)",
         "",
         "Reproduce: `nox -s <session>` (noxfile.py; `nox -l` lists the sessions; `nox -s <session> -- quick`",
-        "skips the official scripts). Each row: a fresh venv, torch first, then `pip install \".[test]\"`",
+        'skips the official scripts). Each row: a fresh venv, torch first, then `pip install ".[test]"`',
         "non-editable with the session's pins in one resolve; exact versions from importlib.metadata of that",
         "venv. Every run appends its row to benchmarks/results/versions.json; this table shows each",
         "session's latest row, each with its own commit and date.",
@@ -249,7 +288,8 @@ def render() -> None:
         f"rendered {datetime.datetime.now().isoformat(timespec='seconds')}",
         "",
         "| session | Python | torch | accelerate | deepspeed | diffusers | transformers | peft | "
-        + " | ".join(CHECK_TITLES[c] for c in CHECKS) + " | wall | commit | date |",
+        + " | ".join(CHECK_TITLES[c] for c in CHECKS)
+        + " | wall | commit | date |",
         "|" + "---|" * (8 + len(CHECKS) + 3),
     ]
     for name, row in latest.items():
@@ -257,10 +297,13 @@ def render() -> None:
         marks = sorted({c["commit"] for c in row["checks"].values()})
         commit = ", ".join(marks) + (" (+: uncommitted changes)" if any(m.endswith("+") for m in marks) else "")
         lifted = f" (caps lifted: {', '.join(row['lifted'])})" if row.get("lifted") else ""
-        lines.append(f"| {name}{lifted} | {v.get('python') or '-'} | "
-                     + " | ".join(str(v.get(d) or "-") for d in DISTS[:6]) + " | "
-                     + " | ".join(_cell(row["checks"].get(c)) for c in CHECKS)
-                     + f" | {row['wall_s']:.0f} s | {commit} | {row['date']} |")
+        lines.append(
+            f"| {name}{lifted} | {v.get('python') or '-'} | "
+            + " | ".join(str(v.get(d) or "-") for d in DISTS[:6])
+            + " | "
+            + " | ".join(_cell(row["checks"].get(c)) for c in CHECKS)
+            + f" | {row['wall_s']:.0f} s | {commit} | {row['date']} |"
+        )
     lines += ["", "## First error of each failed check", ""]
     for name, row in latest.items():
         for check in CHECKS:

@@ -4,6 +4,7 @@ One package per concern (docs/developing.md). A plugin is a module or a package 
 declares its hook implementations and Patch objects; its implementation sits beside it. Importing
 one changes nothing.
 """
+
 if __name__ != "accel_npu.plugins":
     raise ImportError(
         f"accel-npu's built-in plugins were imported as {__name__!r}; import them as "

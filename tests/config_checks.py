@@ -7,6 +7,7 @@ does (``DeepSpeedPlugin`` from that environment, including the 7.10 check), then
 ``DeepSpeedConfig`` / ``DeepSpeedZeroConfig`` on the JSON with the "auto" values filled the way
 accelerate fills them. Prints one ``CHECKED {json}`` line per file; exits non-zero on the first failure.
 """
+
 import copy
 import json
 import os
@@ -26,8 +27,12 @@ def check(yaml_path: str) -> dict:
         port = str(sock.getsockname()[1])
     args = launch_command_parser().parse_args(["--config_file", yaml_path, "--main_process_port", port, "train.py"])
     args, defaults, mp_from_config = _validate_launch_command(args)
-    out = {"file": yaml_path, "distributed_type": str(cluster.distributed_type.value),
-           "num_processes": cluster.num_processes, "num_machines": cluster.num_machines}
+    out = {
+        "file": yaml_path,
+        "distributed_type": str(cluster.distributed_type.value),
+        "num_processes": cluster.num_processes,
+        "num_machines": cluster.num_machines,
+    }
     if cluster.distributed_type.value != "DEEPSPEED":
         out["mixed_precision"] = cluster.mixed_precision
         return out
@@ -52,22 +57,28 @@ def check(yaml_path: str) -> dict:
     micro = 2 if micro == "auto" else micro
     ga = ds["gradient_accumulation_steps"]
     ga = 1 if ga == "auto" else ga
-    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga,
-              train_batch_size=micro * ga)  # world size 1 outside a launch
+    ds.update(
+        train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga, train_batch_size=micro * ga
+    )  # world size 1 outside a launch
     zero = DeepSpeedZeroConfig(**ds["zero_optimization"])
     parsed = DeepSpeedConfig(ds)
     out.update(
-        ds_file=env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], zero_stage=int(zero.stage),
+        ds_file=env["ACCELERATE_DEEPSPEED_CONFIG_FILE"],
+        zero_stage=int(zero.stage),
         offload_optimizer=str(getattr(zero.offload_optimizer.device, "value", zero.offload_optimizer.device))
-        if zero.offload_optimizer else None,
+        if zero.offload_optimizer
+        else None,
         offload_param=str(getattr(zero.offload_param.device, "value", zero.offload_param.device))
-        if zero.offload_param else None,
-        bf16=bool(parsed.bfloat16_config.enabled), fp16=bool(parsed.float16_config.enabled),
+        if zero.offload_param
+        else None,
+        bf16=bool(parsed.bfloat16_config.enabled),
+        fp16=bool(parsed.float16_config.enabled),
         accelerate_mixed_precision=env.get("ACCELERATE_MIXED_PRECISION"),
         ds_fields=env.get("ACCELERATE_CONFIG_DS_FIELDS"),
         persistence_threshold=int(zero.param_persistence_threshold),
         gather_16bit_on_save=bool(zero.gather_16bit_weights_on_model_save),
-        reduce_bucket_size=int(zero.reduce_bucket_size), multinode_launcher=getattr(args, "deepspeed_multinode_launcher", None),
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        multinode_launcher=getattr(args, "deepspeed_multinode_launcher", None),
     )
     return out
 

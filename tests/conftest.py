@@ -28,9 +28,13 @@ def fresh_pm(monkeypatch):
 
 # -- the fast loop: a plain `pytest` runs the in-process tests; tests that start processes are marked slow ----
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow: those that start processes (launches, pip, "
-                          "subprocesses). README's test command passes it; so does CI")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow: those that start processes (launches, pip, "
+        "subprocesses). README's test command passes it; so does CI",
+    )
 
 
 def pytest_configure(config):

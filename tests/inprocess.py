@@ -1,4 +1,5 @@
 """In-process helpers for tests that compare accel-npu with stock behaviour in one process."""
+
 import contextlib
 
 import accel_npu

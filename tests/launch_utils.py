@@ -1,4 +1,5 @@
 """Helpers to run real `accelerate launch` / torchrun processes from tests (no mocks)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +70,10 @@ OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EX
 # CI runs one official script per distinct shape; RUN_OFFICIAL_MATRIX=1 runs the tests/test_official_*.py
 # launches beyond that subset too (minutes each; benchmarks/compatibility.py runs the whole matrix)
 OFFICIAL_MATRIX = os.environ.get("RUN_OFFICIAL_MATRIX", "") == "1"
-OFFICIAL_MATRIX_REASON = ("beyond CI's subset of official scripts (one per shape): set RUN_OFFICIAL_MATRIX=1 to run "
-                          "these launches, or run benchmarks/compatibility.py")
+OFFICIAL_MATRIX_REASON = (
+    "beyond CI's subset of official scripts (one per shape): set RUN_OFFICIAL_MATRIX=1 to run "
+    "these launches, or run benchmarks/compatibility.py"
+)
 
 
 def free_port() -> int:
@@ -99,8 +102,15 @@ def base_env(**extra: str) -> dict[str, str]:
     """A clean environment for launched processes: one thread per rank, no accel-npu switches
     inherited from the test runner, unless given in ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_NPU_", "ACCELERATE_"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "MASTER_PORT": str(free_port())})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "MASTER_PORT": str(free_port()),
+        }
+    )
     # stock DeepSpeed JIT-builds its shm comm op under a lock file (torch/utils/file_baton.py): one build
     # folder per venv, so two venvs' runs never rebuild each other's, nor wait on a lock a killed build left
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
@@ -108,8 +118,14 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def write_deepspeed_config(directory: Path, ds_config: dict, name: str = "ds_config.json", *,
-                           num_processes: int = 2, accelerate_extra: dict | None = None) -> Path:
+def write_deepspeed_config(
+    directory: Path,
+    ds_config: dict,
+    name: str = "ds_config.json",
+    *,
+    num_processes: int = 2,
+    accelerate_extra: dict | None = None,
+) -> Path:
     """Write a DeepSpeed JSON and an accelerate YAML pointing at it; return the YAML path."""
     directory.mkdir(parents=True, exist_ok=True)
     ds_path = directory / name
@@ -137,8 +153,13 @@ def one_rank_deepspeed_group(monkeypatch):
     selected inside is unset and the group destroyed."""
     import torch.distributed as dist
 
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
+    for k, v in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     # accelerate's DeepSpeedPlugin sets ACCELERATE_USE_DEEPSPEED in os.environ: a later test's Accelerator()
     # in this worker would then take the DeepSpeed path
@@ -170,7 +191,6 @@ def one_rank_deepspeed_group(monkeypatch):
         zero._engines.clear()
 
 
-
 @contextlib.contextmanager
 def accelerator_deepspeed_session(monkeypatch):
     """accel-npu's patches applied and a one-rank DeepSpeed group (``one_rank_deepspeed_group``) for a test
@@ -189,10 +209,15 @@ def accelerator_deepspeed_session(monkeypatch):
             GradientState._reset_state()
     accel_npu.patch()
 
+
 #: ZeRO-3 bf16, every parameter partitioned: what accelerate's plugin hands transformers/diffusers in tests
 #: that select it in-process (``select_zero3_plugin``)
-ZERO3_BF16_T0 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                 "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+ZERO3_BF16_T0 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "bf16": {"enabled": True},
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+}
 
 
 def select_zero3_plugin():
@@ -269,8 +294,9 @@ def kill_tree(pid: int) -> None:
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path | None, timeout: float) -> subprocess.CompletedProcess:
     """subprocess.run(capture_output=True, text=True), but a timeout kills the whole process tree."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -280,8 +306,9 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path | None, timeout: float) 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
-                      cwd: Path | None = None) -> subprocess.CompletedProcess:
+def accelerate_launch(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run `accelerate launch ARGS` as a user would; returns the finished process (text output)."""
     if "--main_process_port" not in args:
         # accelerate's DeepSpeed path ignores MASTER_PORT (always 29500): pick a free port here.
@@ -290,8 +317,9 @@ def accelerate_launch(args: list[str], env: dict[str, str] | None = None, timeou
     return _run(cmd, env or base_env(), cwd, timeout)
 
 
-def torchrun_launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
-                    cwd: Path | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun_launch(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 300, cwd: Path | None = None, nproc: int = 2
+) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node NPROC ARGS` on the environment's MASTER_PORT (``base_env``
     picks a free one); returns the finished process (text output). Stock accelerate starts one
     process on a CPU-only machine, so this is how a stock half gets its ranks."""

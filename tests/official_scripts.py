@@ -1,6 +1,7 @@
 """Helpers the official-script tests share: a streamed ``accelerate launch``, the one-line-fixed copy
 of a script (what a user writes after reading the misuse error), and LoRA tensors as DeepSpeed,
 the saved file and diffusers' ``load_lora_weights`` each give them."""
+
 from __future__ import annotations
 
 import re
@@ -27,11 +28,17 @@ def fixed_copy(script: Path, directory: Path, name: str | None = None) -> Path:
     lines = Path(script).read_text().splitlines(keepends=True)
     save = next(i for i, line in enumerate(lines) if line.lstrip().startswith("accelerator.save_state("))
     indent = len(lines[save]) - len(lines[save].lstrip())
-    guard = next(i for i in range(save - 1, -1, -1) if lines[i].strip() == "if accelerator.is_main_process:"
-                 and len(lines[i]) - len(lines[i].lstrip()) < indent)
-    assert all(len(line) - len(line.lstrip()) > len(lines[guard]) - len(lines[guard].lstrip())
-               for line in lines[guard + 1:save] if line.strip()), "the save_state is not inside that if"
-    lines[guard] = lines[guard][:len(lines[guard]) - len(lines[guard].lstrip())] + FIX + "\n"
+    guard = next(
+        i
+        for i in range(save - 1, -1, -1)
+        if lines[i].strip() == "if accelerator.is_main_process:" and len(lines[i]) - len(lines[i].lstrip()) < indent
+    )
+    assert all(
+        len(line) - len(line.lstrip()) > len(lines[guard]) - len(lines[guard].lstrip())
+        for line in lines[guard + 1 : save]
+        if line.strip()
+    ), "the save_state is not inside that if"
+    lines[guard] = lines[guard][: len(lines[guard]) - len(lines[guard].lstrip())] + FIX + "\n"
     first_import = next(i for i, line in enumerate(lines) if line.startswith("from accelerate.utils import"))
     lines.insert(first_import, "from accelerate.utils import DistributedType\n")
     path = Path(directory) / (name or f"fixed_{Path(script).name}")
@@ -48,8 +55,9 @@ class StreamedLaunch:
         self.text: list[str] = []
         self.step_seen: dict[int, float] = {}
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -66,7 +74,7 @@ class StreamedLaunch:
             buf = buf[-4000:]
         self.exited = time.monotonic()  # the launcher and its workers closed their output: they ended
 
-    def wait(self, timeout: float = 900) -> "StreamedLaunch":
+    def wait(self, timeout: float = 900) -> StreamedLaunch:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

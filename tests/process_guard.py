@@ -6,15 +6,15 @@ A process counts when test code starts it: the innermost caller outside the stan
 under tests/ (``subprocess.run`` in a test or in tests/launch_utils.py, ``multiprocessing`` used by a
 test). A library starting its own (DataLoader workers, a compiler probe) is the library's business.
 """
+
 from __future__ import annotations
 
+import _posixsubprocess
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
-
-import _posixsubprocess
 
 _STDLIB = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
 _originals: dict = {}
@@ -55,9 +55,13 @@ def _watching(original, describe):
 
 # subprocess binds fork_exec at import (subprocess._fork_exec); multiprocessing calls _posixsubprocess.fork_exec
 # (spawn, forkserver) or os.fork (fork); posix_spawn serves subprocess where close_fds=False
-_TARGETS = [(subprocess, "_fork_exec", _describe), (_posixsubprocess, "fork_exec", _describe),
-            (os, "fork", lambda args: "os.fork()"), (os, "posix_spawn", lambda args: os.fsdecode(args[0])),
-            (os, "posix_spawnp", lambda args: os.fsdecode(args[0]))]
+_TARGETS = [
+    (subprocess, "_fork_exec", _describe),
+    (_posixsubprocess, "fork_exec", _describe),
+    (os, "fork", lambda args: "os.fork()"),
+    (os, "posix_spawn", lambda args: os.fsdecode(args[0])),
+    (os, "posix_spawnp", lambda args: os.fsdecode(args[0])),
+]
 
 
 def install(root: Path) -> None:
@@ -78,5 +82,7 @@ def uninstall() -> None:
 
 def failure_message(commands: list[str]) -> str:
     shown = ", ".join(sorted(set(commands))[:3])
-    return (f"this test starts processes ({shown}) but is not marked slow: mark it @pytest.mark.slow "
-            "(a plain `pytest` runs the in-process tests only; `--runslow` runs the marked ones too)")
+    return (
+        f"this test starts processes ({shown}) but is not marked slow: mark it @pytest.mark.slow "
+        "(a plain `pytest` runs the in-process tests only; `--runslow` runs the marked ones too)"
+    )

@@ -1,4 +1,5 @@
 """Activation inside `import torch`, the opt-outs, broken and third-party plugins — in fresh processes."""
+
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from tests.launch_utils import REPO, base_env, run_concurrently
 
 PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
 
-PROBE = r'''
+PROBE = r"""
 import json, sys, inspect
 import torch
 import accel_npu, wrapt
@@ -20,12 +21,13 @@ wrapped = isinstance(inspect.getattr_static(st.PartialState, "_prepare_backend")
 print("RESULT " + json.dumps({"active": accel_npu.is_active(), "prepare_backend_wrapped": wrapped,
       "applied": sorted(p.target for p in get_ledger().patches if p.applied),
       "applied_by": sorted({p.plugin for p in get_ledger().patches if p.applied})}))
-'''
+"""
 
 
 def probe(**env):
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=base_env(**env), capture_output=True,
-                          text=True, timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=base_env(**env), capture_output=True, text=True, timeout=120, cwd="/"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[7:]), proc
@@ -38,7 +40,7 @@ def test_importing_the_patched_stack_activates():
     assert "accelerate.state:PartialState._prepare_backend" in result["applied"]
 
 
-DEFERRED = r'''
+DEFERRED = r"""
 import inspect, json, sys
 import torch
 # a torch patch outside the CUDA façade family (which applies in launched ranks only)
@@ -49,30 +51,37 @@ deferred = {"pluggy": "pluggy" in sys.modules, "wrapt": "wrapt" in sys.modules,
 import accelerate
 deferred["after_accelerate"] = wrapped()
 print("RESULT " + json.dumps(deferred))
-'''
+"""
 
 
-@pytest.mark.parametrize("environ, at_import_torch", [({}, False), ({"LOCAL_RANK": "0"}, True)],
-                         ids=["plain-process", "launched-rank"])
+@pytest.mark.parametrize(
+    "environ, at_import_torch", [({}, False), ({"LOCAL_RANK": "0"}, True)], ids=["plain-process", "launched-rank"]
+)
 @pytest.mark.slow
 def test_import_torch_alone_waits_for_the_patched_stack_except_in_a_launched_rank(environ, at_import_torch):
     """`import torch` in a process that uses nothing accel-npu patches (a compile worker, a quick
     `python -c`) loads no plugin, not even pluggy or wrapt; the first trigger import (here accelerate)
     activates, before its body runs, and the torch patches come with it. A launched rank (LOCAL_RANK)
     activates inside `import torch`, as on an Ascend machine (issue 15 item 3)."""
-    proc = subprocess.run([sys.executable, "-c", DEFERRED], env=base_env(**environ), capture_output=True,
-                          text=True, timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", DEFERRED], env=base_env(**environ), capture_output=True, text=True, timeout=120, cwd="/"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert result["after_accelerate"], result
     if at_import_torch:
         assert result["pluggy"] and result["wrapt"] and result["plugins"] and result["torch_patch_wrapped"], result
     else:
-        assert result == {"pluggy": False, "wrapt": False, "plugins": [], "torch_patch_wrapped": False,
-                          "after_accelerate": True}, result
+        assert result == {
+            "pluggy": False,
+            "wrapt": False,
+            "plugins": [],
+            "torch_patch_wrapped": False,
+            "after_accelerate": True,
+        }, result
 
 
-EXPLICIT_WHILE_WAITING = r'''
+EXPLICIT_WHILE_WAITING = r"""
 import inspect, json
 import torch                 # a plain process: activation waits for a trigger import
 import accel_npu
@@ -82,13 +91,19 @@ accel_npu.unpatch()
 import accelerate.state as st  # the first trigger import after unpatch() must not re-arm
 wrapped = type(inspect.getattr_static(st.PartialState, "_prepare_backend")).__name__ == "FunctionWrapper"
 print("RESULT " + json.dumps({"active": active, "after_unpatch": accel_npu.is_active(), "wrapped": wrapped}))
-'''
+"""
 
 
 @pytest.mark.slow
 def test_explicit_activation_while_waiting_neither_deadlocks_nor_rearms_later():
-    proc = subprocess.run([sys.executable, "-c", EXPLICIT_WHILE_WAITING], env=base_env(), capture_output=True,
-                          text=True, timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPLICIT_WHILE_WAITING],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert result == {"active": True, "after_unpatch": False, "wrapped": False}, result
@@ -143,8 +158,9 @@ def test_every_declared_patch_is_reached_by_a_trigger():
     for module in modules:
         inside = [t for t in TRIGGER_MODULES if module.startswith(t + ".")]
         # sys is built in, so imported before activation runs: its patch applies with activation
-        assert inside or module.split(".")[0] == "torch" or module in sys.builtin_module_names, \
+        assert inside or module.split(".")[0] == "torch" or module in sys.builtin_module_names, (
             f"{module}: no trigger module imports it"
+        )
         assert module not in TRIGGER_MODULES, module
 
 
@@ -194,8 +210,9 @@ def test_activation_never_breaks_import_torch(tmp_path):
 
 @pytest.mark.slow
 def test_top_level_plugins_import_fails_loudly():
-    proc = subprocess.run([sys.executable, "-c", "import plugins"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=base_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", "import plugins"], cwd=REPO, capture_output=True, text=True, timeout=60, env=base_env()
+    )
     assert proc.returncode != 0
     assert "import them as 'accel_npu.plugins'" in proc.stderr
 
@@ -204,32 +221,67 @@ def test_top_level_plugins_import_fails_loudly():
 def installed_test_plugin(tmp_path_factory):
     """accel-npu-testplugin, really pip-installed (into a target dir put on PYTHONPATH)."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(PLUGIN_DIST)], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(PLUGIN_DIST),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return target
 
 
 def env_json(target, **env):
-    proc = subprocess.run([sys.executable, "-m", "accel_npu", "env", "--json"],
-                          env=base_env(PYTHONPATH=str(target), **env), capture_output=True, text=True,
-                          timeout=180, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-m", "accel_npu", "env", "--json"],
+        env=base_env(PYTHONPATH=str(target), **env),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout), proc
 
 
 @pytest.mark.slow
 def test_third_party_plugin_listed_applied_and_blockable(installed_test_plugin):
-    run = [sys.executable, "-c", "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))"]
+    run = [
+        sys.executable,
+        "-c",
+        "import torch\nfrom accel_npu_testplugin.greeting import horizon\nprint(horizon(16, 8))",
+    ]
     # four independent processes (one core each): side by side
     (report, proc), fixed, (blocked, _), unfixed = run_concurrently(
         lambda: env_json(installed_test_plugin),
-        lambda: subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin)), capture_output=True,
-                               text=True, timeout=120, cwd="/"),
+        lambda: subprocess.run(
+            run,
+            env=base_env(PYTHONPATH=str(installed_test_plugin)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        ),
         lambda: env_json(installed_test_plugin, ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
-        lambda: subprocess.run(run, env=base_env(PYTHONPATH=str(installed_test_plugin),
-                                                 ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
-                               capture_output=True, text=True, timeout=120, cwd="/"))
+        lambda: subprocess.run(
+            run,
+            env=base_env(PYTHONPATH=str(installed_test_plugin), ACCEL_NPU_DISABLED_PLUGINS="testplugin"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        ),
+    )
     plugins = {p["name"]: p for p in report["plugins"]}
     assert plugins["testplugin"]["status"] == "loaded"
     assert plugins["testplugin"]["source"] == "entry point (accel-npu-testplugin)"
@@ -258,13 +310,13 @@ def test_disabled_patches_leave_one_function_stock():
     assert "ACCEL_NPU_DISABLED_PATCHES names nope:x, which no plugin declares" in proc.stderr
 
 
-LAZY_PROBE = r'''
+LAZY_PROBE = r"""
 import json, sys
 import torch
 import accel_npu
 print("RESULT " + json.dumps({"active": accel_npu.is_active(),
       "modules": sorted(m for m in sys.modules if m.startswith("accel_npu.plugins."))}))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -272,14 +324,21 @@ def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
     """Issue 15 item 3: where `import torch` activates (here a launched rank), only the plugins'
     declarations load; the machinery named by path in `wrapper=` waits until its target library is
     imported."""
-    proc = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=base_env(LOCAL_RANK="0"), capture_output=True, text=True,
-                          timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", LAZY_PROBE],
+        env=base_env(LOCAL_RANK="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
     assert result["active"]
     assert "accel_npu.plugins.loading" in result["modules"] and "accel_npu.plugins.checkpoints" in result["modules"]
-    eager = [m for m in result["modules"]
-             if m.startswith(("accel_npu.plugins.loading.", "accel_npu.plugins.checkpoints."))]
+    eager = [
+        m for m in result["modules"] if m.startswith(("accel_npu.plugins.loading.", "accel_npu.plugins.checkpoints."))
+    ]
     assert eager == []
 
 

@@ -5,6 +5,7 @@ Read off the source with ``ast`` (every import statement, at module level or ins
 so a cycle hidden in a function-level import counts too; only ``if TYPE_CHECKING:`` imports,
 which never run, are left out.
 """
+
 import ast
 import configparser
 import re
@@ -37,9 +38,13 @@ def imports_of(name: str, path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     # `if TYPE_CHECKING:` blocks never run: their imports are for annotations, not dependencies
-    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                 and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
-                 for stmt in block.body for n in ast.walk(stmt)}
+    type_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in type_only:
@@ -50,7 +55,7 @@ def imports_of(name: str, path: Path) -> set[str]:
             base = node.module or ""
             if node.level:
                 parent = package.split(".")
-                base = ".".join(parent[:len(parent) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parent[: len(parent) - node.level + 1] + ([base] if base else []))
             # `from pkg import sub` imports the submodule pkg.sub when there is one
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
@@ -75,7 +80,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt)
                 if cycle:
@@ -118,6 +123,7 @@ def test_the_bottom_layer_imports_only_environment_and_errors():
 
 def test_plugins_do_not_import_each_other():
     """A plugin package imports the framework and its own modules; shared code goes to accel_npu._torch."""
+
     def plugin_of(name: str) -> str:  # accel_npu.plugins.<concern>
         return ".".join(name.split(".")[:3])
 
@@ -151,9 +157,11 @@ WRAPPERS_IN_INIT_ALLOWED: set[str] = set()  # none: every plugin package's __ini
 
 
 def test_the_wrapper_finder_sees_nested_and_module_level_wrappers():
-    source = ("def outer(name):\n    def wrapper(wrapped, instance, args, kwargs):\n        pass\n    return wrapper\n"
-              "def on_init(wrapped, cls, args, kwargs):\n    pass\n"
-              "def helper(wrapped, args):\n    pass\ndef other(model, instance, args, kwargs):\n    pass\n")
+    source = (
+        "def outer(name):\n    def wrapper(wrapped, instance, args, kwargs):\n        pass\n    return wrapper\n"
+        "def on_init(wrapped, cls, args, kwargs):\n    pass\n"
+        "def helper(wrapped, args):\n    pass\ndef other(model, instance, args, kwargs):\n    pass\n"
+    )
     assert sorted(wrapt_wrappers(source)) == ["on_init", "wrapper"]
 
 
@@ -171,7 +179,9 @@ def test_plugin_inits_are_manifests():
     assert not offenders, f"wrappers defined in a plugin's __init__.py (move them beside it): {offenders}"
 
 
-ENV_READ = re.compile(r"""(environ|env)(\.get\(|\[|\.setdefault\(|\.pop\()\s*["']ACCEL_NPU_|getenv\(\s*["']ACCEL_NPU_""")
+ENV_READ = re.compile(
+    r"""(environ|env)(\.get\(|\[|\.setdefault\(|\.pop\()\s*["']ACCEL_NPU_|getenv\(\s*["']ACCEL_NPU_"""
+)
 
 
 #: The startup hook accel_npu_startup.pth imports in every Python process (setup.py), beside the package.
@@ -183,8 +193,11 @@ def test_one_reader_per_environment_variable():
     startup hook keep one stdlib-only copy each of the ACCEL_NPU_DISABLE check: they run before
     accel_npu is imported, in processes that may never import it)."""
     allowed = {"accel_npu.environment", "accel_npu.activation._bootstrap.sitecustomize", "_accel_npu_startup"}
-    readers = {name for name, path in [*MODULES.items(), ("_accel_npu_startup", STARTUP_HOOK)]
-               if ENV_READ.search(path.read_text())}
+    readers = {
+        name
+        for name, path in [*MODULES.items(), ("_accel_npu_startup", STARTUP_HOOK)]
+        if ENV_READ.search(path.read_text())
+    }
     assert readers <= allowed, sorted(readers - allowed)
     assert ENV_READ.search('os.environ.get("ACCEL_NPU_X")') and ENV_READ.search("env.get('ACCEL_NPU_BACKEND', '')")
     copies = re.findall(r"""environ\.get\(\s*["'](ACCEL_NPU_\w+)""", STARTUP_HOOK.read_text())
@@ -199,15 +212,19 @@ def test_the_startup_hook_imports_nothing_at_startup():
     top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
     top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
     assert top <= {"_thread", "os", "sys"}, top
-    lazy = {(node.module or "") + ":" + alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-            for alias in node.names}
-    assert lazy == {"accel_npu:environment",
-                    "accel_npu.plugins.devices.npu.diagnostics:install_import_diagnostics"}, lazy
+    lazy = {
+        (node.module or "") + ":" + alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert lazy == {"accel_npu:environment", "accel_npu.plugins.devices.npu.diagnostics:install_import_diagnostics"}, (
+        lazy
+    )
 
 
 def test_the_startup_hook_reads_accel_npu_disable_as_environment_does(monkeypatch):
     import _accel_npu_startup
-
     from accel_npu import environment
 
     for value in ("1", "true", " Yes ", "on", "0", "", "no", "2", "off"):

@@ -7,6 +7,7 @@ UNet2DConditionModel and FluxTransformer2DModel, and transformers'
 ``from_pretrained(attn_implementation="flash_attention_2")`` of a tiny Llama saved locally.
 Stock (ACCEL_NPU_DISABLE=1) raises at each; accel-npu runs SDPA and the outputs equal SDPA's.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -18,8 +19,13 @@ from .launch_utils import SCRIPTS, base_env, explain, results, run_concurrently
 
 
 def _probe(work, **env):
-    return subprocess.run([sys.executable, str(SCRIPTS / "attention_flags.py"), str(work)], env=base_env(**env),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "attention_flags.py"), str(work)],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +33,11 @@ def probes(tmp_path_factory):
     """(ours, its results, stock's, a plain process's): ours is the script as a torchrun rank runs it (LOCAL_RANK
     set); a plain `python` process with nothing opted in is left as stock leaves it (docs/cuda-compat.md)."""
     ours_dir, stock_dir, plain_dir = (tmp_path_factory.mktemp(n) for n in ("ours", "stock", "plain"))
-    ours, stock, plain = run_concurrently(lambda: _probe(ours_dir, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
-                                          lambda: _probe(stock_dir, ACCEL_NPU_DISABLE="1"),
-                                          lambda: _probe(plain_dir))
+    ours, stock, plain = run_concurrently(
+        lambda: _probe(ours_dir, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
+        lambda: _probe(stock_dir, ACCEL_NPU_DISABLE="1"),
+        lambda: _probe(plain_dir),
+    )
     (r_ours,), (r_stock,), (r_plain,) = results(ours) or [None], results(stock) or [None], results(plain) or [None]
     assert r_ours is not None, explain(ours)
     assert r_stock is not None, explain(stock)
@@ -88,4 +96,7 @@ def test_passes_through_where_cuda_is_available(monkeypatch):
         _supports_flash_attn = _supports_sdpa = True
 
     assert transformers.check_and_adjust_attn_implementation(stock, Model(), ("flash_attention_2",), {}) == (
-        "stock", ("flash_attention_2",), {})
+        "stock",
+        ("flash_attention_2",),
+        {},
+    )

@@ -1,4 +1,4 @@
-""""train_micro_batch_size_per_gpu": "auto" with a DataLoader built on a batch_sampler (issue 16 item 4).
+""" "train_micro_batch_size_per_gpu": "auto" with a DataLoader built on a batch_sampler (issue 16 item 4).
 
 Stock accelerate reads the "auto" from ``DataLoader.batch_size`` only, which is None for a loader
 built with ``batch_sampler=`` (diffusers' train_dreambooth_lora_qwen_image.py and its bucketing
@@ -6,6 +6,7 @@ siblings): prepare fails. With accel-npu the sampler's batch size is used. A loa
 anywhere, prepared in a call of its own, is prepared and leaves "auto" for the model's call (that case,
 trained, and prepare without a DataLoader: tests/test_deepspeed_auto_micro_batch.py).
 """
+
 import pytest
 
 from tests.launch_utils import accelerate_launch, base_env, explain, results, write_deepspeed_config, zero_config
@@ -19,8 +20,11 @@ def test_auto_micro_batch_size_from_a_batch_sampler(tmp_path):
 
     # Stock accelerate's prepare, everything else of accel-npu on: fully stock accelerate cannot form
     # the DeepSpeed group of CPU ranks at all (every rank is rank 0 of 1; plugins/devices/cpu.py).
-    stock = accelerate_launch(["--config_file", str(config), SCRIPT], timeout=180,
-                              env=base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.accelerator:Accelerator.prepare"))
+    stock = accelerate_launch(
+        ["--config_file", str(config), SCRIPT],
+        timeout=180,
+        env=base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.accelerator:Accelerator.prepare"),
+    )
     assert stock.returncode != 0 and not results(stock), explain(stock)
     assert "has `None` as batch size" in stock.stderr, explain(stock)
 

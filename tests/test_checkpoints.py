@@ -2,6 +2,7 @@
 resolution after interrupted saves, consolidate's refusal of incomplete checkpoints, the CLI.
 
 The end-to-end DeepSpeed runs are in tests/test_checkpoints_dit4dit.py."""
+
 import json
 import os
 import re
@@ -17,7 +18,6 @@ from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.consolidate import consolidate
 from accel_npu.plugins.checkpoints.state import CheckpointError, CollectiveMisuseError
 from tests.launch_utils import ended_by_launcher
-
 
 #: the rendezvous timeout the workers run with: rank 1 waits up to this long for rank 0, which comes
 #: one second late in rounds 3 and 4, so it leaves three seconds of slack for a loaded CI machine
@@ -128,8 +128,11 @@ def test_load_dir_refuses_incomplete_checkpoint(tmp_path):
     _complete(final)
     (final / "pytorch_model" / "mp_rank_00_model_states.pt").write_text("xx")
     (final / "latest").unlink()
-    with pytest.raises(CheckpointError, match=r"incomplete; missing: pytorch_model/mp_rank_00_model_states.pt "
-                                              r"\(truncated: 2 of 5 bytes\), latest"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"incomplete; missing: pytorch_model/mp_rank_00_model_states.pt "
+        r"\(truncated: 2 of 5 bytes\), latest",
+    ):
         checkpointing.resolve_load_dir(str(final), _Acc())
 
 
@@ -181,9 +184,17 @@ def test_streamed_safetensors_load_back_identically(tmp_path):
 
     from accel_npu._torch.safetensors_io import SafetensorsStream
 
-    tensors = {"w": torch.randn(3, 4).bfloat16(), "s": torch.tensor(5.0), "empty": torch.zeros(0, 2),
-               "idx": torch.arange(7), "mask": torch.tensor([True, False]), "h": torch.randn(2).half()}
-    stream = SafetensorsStream(str(tmp_path / "x.safetensors"), [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    tensors = {
+        "w": torch.randn(3, 4).bfloat16(),
+        "s": torch.tensor(5.0),
+        "empty": torch.zeros(0, 2),
+        "idx": torch.arange(7),
+        "mask": torch.tensor([True, False]),
+        "h": torch.randn(2).half(),
+    }
+    stream = SafetensorsStream(
+        str(tmp_path / "x.safetensors"), [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    )
     for k, v in tensors.items():
         stream.write(k, v)
     stream.close()
@@ -217,22 +228,34 @@ def test_rank0_only_save_model_under_zero3_fails_in_time_saying_what_to_do(tmp_p
     rank is not idle: the main process gets CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT
     naming the script line, nothing is written.
     (No ACCEL_NPU_DISABLE stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
-        zero_config
+    from tests.launch_utils import (
+        SCRIPTS,
+        accelerate_launch,
+        base_env,
+        explain,
+        results,
+        write_deepspeed_config,
+        zero_config,
+    )
 
     cfg = write_deepspeed_config(tmp_path, zero_config(3))
     out = tmp_path / "out"
-    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model_busy",
-                              str(out)], env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    proc = accelerate_launch(
+        ["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model_busy", str(out)],
+        env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"),
+        timeout=240,
+    )
     assert proc.returncode != 0, explain(proc)
     rec = results(proc)
     assert len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(proc)
     assert 5 <= rec[0]["seconds"] < 20, rec
-    line = next(i for i, text in enumerate((SCRIPTS / "rank0_only_save.py").read_text().splitlines(), 1)
-                if "save_model(model, out_dir)" in text)
+    line = next(
+        i
+        for i, text in enumerate((SCRIPTS / "rank0_only_save.py").read_text().splitlines(), 1)
+        if "save_model(model, out_dir)" in text
+    )
     assert f"rank0_only_save.py:{line}" in rec[0]["message"], rec[0]["message"]
-    assert "rank(s) [1] did not reach an idle point (wait_for_everyone, end_training) within 5 s" \
-        in rec[0]["message"]
+    assert "rank(s) [1] did not reach an idle point (wait_for_everyone, end_training) within 5 s" in rec[0]["message"]
     assert not out.exists() and not list(tmp_path.glob(".out*")), "nothing may be written"
 
 
@@ -266,8 +289,16 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
       written. Stock half: the same mid-step launch with the step-boundary patch switched off (it
       also makes a failed collective raise the other rank's error): rank 1 reports gloo's error.
     (No ACCEL_NPU_DISABLE stock half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, \
-        write_deepspeed_config, zero_config
+    from tests.launch_utils import (
+        SCRIPTS,
+        accelerate_launch,
+        base_env,
+        explain,
+        results,
+        run_concurrently,
+        write_deepspeed_config,
+        zero_config,
+    )
 
     cfg = write_deepspeed_config(tmp_path, zero_config(3, stage3_param_persistence_threshold=0))
     script = SCRIPTS / "rank0_only_save.py"
@@ -275,11 +306,13 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
     stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES="accelerate.accelerator:Accelerator.backward")
 
     def launch(mode, out, environment):
-        return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode, str(tmp_path / out)],
-                                         env=environment, timeout=240)
+        return lambda: accelerate_launch(
+            ["--config_file", str(cfg), str(script), mode, str(tmp_path / out)], env=environment, timeout=240
+        )
 
-    boundary, stock = run_concurrently(launch("save_state", "boundary", env),
-                                       launch("save_state_midstep", "stock", stock_env))
+    boundary, stock = run_concurrently(
+        launch("save_state", "boundary", env), launch("save_state_midstep", "stock", stock_env)
+    )
     # alone: its assertions time it (the error within the timeout), and rank 1 must raise its error in the
     # moments between rank 0's exit and the launcher's SIGTERM, which a loaded machine can use up
     mid = launch("save_state_midstep", "mid", env)()
@@ -301,18 +334,24 @@ def test_rank0_only_save_state_at_a_step_boundary_completes_and_mid_step_fails_o
     assert 5 <= rec[0]["seconds"] < 20, rec
     line = next(i for i, text in enumerate(script.read_text().splitlines(), 1) if "save_state(out_dir)" in text)
     assert f"rank0_only_save.py:{line}" in rec[0]["message"], rec[0]["message"]
-    assert "accelerator.save_state() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; " \
-           "rank(s) [1] did not within 5 s" in rec[0]["message"]
+    assert (
+        "accelerator.save_state() under DeepSpeed ZeRO is a collective, but only rank(s) [0] entered it; "
+        "rank(s) [1] did not within 5 s" in rec[0]["message"]
+    )
     text = mid.stdout + mid.stderr
     # rank 1 is inside backward's collectives: it reads rank 0's error once rank 0's exit closes gloo's
     # connections, and the launcher's SIGTERM (torchrun's agent stops every worker once one has failed)
     # can end it first; it never stops with another error. The conversion itself, without the race:
     # test_a_failed_collective_becomes_the_error_another_rank_published
-    assert f"[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with: " \
-           f"{rec[0]['message'][:200]}" in text or ended_by_launcher(text, 1), explain(mid)
+    assert (
+        f"[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with: {rec[0]['message'][:200]}"
+        in text
+        or ended_by_launcher(text, 1)
+    ), explain(mid)
     assert "Connection closed by peer" not in text, explain(mid)
-    assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, \
-        explain(mid)
+    assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, explain(
+        mid
+    )
     assert not (tmp_path / "mid").exists() and not list(tmp_path.glob(".mid*")), "nothing may be written"
     # stock half: rank 1 never learns why: it dies of gloo's transport error, or, when the launcher's
     # SIGTERM (sent once rank 0 exits) arrives before gloo notices, of the signal
@@ -339,13 +378,23 @@ def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_p
     from safetensors.torch import load_file
     from transformers import Qwen2ForCausalLM
 
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, write_deepspeed_config, \
-        zero_config
+    from tests.launch_utils import (
+        SCRIPTS,
+        accelerate_launch,
+        base_env,
+        explain,
+        results,
+        write_deepspeed_config,
+        zero_config,
+    )
 
     cfg = write_deepspeed_config(tmp_path, zero_config(3))
     out = tmp_path / "out"
-    proc = accelerate_launch(["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model", str(out)],
-                             env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    proc = accelerate_launch(
+        ["--config_file", str(cfg), str(SCRIPTS / "rank0_only_save.py"), "save_model", str(out)],
+        env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"),
+        timeout=240,
+    )
     assert proc.returncode == 0, explain(proc)
     rec = results(proc)
     assert len(rec) == 1 and rec[0]["result"] == "saved", explain(proc)
@@ -363,8 +412,10 @@ def test_rank0_only_save_model_under_zero3_completes_while_the_others_wait(tmp_p
         assert set(loaded) == set(reference), name
         for key, value in reference.items():
             assert loaded[key].dtype == value.dtype == torch.float32 and torch.equal(loaded[key], value), (name, key)
-    assert not torch.equal(torch.load(out / "reference_ckpt.pt")["lm_head.weight"],
-                           torch.load(out / "reference_final.pt")["lm_head.weight"])  # the second step trained
+    assert not torch.equal(
+        torch.load(out / "reference_ckpt.pt")["lm_head.weight"],
+        torch.load(out / "reference_final.pt")["lm_head.weight"],
+    )  # the second step trained
 
 
 def test_transformers_save_pretrained_of_zero3_partitions_loads_and_stock_writes_empty_tensors(tmp_path, monkeypatch):
@@ -380,8 +431,15 @@ def test_transformers_save_pretrained_of_zero3_partitions_loads_and_stock_writes
     from tests.inprocess import stock
     from tests.launch_utils import ZERO3_BF16_T0, one_rank_deepspeed_group
 
-    config = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     with one_rank_deepspeed_group(monkeypatch):
         torch.manual_seed(0)
         with deepspeed.zero.Init(config_dict_or_path=ZERO3_BF16_T0):
@@ -404,10 +462,21 @@ def test_transformers_save_pretrained_of_zero3_partitions_loads_and_stock_writes
         Qwen2ForCausalLM.from_pretrained(tmp_path / "stock")
 
 
-FSDP2_CONFIG = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
-                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
-                                "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
-                "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}
+FSDP2_CONFIG = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "NO_WRAP",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    },
+    "num_machines": 1,
+    "num_processes": 2,
+    "machine_rank": 0,
+    "mixed_precision": "no",
+    "use_cpu": False,
+}
 
 
 def _dcp_tensors(directory):
@@ -430,27 +499,57 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     import torch
     import yaml
 
-    from tests.launch_utils import BIN, SCRIPTS, accelerate_launch, base_env, explain, free_port, results, \
-        run_concurrently
+    from tests.launch_utils import (
+        BIN,
+        SCRIPTS,
+        accelerate_launch,
+        base_env,
+        explain,
+        free_port,
+        results,
+        run_concurrently,
+    )
     from tests.official_scripts import StreamedLaunch
 
     cfg = tmp_path / "fsdp2.yaml"
     cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
     script = SCRIPTS / "rank0_only_save.py"
     env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5")
-    stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES=",".join(
-        f"accelerate.{t}" for t in ("accelerator:Accelerator.save_state", "accelerator:Accelerator.backward",
-                                    "optimizer:AcceleratedOptimizer.step")))
-    stock = StreamedLaunch([str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()),
-                            "--config_file", str(cfg), str(script), "save_state", str(tmp_path / "stock")],
-                           stock_env, tmp_path)
+    stock_env = dict(
+        env,
+        ACCEL_NPU_DISABLED_PATCHES=",".join(
+            f"accelerate.{t}"
+            for t in (
+                "accelerator:Accelerator.save_state",
+                "accelerator:Accelerator.backward",
+                "optimizer:AcceleratedOptimizer.step",
+            )
+        ),
+    )
+    stock = StreamedLaunch(
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--main_process_port",
+            str(free_port()),
+            "--config_file",
+            str(cfg),
+            str(script),
+            "save_state",
+            str(tmp_path / "stock"),
+        ],
+        stock_env,
+        tmp_path,
+    )
 
     def launch(mode, out):
-        return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode, str(tmp_path / out)],
-                                         env=env, timeout=240)
+        return lambda: accelerate_launch(
+            ["--config_file", str(cfg), str(script), mode, str(tmp_path / out)], env=env, timeout=240
+        )
 
-    boundary, fixed, mid = run_concurrently(launch("save_state", "boundary"), launch("save_state_every_rank", "fixed"),
-                                            launch("save_state_midstep", "mid"))
+    boundary, fixed, mid = run_concurrently(
+        launch("save_state", "boundary"), launch("save_state_every_rank", "fixed"), launch("save_state_midstep", "mid")
+    )
     for proc in (boundary, fixed):
         assert proc.returncode == 0 and [r.get("result") for r in results(proc)] == ["saved"], explain(proc)
     names = sorted(p.relative_to(tmp_path / "fixed").as_posix() for p in (tmp_path / "fixed").rglob("*"))
@@ -461,15 +560,17 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
         flat_ours, flat_ref = torch.utils._pytree.tree_flatten(ours)[0], torch.utils._pytree.tree_flatten(reference)[0]
         assert len(flat_ours) == len(flat_ref) > 0
         for a, b in zip(flat_ours, flat_ref):
-            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), part
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, part
     for rank in (0, 1):  # accelerate writes them with torch.save: python, numpy and torch generator states
         name = f"random_states_{rank}.pkl"
         ours, reference = (torch.load(tmp_path / d / name, weights_only=False) for d in ("boundary", "fixed"))
         assert ours.keys() == reference.keys() and "torch_manual_seed" in ours, name
         assert torch.equal(ours["torch_manual_seed"], reference["torch_manual_seed"]), name
         assert repr(ours["random_state"]) == repr(reference["random_state"]), name
-        assert all((a == b).all() if hasattr(a, "all") else a == b
-                   for a, b in zip(ours["numpy_random_seed"], reference["numpy_random_seed"])), name
+        assert all(
+            (a == b).all() if hasattr(a, "all") else a == b
+            for a, b in zip(ours["numpy_random_seed"], reference["numpy_random_seed"])
+        ), name
     # mid-step: the clear error on every rank, within the timeout
     rec = results(mid)
     assert mid.returncode != 0 and len(rec) == 1 and rec[0]["error"] == "CollectiveMisuseError", explain(mid)
@@ -479,11 +580,14 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     # rank 1 is inside backward's collectives: it reads rank 0's error once rank 0's exit closes gloo's
     # connections, and on a loaded machine the launcher's SIGTERM (torchrun's agent stops every worker once
     # one has failed) can end it first; it never stops with another error
-    assert "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text \
-        or ended_by_launcher(text, 1), explain(mid)
+    assert (
+        "[rank1]: accel_npu._torch.dist.CollectiveMisuseError: another rank stopped with" in text
+        or ended_by_launcher(text, 1)
+    ), explain(mid)
     assert "Connection closed by peer" not in text, explain(mid)
-    assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, \
-        explain(mid)
+    assert set(re.findall(r"\[rank1\]: (\w[\w.]*):", text)) <= {"accel_npu._torch.dist.CollectiveMisuseError"}, explain(
+        mid
+    )
     assert not (tmp_path / "mid").exists()
     # stock: rank 0's save never completes (no RESULT line) while the launch is still running a minute in
     try:
@@ -508,14 +612,25 @@ def test_rank0_only_zero3_forward_after_wait_for_everyone_is_served_and_training
     half on CPU: without accel-npu every CPU rank believes it is rank 0 of 1.)"""
     import torch
 
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently, \
-        write_deepspeed_config, zero_config
+    from tests.launch_utils import (
+        SCRIPTS,
+        accelerate_launch,
+        base_env,
+        explain,
+        results,
+        run_concurrently,
+        write_deepspeed_config,
+        zero_config,
+    )
 
     cfg = write_deepspeed_config(tmp_path, zero_config(3, stage3_prefetch_bucket_size=10**6))
     script = SCRIPTS / "rank0_only_forward.py"
     env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="10")
-    stock_env = dict(env, ACCEL_NPU_DISABLED_PATCHES="deepspeed.runtime.zero.parameter_offload:"
-                                                     "DeepSpeedZeRoOffload.pre_sub_module_forward_function")
+    stock_env = dict(
+        env,
+        ACCEL_NPU_DISABLED_PATCHES="deepspeed.runtime.zero.parameter_offload:"
+        "DeepSpeedZeRoOffload.pre_sub_module_forward_function",
+    )
 
     def launch(mode, environment):
         return lambda: accelerate_launch(["--config_file", str(cfg), str(script), mode], env=environment, timeout=240)
@@ -536,5 +651,7 @@ def test_rank0_only_zero3_forward_after_wait_for_everyone_is_served_and_training
     # stock half: the first gather of rank 0's forward has no partner
     assert stock.returncode != 0, explain(stock)
     assert results(stock) == [], explain(stock)
-    assert "enters all_gather_into_tensor, a collective, inside `if accelerator.is_main_process" in \
-        stock.stdout + stock.stderr, explain(stock)
+    assert (
+        "enters all_gather_into_tensor, a collective, inside `if accelerator.is_main_process"
+        in stock.stdout + stock.stderr
+    ), explain(stock)

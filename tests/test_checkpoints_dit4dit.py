@@ -17,6 +17,7 @@ Launches (each ~20-40 s here; all but Z3 run B side by side, B right after A), a
 Then `accel-npu consolidate` on the ZeRO-2 and ZeRO-3 checkpoints: bit-exact to the live gathered
 weights, from_pretrained round trip, incomplete checkpoint -> error listing what is missing.
 """
+
 from __future__ import annotations
 
 import glob
@@ -47,40 +48,102 @@ def work(tmp_path_factory):
     pre = root / "pretrained"
     torch.manual_seed(0)
     CosmosTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, mlp_ratio=2.0,
-        text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 16, 16), patch_size=(1, 2, 2),
-        concat_padding_mask=False, extra_pos_embed_type="learnable").save_pretrained(pre / "transformer")
-    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-                     latents_mean=[0.0] * 4, latents_std=[1.0] * 4).save_pretrained(pre / "vae")
-    T5EncoderModel(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                            decoder_start_token_id=0)).save_pretrained(pre / "text_encoder")
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=2,
+        mlp_ratio=2.0,
+        text_embed_dim=16,
+        adaln_lora_dim=4,
+        max_size=(4, 16, 16),
+        patch_size=(1, 2, 2),
+        concat_padding_mask=False,
+        extra_pos_embed_type="learnable",
+    ).save_pretrained(pre / "transformer")
+    AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).save_pretrained(pre / "vae")
+    T5EncoderModel(
+        T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    ).save_pretrained(pre / "text_encoder")
     return root
 
 
 def _launch(work: Path, stage: int, name: str, *args: str, disable: bool = False):
     # explicit batch sizes: stock accelerate on CPU believes it is 1 process and would fill "auto"
     # with a world size of 1, failing before the interesting part
-    ds = dict(zero_config(stage, bf16=True), train_batch_size=4, train_micro_batch_size_per_gpu=2,
-              gradient_accumulation_steps=1)
+    ds = dict(
+        zero_config(stage, bf16=True),
+        train_batch_size=4,
+        train_micro_batch_size_per_gpu=2,
+        gradient_accumulation_steps=1,
+    )
     yaml = write_deepspeed_config(work / f"cfg_{name}", ds)
     extra = {"ACCEL_NPU_DISABLE": "1"} if disable else {}
     env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT=str(TIMEOUT_S), **extra)
     # an explicit rendezvous port: accelerate's DeepSpeed path ignores MASTER_PORT (29500 otherwise)
-    return accelerate_launch(["--config_file", str(yaml), "--main_process_port", env["MASTER_PORT"],
-                              str(SCRIPTS / "train_dit4dit.py"),
-                              "--pretrained", str(work / "pretrained"), *args], env=env, timeout=600)
+    return accelerate_launch(
+        [
+            "--config_file",
+            str(yaml),
+            "--main_process_port",
+            env["MASTER_PORT"],
+            str(SCRIPTS / "train_dit4dit.py"),
+            "--pretrained",
+            str(work / "pretrained"),
+            *args,
+        ],
+        env=env,
+        timeout=600,
+    )
 
 
 def _zero3_runs_a_then_b(work: Path):
     """Z3 run A (save at step 2, rank 1 killed in the next save into the same directory), then run B
     resuming from what survived: save every way, then DiT4DiT's rank-0-only get_state_dict."""
     ckpt = work / "ckpt_z3"
-    run_a = _launch(work, 3, "z3a", "--steps", "4", "--save-at", "2", "--save-at", "4",
-                    "--save-dir", str(ckpt), "--kill-in-save", "2")
-    run_b = _launch(work, 3, "z3b", "--resume", str(ckpt), "--start-step", "2", "--steps", "2",
-                    "--towers-out", str(work / "towers_z3.pt"), "--final-save", str(work / "ckpt_z3b"),
-                    "--gathered", str(work / "gathered_z3.pt"), "--save-model", str(work / "model_z3"),
-                    "--rank0-get-state-dict")
+    run_a = _launch(
+        work,
+        3,
+        "z3a",
+        "--steps",
+        "4",
+        "--save-at",
+        "2",
+        "--save-at",
+        "4",
+        "--save-dir",
+        str(ckpt),
+        "--kill-in-save",
+        "2",
+    )
+    run_b = _launch(
+        work,
+        3,
+        "z3b",
+        "--resume",
+        str(ckpt),
+        "--start-step",
+        "2",
+        "--steps",
+        "2",
+        "--towers-out",
+        str(work / "towers_z3.pt"),
+        "--final-save",
+        str(work / "ckpt_z3b"),
+        "--gathered",
+        str(work / "gathered_z3.pt"),
+        "--save-model",
+        str(work / "model_z3"),
+        "--rank0-get-state-dict",
+    )
     return run_a, run_b
 
 
@@ -91,8 +154,20 @@ def launches(work):
     own. Each test takes the results of its launches (futures)."""
     with ThreadPoolExecutor(max_workers=4) as pool:
         yield {
-            "z2": pool.submit(_launch, work, 2, "z2", "--steps", "3", "--towers-out", str(work / "towers_z2.pt"),
-                              "--final-save", str(work / "ckpt_z2"), "--gathered", str(work / "gathered_z2.pt")),
+            "z2": pool.submit(
+                _launch,
+                work,
+                2,
+                "z2",
+                "--steps",
+                "3",
+                "--towers-out",
+                str(work / "towers_z2.pt"),
+                "--final-save",
+                str(work / "ckpt_z2"),
+                "--gathered",
+                str(work / "gathered_z2.pt"),
+            ),
             "z2_stock": pool.submit(_launch, work, 2, "z2_stock", "--steps", "1", disable=True),
             "z3_a_then_b": pool.submit(_zero3_runs_a_then_b, work),
             "z3_stock": pool.submit(_launch, work, 3, "z3_stock", "--steps", "1", disable=True),
@@ -159,14 +234,14 @@ def _consolidate(capfd, *args):
 
 def _assert_consolidated_matches(capfd, work: Path, ckpt: Path, gathered_file: Path, out: Path):
     import torch
-    from diffusers import CosmosTransformer3DModel
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from diffusers import CosmosTransformer3DModel
 
     p = _consolidate(capfd, ckpt, out, "--dtype", "bf16", "--max-shard-size", "50KB")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "consolidating" in p.stderr  # the progress bar
     gathered = torch.load(gathered_file)
-    live = {k[len("transformer."):]: v for k, v in gathered.items() if k.startswith("transformer.")}
+    live = {k[len("transformer.") :]: v for k, v in gathered.items() if k.startswith("transformer.")}
     # towers kept out of the engine still appear in get_state_dict, in their own dtype
     assert {str(v.dtype) for k, v in gathered.items() if k.startswith(("vae.", "text_encoder."))} == {"torch.float32"}
     comp = out / "transformer"
@@ -188,8 +263,8 @@ def _assert_consolidated_matches(capfd, work: Path, ckpt: Path, gathered_file: P
     assert p.returncode == 0, p.stderr[-3000:]
     ref = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     w32 = _files(out32 / "transformer")
-    assert set(w32) == {k[len("transformer."):] for k in ref}
-    assert all(torch.equal(w32[k[len("transformer."):]], v) for k, v in ref.items())
+    assert set(w32) == {k[len("transformer.") :] for k in ref}
+    assert all(torch.equal(w32[k[len("transformer.") :]], v) for k, v in ref.items())
     return live
 
 
@@ -201,8 +276,9 @@ def test_zero2_towers_stay_fp32_and_stock_fails(work, launches, capfd):
     _assert_towers(ours, work, work / "towers_z2.pt")
     # the stock half: DeepSpeed cast the fp32 VAE to bf16
     assert stock.returncode != 0
-    assert "Input type (float) and bias type (c10::BFloat16) should be the same" in stock.stdout + stock.stderr, \
+    assert "Input type (float) and bias type (c10::BFloat16) should be the same" in stock.stdout + stock.stderr, (
         explain(stock)
+    )
     live = _assert_consolidated_matches(capfd, work, work / "ckpt_z2", work / "gathered_z2.pt", work / "export_z2")
     before = _files(work / "pretrained" / "transformer")
     assert any(not torch.equal(before[k].to(torch.bfloat16), v) for k, v in live.items())  # it trained

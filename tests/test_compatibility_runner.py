@@ -1,6 +1,7 @@
 """benchmarks/compatibility.py's bookkeeping, without launching anything: which script each error is
 blamed on, how a partial run merges into the results file, and that every vendored train_*.py has a
 plan or a row saying why not."""
+
 from __future__ import annotations
 
 import sys
@@ -10,37 +11,52 @@ from tests.launch_utils import REPO, UPSTREAM_EXAMPLES
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks import compatibility as compat  # noqa: E402
+from benchmarks import compatibility as compat
 
 SCRIPT = UPSTREAM_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
 
 
 def test_first_error_names_the_frame_outside_torch_and_known_causes():
     site = "/venv/lib/python3.11/site-packages"
-    out = "\n".join([
-        "Steps: 0%", "[rank1]: Traceback (most recent call last):",
-        f'[rank1]:   File "{SCRIPT}", line 1449, in main',
-        f'[rank1]:   File "{site}/diffusers/models/attention.py", line 10, in forward',
-        f'[rank1]:   File "{site}/torch/nn/modules/linear.py", line 134, in forward',
-        "[rank1]: ValueError: something the library refused",
-        "[rank0]: RuntimeError: later, on the other rank"])
+    out = "\n".join(
+        [
+            "Steps: 0%",
+            "[rank1]: Traceback (most recent call last):",
+            f'[rank1]:   File "{SCRIPT}", line 1449, in main',
+            f'[rank1]:   File "{site}/diffusers/models/attention.py", line 10, in forward',
+            f'[rank1]:   File "{site}/torch/nn/modules/linear.py", line 134, in forward',
+            "[rank1]: ValueError: something the library refused",
+            "[rank0]: RuntimeError: later, on the other rank",
+        ]
+    )
     assert compat.first_error(out, SCRIPT) == ("ValueError: something the library refused", "diffusers's")
     mine = out.replace(f"{site}/diffusers/models/attention.py", str(SCRIPT))
     assert compat.first_error(mine, SCRIPT)[1] == "the script's"
-    dtype = out.replace("ValueError: something the library refused",
-                        "RuntimeError: mat1 and mat2 must have the same dtype, but got Half and BFloat16")
+    dtype = out.replace(
+        "ValueError: something the library refused",
+        "RuntimeError: mat1 and mat2 must have the same dtype, but got Half and BFloat16",
+    )
     assert compat.first_error(dtype, SCRIPT)[1].startswith("the script's: fp16 frozen towers")
     ours = out.replace(f"{site}/diffusers/models/attention.py", f"{site}/accel_npu/plugins/loading/x.py")
     assert compat.first_error(ours, SCRIPT)[1] == "ours (accel-npu)"
-    chained = "\n".join([
-        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{site}/diffusers/models/modeling_utils.py"',
-        "[rank0]: AttributeError: 'M' object has no attribute 'get_parameter_or_buffer'", "[rank0]: ",
-        "[rank0]: During handling of the above exception, another exception occurred:", "[rank0]: ",
-        "[rank0]: Traceback (most recent call last):", f'[rank0]:   File "{SCRIPT}", line 1620, in main',
-        f'[rank0]:   File "{site}/accel_npu/plugins/loading/placement/fsdp.py", line 246',
-        "[rank0]: ValueError: not enough values to unpack (expected 2, got 1)"])
-    assert compat.first_error(chained, SCRIPT) == ("ValueError: not enough values to unpack (expected 2, got 1)",
-                                                   "ours (accel-npu)")
+    chained = "\n".join(
+        [
+            "[rank0]: Traceback (most recent call last):",
+            f'[rank0]:   File "{site}/diffusers/models/modeling_utils.py"',
+            "[rank0]: AttributeError: 'M' object has no attribute 'get_parameter_or_buffer'",
+            "[rank0]: ",
+            "[rank0]: During handling of the above exception, another exception occurred:",
+            "[rank0]: ",
+            "[rank0]: Traceback (most recent call last):",
+            f'[rank0]:   File "{SCRIPT}", line 1620, in main',
+            f'[rank0]:   File "{site}/accel_npu/plugins/loading/placement/fsdp.py", line 246',
+            "[rank0]: ValueError: not enough values to unpack (expected 2, got 1)",
+        ]
+    )
+    assert compat.first_error(chained, SCRIPT) == (
+        "ValueError: not enough values to unpack (expected 2, got 1)",
+        "ours (accel-npu)",
+    )
     lcm = UPSTREAM_EXAMPLES / "consistency_distillation" / "train_lcm_distill_lora_sdxl.py"
     dropped = "64 of 158 master tensors not in the loaded artifact"
     assert compat._whose("", dropped, lcm).startswith("diffusers': ")  # a cause scoped to one script
@@ -56,10 +72,22 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
 
 def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
-    row = lambda script, config, result, commit: [f"`{script}`", "F", config, result, "x", "", "1 s", "0.10 GiB",  # noqa: E731
-                                                  commit, "2026-01-01 00:00"]
-    compat.write_rows({("`a.py`", "zero2"): row("a.py", "zero2", "✘", "old"),
-                       ("`b.py`", "zero2"): row("b.py", "zero2", "✔", "old")}, ["compatibility.py"])
+    row = lambda script, config, result, commit: [
+        f"`{script}`",
+        "F",
+        config,
+        result,
+        "x",
+        "",
+        "1 s",
+        "0.10 GiB",
+        commit,
+        "2026-01-01 00:00",
+    ]
+    compat.write_rows(
+        {("`a.py`", "zero2"): row("a.py", "zero2", "✘", "old"), ("`b.py`", "zero2"): row("b.py", "zero2", "✔", "old")},
+        ["compatibility.py"],
+    )
     compat.write_rows({("`a.py`", "zero2"): row("a.py", "zero2", "✔", "new")}, ["compatibility.py", "--only", "a"])
     rows = compat.read_rows(tmp_path / "compatibility.md")
     assert set(rows) == {("`a.py`", "zero2"), ("`b.py`", "zero2")}
@@ -70,8 +98,9 @@ def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
     planned, unplanned = f"`{compat.SPECS[0].name}`", "`no_such_script.py`"
     not_run = lambda script: [script, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]  # noqa: E731
-    (tmp_path / "compatibility.md").write_text("\n".join(
-        "| " + " | ".join(not_run(s)) + " |" for s in (planned, unplanned)) + "\n")
+    (tmp_path / "compatibility.md").write_text(
+        "\n".join("| " + " | ".join(not_run(s)) + " |" for s in (planned, unplanned)) + "\n"
+    )
     assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(planned, "all"), (unplanned, "all")}
     compat.write_rows({}, ["compatibility.py"])
     assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(unplanned, "all")}
@@ -125,10 +154,25 @@ def test_each_script_is_launched_with_its_own_flags(tmp_path, monkeypatch):
     row = compat.run_row(spec, "zero2", tmp_path, 4, 2, 6, 10)
     out, model = tmp_path / f"{spec.name}-zero2", tmp_path / spec.builder / "model"
     data = [a.format(work=tmp_path / spec.builder) for a in spec.data]
-    base = ["--config_file", str(tmp_path / "z2.yaml"), str(spec.script), "--pretrained_model_name_or_path",
-            str(model), *data, *spec.extra, "--seed", "0", "--output_dir", str(out), "--checkpointing_steps", "2"]
-    assert calls == [base + ["--max_train_steps", "4"],
-                     base + ["--max_train_steps", "6", "--resume_from_checkpoint", "latest"]]
+    base = [
+        "--config_file",
+        str(tmp_path / "z2.yaml"),
+        str(spec.script),
+        "--pretrained_model_name_or_path",
+        str(model),
+        *data,
+        *spec.extra,
+        "--seed",
+        "0",
+        "--output_dir",
+        str(out),
+        "--checkpointing_steps",
+        "2",
+    ]
+    assert calls == [
+        base + ["--max_train_steps", "4"],
+        base + ["--max_train_steps", "6", "--resume_from_checkpoint", "latest"],
+    ]
     assert not row["ok"] and "did not resume from checkpoint-4" in row["what"]
 
     calls.clear()
@@ -149,8 +193,10 @@ def test_each_script_is_launched_with_its_own_flags(tmp_path, monkeypatch):
 def test_a_script_given_a_spec_loses_its_not_run_row(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
     name = f"`{compat.SPECS[0].name}`"
-    compat.write_rows({(name, "all"): [name, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]},
-                      ["compatibility.py"])
-    compat.write_rows({(name, "zero2"): [name, "F", "zero2", "✔", "x", "", "1 s", "0.10 GiB", "c", "d"]},
-                      ["compatibility.py"])
+    compat.write_rows(
+        {(name, "all"): [name, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]}, ["compatibility.py"]
+    )
+    compat.write_rows(
+        {(name, "zero2"): [name, "F", "zero2", "✔", "x", "", "1 s", "0.10 GiB", "c", "d"]}, ["compatibility.py"]
+    )
     assert set(compat.read_rows(tmp_path / "compatibility.md")) == {(name, "zero2")}

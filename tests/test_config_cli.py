@@ -1,5 +1,6 @@
 """`accel-npu config --non-interactive`: files written, dry run, refusal to overwrite, invalid
 combinations, --from templates; written files checked by accelerate's and DeepSpeed's parsers."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,9 @@ ACCEL_NPU = str(BIN / "accel-npu")
 
 def config_process(*args: str, **env: str) -> subprocess.CompletedProcess:
     """Run the `accel-npu config ARGS` command as a user would (a fresh process)."""
-    return subprocess.run([ACCEL_NPU, "config", *args], env=base_env(**env), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [ACCEL_NPU, "config", *args], env=base_env(**env), capture_output=True, text=True, timeout=120
+    )
 
 
 def config(*args: str) -> subprocess.CompletedProcess:
@@ -38,10 +40,18 @@ def config(*args: str) -> subprocess.CompletedProcess:
 
 def checked(yaml_files: list[Path], cwd: Path) -> list[dict]:
     """Run tests/config_checks.py (stock accelerate + DeepSpeed parsers, accel-npu off)."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "config_checks.py"), *map(str, yaml_files)],
-                          env=base_env(ACCEL_NPU_DISABLE="1"), cwd=cwd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "config_checks.py"), *map(str, yaml_files)],
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line.split("CHECKED ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("CHECKED ")]
+    return [
+        json.loads(line.split("CHECKED ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("CHECKED ")
+    ]
 
 
 def files_in(directory: Path) -> dict[str, str]:
@@ -51,14 +61,36 @@ def files_in(directory: Path) -> dict[str, str]:
 @pytest.mark.slow
 def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_path):
     zero3 = tmp_path / "z3" / "accelerate.yaml"
-    proc = config_process("--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero3",
-                  "--mixed-precision", "bf16", "--micro-batch-size", "4", "--gradient-accumulation-steps", "8",
-                  "--load-slots", "2", "--truncate", "QwenImageTransformer2DModel:2",
-                  "--frozen-modules", "vae,text_encoder", "--config_file", str(zero3))
+    proc = config_process(
+        "--non-interactive",
+        "--backend",
+        "cpu",
+        "--num-processes",
+        "2",
+        "--strategy",
+        "zero3",
+        "--mixed-precision",
+        "bf16",
+        "--micro-batch-size",
+        "4",
+        "--gradient-accumulation-steps",
+        "8",
+        "--load-slots",
+        "2",
+        "--truncate",
+        "QwenImageTransformer2DModel:2",
+        "--frozen-modules",
+        "vae,text_encoder",
+        "--config_file",
+        str(zero3),
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"Wrote {zero3}" in proc.stdout
-    assert sorted(files_in(zero3.parent)) == ["accelerate.accel-npu.yaml", "accelerate.deepspeed.json",
-                                              "accelerate.yaml"]
+    assert sorted(files_in(zero3.parent)) == [
+        "accelerate.accel-npu.yaml",
+        "accelerate.deepspeed.json",
+        "accelerate.yaml",
+    ]
     cfg = yaml.safe_load(zero3.read_text())
     assert cfg["distributed_type"] == "DEEPSPEED" and cfg["num_processes"] == 2
     assert "mixed_precision" not in cfg  # declared once: in the DeepSpeed JSON (pitfall 7.10)
@@ -66,29 +98,70 @@ def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_p
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 8
     side = yaml.safe_load((zero3.parent / "accelerate.accel-npu.yaml").read_text())
-    assert side == {"backend": "cpu", "env": {"ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder",
-                                               "ACCEL_NPU_LOAD_SLOTS": "2",
-                                               "ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2"}}
+    assert side == {
+        "backend": "cpu",
+        "env": {
+            "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder",
+            "ACCEL_NPU_LOAD_SLOTS": "2",
+            "ACCEL_NPU_TRUNCATE": "QwenImageTransformer2DModel:2",
+        },
+    }
 
     npu = tmp_path / "npu" / "ds.yaml"
-    proc = config("--non-interactive", "--backend", "npu", "--num-processes", "8", "--strategy", "zero3",
-                  "--offload", "all", "--mixed-precision", "fp16", "--task-queue-enable", "1",
-                  "--config_file", str(npu))
+    proc = config(
+        "--non-interactive",
+        "--backend",
+        "npu",
+        "--num-processes",
+        "8",
+        "--strategy",
+        "zero3",
+        "--offload",
+        "all",
+        "--mixed-precision",
+        "fp16",
+        "--task-queue-enable",
+        "1",
+        "--config_file",
+        str(npu),
+    )
     assert proc.returncode == 0, proc.stderr
     side = yaml.safe_load((npu.parent / "ds.accel-npu.yaml").read_text())
-    assert side["env"] == {"TASK_QUEUE_ENABLE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-                           "CPU_AFFINITY_CONF": "1", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "1800"}
+    assert side["env"] == {
+        "TASK_QUEUE_ENABLE": "1",
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "CPU_AFFINITY_CONF": "1",
+        "HCCL_CONNECT_TIMEOUT": "1200",
+        "HCCL_EXEC_TIMEOUT": "1800",
+    }
 
     ddp = tmp_path / "ddp" / "accelerate.yaml"
-    proc = config("--non-interactive", "--backend", "npu", "--num-processes", "4", "--strategy", "ddp",
-                  "--config_file", str(ddp))
+    proc = config(
+        "--non-interactive", "--backend", "npu", "--num-processes", "4", "--strategy", "ddp", "--config_file", str(ddp)
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (ddp.parent / "accelerate.deepspeed.json").exists()  # no DeepSpeed JSON without ZeRO
 
     multi = tmp_path / "multi" / "accelerate.yaml"
-    proc = config("--non-interactive", "--backend", "npu", "--num-machines", "2", "--machine-rank", "1",
-                  "--main-process-ip", "10.1.2.3", "--main-process-port", "29555", "--num-processes", "8",
-                  "--strategy", "zero2", "--config_file", str(multi))
+    proc = config(
+        "--non-interactive",
+        "--backend",
+        "npu",
+        "--num-machines",
+        "2",
+        "--machine-rank",
+        "1",
+        "--main-process-ip",
+        "10.1.2.3",
+        "--main-process-port",
+        "29555",
+        "--num-processes",
+        "8",
+        "--strategy",
+        "zero2",
+        "--config_file",
+        str(multi),
+    )
     assert proc.returncode == 0, proc.stderr
 
     by_file = {Path(r["file"]).parent.name: r for r in checked([zero3, npu, ddp, multi], cwd=tmp_path)}
@@ -97,20 +170,29 @@ def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_p
     assert "mixed_precision" not in by_file["z3"]["ds_fields"]
     assert by_file["npu"]["fp16"] and by_file["npu"]["offload_optimizer"] == "cpu"
     assert by_file["npu"]["offload_param"] == "cpu"
-    assert by_file["ddp"] == {"file": str(ddp), "distributed_type": "MULTI_NPU", "num_processes": 4,
-                              "num_machines": 1, "mixed_precision": "bf16"}  # bf16 by default on NPU
+    assert by_file["ddp"] == {
+        "file": str(ddp),
+        "distributed_type": "MULTI_NPU",
+        "num_processes": 4,
+        "num_machines": 1,
+        "mixed_precision": "bf16",
+    }  # bf16 by default on NPU
     assert by_file["multi"]["num_processes"] == 16 and by_file["multi"]["num_machines"] == 2
     assert by_file["multi"]["multinode_launcher"] == "standard"
     multi_cfg = yaml.safe_load(multi.read_text())
-    assert (multi_cfg["machine_rank"], multi_cfg["main_process_ip"], multi_cfg["main_process_port"]) == \
-        (1, "10.1.2.3", 29555)
+    assert (multi_cfg["machine_rank"], multi_cfg["main_process_ip"], multi_cfg["main_process_port"]) == (
+        1,
+        "10.1.2.3",
+        29555,
+    )
 
 
 @pytest.mark.slow
 def test_default_location_is_accelerates_default_config_file(tmp_path):
     hf_home = tmp_path / "hf"
-    proc = config_process("--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero2",
-                          HF_HOME=str(hf_home))
+    proc = config_process(
+        "--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero2", HF_HOME=str(hf_home)
+    )
     assert proc.returncode == 0, proc.stderr
     expected = hf_home / "accelerate" / "default_config.yaml"
     assert f"Wrote {expected}" in proc.stdout
@@ -120,8 +202,20 @@ def test_default_location_is_accelerates_default_config_file(tmp_path):
 
 def test_dry_run_prints_everything_and_writes_nothing(tmp_path):
     target = tmp_path / "out" / "accelerate.yaml"
-    proc = config("--non-interactive", "--backend", "cpu", "--num-processes", "2", "--strategy", "zero3",
-                  "--mixed-precision", "bf16", "--config_file", str(target), "--dry-run")
+    proc = config(
+        "--non-interactive",
+        "--backend",
+        "cpu",
+        "--num-processes",
+        "2",
+        "--strategy",
+        "zero3",
+        "--mixed-precision",
+        "bf16",
+        "--config_file",
+        str(target),
+        "--dry-run",
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "out").exists()
     assert f"--- {target}\n" in proc.stdout
@@ -150,23 +244,30 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if ".bak" in p.name) == ["accelerate.yaml.bak"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--backend", "cpu", "--mixed-precision", "fp16"], "--mixed-precision fp16 on cpu"),
-    (["--backend", "cpu", "--num-processes", "1", "--strategy", "zero3"],
-     "--strategy zero3 needs at least 2 processes in total (got 1)"),
-    (["--backend", "npu", "--num-processes", "1", "--strategy", "zero2"], "needs at least 2 processes"),
-    (["--backend", "cpu", "--strategy", "zero2", "--offload", "optimizer"], "on the cpu backend"),
-    (["--backend", "npu", "--strategy", "zero2", "--offload", "all"], "needs --strategy zero3"),
-    (["--backend", "npu", "--strategy", "ddp", "--offload", "optimizer"], "needs --strategy zero2 or zero3"),
-    (["--backend", "npu", "--num-machines", "2"], "--main-process-ip is required"),
-    (["--backend", "npu", "--num-machines", "2", "--main-process-ip", "10.0.0.1", "--machine-rank", "2"],
-     "--machine-rank 2 must be between 0 and 1"),
-    (["--backend", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be 'auto' or a whole number"),
-    (["--backend", "cpu", "--truncate", "QwenImage:two"], "not a comma-separated list of Class:layers pairs"),
-    (["--backend", "cpu", "--strategy", "ddp", "--frozen-modules", "vae"], "only applies to ZeRO"),
-    (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
-    (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "cpu", "--mixed-precision", "fp16"], "--mixed-precision fp16 on cpu"),
+        (
+            ["--backend", "cpu", "--num-processes", "1", "--strategy", "zero3"],
+            "--strategy zero3 needs at least 2 processes in total (got 1)",
+        ),
+        (["--backend", "npu", "--num-processes", "1", "--strategy", "zero2"], "needs at least 2 processes"),
+        (["--backend", "cpu", "--strategy", "zero2", "--offload", "optimizer"], "on the cpu backend"),
+        (["--backend", "npu", "--strategy", "zero2", "--offload", "all"], "needs --strategy zero3"),
+        (["--backend", "npu", "--strategy", "ddp", "--offload", "optimizer"], "needs --strategy zero2 or zero3"),
+        (["--backend", "npu", "--num-machines", "2"], "--main-process-ip is required"),
+        (
+            ["--backend", "npu", "--num-machines", "2", "--main-process-ip", "10.0.0.1", "--machine-rank", "2"],
+            "--machine-rank 2 must be between 0 and 1",
+        ),
+        (["--backend", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be 'auto' or a whole number"),
+        (["--backend", "cpu", "--truncate", "QwenImage:two"], "not a comma-separated list of Class:layers pairs"),
+        (["--backend", "cpu", "--strategy", "ddp", "--frozen-modules", "vae"], "only applies to ZeRO"),
+        (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
+        (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
+    ],
+)
 def test_invalid_combination_is_one_clear_error_and_nothing_written(tmp_path, args, message):
     target = tmp_path / "out" / "accelerate.yaml"
     proc = config("--non-interactive", *args, "--config_file", str(target))
@@ -187,8 +288,11 @@ def test_more_processes_than_visible_devices_is_refused():
     assert s.processes_per_machine == 8 and s.mixed_precision == "bf16"
     assert wizard.problems(s, machine) == []
     s.processes_per_machine = 16
-    with pytest.raises(wizard.ConfigError, match=r"--num-processes 16 but only 8 NPU\(s\) are visible .*"
-                                                 r"--num-processes 8 or fewer.*assigned to same device"):
+    with pytest.raises(
+        wizard.ConfigError,
+        match=r"--num-processes 16 but only 8 NPU\(s\) are visible .*"
+        r"--num-processes 8 or fewer.*assigned to same device",
+    ):
         wizard.validate(s, machine)
     # preparing an NPU config on a machine without NPUs: nothing to check against
     assert wizard.problems(s, wizard.Machine(backend="cpu", device_count=0)) == []
@@ -196,8 +300,7 @@ def test_more_processes_than_visible_devices_is_refused():
 
 def test_from_template_starts_from_its_tuned_values(tmp_path):
     target = tmp_path / "mine.yaml"
-    proc = config("--non-interactive", "--from", "npu_zero3", "--mixed-precision", "fp16",
-                  "--config_file", str(target))
+    proc = config("--non-interactive", "--from", "npu_zero3", "--mixed-precision", "fp16", "--config_file", str(target))
     assert proc.returncode == 0, proc.stderr
     ds = json.loads((tmp_path / "mine.deepspeed.json").read_text())
     shipped = json.loads((REPO / "launch_configs" / "npu_zero3.deepspeed.json").read_text())
@@ -212,8 +315,9 @@ def test_from_template_starts_from_its_tuned_values(tmp_path):
     # short names pick the template of the backend: zero3 on cpu -> cpu_zero3
     proc = config("--non-interactive", "--backend", "cpu", "--from", "zero3", "--config_file", str(tmp_path / "c.yaml"))
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "c.deepspeed.json").read_text()) == \
-        json.loads((REPO / "launch_configs" / "cpu_zero3.deepspeed.json").read_text())
+    assert json.loads((tmp_path / "c.deepspeed.json").read_text()) == json.loads(
+        (REPO / "launch_configs" / "cpu_zero3.deepspeed.json").read_text()
+    )
 
     proc = config("--non-interactive", "--from", "zero9", "--config_file", str(tmp_path / "x.yaml"))
     assert proc.returncode == 1 and "--from 'zero9': no such template" in proc.stderr
@@ -230,30 +334,38 @@ def test_multinode_npu_writes_hccl_settings_for_the_job(tmp_path):
     """npu across machines: HCCL_SOCKET_IFNAME in the sidecar (given, or the letters of this machine's
     interface towards the main machine), refused when it matches no interface here; HCCL_CONNECT_TIMEOUT
     written for the job's size (a sidecar value wins over the launcher's default, so it must be)."""
-    from accel_npu._torch.nodes import route_interface, usable_interfaces, interface_names
+    from accel_npu._torch.nodes import interface_names, route_interface, usable_interfaces
 
     def sidecar(name):
         return yaml.safe_load((tmp_path / f"{name}.accel-npu.yaml").read_text())["env"]
 
     common = ["--non-interactive", "--backend", "npu", "--num-processes", "8", "--main-process-ip", "127.0.0.1"]
-    given = config(*common, "--num-machines", "2", "--hccl-socket-ifname", "lo",
-                   "--config_file", str(tmp_path / "given.yaml"))
+    given = config(
+        *common, "--num-machines", "2", "--hccl-socket-ifname", "lo", "--config_file", str(tmp_path / "given.yaml")
+    )
     assert given.returncode == 0, given.stderr
     assert sidecar("given")["HCCL_SOCKET_IFNAME"] == "lo" and sidecar("given")["HCCL_CONNECT_TIMEOUT"] == "1200"
 
     derived = config(*common, "--num-machines", "2", "--config_file", str(tmp_path / "derived.yaml"))
     assert derived.returncode == 0, derived.stderr
     value = sidecar("derived")["HCCL_SOCKET_IFNAME"]
-    assert value == "lo" == route_interface("127.0.0.1")    # the interface towards the main machine, as a prefix
+    assert value == "lo" == route_interface("127.0.0.1")  # the interface towards the main machine, as a prefix
     assert usable_interfaces(value, interface_names()) == [n for n in interface_names() if n.startswith("lo")]
 
     huge = config(*common, "--num-machines", "2000", "--config_file", str(tmp_path / "huge.yaml"))
     assert huge.returncode == 0, huge.stderr
-    assert sidecar("huge")["HCCL_CONNECT_TIMEOUT"] == "2580"   # 16000 ranks: the HCCL test guide's line
+    assert sidecar("huge")["HCCL_CONNECT_TIMEOUT"] == "2580"  # 16000 ranks: the HCCL test guide's line
 
-    bad = config(*common, "--num-machines", "2", "--hccl-socket-ifname", "=enp61s0f0",
-                 "--config_file", str(tmp_path / "bad.yaml"))
+    bad = config(
+        *common,
+        "--num-machines",
+        "2",
+        "--hccl-socket-ifname",
+        "=enp61s0f0",
+        "--config_file",
+        str(tmp_path / "bad.yaml"),
+    )
     assert bad.returncode != 0 and not (tmp_path / "bad.yaml").exists()
     assert "--hccl-socket-ifname =enp61s0f0 matches no interface of this machine (it has: lo" in bad.stderr, bad.stderr
     single = config(*common, "--hccl-socket-ifname", "lo", "--config_file", str(tmp_path / "single.yaml"))
-    assert single.returncode == 0 and "HCCL_SOCKET_IFNAME" not in sidecar("single")   # one machine: not written
+    assert single.returncode == 0 and "HCCL_SOCKET_IFNAME" not in sidecar("single")  # one machine: not written

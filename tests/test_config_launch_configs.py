@@ -1,6 +1,7 @@
 """launch_configs/: up to date with the generator, shipped as package data, NPU variants accepted
 by accelerate's and DeepSpeed's own parsers, every CPU variant trains on 2 CPU ranks — from the
 repository root and from any other directory (deepspeed_config_file resolved next to the YAML)."""
+
 from __future__ import annotations
 
 import importlib.resources
@@ -28,11 +29,12 @@ def test_shipped_files_are_generated_by_the_wizard_code(tmp_path):
     shipped = {p.name: p.read_text() for p in CONFIGS.iterdir() if p.suffix in (".yaml", ".json")}
     assert sorted(shipped) == sorted(expected)
     stale = [name for name in expected if shipped[name] != expected[name]]
-    assert not stale, (f"launch_configs/ is out of date: {stale}; regenerate with python -c "
-                       "\"from accel_npu.cli.config.settings import write_templates; write_templates('launch_configs')\"")
+    assert not stale, (
+        f"launch_configs/ is out of date: {stale}; regenerate with python -c "
+        "\"from accel_npu.cli.config.settings import write_templates; write_templates('launch_configs')\""
+    )
     names = {p.stem for p in accelerate_yamls("")}
-    assert names == {"npu_zero2", "npu_zero3", "npu_multinode_zero3", "cpu_zero2", "cpu_zero3",
-                     "cpu_multinode_zero3"}
+    assert names == {"npu_zero2", "npu_zero3", "npu_multinode_zero3", "cpu_zero2", "cpu_zero3", "cpu_multinode_zero3"}
 
 
 def test_templates_are_package_data_of_accel_npu_launch_configs():
@@ -52,8 +54,23 @@ def test_a_built_wheel_ships_every_template(tmp_path):
 
     src = tmp_path / "src"
     source_tree(src)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("accel_npu-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -66,12 +83,20 @@ def test_a_built_wheel_ships_every_template(tmp_path):
 def test_every_variant_passes_accelerates_and_deepspeeds_own_parsers():
     """Stock accelerate (accel-npu off) run from launch_configs/ so it finds the relative JSON."""
     yamls = [p.name for p in accelerate_yamls("")]
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "config_checks.py"), *yamls],
-                          env=base_env(ACCEL_NPU_DISABLE="1"), cwd=CONFIGS, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "config_checks.py"), *yamls],
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        cwd=CONFIGS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = {json.loads(line.split("CHECKED ", 1)[1])["file"].removesuffix(".yaml"): json.loads(line.split("CHECKED ", 1)[1])
-           for line in proc.stdout.splitlines() if line.startswith("CHECKED ")}
+    got = {
+        json.loads(line.split("CHECKED ", 1)[1])["file"].removesuffix(".yaml"): json.loads(line.split("CHECKED ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("CHECKED ")
+    }
     assert sorted(got) == sorted(p.removesuffix(".yaml") for p in yamls)
     for name, r in got.items():
         assert r["distributed_type"] == "DEEPSPEED" and r["bf16"] and not r["fp16"], r
@@ -100,8 +125,9 @@ def _trained(proc, n=2):
 
 @pytest.mark.slow
 def test_cpu_zero2_trains_from_the_repository_root():
-    proc = accelerate_launch(["--config_file", "launch_configs/cpu_zero2.yaml",
-                              str(SCRIPTS / "train_tiny.py"), "--steps", "2"], cwd=REPO)
+    proc = accelerate_launch(
+        ["--config_file", "launch_configs/cpu_zero2.yaml", str(SCRIPTS / "train_tiny.py"), "--steps", "2"], cwd=REPO
+    )
     _trained(proc)
 
 
@@ -127,24 +153,46 @@ def test_cpu_multinode_twin_trains_as_two_machines_on_one(tmp_path):
     port = str(free_port())
     common = ["--config_file", str(CONFIGS / "cpu_multinode_zero3.yaml"), "--main_process_port", port]
     script = [str(SCRIPTS / "train_tiny.py"), "--steps", "2"]
-    torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", "0", "--nproc_per_node", "1",
-                "--master_addr", "127.0.0.1", "--master_port", port, *script]
+    torchrun = [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "0",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        port,
+        *script,
+    ]
     held = socket.socket()
     held.bind(("", int(port)))
     held.listen()
     try:
-        refused, stock = (subprocess.run(torchrun, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-                          for env in (base_env(), base_env(ACCEL_NPU_DISABLE="1")))
+        refused, stock = (
+            subprocess.run(torchrun, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            for env in (base_env(), base_env(ACCEL_NPU_DISABLE="1"))
+        )
     finally:
         held.close()
     out = refused.stdout + refused.stderr
     assert refused.returncode != 0 and not results(refused) and "Traceback" not in out, explain(refused)
-    assert (f"this is machine rank 0, which hosts the rendezvous on port {port} (--main_process_port, torchrun "
-            "--master_port), and that port is already in use on this machine") in out, explain(refused)
+    assert (
+        f"this is machine rank 0, which hosts the rendezvous on port {port} (--main_process_port, torchrun "
+        "--master_port), and that port is already in use on this machine"
+    ) in out, explain(refused)
     assert stock.returncode != 0 and not results(stock) and "Traceback" in stock.stderr, explain(stock)
     assert "EADDRINUSE" in stock.stderr and "--master_port" not in stock.stdout + stock.stderr, explain(stock)
-    other = subprocess.Popen([str(BIN / "accelerate"), "launch", *common, "--machine_rank", "1", *script],
-                             env=base_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    other = subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", *common, "--machine_rank", "1", *script],
+        env=base_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         main = accelerate_launch([*common, "--machine_rank", "0", *script], cwd=tmp_path)
         out, err = other.communicate(timeout=300)

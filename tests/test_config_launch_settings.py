@@ -1,6 +1,7 @@
 """plugins/launch/settings.py in the launcher process: which config is launched, how its sidecar
 is applied (the shell wins), broken sidecars, and deepspeed_config_file resolution rules —
 with accelerate's real `accelerate launch` argument parser."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ def parse(*argv: str):
 def test_sidecar_sets_only_what_the_shell_does_not(tmp_path, capsys):
     cfg = tmp_path / "a.yaml"
     cfg.write_text("distributed_type: NO\n")
-    (tmp_path / "a.accel-npu.yaml").write_text("backend: cpu\nenv:\n  TASK_QUEUE_ENABLE: 2\n  X_FLAG: true\n"
-                                               "  ACCEL_NPU_LOAD_SLOTS: '1'\n")
+    (tmp_path / "a.accel-npu.yaml").write_text(
+        "backend: cpu\nenv:\n  TASK_QUEUE_ENABLE: 2\n  X_FLAG: true\n  ACCEL_NPU_LOAD_SLOTS: '1'\n"
+    )
     environ = {"ACCEL_NPU_LOAD_SLOTS": "4"}
     applied, kept = launch_settings.apply_sidecar(str(cfg), environ)
     assert applied == {"TASK_QUEUE_ENABLE": "2", "X_FLAG": "true"} and kept == {"ACCEL_NPU_LOAD_SLOTS": "4"}
@@ -29,11 +31,14 @@ def test_sidecar_sets_only_what_the_shell_does_not(tmp_path, capsys):
     assert launch_settings.apply_sidecar(str(tmp_path / "other.yaml"), environ) == ({}, {})
 
 
-@pytest.mark.parametrize("text, message", [
-    ("env: [1, 2\n", "cannot read the launch settings"),
-    ("- a\n- b\n", "must be a mapping with an 'env:' mapping"),
-    ("env:\n  'A=B': 1\n", "'A=B' is not an environment variable name"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("env: [1, 2\n", "cannot read the launch settings"),
+        ("- a\n- b\n", "must be a mapping with an 'env:' mapping"),
+        ("env:\n  'A=B': 1\n", "'A=B' is not an environment variable name"),
+    ],
+)
 def test_broken_sidecar_is_one_error_naming_the_file(tmp_path, text, message):
     cfg = tmp_path / "a.yaml"
     (tmp_path / "a.accel-npu.yaml").write_text(text)
@@ -59,13 +64,16 @@ def test_relative_deepspeed_file_is_resolved_next_to_the_yaml_unless_given_on_th
     cfg_dir.mkdir()
     (cfg_dir / "ds.json").write_text("{}")
     cfg = cfg_dir / "a.yaml"
-    cfg.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    cfg.write_text(
+        "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n"
+    )
     args = parse("--config_file", str(cfg))
     assert launch_settings.resolve_deepspeed_config_file(str(cfg), args) == str(cfg_dir / "ds.json")
     assert args.deepspeed_config_file == str(cfg_dir / "ds.json") and "deepspeed_config_file" in args.nondefault
     # accelerate's own merge of the config does not put the relative value back
-    from accel_npu.patching import original_of
     from accelerate.commands import launch
+
+    from accel_npu.patching import original_of
 
     validate = original_of("accelerate.commands.launch:_validate_launch_command") or launch._validate_launch_command
     validated, _defaults, _mp = validate(args)

@@ -1,5 +1,6 @@
 """The `accel-npu config` wizard in a real pseudo-terminal: answers typed, files written, and the
 unchanged `accelerate launch` trains tests/scripts/train_tiny.py with them on 2 CPU ranks."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,16 @@ def _terminal_signals() -> None:
 
 
 def spawn(args: list[str], env: dict[str, str], cwd: Path) -> pexpect.spawn:
-    child = pexpect.spawn(str(BIN / "accel-npu"), ["config", *args], env=env, cwd=str(cwd),
-                          encoding="utf-8", timeout=120, dimensions=(40, 200), preexec_fn=_terminal_signals)
+    child = pexpect.spawn(
+        str(BIN / "accel-npu"),
+        ["config", *args],
+        env=env,
+        cwd=str(cwd),
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(40, 200),
+        preexec_fn=_terminal_signals,
+    )
     child.logfile_read = sys.stdout  # shown by pytest on failure
     return child
 
@@ -77,8 +86,9 @@ def test_wizard_zero2_then_accelerate_launch_trains_on_two_cpu_ranks(tmp_path):
     # The files are proven by running them: unchanged accelerate launch, unchanged script.
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    proc = accelerate_launch(["--config_file", str(target), str(SCRIPTS / "train_tiny.py"), "--steps", "3"],
-                             env=base_env(), cwd=run_dir)
+    proc = accelerate_launch(
+        ["--config_file", str(target), str(SCRIPTS / "train_tiny.py"), "--steps", "3"], env=base_env(), cwd=run_dir
+    )
     assert proc.returncode == 0, explain(proc)
     res = results(proc)
     assert [r["rank"] for r in res] == [0, 1], explain(proc)
@@ -87,9 +97,11 @@ def test_wizard_zero2_then_accelerate_launch_trains_on_two_cpu_ranks(tmp_path):
     assert "launch settings from" in proc.stderr and "ACCEL_NPU_LOAD_SLOTS=1" in proc.stderr
 
     # The sidecar reaches every training process; a value set in the shell wins over it.
-    proc = accelerate_launch(["--config_file", str(target), "--no_python", "printenv",
-                              "ACCEL_NPU_LOAD_SLOTS", "ACCEL_NPU_TRUNCATE"],
-                             env=base_env(ACCEL_NPU_LOAD_SLOTS="3"), cwd=run_dir)
+    proc = accelerate_launch(
+        ["--config_file", str(target), "--no_python", "printenv", "ACCEL_NPU_LOAD_SLOTS", "ACCEL_NPU_TRUNCATE"],
+        env=base_env(ACCEL_NPU_LOAD_SLOTS="3"),
+        cwd=run_dir,
+    )
     assert proc.returncode == 0, explain(proc)
     assert sorted(printed(proc)) == ["3", "3", "TinyNet:1", "TinyNet:1"], explain(proc)
     assert "ACCEL_NPU_TRUNCATE=TinyNet:1; kept from your environment: ACCEL_NPU_LOAD_SLOTS=3" in proc.stderr
@@ -133,9 +145,30 @@ def test_wizard_asks_before_replacing_a_file_and_keeps_a_backup(tmp_path):
     target = tmp_path / "accelerate.yaml"
     mine = "# hand-written\ndistributed_type: NO\n"
     target.write_text(mine)
-    flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "2", "--strategy", "zero2", "--mixed-precision", "bf16",
-             "--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto",
-             "--load-slots", "auto", "--truncate", "none", "--config_file", str(target)]
+    flags = [
+        "--backend",
+        "cpu",
+        "--num-machines",
+        "1",
+        "--num-processes",
+        "2",
+        "--strategy",
+        "zero2",
+        "--mixed-precision",
+        "bf16",
+        "--micro-batch-size",
+        "auto",
+        "--gradient-accumulation-steps",
+        "auto",
+        "--frozen-modules",
+        "auto",
+        "--load-slots",
+        "auto",
+        "--truncate",
+        "none",
+        "--config_file",
+        str(target),
+    ]
     child = spawn(flags, base_env(), tmp_path)  # every question answered by a flag: only the overwrite one
     child.expect(r"These files exist:\r\n  " + str(target).replace(".", r"\."))
     answer(child, r"Replace them \(each is first copied to <file>\.bak\)\? \[no", "")
@@ -185,8 +218,7 @@ def test_the_session_in_docs_config_md_is_what_the_wizard_prints(tmp_path):
         child.close()
     assert child.exitstatus == 0
     shown = "".join(seen).replace("\r\n", "\n").replace(str(tmp_path / "hf"), "/tmp/demo/hf")
-    assert [line.rstrip() for line in shown.strip("\n").splitlines()] == \
-        [line.rstrip() for line in block.splitlines()]
+    assert [line.rstrip() for line in shown.strip("\n").splitlines()] == [line.rstrip() for line in block.splitlines()]
 
 
 def test_wizard_multinode_npu_branches(tmp_path):
@@ -205,12 +237,19 @@ def test_wizard_multinode_npu_branches(tmp_path):
     # the default: the letters of this machine's interface towards 10.0.0.7 (a prefix, CANN's syntax)
     from accel_npu.cli.config.settings import suggested_socket_ifname
 
-    answer(child, r"HCCL_SOCKET_IFNAME \(host interface.*\[" + re.escape(suggested_socket_ifname("10.0.0.7") or "none"),
-           "=nosuch0")
+    answer(
+        child,
+        r"HCCL_SOCKET_IFNAME \(host interface.*\[" + re.escape(suggested_socket_ifname("10.0.0.7") or "none"),
+        "=nosuch0",
+    )
     child.expect(r"! --hccl-socket-ifname =nosuch0 matches no interface of this machine \(it has: lo")
     answer(child, r"HCCL_SOCKET_IFNAME \(host interface", "lo")
-    answer(child, r"How many training processes on each machine\? \(one per device; no NPU here to check "
-                  r"against\) \[8", "")
+    answer(
+        child,
+        r"How many training processes on each machine\? \(one per device; no NPU here to check "
+        r"against\) \[8",
+        "",
+    )
     answer(child, r"share the training state\?.*Your choice \[2", "")
     answer(child, r"Offload to host \(CPU\) memory\?.*2\) optimizer.*Your choice \[1", "optimizer")
     answer(child, r"Mixed precision\?.*1\) bf16.*2\) fp16.*3\) no.*Your choice \[1", "")
@@ -239,6 +278,12 @@ def test_wizard_multinode_npu_branches(tmp_path):
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ds["zero_force_ds_cpu_optimizer"] is False
     side = yaml.safe_load((tmp_path / "multi.accel-npu.yaml").read_text())
-    assert side["env"] == {"TASK_QUEUE_ENABLE": "1", "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-                           "CPU_AFFINITY_CONF": "2", "HCCL_CONNECT_TIMEOUT": "1200", "HCCL_EXEC_TIMEOUT": "3600",
-                           "HCCL_SOCKET_IFNAME": "lo", "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder"}
+    assert side["env"] == {
+        "TASK_QUEUE_ENABLE": "1",
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+        "CPU_AFFINITY_CONF": "2",
+        "HCCL_CONNECT_TIMEOUT": "1200",
+        "HCCL_EXEC_TIMEOUT": "3600",
+        "HCCL_SOCKET_IFNAME": "lo",
+        "ACCEL_NPU_FROZEN_MODULES": "vae,text_encoder",
+    }

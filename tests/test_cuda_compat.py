@@ -8,6 +8,7 @@ max_memory_allocated, empty_cache, rank-0 torch.save), under `accelerate launch 
 In-process: each entry against stock (``stock()`` puts every original back), pass-through where
 CUDA is available, and libraries still told the truth.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,13 +33,20 @@ def launches(tmp_path_factory):
     args = ["--num_processes", "2", str(SCRIPTS / "dit_ddp_cuda_train.py"), "--steps", str(STEPS)]
     twin = ["--num_processes", "2", str(SCRIPTS / "dit_accelerate_fp16_train.py"), "--steps", str(STEPS)]
     stock = base_env(ACCEL_NPU_DISABLE="1")
-    torchrun_args = [str(SCRIPTS / "dit_ddp_cuda_train.py"), "--steps", str(STEPS), "--results-dir", str(out / "torchrun")]
+    torchrun_args = [
+        str(SCRIPTS / "dit_ddp_cuda_train.py"),
+        "--steps",
+        str(STEPS),
+        "--results-dir",
+        str(out / "torchrun"),
+    ]
     ours, theirs, twin_ours, twin_stock, by_torchrun = run_concurrently(
         lambda: accelerate_launch([*args, "--results-dir", str(out / "ours")]),
         lambda: accelerate_launch([*args, "--results-dir", str(out / "stock")], env=stock),
         lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_ours")], cwd=SCRIPTS),
         lambda: accelerate_launch([*twin, "--results-dir", str(out / "twin_stock")], env=stock, cwd=SCRIPTS),
-        lambda: torchrun_launch(torchrun_args))
+        lambda: torchrun_launch(torchrun_args),
+    )
     return out, ours, theirs, twin_ours, twin_stock, by_torchrun
 
 
@@ -50,12 +58,12 @@ def test_cuda_written_ddp_script_trains_unchanged_on_two_cpu_ranks(launches):
     assert [r["rank"] for r in recs] == [0, 1], explain(proc)
     for r in recs:
         assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
-        assert r["autocast_dtype"] == "torch.float16"                 # fp16 really ran
-        assert r["scaler_enabled"] is True and r["scale"] > 1.0        # with loss scaling
+        assert r["autocast_dtype"] == "torch.float16"  # fp16 really ran
+        assert r["scaler_enabled"] is True and r["scale"] > 1.0  # with loss scaling
         losses = r["losses"]
         assert len(losses) == STEPS and all(map(lambda v: v == v and abs(v) < 1e3, losses))
         assert statistics.mean(losses[-10:]) < statistics.mean(losses[:10]), losses
-        assert all(ms > 0 for ms in r["step_ms"])                      # Event timing measured something
+        assert all(ms > 0 for ms in r["step_ms"])  # Event timing measured something
         assert r["peak_memory"] > 0
     # the ranks trained on different shards of the data (two real ranks, not two copies of rank 0)
     assert recs[0]["losses"] != recs[1]["losses"]
@@ -103,8 +111,9 @@ def test_accelerator_twin_with_mixed_precision_fp16_scales_its_loss_on_two_cpu_r
     saved = torch.load(out / "twin_ours" / "scaler.pt", weights_only=False)  # accelerate's save_state writes it
     assert saved["scale"] > 1.0
     assert stock.returncode == 0, explain(stock)
-    assert all(r["world_size"] == 1 and r["autocast_dtype"] == "torch.float32" and r["scaler"] is None
-               for r in results(stock)), explain(stock)
+    assert all(
+        r["world_size"] == 1 and r["autocast_dtype"] == "torch.float32" and r["scaler"] is None for r in results(stock)
+    ), explain(stock)
 
 
 # -- in-process ------------------------------------------------------------------------------------
@@ -139,8 +148,16 @@ def test_each_entry_answers_for_cpu_and_stock_fails(active):
     torch.cuda.empty_cache()
     x = torch.zeros(3, device="cuda")
     m = torch.nn.Linear(2, 2).to(1).cuda()
-    for t in (x, x.cuda(), x.to("cuda:1"), x.to(0), x.to(torch.device("cuda", 1)), torch.randn(2, device=0),
-              torch.ones_like(x, device="cuda"), next(m.parameters())):
+    for t in (
+        x,
+        x.cuda(),
+        x.to("cuda:1"),
+        x.to(0),
+        x.to(torch.device("cuda", 1)),
+        torch.randn(2, device=0),
+        torch.ones_like(x, device="cuda"),
+        next(m.parameters()),
+    ):
         assert t.device.type == "cpu"
     assert x.to(torch.float16).dtype == torch.float16 and x.to(x).device.type == "cpu"  # other .to() forms untouched
     import torch.distributed as dist
@@ -149,9 +166,14 @@ def test_each_entry_answers_for_cpu_and_stock_fails(active):
     with stock():
         assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0
         assert dist.Backend("nccl") == "nccl"
-        for call in (lambda: torch.cuda.set_device(0), lambda: torch.cuda.Event(enable_timing=True),
-                     lambda: torch.zeros(3, device="cuda"), lambda: x.cuda(), lambda: x.to("cuda"),
-                     lambda: torch.cuda.synchronize()):
+        for call in (
+            lambda: torch.cuda.set_device(0),
+            lambda: torch.cuda.Event(enable_timing=True),
+            lambda: torch.zeros(3, device="cuda"),
+            lambda: x.cuda(),
+            lambda: x.to("cuda"),
+            lambda: torch.cuda.synchronize(),
+        ):
             with pytest.raises((RuntimeError, AssertionError, AttributeError)):
                 call()
 
@@ -159,8 +181,8 @@ def test_each_entry_answers_for_cpu_and_stock_fails(active):
 def test_libraries_get_the_truth(active):
     from transformers.utils import is_torch_cuda_available
 
-    assert torch.cuda.is_available() is True          # the user's code
-    assert is_torch_cuda_available() is False          # transformers (site-packages): no CUDA kernels
+    assert torch.cuda.is_available() is True  # the user's code
+    assert is_torch_cuda_available() is False  # transformers (site-packages): no CUDA kernels
     assert torch.amp.autocast_mode.is_autocast_available("cuda") in (True, False)  # torch itself still works
 
 
@@ -187,7 +209,7 @@ def test_every_entry_is_a_declared_patch_and_reversible(active):
 def test_passes_through_where_cuda_is_available(active, monkeypatch):
     monkeypatch.setattr(facade, "cuda_available", lambda: True)
     facade.reset()
-    assert torch.cuda.is_available() is False           # torch's own answer, untouched
+    assert torch.cuda.is_available() is False  # torch's own answer, untouched
     assert torch.cuda.device_count() == 0
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")

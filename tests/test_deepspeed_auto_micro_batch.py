@@ -1,4 +1,4 @@
-""""train_micro_batch_size_per_gpu": "auto" when accelerator.prepare() is given no DataLoader.
+""" "train_micro_batch_size_per_gpu": "auto" when accelerator.prepare() is given no DataLoader.
 
 diffusers v0.40.0's consistency_distillation/train_lcm_distill_*_wds.py batch inside a webdataset
 pipeline (``wds.WebLoader(..., batch_size=None)``) and call ``accelerator.prepare(unet, optimizer,
@@ -11,11 +11,11 @@ Witnesses: DeepSpeed's own ``train_micro_batch_size_per_gpu()`` / ``train_batch_
 timer and ``global_samples`` counter, and the ``ds_config`` DeepSpeed writes into the checkpoint
 ``save_state`` makes (the model-states file, opened here).
 """
+
 from __future__ import annotations
 
 import pytest
 
-import accel_npu
 from tests.inprocess import stock
 
 KEY = "train_micro_batch_size_per_gpu"
@@ -31,8 +31,13 @@ def accelerator_factory(monkeypatch):
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin
 
-        config = {"zero_optimization": {"stage": stage}, "train_batch_size": "auto", KEY: "auto",
-                  "gradient_accumulation_steps": "auto", **extra}
+        config = {
+            "zero_optimization": {"stage": stage},
+            "train_batch_size": "auto",
+            KEY: "auto",
+            "gradient_accumulation_steps": "auto",
+            **extra,
+        }
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
         made.append(plugin)
         return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2)

@@ -16,6 +16,7 @@ steps (and gradient edits) taken without DeepSpeed, read from DeepSpeed's own fp
 (``safe_get_full_fp32_param``); DeepSpeed's ``global_steps``; the checkpoint ``save_state`` writes (its model-states
 file opened); the parameters after ``load_state``; what save/load hooks receive.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,7 +24,6 @@ import itertools
 
 import pytest
 
-import accel_npu
 from tests.inprocess import stock
 
 NEW_TOKEN = 3  # the script's --modifier_token, whose embedding row alone trains
@@ -38,10 +38,16 @@ def accelerator_factory(monkeypatch):
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin
 
-        config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                        "reduce_bucket_size": "auto"},
-                  "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                  "gradient_accumulation_steps": 1}
+        config = {
+            "zero_optimization": {
+                "stage": stage,
+                "stage3_param_persistence_threshold": 0,
+                "reduce_bucket_size": "auto",
+            },
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 1,
+        }
         return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
 
     with accelerator_deepspeed_session(monkeypatch):
@@ -55,25 +61,36 @@ def _models():
     from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
-    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=40, hidden_size=8, intermediate_size=16,
-                                                num_hidden_layers=1, num_attention_heads=2,
-                                                max_position_embeddings=6, bos_token_id=0, eos_token_id=1,
-                                                pad_token_id=1))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=40,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=6,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
     # the script trains the token embeddings alone (train_custom_diffusion.py lines 877-883)
     text_module = text_encoder.text_model if hasattr(text_encoder, "text_model") else text_encoder
     text_module.encoder.requires_grad_(False)
     text_module.final_layer_norm.requires_grad_(False)
     text_module.embeddings.position_embedding.requires_grad_(False)
-    layers = AttnProcsLayers({"down.attn2.processor": torch.nn.Linear(8, 8),
-                              "up.attn2.processor": torch.nn.Linear(8, 8)})
+    layers = AttnProcsLayers(
+        {"down.attn2.processor": torch.nn.Linear(8, 8), "up.attn2.processor": torch.nn.Linear(8, 8)}
+    )
     return layers, text_encoder
 
 
 def _optimizer(layers, text_encoder):
     import torch
 
-    return torch.optim.SGD(itertools.chain(text_encoder.get_input_embeddings().parameters(), layers.parameters()),
-                           lr=0.5)
+    return torch.optim.SGD(
+        itertools.chain(text_encoder.get_input_embeddings().parameters(), layers.parameters()), lr=0.5
+    )
 
 
 def _loss(layers, text_encoder, ids):
@@ -99,8 +116,12 @@ def _master(models: dict) -> dict:
     """DeepSpeed's own fp32 master copy of every trainable parameter."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {f"{m}.{n}": safe_get_full_fp32_param(p).clone() for m, model in models.items()
-            for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        f"{m}.{n}": safe_get_full_fp32_param(p).clone()
+        for m, model in models.items()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -123,8 +144,7 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     saved_by_hooks, loaded_by_hooks = [], []
     accelerator.register_save_state_pre_hook(lambda models, weights, out: saved_by_hooks.append(list(models)))
     accelerator.register_load_state_pre_hook(lambda models, in_dir: loaded_by_hooks.append(list(models)))
-    p_layers, p_text, p_opt, p_loader, p_sched = accelerator.prepare(layers, text_encoder, optimizer, loader,
-                                                                     scheduler)
+    p_layers, p_text, p_opt, p_loader, p_sched = accelerator.prepare(layers, text_encoder, optimizer, loader, scheduler)
     # what the script reaches through each position: the model (unwrap_model, .module), a DeepSpeedEngine as stock
     # gives each model; one engine in accelerate's _models
     assert accelerator.unwrap_model(p_text) is text_encoder and p_text.module is text_encoder
@@ -169,8 +189,12 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
     assert engine.global_steps == 2
 
     after = _master({"layers": layers, "text_encoder": text_encoder})
-    expected = {f"{m}.{n}": p.detach() for m, model in {"layers": ref_layers, "text_encoder": ref_text}.items()
-                for n, p in model.named_parameters() if p.requires_grad}
+    expected = {
+        f"{m}.{n}": p.detach()
+        for m, model in {"layers": ref_layers, "text_encoder": ref_text}.items()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
     assert set(after) == set(expected) and any(k.startswith("text_encoder.") for k in after)
     for key, value in after.items():
         torch.testing.assert_close(value, expected[key], msg=key)
@@ -209,8 +233,9 @@ def test_two_optimizers_keep_accelerates_assertion_with_the_reason(accelerator_f
     accelerator = accelerator_factory(2)
     gen, disc = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
     with pytest.raises(AssertionError, match=STOCK + r".*2 models with 2 optimizers"):
-        accelerator.prepare(gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1),
-                            torch.optim.SGD(disc.parameters(), lr=0.1))
+        accelerator.prepare(
+            gen, disc, torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+        )
     layers, text_encoder = _models()
     only_layers = torch.optim.SGD(layers.parameters(), lr=0.1)
     with pytest.raises(AssertionError, match=STOCK + r".*trainable parameters of model 1 \(CLIPTextModel\) are not"):

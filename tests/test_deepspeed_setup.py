@@ -5,6 +5,7 @@ In-process tests build real accelerate DeepSpeedPlugin objects (no distributed s
 show stock beside ours with accel_npu.unpatch(). Launch tests run real `accelerate launch` /
 torchrun processes on 2 CPU ranks (stock = ACCEL_NPU_DISABLE=1).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,20 @@ import logging
 import pytest
 
 import accel_npu
-from tests.inprocess import stock
 from accel_npu.errors import ConfigError
 from accel_npu.plugins.deepspeed.precision_config import file_precision, resolve_precision
+from tests.inprocess import stock
 
-from .launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results, torchrun_launch, \
-    write_deepspeed_config, zero_config
+from .launch_utils import (
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    explain,
+    results,
+    torchrun_launch,
+    write_deepspeed_config,
+    zero_config,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,22 +49,26 @@ def _ds_file(tmp_path, name, bf16=None, fp16=None, stage=2):
 
 
 # -- item 3: the resolution rule -----------------------------------------------------------------------
-@pytest.mark.parametrize("acc,ds,effective", [
-    ("bf16", {"bf16": {"enabled": True}}, "bf16"),
-    ("no", {"bf16": {"enabled": True}}, "bf16"),          # field report's manual fix, now unnecessary
-    ("bf16", {"bf16": {"enabled": "auto"}}, "bf16"),      # file defers to accelerate
-    ("fp16", {}, "fp16"),
-    ("bf16", {"bf16": {"enabled": False}}, "no"),         # the file decides
-    ("fp8", {"bf16": {"enabled": True}}, "fp8"),
-])
+@pytest.mark.parametrize(
+    "acc,ds,effective",
+    [
+        ("bf16", {"bf16": {"enabled": True}}, "bf16"),
+        ("no", {"bf16": {"enabled": True}}, "bf16"),  # field report's manual fix, now unnecessary
+        ("bf16", {"bf16": {"enabled": "auto"}}, "bf16"),  # file defers to accelerate
+        ("fp16", {}, "fp16"),
+        ("bf16", {"bf16": {"enabled": False}}, "no"),  # the file decides
+        ("fp8", {"bf16": {"enabled": True}}, "fp8"),
+    ],
+)
 def test_deepspeed_file_decides_precision(acc, ds, effective):
     assert resolve_precision(acc, "accelerate config a.yaml", ds, "ds.json")[0] == effective
 
 
 def test_real_contradiction_is_one_error_naming_both():
     with pytest.raises(ConfigError) as err:
-        resolve_precision("fp16", "mixed_precision in accelerate config /x/acc.yaml", {"bf16": {"enabled": True}},
-                          "/x/ds.json")
+        resolve_precision(
+            "fp16", "mixed_precision in accelerate config /x/acc.yaml", {"bf16": {"enabled": True}}, "/x/ds.json"
+        )
     msg = str(err.value)
     assert "/x/acc.yaml" in msg and "'fp16'" in msg and "/x/ds.json" in msg and "'bf16'" in msg
     assert file_precision({"fp16": {"enabled": "true"}}) == "fp16"
@@ -115,8 +128,7 @@ def test_launch_deepspeed_file_wins_over_hard_coded_path(tmp_path, monkeypatch, 
         plugin = DeepSpeedPlugin(hf_ds_config=script_file)
     assert plugin.zero_stage == 3
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3
-    assert any("hf_default_zero2.json" in r.getMessage() and "npu_zero3.json" in r.getMessage()
-               for r in caplog.records)
+    assert any("hf_default_zero2.json" in r.getMessage() and "npu_zero3.json" in r.getMessage() for r in caplog.records)
 
 
 def test_without_launch_file_the_script_choice_stands(tmp_path, monkeypatch):
@@ -130,7 +142,9 @@ def test_without_launch_file_the_script_choice_stands(tmp_path, monkeypatch):
 # -- launches ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_contradiction_refused_in_launcher_before_workers(tmp_path):
-    yaml_path = write_deepspeed_config(tmp_path, zero_config(2, bf16=True), accelerate_extra={"mixed_precision": "fp16"})
+    yaml_path = write_deepspeed_config(
+        tmp_path, zero_config(2, bf16=True), accelerate_extra={"mixed_precision": "fp16"}
+    )
     proc = accelerate_launch(["--config_file", str(yaml_path), str(SCRIPTS / "cuda_style_train.py")])
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, explain(proc)
@@ -142,6 +156,7 @@ def test_contradiction_refused_in_launcher_before_workers(tmp_path):
 @pytest.mark.slow
 def test_zero3_inference_mode_eval_between_steps(tmp_path):
     """Pitfall 7.8 with plain DeepSpeed under torchrun, 2 CPU ranks."""
+
     def run(**extra):
         return torchrun_launch([str(SCRIPTS / "zero3_inference_eval.py")], env=base_env(DS_ACCELERATOR="cpu", **extra))
 

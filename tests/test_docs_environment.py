@@ -1,4 +1,5 @@
 """docs/environment.md lists exactly the variables accel-npu declares, with the same defaults."""
+
 import re
 
 from accel_npu import environment
@@ -24,7 +25,8 @@ def test_read_by_accel_npu_matches_environment_py():
     declared = {v.name: v.default for v in environment.VARIABLES}
     assert set(documented) == set(declared), (
         f"undocumented: {sorted(set(declared) - set(documented))}; "
-        f"documented but not declared: {sorted(set(documented) - set(declared))}")
+        f"documented but not declared: {sorted(set(documented) - set(declared))}"
+    )
     assert documented == declared
 
 

@@ -13,6 +13,7 @@ figure in prose must be in the file. A figure in a table cell or line that says 
 carries no figure. Every benchmark script has its results file, and every results file says which
 commit it ran on. Fast: reads files, runs no benchmark.
 """
+
 from __future__ import annotations
 
 import re
@@ -90,12 +91,16 @@ def tables(text: str):
     """(header, rows, line numbers) of every markdown table in ``text``; the other lines are prose."""
     lines, found, in_table = text.splitlines(), [], set()
     for i in range(len(lines) - 1):
-        if i in in_table or not lines[i].lstrip().startswith("|") or not re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1]):
+        if (
+            i in in_table
+            or not lines[i].lstrip().startswith("|")
+            or not re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1])
+        ):
             continue
         j = i + 2
         while j < len(lines) and lines[j].lstrip().startswith("|"):
             j += 1
-        found.append((_row(lines[i]), [_row(line) for line in lines[i + 2:j]]))
+        found.append((_row(lines[i]), [_row(line) for line in lines[i + 2 : j]]))
         in_table.update(range(i, j))
     prose = "\n".join(line for k, line in enumerate(lines) if k not in in_table)
     return found, prose
@@ -155,14 +160,15 @@ def misplaced(body: str, results_text: str) -> list[str]:
     for header, rows in doc_tables:
         for row in rows:
             for col, cell in enumerate(row):
-                bad += [raw for raw, norm in figures(cell)
-                        if not placed(norm, header, row, col, results_tables)]
+                bad += [raw for raw, norm in figures(cell) if not placed(norm, header, row, col, results_tables)]
     return bad
 
 
 def test_a_table_figure_must_be_in_the_same_row_and_column_of_the_results():
-    results = ("| case | N | node peak | load |\n|---|---|---|---|\n| (g) | 2 | 6,195 MB | 24.1 s |\n"
-               "| (g) | 3 | 8,338 MB | 32.1 s |\n| (h) | 2 | 5,005 MB | 20.8 s |\n")
+    results = (
+        "| case | N | node peak | load |\n|---|---|---|---|\n| (g) | 2 | 6,195 MB | 24.1 s |\n"
+        "| (g) | 3 | 8,338 MB | 32.1 s |\n| (h) | 2 | 5,005 MB | 20.8 s |\n"
+    )
     assert misplaced("| case | N = 2 | N = 3 |\n|---|---:|---:|\n| (g) stock | 6,195 MB | 8,338 MB |\n", results) == []
     # the right numbers in the wrong places: another row, another column, a swapped pivot
     assert misplaced("| case | node peak |\n|---|---|\n| (h) | 6,195 MB |\n", results) == ["6,195 MB"]
@@ -210,16 +216,18 @@ def test_no_benchmark_figure_outside_a_figures_block():
 
 def _matrix_rows(text: str) -> set[str]:
     """The run rows (✔ / ✘) of the official-scripts matrix table in ``text``."""
-    return {line.strip() for line in text.splitlines()
-            if line.startswith("| `") and re.search(r"\| (✔|✘) \|", line)}
+    return {line.strip() for line in text.splitlines() if line.startswith("| `") and re.search(r"\| (✔|✘) \|", line)}
 
 
 def test_compatibility_doc_quotes_every_matrix_row_as_run():
     """docs/compatibility.md quotes benchmarks/compatibility.py's rows verbatim, every one that was run,
     and counts the scripts not run as the results file lists them."""
     results = (REPO / "benchmarks" / "results" / "compatibility.md").read_text()
-    blocks = [body for doc, name, body in _BLOCKS
-              if doc.name == "compatibility.md" and name == "benchmarks/results/compatibility.md"]
+    blocks = [
+        body
+        for doc, name, body in _BLOCKS
+        if doc.name == "compatibility.md" and name == "benchmarks/results/compatibility.md"
+    ]
     assert len(blocks) == 1
     assert _matrix_rows(results) and _matrix_rows(blocks[0]) == _matrix_rows(results)
     not_run = sum(1 for line in results.splitlines() if line.startswith("| `") and "| not run:" in line)

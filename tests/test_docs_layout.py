@@ -1,6 +1,7 @@
 """The docs that describe the tree match it: README's layout line names every plugin package,
 docs/developing.md's map names every module and every hook, and docs/patches.md is the ledger's
 current table (``accel-npu env --patch-table``). Fast: reads files."""
+
 from __future__ import annotations
 
 import re
@@ -38,7 +39,7 @@ def test_developing_map_names_every_module_package_and_hook():
             names.update(part for part in path.relative_to(root).parent.parts)
     names -= {"__init__"}
     assert names - words == set(), "docs/developing.md's map ('Where code goes') does not name these"
-    hooks = {n[len("accel_npu_"):] for n in dir(hookspecs) if n.startswith("accel_npu_")}
+    hooks = {n[len("accel_npu_") :] for n in dir(hookspecs) if n.startswith("accel_npu_")}
     assert hooks - words == set(), "docs/developing.md's map does not name these hooks"
 
 

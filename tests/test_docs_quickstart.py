@@ -8,6 +8,7 @@ everyone else using the same environment; the dry run still checks that the line
 
 The README's first command is the same `accelerate launch` line without `--max_steps`.
 """
+
 import json
 import os
 import re
@@ -36,17 +37,24 @@ def scratch_root(tmp_path):
 
 def run_block(block: str, cwd, env) -> subprocess.CompletedProcess:
     block = re.sub(r"\bpip install\b", "pip install --dry-run --no-index --no-build-isolation", block)
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_quickstart_has_the_readme_command():
     blocks = shell_blocks()
     assert len(blocks) >= 6
-    assert any(b.startswith("accelerate launch --config_file launch_configs/cpu_zero3.yaml "
-                            "docs/examples/train_dit.py --max_steps ") for b in blocks)
-    assert "accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py" in \
-        (REPO / "README.md").read_text()
+    assert any(
+        b.startswith(
+            "accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py --max_steps "
+        )
+        for b in blocks
+    )
+    assert (
+        "accelerate launch --config_file launch_configs/cpu_zero3.yaml docs/examples/train_dit.py"
+        in (REPO / "README.md").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -56,8 +64,10 @@ def test_every_quickstart_block_runs(tmp_path):
     outputs = {}
     for block in shell_blocks():
         proc = run_block(block, root, env)
-        assert proc.returncode == 0, f"quickstart block failed:\n{block}\nexit {proc.returncode}\n" \
-                                     f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, (
+            f"quickstart block failed:\n{block}\nexit {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
+        )
         outputs[block.strip()] = proc.stdout + proc.stderr
 
     def output_of(fragment: str) -> str:
@@ -71,10 +81,14 @@ def test_every_quickstart_block_runs(tmp_path):
     assert "Building the tiny qwen-image models into outputs/tiny-models/qwen-image (first run)" in first
     # ZeRO-3 with zero3_init_flag: the DiT loads straight into partitions (the frozen VAE too; it is
     # rebuilt whole, fp32, when it is kept out of the engine at prepare: the "frozen towers" line)
-    assert "accel-npu: QwenImageTransformer2DModel loaded into ZeRO-3 partitions (zero3_init_flag, bfloat16) " \
-           "over 2 ranks: rank 0 read" in first
-    assert "qwen-image: 0.09M trainable + 0.47M frozen parameters, 2 process(es), DistributedType.DEEPSPEED, " \
-           "steps 0 -> 12" in first
+    assert (
+        "accel-npu: QwenImageTransformer2DModel loaded into ZeRO-3 partitions (zero3_init_flag, bfloat16) "
+        "over 2 ranks: rank 0 read" in first
+    )
+    assert (
+        "qwen-image: 0.09M trainable + 0.47M frozen parameters, 2 process(es), DistributedType.DEEPSPEED, "
+        "steps 0 -> 12" in first
+    )
     assert "frozen towers: vae float32, text_encoder float32" in first
     assert "accel-npu: torch.autocast('cuda', dtype=bfloat16) runs as torch.autocast('cpu', dtype=bfloat16)" in first
     assert "train: 100%|██████████| 12/12" in first  # the live progress bar

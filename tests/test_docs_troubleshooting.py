@@ -1,4 +1,5 @@
 """docs/troubleshooting.md quotes real `accel-npu env` output: every quoted line still appears."""
+
 import re
 import subprocess
 
@@ -8,8 +9,10 @@ from tests.launch_utils import BIN, REPO, base_env
 
 DOC = (REPO / "docs" / "troubleshooting.md").read_text()
 # Lines that legitimately differ between machines (interpreter, platform, library versions).
-MACHINE_SPECIFIC = re.compile(r"^  (python|platform|accel-npu|torch|torch_npu|accelerate|deepspeed|diffusers|"
-                              r"transformers|pluggy|wrapt|safetensors) {2,}")
+MACHINE_SPECIFIC = re.compile(
+    r"^  (python|platform|accel-npu|torch|torch_npu|accelerate|deepspeed|diffusers|"
+    r"transformers|pluggy|wrapt|safetensors) {2,}"
+)
 
 
 def first_text_block(after_heading: str) -> str:
@@ -19,8 +22,9 @@ def first_text_block(after_heading: str) -> str:
 @pytest.mark.slow
 def test_quoted_cpu_env_output_is_current():
     quoted = first_text_block("## Is accel-npu active?")
-    proc = subprocess.run([str(BIN / "accel-npu"), "env"], env=base_env(), capture_output=True, text=True,
-                          timeout=300, cwd="/")
+    proc = subprocess.run(
+        [str(BIN / "accel-npu"), "env"], env=base_env(), capture_output=True, text=True, timeout=300, cwd="/"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = proc.stdout.splitlines()
     checked = 0

@@ -1,4 +1,5 @@
 """`accel-npu env` prints exactly the plugins and patches the code declares, and which applied."""
+
 import json
 import subprocess
 
@@ -16,8 +17,14 @@ def _declared():
 
 
 def _run(*args, **env):
-    proc = subprocess.run([str(BIN / "accel-npu"), "env", *args], env=base_env(**env),
-                          capture_output=True, text=True, timeout=300, cwd="/")
+    proc = subprocess.run(
+        [str(BIN / "accel-npu"), "env", *args],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -34,7 +41,8 @@ def test_env_json_lists_exactly_declared_plugins_and_patches():
     facade = {p.target for p in _declared_patches() if p.scope is CUDA_FACADE}
     assert facade and [p for p in report["patches"] if p["status"] != "applied" and p["target"] not in facade] == []
     assert {p["status"] for p in report["patches"] if p["target"] in facade} == {
-        "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"}
+        "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"
+    }
     for environ in ({"ACCEL_NPU_CUDA_FACADE": "1"}, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}):
         opted_in = json.loads(_run("--json", **environ))
         assert [p for p in opted_in["patches"] if p["status"] != "applied"] == [], environ
@@ -69,5 +77,6 @@ def test_env_reports_a_target_that_fails_to_import_as_failed(tmp_path):
     report = json.loads(_run("--json", PYTHONPATH=str(tmp_path)))
     statuses = {p["target"]: p["status"] for p in report["patches"]}
     broken = {t: s for t, s in statuses.items() if t.startswith("decord.")}
-    assert broken and all(s.startswith("failed: cannot import decord.") and "decord is broken here" in s
-                          for s in broken.values()), broken
+    assert broken and all(
+        s.startswith("failed: cannot import decord.") and "decord is broken here" in s for s in broken.values()
+    ), broken

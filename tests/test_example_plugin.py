@@ -4,6 +4,7 @@ Installed with pip into a private target directory that the processes below get 
 (so other people's tests running in the same venv never see it); uninstalling is deleting it.
 Each check runs in a fresh process, as a user would: `accel-npu env`, then the repo's own code.
 """
+
 import json
 import subprocess
 import sys
@@ -21,23 +22,39 @@ STOCK_ERROR = "The size of tensor a (16) must match the size of tensor b (8) at 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     target = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(target), str(DIST)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(DIST),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (target / "accel_npu_dit4dit-0.1.0.dist-info" / "entry_points.txt").is_file()
     return target
 
 
 def run(site: Path, args: list[str], **env) -> subprocess.CompletedProcess:
-    return subprocess.run(args, env=base_env(PYTHONPATH=str(site), **env), capture_output=True, text=True,
-                          timeout=180, cwd="/")
+    return subprocess.run(
+        args, env=base_env(PYTHONPATH=str(site), **env), capture_output=True, text=True, timeout=180, cwd="/"
+    )
 
 
 def env_report(site: Path, **env) -> dict:
     proc = run(site, [str(BIN / "accel-npu"), "env", "--json"], **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # DeepSpeed's logger writes to stdout when it gets imported; the JSON document starts at "{".
-    return json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    return json.loads(proc.stdout[proc.stdout.index("{\n") :])
 
 
 @pytest.mark.slow

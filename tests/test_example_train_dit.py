@@ -4,6 +4,7 @@ what stock accelerate/DeepSpeed make of the README's first command.
 The README command itself (2 ranks, ZeRO-3, loss table, PNG, transformer/, resume) runs in
 tests/test_docs_quickstart.py, through the quickstart page.
 """
+
 import ast
 import re
 import subprocess
@@ -20,13 +21,21 @@ README_ARGS = ["--config_file", "launch_configs/cpu_zero3.yaml", "docs/examples/
 def test_script_is_a_plain_cuda_style_script():
     source = SCRIPT.read_text()
     tree = ast.parse(source)
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "accel_npu" not in imported and "torch_npu" not in imported
     code = "\n".join(l for l in source.splitlines() if not l.lstrip().startswith("#"))
     body = code.split('"""', 2)[-1]  # after the module docstring
-    for device_branch in (r"is_available\(", r"\bnpu\b", r"device_type\s*==", r"\.cuda\(", r"[\"']cpu[\"']", "ACCEL_NPU"):
+    for device_branch in (
+        r"is_available\(",
+        r"\bnpu\b",
+        r"device_type\s*==",
+        r"\.cuda\(",
+        r"[\"']cpu[\"']",
+        "ACCEL_NPU",
+    ):
         assert not re.search(device_branch, body), device_branch
     # ... and it is CUDA-written: the very lines the field report had to edit are there.
     assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in source
@@ -38,14 +47,30 @@ def run_script(args, tmp_path, **env):
     """Plain `python train.py`: no launcher, so the CUDA façade family is opted in, as docs/cuda-compat.md
     tells a user debugging a CUDA-written script without one."""
     env.setdefault("ACCEL_NPU_CUDA_FACADE", "1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=base_env(**env),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp_path,
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
 def test_cosmos_variant_single_process_then_model_path_and_resume(tmp_path):
-    common = ["--model_type", "cosmos", "--output_dir", "run", "--checkpointing_steps", "2", "--eval_steps", "2",
-              "--log_steps", "1"]
+    common = [
+        "--model_type",
+        "cosmos",
+        "--output_dir",
+        "run",
+        "--checkpointing_steps",
+        "2",
+        "--eval_steps",
+        "2",
+        "--log_steps",
+        "1",
+    ]
     first = run_script([*common, "--cache_dir", "cache", "--max_steps", "3"], tmp_path)
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-5000:]
@@ -72,8 +97,11 @@ def test_cosmos_variant_single_process_then_model_path_and_resume(tmp_path):
 @pytest.mark.slow
 def test_readme_command_stock_does_not_start(tmp_path):
     """Stock accelerate + DeepSpeed, the README command as written (shortened)."""
-    proc = accelerate_launch([*README_ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "stock")],
-                             env=base_env(ACCEL_NPU_DISABLE="1"), cwd=REPO)
+    proc = accelerate_launch(
+        [*README_ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "stock")],
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        cwd=REPO,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Expected a string path to an existing deepspeed config" in out and "cpu_zero3.deepspeed.json" in out
@@ -83,9 +111,19 @@ def test_readme_command_stock_does_not_start(tmp_path):
 @pytest.mark.slow
 def test_without_the_precision_plugin_autocast_cuda_is_off_and_the_first_step_fails(tmp_path):
     """Only the precision plugin blocked: torch disables autocast('cuda'); fp32 activations meet bf16 weights."""
-    proc = accelerate_launch([*README_ARGS, "--max_steps", "2", "--output_dir", str(tmp_path / "run"),
-                              "--cache_dir", str(tmp_path / "cache")],
-                             env=base_env(ACCEL_NPU_DISABLED_PLUGINS="precision"), cwd=REPO)
+    proc = accelerate_launch(
+        [
+            *README_ARGS,
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        env=base_env(ACCEL_NPU_DISABLED_PLUGINS="precision"),
+        cwd=REPO,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "CUDA is not available or torch_xla is imported. Disabling autocast." in out  # torch's own warning

@@ -6,6 +6,7 @@ matmul. The same call runs in a fresh process twice, stock (ACCEL_NPU_DISABLE=1)
 witnesses are the tensors each process saved: stock's error, and our output beside references computed by
 hand in the stock process (the call under torch.autocast, the inputs cast to bf16).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,16 +27,18 @@ SCRIPT = Path(__file__).parent / "scripts" / "frozen_half_unet.py"
 
 def _run(tmp_path: Path, name: str, **env: str) -> tuple[dict, str]:
     out = tmp_path / f"{name}.pt"
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=base_env(**env), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)], env=base_env(**env), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out), proc.stderr
 
 
 @pytest.mark.slow
 def test_a_frozen_bf16_unet_given_fp32_prompt_embeddings_runs_under_autocast(tmp_path):
-    (stock, _), (ours, log) = run_concurrently(lambda: _run(tmp_path, "stock", ACCEL_NPU_DISABLE="1"),
-                                               lambda: _run(tmp_path, "ours"))
+    (stock, _), (ours, log) = run_concurrently(
+        lambda: _run(tmp_path, "stock", ACCEL_NPU_DISABLE="1"), lambda: _run(tmp_path, "ours")
+    )
     assert stock["output"] is None and "expected m1 and m2 to have the same dtype" in stock["error"], stock["error"]
     assert ours["error"] is None
     got = ours["output"]
@@ -53,10 +56,18 @@ def _tiny_unet():
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
-    return UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
-                                out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=2,
-                                cross_attention_dim=16, norm_num_groups=4)
+    return UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=2,
+        cross_attention_dim=16,
+        norm_num_groups=4,
+    )
 
 
 def _inputs():
@@ -186,8 +197,12 @@ def test_a_unet_a_deepspeed_engine_trains_still_fails_as_stock(nothing_prepared,
 
     latents, t, embeds = _inputs()
     with one_rank_deepspeed_group(monkeypatch):
-        config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
-                  "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+        config = {
+            "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": True},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+        }
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
         accelerator = Accelerator(deepspeed_plugin=plugin)
         trained = _tiny_unet().to(torch.bfloat16)

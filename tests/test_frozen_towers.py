@@ -2,13 +2,14 @@
 
 The real 2-rank ZeRO-2/ZeRO-3 runs are in tests/test_checkpoints_dit4dit.py (one launch proves
 item 1 and the checkpoint items together)."""
+
 import copy
 
 import pytest
 import torch
 
-from accel_npu.plugins.frozen_towers import rematerialize, towers
 from accel_npu.errors import AccelNpuError, ConfigError
+from accel_npu.plugins.frozen_towers import rematerialize, towers
 
 
 class Tower(torch.nn.Module):  # what from_pretrained returns: a model with a config
@@ -88,7 +89,11 @@ def test_hidden_towers_reachable_out_of_parameters_and_reached_by_train_eval(no_
     ids = {id(p) for p in m.parameters()}
     assert not any(id(p) in ids for p in [*vae.parameters(), *te.parameters()])
     assert "text_encoder.inner.weight" not in m.state_dict()
-    assert set(towers.tower_state_dict(m)) == {"backbone.vae.inner.weight", "backbone.vae.inner.bias", "text_encoder.inner.weight"}
+    assert set(towers.tower_state_dict(m)) == {
+        "backbone.vae.inner.weight",
+        "backbone.vae.inner.bias",
+        "text_encoder.inner.weight",
+    }
     assert isinstance(m, Model) and type(m).__name__ == "Model"
     m.eval()
     assert not vae.training and not te.training and not m.head.training

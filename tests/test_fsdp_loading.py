@@ -1,5 +1,6 @@
 """When a diffusers load leaves its weights to FSDP's broadcast from rank 0 (in-process; the
 2-rank behaviour is tests/test_loading_acceptance.py::test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only)."""
+
 import json
 import os
 import subprocess
@@ -145,12 +146,23 @@ def _load_full_state_dict(tmp_path, pythonpath: str = "", world: int = 1, **env)
     full-shape tensors each rank hands it (stock: a new full-size receive buffer per parameter)."""
     from tests.launch_utils import base_env, free_port
 
-    extra = {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p)} \
-        if pythonpath else {}
+    extra = (
+        {"PYTHONPATH": os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p)}
+        if pythonpath
+        else {}
+    )
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", FSDP2_PROBE, port, str(r), str(world)],
-                              env=base_env(**extra, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=tmp_path) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", FSDP2_PROBE, port, str(r), str(world)],
+            env=base_env(**extra, **env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for r in range(world)
+    ]
     out = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
@@ -197,8 +209,23 @@ def test_fsdp2_release_works_on_every_supported_accelerate(version, tmp_path):
 
     assert FSDP2_LOAD_FULL_STATE_DICT.supports == "accelerate>=1.10.1,<1.17"
     target = tmp_path / f"accelerate-{version}"
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps",
-                          "--target", str(target), f"accelerate=={version}"], capture_output=True, text=True, timeout=600)
+    pip = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"accelerate=={version}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert pip.returncode == 0, pip.stderr[-2000:]
     [ours] = _load_full_state_dict(tmp_path, str(target))
     [stock] = _load_full_state_dict(tmp_path, str(target), ACCEL_NPU_DISABLE="1")
@@ -259,8 +286,14 @@ def test_fsdp2_full_state_dict_of_a_model_with_its_own_parameters(tmp_path, stoc
     from tests.launch_utils import base_env, free_port
 
     env = base_env(**({"ACCEL_NPU_DISABLE": "1"} if stock else {}))
-    proc = subprocess.run([sys.executable, "-c", TOP_LEVEL_PROBE, str(free_port())], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", TOP_LEVEL_PROBE, str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     if stock and _accelerate_before("1.16"):

@@ -5,6 +5,7 @@ classification is checked on real gloo threads of a one-rank group, and on /proc
 recorded from a C++ program whose threads waited on a std::mutex and on a condition variable
 with and without a timeout (x86_64, glibc 2.36).
 """
+
 import platform
 import subprocess
 import sys
@@ -13,23 +14,28 @@ import pytest
 
 from accel_npu.plugins.devices import gloo_workers
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64") or sys.platform != "linux",
-                                reason="reads Linux /proc thread syscalls")
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "aarch64") or sys.platform != "linux",
+    reason="reads Linux /proc thread syscalls",
+)
 
 FUTEX = gloo_workers._FUTEX_SYSCALL.get(platform.machine(), "202")
 
 
-@pytest.mark.parametrize("line, idle", [
-    # std::condition_variable::wait (gloo's idle queue wait): FUTEX_WAIT_BITSET|PRIVATE|CLOCK_REALTIME, no timeout
-    (f"{FUTEX} 0x557d970da148 0x189 0x0 0x0 0x0 0xffffffff 0x7f393ac1bd70 0x7f393b4a3f16", True),
-    # std::mutex contention (the work mutex, before the work is dropped): FUTEX_WAIT|PRIVATE
-    (f"{FUTEX} 0x557d970da160 0x80 0x2 0x0 0x0 0x0 0x7f393b41ce88 0x7f393b4a412b", False),
-    # a timed condition wait (the GIL, gloo's recv inside a collective): a timeout pointer
-    (f"{FUTEX} 0x557d970da148 0x89 0x0 0x7f393a41ae70 0x0 0xffffffff 0x7f393a41ad60 0x7f393b4a3f16", False),
-    ("running", False),
-    ("-1 0x7f393a41ad60 0x7f393b4a3f16", False),  # blocked outside a syscall (e.g. a page fault)
-    ("230 0x1 0x0 0x7f0 0x0 0x0 0x0 0x7f3 0x7f3", False),  # clock_nanosleep: Python code sleeping
-])
+@pytest.mark.parametrize(
+    "line, idle",
+    [
+        # std::condition_variable::wait (gloo's idle queue wait): FUTEX_WAIT_BITSET|PRIVATE|CLOCK_REALTIME, no timeout
+        (f"{FUTEX} 0x557d970da148 0x189 0x0 0x0 0x0 0xffffffff 0x7f393ac1bd70 0x7f393b4a3f16", True),
+        # std::mutex contention (the work mutex, before the work is dropped): FUTEX_WAIT|PRIVATE
+        (f"{FUTEX} 0x557d970da160 0x80 0x2 0x0 0x0 0x0 0x7f393b41ce88 0x7f393b4a412b", False),
+        # a timed condition wait (the GIL, gloo's recv inside a collective): a timeout pointer
+        (f"{FUTEX} 0x557d970da148 0x89 0x0 0x7f393a41ae70 0x0 0xffffffff 0x7f393a41ad60 0x7f393b4a3f16", False),
+        ("running", False),
+        ("-1 0x7f393a41ad60 0x7f393b4a3f16", False),  # blocked outside a syscall (e.g. a page fault)
+        ("230 0x1 0x0 0x7f0 0x0 0x0 0x0 0x7f3 0x7f3", False),  # clock_nanosleep: Python code sleeping
+    ],
+)
 def test_only_an_untimed_condition_wait_counts_as_idle(line, idle):
     assert gloo_workers._idle(line, FUTEX) is idle
 
@@ -75,8 +81,9 @@ print("drained", len(drained), time.monotonic() >= callback.get("ended", float("
 def test_a_worker_running_a_work_callback_is_busy_until_it_drops_the_work():
     from tests.launch_utils import base_env, free_port
 
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=base_env(PORT=str(free_port())),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=base_env(PORT=str(free_port())), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     out = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert out["after_wait"] == "0"

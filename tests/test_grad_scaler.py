@@ -9,6 +9,7 @@ spelling, beside an fp32 reference. Three processes, each a launched rank (LOCAL
   scaler is disabled, every gradient is exactly zero and the parameters never move;
 - stock (ACCEL_NPU_DISABLE=1): autocast *and* the scaler are disabled: correct, but fp32.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -29,8 +30,9 @@ SCRIPT = SCRIPTS / "fp16_scaler_underflow.py"
 
 
 def _run(**env):
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=base_env(LOCAL_RANK="0", **env),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)], env=base_env(LOCAL_RANK="0", **env), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, explain(proc)
     (rec,) = results(proc)
     return rec["runs"], proc
@@ -44,7 +46,8 @@ def runs():
     return run_concurrently(
         lambda: _run(),
         lambda: _run(ACCEL_NPU_DISABLED_PATCHES=precision.GRAD_SCALER.target),
-        lambda: _run(ACCEL_NPU_DISABLE="1"))
+        lambda: _run(ACCEL_NPU_DISABLE="1"),
+    )
 
 
 @pytest.mark.slow
@@ -54,7 +57,7 @@ def test_cuda_grad_scaler_scales_on_the_autocast_device(runs):
     for name, r in ours.items():
         assert r["enabled"] is True, name
         assert r["autocast_output_dtype"] == "torch.float16", name  # fp16 really ran
-        assert r["scales"] == [2.0 ** 17, 2.0 ** 18, 2.0 ** 19], name  # growth_interval=1: it moves
+        assert r["scales"] == [2.0**17, 2.0**18, 2.0**19], name  # growth_interval=1: it moves
         assert r["zero_grad_fraction"] == 0.0, name
         assert r["grad_rel_err"] < 5e-3, name  # fp16 forward vs fp32
         assert r["param_rel_err"] < 0.05 * r["params_moved"], name

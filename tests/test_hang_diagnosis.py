@@ -5,6 +5,7 @@ can prints its Python stacks, and one line names the rank that did not arrive. S
 run waits on. Witnesses: torchrun's own per-rank log files (--log_dir/--tee), the line numbers
 of the collectives in the script's source, wall-clock times, the launcher's exit status.
 """
+
 import json
 import os
 import signal
@@ -39,14 +40,28 @@ def _rank_logs(log_dir: Path, rank: int) -> tuple[str, str]:
 
 
 def _entered_at(stdout: str) -> float:
-    [entering] = [json.loads(line.split("RESULT ", 1)[1]) for line in stdout.splitlines()
-                  if "RESULT " in line and '"entering"' in line]
+    [entering] = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in stdout.splitlines()
+        if "RESULT " in line and '"entering"' in line
+    ]
     return entering["at"]
 
 
 def _torchrun(log_dir: Path, *script_args: str) -> list[str]:
-    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-            "--log_dir", str(log_dir), "--tee", "3", str(SCRIPT), *script_args]
+    return [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--log_dir",
+        str(log_dir),
+        "--tee",
+        "3",
+        str(SCRIPT),
+        *script_args,
+    ]
 
 
 def _check_report(log_dir: Path, proc, ended_at: float, function: str, marker: str) -> None:
@@ -66,23 +81,43 @@ def test_stalled_rank_named_with_stacks_and_the_job_fails_where_stock_waits_on(t
     # Stock half, started first and left running beside the two accel-npu runs: the plain gloo
     # run (the DeepSpeed one does not start at all stock on CPU: tests/test_launch_cpu.py).
     stock_logs = tmp_path / "stock"
-    stock = subprocess.Popen(_torchrun(stock_logs, "--plain"), env=base_env(ACCEL_NPU_DISABLE="1"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    stock = subprocess.Popen(
+        _torchrun(stock_logs, "--plain"),
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         # 1. DeepSpeed ZeRO-2 through `accelerate launch` with the shipped CPU config: one training
         #    step, then rank 0 waits inside torch.distributed.all_reduce (gloo blocks there).
         logs = tmp_path / "deepspeed"
-        proc = accelerate_launch(["--config_file", str(REPO / "launch_configs" / "cpu_zero2.yaml"),
-                                  "--log_dir", str(logs), "--tee", "3", str(SCRIPT)],
-                                 env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)), timeout=300)
+        proc = accelerate_launch(
+            [
+                "--config_file",
+                str(REPO / "launch_configs" / "cpu_zero2.yaml"),
+                "--log_dir",
+                str(logs),
+                "--tee",
+                "3",
+                str(SCRIPT),
+            ],
+            env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)),
+            timeout=300,
+        )
         _check_report(logs, proc, time.time(), "sum_losses", "dist.all_reduce(total)")
 
         # 2. Plain gloo through torchrun: rank 0 blocks on an async collective's handle, outside the
         #    collective call, as a host does on HCCL/NCCL. Under torch >= 2.13 the collective is
         #    all_gather_single: unwatched, the report would count the barrier before it and name no one.
         logs = tmp_path / "plain"
-        proc = subprocess.run(_torchrun(logs, "--plain"), env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)),
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            _torchrun(logs, "--plain"),
+            env=base_env(ACCEL_NPU_HANG_TIMEOUT=str(HANG_TIMEOUT)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         _check_report(logs, proc, time.time(), "sum_asynchronously", "handle.wait()")
         import torch.distributed as dist
 

@@ -1,5 +1,6 @@
 """When a stuck collective ends on its own: one reading of HCCL_EXEC_TIMEOUT, the live watch's and
 `accel-npu env`'s alike. Fast: no process group of more than one rank."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,31 +10,43 @@ from accel_npu.backend import Backend
 from accel_npu.plugins import hang_watch
 from accel_npu.plugins.hang_watch import watch
 
-NPU = Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=8, ds_accelerator="npu",
-              plugin="npu")
+NPU = Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=8, ds_accelerator="npu", plugin="npu")
 
 
-@pytest.mark.parametrize("raw,seconds", [
-    (None, 1836), ("-5", 1836), ("0", None), ("600", 600), (" 90.5", 90), ("abc", None), ("+120s", 120)])
+@pytest.mark.parametrize(
+    "raw,seconds", [(None, 1836), ("-5", 1836), ("0", None), ("600", 600), (" 90.5", 90), ("abc", None), ("+120s", 120)]
+)
 def test_hccl_exec_timeout_is_read_as_torch_npu_reads_it(raw, seconds):
     # torch_npu OptionsManager::GetHCCLExecTimeout: strtol; negative or unset: CANN's default; 0 never
     env = {} if raw is None else {"HCCL_EXEC_TIMEOUT": raw}
     assert dist.hccl_exec_timeout(env) == seconds
 
 
-@pytest.mark.parametrize("soc,raw,mode,seconds", [
-    # Atlas training / inference series: HCCL takes value // 68 * 68, at least 68 (CANN environment
-    # variable reference, HCCL_EXEC_TIMEOUT: 600 -> 544)
-    ("Ascend910A", "600", None, 544), ("Ascend910ProB", "1800", None, 1768), ("Ascend910A", None, None, 1836),
-    ("Ascend910A", "30", None, 68), ("Ascend910A", "0", None, 68), ("Ascend310P3", "137", None, 136),
-    ("Ascend910A", "600", "AIV", 544),
-    # A2 / A3: as read, unless HCCL_OP_EXPANSION_MODE=AIV caps it at 1091 (also for unset and 0)
-    ("Ascend910B1", "600", None, 600), ("Ascend910B3", "0", None, None), ("Ascend910_9392", "1800", "HOST", 1800),
-    ("Ascend910B1", "1800", "AIV", 1091), ("Ascend910B4-1", "600", "AIV", 600), ("Ascend910_9391", None, "AIV", 1091),
-    ("Ascend910B2", "0", "aiv", 1091),
-    # the SoC not known (no device asked): as read
-    (None, "600", "AIV", 600), ("Ascend950PR", "600", None, 600),
-])
+@pytest.mark.parametrize(
+    "soc,raw,mode,seconds",
+    [
+        # Atlas training / inference series: HCCL takes value // 68 * 68, at least 68 (CANN environment
+        # variable reference, HCCL_EXEC_TIMEOUT: 600 -> 544)
+        ("Ascend910A", "600", None, 544),
+        ("Ascend910ProB", "1800", None, 1768),
+        ("Ascend910A", None, None, 1836),
+        ("Ascend910A", "30", None, 68),
+        ("Ascend910A", "0", None, 68),
+        ("Ascend310P3", "137", None, 136),
+        ("Ascend910A", "600", "AIV", 544),
+        # A2 / A3: as read, unless HCCL_OP_EXPANSION_MODE=AIV caps it at 1091 (also for unset and 0)
+        ("Ascend910B1", "600", None, 600),
+        ("Ascend910B3", "0", None, None),
+        ("Ascend910_9392", "1800", "HOST", 1800),
+        ("Ascend910B1", "1800", "AIV", 1091),
+        ("Ascend910B4-1", "600", "AIV", 600),
+        ("Ascend910_9391", None, "AIV", 1091),
+        ("Ascend910B2", "0", "aiv", 1091),
+        # the SoC not known (no device asked): as read
+        (None, "600", "AIV", 600),
+        ("Ascend950PR", "600", None, 600),
+    ],
+)
 def test_hccl_exec_timeout_as_hccl_applies_it_on_each_soc(soc, raw, mode, seconds):
     env = {k: v for k, v in (("HCCL_EXEC_TIMEOUT", raw), ("HCCL_OP_EXPANSION_MODE", mode)) if v is not None}
     assert dist.hccl_exec_timeout(env, soc=soc) == seconds
@@ -78,8 +91,10 @@ def test_a_deepspeed_timeout_deepspeed_cannot_read_is_a_problem(monkeypatch):
     assert info["DEEPSPEED_TIMEOUT"].startswith("PROBLEM")
 
 
-@pytest.mark.parametrize("group_s,exec_s,status", [(5400.0, 1800, "ok"), (600.0, 1800, "failed"), (1800.0, 1800, "failed"),
-                                                   (600.0, None, "ok"), (None, 1836, "ok")])
+@pytest.mark.parametrize(
+    "group_s,exec_s,status",
+    [(5400.0, 1800, "ok"), (600.0, 1800, "failed"), (1800.0, 1800, "failed"), (600.0, None, "ok"), (None, 1836, "ok")],
+)
 def test_the_selftest_orders_the_live_group_timeout_against_hccl_exec_timeout(group_s, exec_s, status):
     from accel_npu.cli._selftest_dist import timeout_ordering
 

@@ -1,4 +1,5 @@
 """Every hook is documented with its exact signature and called by accel-npu's own call sites."""
+
 import inspect
 import re
 from pathlib import Path
@@ -39,13 +40,16 @@ class Recorder:
 
 def _recording(name):
     """An implementation of hook ``name`` with its exact parameters, recording that it was called."""
+
     def impl(self, *args, **kwargs):
         self.seen.add(name)
         return [] if name == "accel_npu_register_patches" else None
 
     impl.__name__ = name
-    params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-              for p in ["self", *inspect.signature(getattr(hookspecs, name)).parameters]]
+    params = [
+        inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in ["self", *inspect.signature(getattr(hookspecs, name)).parameters]
+    ]
     impl.__signature__ = inspect.Signature(params)
     return hookspecs.hookimpl(impl)
 
@@ -74,7 +78,8 @@ def _trigger_all():
         "accel_npu_env_report": lambda: collect(import_targets=False),
         "accel_npu_add_commands": build_parser,
         "accel_npu_selftest_checks": lambda: __import__("accel_npu.cli.selftest", fromlist=["x"]).checks_for(
-            current_backend()),
+            current_backend()
+        ),
         "accel_npu_configure_deepspeed": lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}),
         "accel_npu_explain_error": lambda: explanations(RuntimeError("an uncaught error")),
     }

@@ -13,6 +13,7 @@ After the imports the script "uses" every patch's module (imports it, as a train
 first call would) and reports the whole ledger: every patch must be ``applied``. A patch of a
 library that is not installed is the only accepted exception, and decord is installed in CI.
 """
+
 import importlib.util
 import json
 import subprocess
@@ -31,7 +32,7 @@ def _orders() -> list[list[str]]:
     return [libs[i:] + libs[:i] for i in range(len(libs))]
 
 
-CHECK = r'''
+CHECK = r"""
 import importlib, json, sys
 for name in sys.argv[1:]:
     importlib.import_module(name)
@@ -40,7 +41,7 @@ ledger = get_ledger()
 for patch in ledger.patches:
     importlib.import_module(patch.module)
 print("RESULT " + json.dumps({p.target: p.status for p in ledger.patches}))
-'''
+"""
 
 
 def _declared_targets() -> set[str]:
@@ -51,11 +52,17 @@ def _declared_targets() -> set[str]:
 @pytest.mark.parametrize("order", _orders(), ids=lambda order: "-".join(order))
 def test_every_patch_applied_whatever_the_import_order(order, tmp_path):
     # the CUDA façade family applies in launched ranks only; opted in so every patch is expected applied
-    proc = subprocess.run([sys.executable, "-c", CHECK, *order], env=base_env(ACCEL_NPU_CUDA_FACADE="1"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, *order],
+        env=base_env(ACCEL_NPU_CUDA_FACADE="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    statuses = json.loads(line[len("RESULT "):])
+    statuses = json.loads(line[len("RESULT ") :])
     assert set(statuses) == _declared_targets(), "the ledger must hold every declared patch"
     # "not needed" only where the installed version is one the patch declares stock correct
     needless = {p.target: f"not needed: {p.not_needed()}" for p in _declared_patches() if p.not_needed()}
@@ -68,7 +75,7 @@ def test_stock_half_accelerate_before_torch_is_half_initialised(tmp_path):
     """The mechanism the fix relies on, shown on the real libraries: with `import accelerate`
     first, torch (and so our activation) is imported while accelerate.accelerator has not yet
     defined Accelerator. Witnessed by a post-import hook on torch, not by accel-npu."""
-    probe = r'''
+    probe = r"""
 import sys, wrapt
 seen = {}
 def on_torch(module):
@@ -78,9 +85,15 @@ def on_torch(module):
 wrapt.register_post_import_hook(on_torch, "torch")
 import accelerate
 print("RESULT", seen["half"], seen["initializing"])
-'''
-    proc = subprocess.run([sys.executable, "-c", probe], env=base_env(ACCEL_NPU_DISABLE="1"), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT True True" in proc.stdout
 
@@ -97,12 +110,20 @@ def test_call_when_imported_fires_after_the_module_body(tmp_path):
         "target = sys.modules['halfmod.target']\n"
         "assert still_importing(target)\n"
         "assert call_when_imported(target, lambda m: EVENTS.append(('done', hasattr(m, 'LATE'))))\n"
-        "EVENTS = []\n")
+        "EVENTS = []\n"
+    )
     (pkg / "target.py").write_text("EARLY = 1\nfrom halfmod import trigger\nLATE = 2\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import halfmod.target, halfmod.trigger as t; "
-            "from accel_npu.patching import still_importing; "
-            "print('RESULT', t.EVENTS, still_importing(halfmod.target), type(halfmod.target.__spec__).__name__)")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=base_env(ACCEL_NPU_DISABLE="1"),
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import halfmod.target, halfmod.trigger as t; "
+        "from accel_npu.patching import still_importing; "
+        "print('RESULT', t.EVENTS, still_importing(halfmod.target), type(halfmod.target.__spec__).__name__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=base_env(ACCEL_NPU_DISABLE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT [('done', True)] False ModuleSpec" in proc.stdout

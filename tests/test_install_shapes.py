@@ -6,6 +6,7 @@ installed distribution (CI installs non-editably, README's test command), a whee
 another location, launches from the root and from elsewhere. Witnesses are read off the worker
 processes themselves: sys.modules, the world size torch.distributed reports, an all-reduce.
 """
+
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import REPO, SCRIPTS, accelerate_launch, base_env, explain, results, source_tree
+
 
 def builtin_modules() -> set[str]:
     from accel_npu.manager import DEFAULT_PLUGINS
@@ -29,12 +31,15 @@ def plugin_loading_lines(text: str) -> list[str]:
 @pytest.mark.slow
 def test_repository_root_first_on_sys_path_loads_every_plugin():
     """`python -c` from the repository root: the source accel_npu/ comes first."""
-    code = ("import torch, sys, accel_npu.plugins as p; from accel_npu.manager import get_plugin_manager; "
-            "print('RESULT', accel_npu.__file__, p.__file__, "
-            "sorted(r.status for r in get_plugin_manager().records if r.source.startswith('builtin')))")
+    code = (
+        "import torch, sys, accel_npu.plugins as p; from accel_npu.manager import get_plugin_manager; "
+        "print('RESULT', accel_npu.__file__, p.__file__, "
+        "sorted(r.status for r in get_plugin_manager().records if r.source.startswith('builtin')))"
+    )
     code = "import accel_npu; " + code
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=base_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, explain(proc)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     _, init, plugins_init, statuses = line.split(" ", 3)
@@ -51,13 +56,43 @@ def wheel_target(tmp_path_factory):
     work = tmp_path_factory.mktemp("wheel")
     src = work / "src"
     source_tree(src)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(work / "dist"), str(src)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(work / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheel = next((work / "dist").glob("accel_npu-*.whl"))
     target = work / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps",
-                           "--target", str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (target / "accel_npu" / "plugins" / "__init__.py").is_file()
     assert not (target / "plugins").exists(), "the wheel must not install a top-level 'plugins' package"
@@ -66,16 +101,24 @@ def wheel_target(tmp_path_factory):
 
 STARTUP_PTH = "accel_npu_startup.pth"
 # -S: no site-packages of this interpreter (whose own install has the hook), only the directory given
-STARTUP_PROBE = ("import site, sys; site.addsitedir(sys.argv[1]); m = sys.modules.get('_accel_npu_startup'); "
-                 "print('RESULT', m and m.__file__, [repr(f) for f in sys.meta_path "
-                 "if type(f).__name__ == 'ExplainTorchNpuImport'])")
+STARTUP_PROBE = (
+    "import site, sys; site.addsitedir(sys.argv[1]); m = sys.modules.get('_accel_npu_startup'); "
+    "print('RESULT', m and m.__file__, [repr(f) for f in sys.meta_path "
+    "if type(f).__name__ == 'ExplainTorchNpuImport'])"
+)
 
 
 def startup_hook_in(site_dir: Path, **env) -> tuple[str, str]:
     """(the file _accel_npu_startup was imported from, the hooks on sys.meta_path) in a process
     whose only site directory is ``site_dir``."""
-    proc = subprocess.run([sys.executable, "-S", "-c", STARTUP_PROBE, str(site_dir)], env=base_env(**env),
-                          capture_output=True, text=True, timeout=120, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", STARTUP_PROBE, str(site_dir)],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert proc.returncode == 0 and not proc.stderr, explain(proc)
     return next(l for l in proc.stdout.splitlines() if l.startswith("RESULT")).split(" ", 2)[1:]
 
@@ -96,15 +139,25 @@ def test_every_install_shape_ships_the_startup_hook(wheel_target, tmp_path):
     # sorts after the editable finder's (site runs .pth files in name order), which serves the module
     src = wheel_target.parent / "src"
     out = tmp_path / "editable"
-    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
-                           "print('WHEEL', build_meta.build_editable(sys.argv[1]))", str(out)],
-                          cwd=src, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta; print('WHEEL', build_meta.build_editable(sys.argv[1]))",
+            str(out),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     site_dir = tmp_path / "editable-site"
     with zipfile.ZipFile(next(out.glob("*.whl"))) as whl:
         pth_files = sorted(n for n in whl.namelist() if n.endswith(".pth"))
-        assert len(pth_files) == 2 and pth_files[0].startswith("__editable__") and pth_files[1] == STARTUP_PTH, \
+        assert len(pth_files) == 2 and pth_files[0].startswith("__editable__") and pth_files[1] == STARTUP_PTH, (
             pth_files
+        )
         whl.extractall(site_dir)  # what an installer does with a pure wheel's top level
     module, hooks = startup_hook_in(site_dir)
     assert Path(module) == src / "_accel_npu_startup.py", module
@@ -113,12 +166,13 @@ def test_every_install_shape_ships_the_startup_hook(wheel_target, tmp_path):
 
 def test_accel_npu_env_says_whether_the_startup_hook_runs(monkeypatch):
     """`accel-npu env` (Installation -> startup hook): this interpreter's install has the hook."""
+    import _accel_npu_startup
     from accel_npu import install
 
-    import _accel_npu_startup
-
     state = install.startup_hook_state()
-    assert state.startswith(f"{_accel_npu_startup.__file__}: ") and state.endswith("the first import of torch_npu"), state
+    assert state.startswith(f"{_accel_npu_startup.__file__}: ") and state.endswith("the first import of torch_npu"), (
+        state
+    )
     monkeypatch.delitem(sys.modules, "_accel_npu_startup")
     assert install.startup_hook_state().startswith("not loaded in this process, though "), install.startup_hook_state()
 
@@ -147,8 +201,9 @@ def installed_dir() -> Path:
 def test_deepspeed_launch_from_the_repository_root():
     """accelerate's DeepSpeed launcher puts the root on the workers' PYTHONPATH: under a non-editable
     install (CI) the source accel_npu/ then shadows the installed one, and must work the same."""
-    proc = accelerate_launch(["--config_file", "launch_configs/cpu_zero2.yaml", str(SCRIPTS / "report_activation.py")],
-                             cwd=REPO)
+    proc = accelerate_launch(
+        ["--config_file", "launch_configs/cpu_zero2.yaml", str(SCRIPTS / "report_activation.py")], cwd=REPO
+    )
     assert proc.returncode == 0, explain(proc)
     check_workers(proc, REPO)
 
@@ -172,34 +227,55 @@ def stale_checkout(root: Path) -> Path:
     shutil.copy(REPO / "setup.cfg", root / "setup.cfg")
     init = root / "accel_npu" / "__init__.py"
     text = init.read_text()
-    start, end = text.index("#: Subpackages whose source"), text.index("_map_source_checkout()\n", text.index("def _map"))
-    init.write_text(text[:start] + text[end + len("_map_source_checkout()\n"):])
+    start, end = (
+        text.index("#: Subpackages whose source"),
+        text.index("_map_source_checkout()\n", text.index("def _map")),
+    )
+    init.write_text(text[:start] + text[end + len("_map_source_checkout()\n") :])
     return root
 
 
 # An editable install's finder would hand this checkout's plugins/ to the stale copy (a silent
 # mix of two versions); drop it so the process sees what it sees under a non-editable install.
-AS_NON_EDITABLE = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
-                   "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]; ")
+AS_NON_EDITABLE = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+    "if 'Editable' not in getattr(f, '__name__', type(f).__name__)]; "
+)
 
 
 @pytest.mark.slow
 def test_a_shadowing_copy_that_cannot_load_plugins_is_named_once_per_process(tmp_path):
     stale = stale_checkout(tmp_path / "old")
     # accelerate: the import that activates outside a launched rank (accel_npu/activation/triggers.py)
-    proc = subprocess.run([sys.executable, "-c", AS_NON_EDITABLE + "import torch, accelerate"], cwd=tmp_path,
-                          env=base_env(PYTHONPATH=str(stale)), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", AS_NON_EDITABLE + "import torch, accelerate"],
+        cwd=tmp_path,
+        env=base_env(PYTHONPATH=str(stale)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, explain(proc)
     lines = plugin_loading_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr
     assert f"accel_npu is imported from {stale / 'accel_npu'}, not the installed accel-npu at" in lines[0]
     assert "cannot import accel_npu.plugins (ModuleNotFoundError" in lines[0]
     # accel-npu env says the same
-    env_out = subprocess.run([sys.executable, "-c", AS_NON_EDITABLE + "from accel_npu.cli import main; "
-                              "sys.exit(main(['env', '--no-import']))"], cwd=tmp_path,
-                             env=base_env(PYTHONPATH=str(stale)), capture_output=True, text=True, timeout=300)
-    assert f"shadowed                accel_npu is imported from {stale / 'accel_npu'}" in env_out.stdout, \
-        explain(env_out)
+    env_out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            AS_NON_EDITABLE + "from accel_npu.cli import main; sys.exit(main(['env', '--no-import']))",
+        ],
+        cwd=tmp_path,
+        env=base_env(PYTHONPATH=str(stale)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert f"shadowed                accel_npu is imported from {stale / 'accel_npu'}" in env_out.stdout, explain(
+        env_out
+    )
     assert "cannot import accel_npu.plugins" in env_out.stdout
 
 
@@ -215,8 +291,10 @@ def test_launcher_refuses_workers_that_would_not_activate(tmp_path):
     assert proc.returncode == 1, explain(proc)
     assert not (stale / "worker-started").exists()
     assert "Traceback" not in proc.stderr, explain(proc)
-    assert f"LaunchError: accel-npu: refusing to start workers: workers would import accel_npu from {stale / 'accel_npu'} " \
-           "(first on their sys.path through PYTHONPATH)" in proc.stderr, explain(proc)
+    assert (
+        f"LaunchError: accel-npu: refusing to start workers: workers would import accel_npu from {stale / 'accel_npu'} "
+        "(first on their sys.path through PYTHONPATH)" in proc.stderr
+    ), explain(proc)
 
 
 @pytest.mark.slow
@@ -231,8 +309,9 @@ def test_first_run_needs_no_cxx_toolchain(tmp_path):
 
     def launch(**extra):
         env = base_env(CXX=str(tmp_path / "no-compiler" / "g++"), TORCH_EXTENSIONS_DIR=str(tmp_path / "jit"), **extra)
-        return accelerate_launch(["--config_file", "cpu_zero2.yaml", str(SCRIPTS / "report_activation.py")],
-                                 cwd=run_dir, env=env)
+        return accelerate_launch(
+            ["--config_file", "cpu_zero2.yaml", str(SCRIPTS / "report_activation.py")], cwd=run_dir, env=env
+        )
 
     stock = launch(ACCEL_NPU_DISABLE="1")
     assert stock.returncode != 0 and "Error building extension 'deepspeed_shm_comm'" in stock.stderr, explain(stock)

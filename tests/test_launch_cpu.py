@@ -2,12 +2,23 @@
 
 Real processes throughout: accelerate's launcher, torchrun, gloo, DeepSpeed's CPU accelerator.
 """
+
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch_utils import (REPO, SCRIPTS, accelerate_launch, base_env, explain, results, run_concurrently,
-                                torchrun_launch, write_deepspeed_config, zero_config)
+from tests.launch_utils import (
+    REPO,
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    explain,
+    results,
+    run_concurrently,
+    torchrun_launch,
+    write_deepspeed_config,
+    zero_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +37,12 @@ def _train_then_resume(directory, stage, bf16):
     """Train 3 steps saving after step 0, then resume from that checkpoint for 1 step: (ckpt, first, resumed)."""
     cfg = write_deepspeed_config(directory, zero_config(stage, bf16=bf16))
     ckpt = directory / "ckpt"
-    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "3",
-                              "--save_at", "0", "--save_dir", str(ckpt)])
-    resumed = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1",
-                                 "--resume", str(ckpt), "--start", "1"])
+    proc = accelerate_launch(
+        ["--config_file", str(cfg), TRAIN, "--steps", "3", "--save_at", "0", "--save_dir", str(ckpt)]
+    )
+    resumed = accelerate_launch(
+        ["--config_file", str(cfg), TRAIN, "--steps", "1", "--resume", str(ckpt), "--start", "1"]
+    )
     return ckpt, proc, resumed
 
 
@@ -38,8 +51,10 @@ def deepspeed_runs(tmp_path_factory):
     """Both stages' train-then-resume pairs, started together when the first of them is asked for
     (the two pairs are independent; each pair is sequential)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {stage: pool.submit(_train_then_resume, tmp_path_factory.mktemp(f"zero{stage}"), stage, bf16)
-               for stage, bf16 in ((2, False), (3, True))}
+        yield {
+            stage: pool.submit(_train_then_resume, tmp_path_factory.mktemp(f"zero{stage}"), stage, bf16)
+            for stage, bf16 in ((2, False), (3, True))
+        }
 
 
 @pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3-bf16"])
@@ -48,8 +63,9 @@ def test_deepspeed_two_cpu_ranks_train_save_and_resume(deepspeed_runs, stage):
     res = results(proc)
     assert proc.returncode == 0 and len(res) == 2, explain(proc)
     _assert_two_distinct_ranks(res, proc, "DEEPSPEED")
-    assert (ckpt / "pytorch_model" / "latest").exists() or (ckpt / "latest").exists() or \
-        any(ckpt.rglob("latest")), explain(proc)
+    assert (ckpt / "pytorch_model" / "latest").exists() or (ckpt / "latest").exists() or any(ckpt.rglob("latest")), (
+        explain(proc)
+    )
 
     res2 = results(resumed)
     assert resumed.returncode == 0 and len(res2) == 2, explain(resumed)
@@ -60,13 +76,14 @@ def test_deepspeed_two_cpu_ranks_train_save_and_resume(deepspeed_runs, stage):
 
 def test_deepspeed_without_accel_npu_every_rank_thinks_it_is_alone(tmp_path):
     cfg = write_deepspeed_config(tmp_path, zero_config(2))
-    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1"],
-                             env=base_env(ACCEL_NPU_DISABLE="1"))
+    proc = accelerate_launch(["--config_file", str(cfg), TRAIN, "--steps", "1"], env=base_env(ACCEL_NPU_DISABLE="1"))
     # Stock accelerate 1.15: num_processes == 1 on each rank while DeepSpeed's gloo group has 2,
     # so DeepSpeed's batch check fails: train_batch_size 4 != 4 * 1 * 2.
     assert proc.returncode != 0, explain(proc)
-    assert "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size" \
-        in proc.stderr + proc.stdout, explain(proc)
+    assert (
+        "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size"
+        in proc.stderr + proc.stdout
+    ), explain(proc)
 
 
 def test_plain_launch_without_config_starts_two_gloo_ranks(tmp_path):
@@ -79,8 +96,9 @@ def test_plain_launch_without_config_starts_two_gloo_ranks(tmp_path):
 
 
 def test_plain_launch_without_accel_npu_starts_one_process(tmp_path):
-    proc = accelerate_launch(["--num_processes", "2", TRAIN, "--steps", "1"], cwd=tmp_path,
-                             env=base_env(ACCEL_NPU_DISABLE="1"))
+    proc = accelerate_launch(
+        ["--num_processes", "2", TRAIN, "--steps", "1"], cwd=tmp_path, env=base_env(ACCEL_NPU_DISABLE="1")
+    )
     res = results(proc)
     assert proc.returncode == 0, explain(proc)
     assert len(res) == 1 and res[0]["num_processes"] == 1 and res[0]["distributed_type"] == "NO"
@@ -118,7 +136,8 @@ def test_gloo_group_is_closed_before_interpreter_teardown(tmp_path):
     plain, deepspeed, failed = run_concurrently(
         lambda: accelerate_launch(["--num_processes", "2", script, "plain,end_training"], cwd=tmp_path),
         lambda: accelerate_launch(["--config_file", zero2, script, "end_training,plain"], cwd=tmp_path),
-        lambda: accelerate_launch(["--num_processes", "2", script, "raise,plain"], cwd=tmp_path))
+        lambda: accelerate_launch(["--num_processes", "2", script, "raise,plain"], cwd=tmp_path),
+    )
     for proc in (plain, deepspeed):
         assert proc.returncode == 0, explain(proc)
         assert "REDUCED rank=0 3.0" in proc.stdout and "REDUCED rank=1 3.0" in proc.stdout, explain(proc)
@@ -143,7 +162,8 @@ def test_gloo_worker_still_finishing_a_work_at_exit_does_not_abort_the_finished_
     script = [str(SCRIPTS / "gloo_work_late_at_exit.py")]
     stock, ours = run_concurrently(
         lambda: torchrun_launch(script, env=base_env(ACCEL_NPU_DISABLE="1"), cwd=tmp_path),
-        lambda: torchrun_launch(script, cwd=tmp_path))
+        lambda: torchrun_launch(script, cwd=tmp_path),
+    )
     for proc in (stock, ours):  # both ranks finished the script body
         assert "RESULT rank=0" in proc.stdout and "RESULT rank=1" in proc.stdout, explain(proc)
     # torchrun's agent reports a rank killed by SIGABRT ("terminate called without an active
@@ -164,18 +184,33 @@ def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_pat
     import yaml
 
     cfg = tmp_path / "fsdp2.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
-        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_reshard_after_forward": True,
-                        "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
-        "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "FSDP",
+                "fsdp_config": {
+                    "fsdp_version": 2,
+                    "fsdp_auto_wrap_policy": "NO_WRAP",
+                    "fsdp_reshard_after_forward": True,
+                    "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                },
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": False,
+            }
+        )
+    )
     args = ["--config_file", str(cfg), TRAIN, "--steps", "2"]
     # the three launches are independent: run side by side
     cpu_backend_only = base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:AcceleratorState.__init__")
     stock, ddp, proc = run_concurrently(
         lambda: accelerate_launch(args, cwd=tmp_path, env=base_env(ACCEL_NPU_DISABLE="1")),
         lambda: accelerate_launch(args, cwd=tmp_path, env=cpu_backend_only),  # FSDP_ON_CPU switched off
-        lambda: accelerate_launch(args, cwd=tmp_path))
+        lambda: accelerate_launch(args, cwd=tmp_path),
+    )
     assert stock.returncode == 0, explain(stock)
     assert [(r["rank"], r["num_processes"], r["distributed_type"]) for r in results(stock)] == [(0, 1, "NO")] * 2
 

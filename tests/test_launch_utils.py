@@ -1,4 +1,5 @@
 """The launch helpers the slow tests share: a timed-out or killed launch leaves no rank running."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,11 @@ import pytest
 from tests.launch_utils import _run, kill_tree, process_tree
 
 # a "launcher" whose "rank" starts a session of its own, as torch's elastic agent starts ranks
-LAUNCHER = ("import subprocess, sys, time; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
-            "print(p.pid, flush=True); time.sleep(120)")
+LAUNCHER = (
+    "import subprocess, sys, time; "
+    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
+    "print(p.pid, flush=True); time.sleep(120)"
+)
 
 
 def _alive(pid: int) -> bool:
@@ -26,8 +29,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_kill_tree_reaches_ranks_in_sessions_of_their_own():
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     rank = int(launcher.stdout.readline())
     assert rank in process_tree(launcher.pid)
     os.killpg(launcher.pid, 9)  # what killing the launcher's group does: the rank survives
@@ -35,8 +39,9 @@ def test_kill_tree_reaches_ranks_in_sessions_of_their_own():
     assert _alive(rank)
     os.kill(rank, 9)
 
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     rank = int(launcher.stdout.readline())
     kill_tree(launcher.pid)
     launcher.wait(10)

@@ -3,6 +3,7 @@
 Tiny models from the real diffusers / transformers classes, random weights, saved locally.
 "Stock" is the unwrapped original from the patch ledger, called in this same process.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,19 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import tiny_models as tm  # noqa: E402
+import tiny_models as tm
 
-from accel_npu.activation import activate  # noqa: E402
-from accel_npu.errors import LoadError  # noqa: E402
-from accel_npu.plugins.loading.diffusers import tensors_on_meta  # noqa: E402
-from accel_npu.patching import original_of  # noqa: E402
+from accel_npu.activation import activate
+from accel_npu.errors import LoadError
+from accel_npu.patching import original_of
+from accel_npu.plugins.loading.diffusers import tensors_on_meta
 
 activate()
 from diffusers import QwenImageTransformer2DModel as QWEN_CLS  # noqa: E402  (a hard dependency)
+
 DIFFUSERS_TARGET = "diffusers.models.modeling_utils:ModelMixin.from_pretrained"
 TRANSFORMERS_TARGET = "transformers.modeling_utils:PreTrainedModel.from_pretrained"
 
@@ -120,8 +121,12 @@ def test_wan_parity_nonpersistent_rope_buffers(ckpts):
         assert "rope.freqs_cos" in dict(ours.named_buffers()) and "rope.freqs_cos" not in ours.state_dict()
         assert_identical(ours, ref)
         dt = kw.get("torch_dtype", torch.float32)
-        x = dict(hidden_states=torch.randn(1, 4, 1, 4, 4).to(dt), timestep=torch.tensor([3]),
-                 encoder_hidden_states=torch.randn(1, 5, 32).to(dt), return_dict=False)
+        x = dict(
+            hidden_states=torch.randn(1, 4, 1, 4, 4).to(dt),
+            timestep=torch.tensor([3]),
+            encoder_hidden_states=torch.randn(1, 5, 32).to(dt),
+            return_dict=False,
+        )
         with torch.no_grad():
             assert torch.equal(ours(**x)[0], ref(**x)[0])
 
@@ -136,8 +141,12 @@ def test_cosmos_parity_keep_in_fp32(ckpts, threads, monkeypatch):
     assert_identical(ours, ref)
     assert ours.learnable_pos_embed.pos_emb_t.dtype == torch.float32  # _keep_in_fp32_modules
     assert ours.transformer_blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
-    x = dict(hidden_states=torch.randn(1, 4, 1, 8, 8, dtype=torch.bfloat16), timestep=torch.tensor([3.0]),
-             encoder_hidden_states=torch.randn(1, 5, 32, dtype=torch.bfloat16), return_dict=False)
+    x = dict(
+        hidden_states=torch.randn(1, 4, 1, 8, 8, dtype=torch.bfloat16),
+        timestep=torch.tensor([3.0]),
+        encoder_hidden_states=torch.randn(1, 5, 32, dtype=torch.bfloat16),
+        return_dict=False,
+    )
     with torch.no_grad():
         assert torch.equal(ours(**x)[0], ref(**x)[0])
 
@@ -147,9 +156,16 @@ def test_vae_parity_deprecated_attention_blocks(tmp_path):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
-    vae = tm.randomize(AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                                     up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4,
-                                     norm_num_groups=4, layers_per_block=1))
+    vae = tm.randomize(
+        AutoencoderKL(
+            block_out_channels=(8, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4,
+            norm_num_groups=4,
+            layers_per_block=1,
+        )
+    )
     vae.save_pretrained(str(tmp_path / "vae"))
     ours = AutoencoderKL.from_pretrained(tmp_path / "vae", torch_dtype=torch.float32)
     ref = stock(DIFFUSERS_TARGET, AutoencoderKL)(tmp_path / "vae", torch_dtype=torch.float32)
@@ -378,10 +394,12 @@ def test_pipeline_components_load_outside_zero_init(tmp_path, monkeypatch):
             self.register_modules(transformer=transformer, text_encoder=text_encoder)
 
     TinyPipeline(transformer=tm.randomize(tm.qwen()), text_encoder=tm.randomize(tm.llama())).save_pretrained(
-        str(tmp_path / "pipe"))
+        str(tmp_path / "pipe")
+    )
     monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2")
-    ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1,
-                            "bf16": {"enabled": True}})
+    ds = HfDeepSpeedConfig(
+        {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}}
+    )
     try:
         assert is_deepspeed_zero3_enabled()
         pipe = TinyPipeline.from_pretrained(tmp_path / "pipe")
@@ -412,8 +430,7 @@ def test_load_threads_share_the_nodes_cores_among_loading_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boundaries(ckpts, threads,
-                                                                                      monkeypatch):
+def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boundaries(ckpts, threads, monkeypatch):
     """Witness: safetensors' own safe_open, wrapped to record opens and closes. With a pool the
     next tensors are cast ahead across a shard boundary (no thread idles on a shard's last
     tensor), so two shards may be open at once, never more; each is opened once, all are closed.
@@ -484,8 +501,10 @@ def _resident_fraction(path, begin: int, end: int) -> float:
     import os
 
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype, libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long],
+    )
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     page = mmap.PAGESIZE
@@ -513,7 +532,8 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
 
     from safetensors.torch import save_file
 
-    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME
+    from accel_npu._torch.safetensors_io import open_checkpoint
     from accel_npu.plugins.loading.lazy import Readahead, _readahead_bytes
 
     fd = os.open(tmp_path, os.O_RDONLY)
@@ -522,8 +542,10 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
     if piece > (16 << 20):
         pytest.skip(f"this device reads {piece >> 20} MiB per request: too large to tell a window from one")
     nbytes = max(4 * piece, 32 << 20)
-    save_file({"a.weight": torch.ones(nbytes, dtype=torch.uint8), "b.weight": torch.ones(nbytes, dtype=torch.uint8)},
-              str(tmp_path / NAME))
+    save_file(
+        {"a.weight": torch.ones(nbytes, dtype=torch.uint8), "b.weight": torch.ones(nbytes, dtype=torch.uint8)},
+        str(tmp_path / NAME),
+    )
     path = str(tmp_path / NAME)
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
@@ -567,19 +589,24 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
         os.close(fd)
 
 
-@pytest.mark.parametrize("casting,device_readahead,past_window", [
-    (True, 2 << 20, False),    # a casting load on a device that reads far ahead: first window only
-    (True, 128 << 10, True),   # Linux's default readahead: the faults alone would read too little ahead
-    (False, 2 << 20, True),    # nothing to cast: reads bound the load, every window is requested
-])
+@pytest.mark.parametrize(
+    "casting,device_readahead,past_window",
+    [
+        (True, 2 << 20, False),  # a casting load on a device that reads far ahead: first window only
+        (True, 128 << 10, True),  # Linux's default readahead: the faults alone would read too little ahead
+        (False, 2 << 20, True),  # nothing to cast: reads bound the load, every window is requested
+    ],
+)
 def test_a_casting_readahead_leaves_what_lies_past_its_first_window_to_the_faults(
-        tmp_path, monkeypatch, casting, device_readahead, past_window):
+    tmp_path, monkeypatch, casting, device_readahead, past_window
+):
     """Witness: the posix_fadvise calls themselves (offset, length), recorded at the os module."""
     import os
 
     from safetensors.torch import save_file
 
-    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME
+    from accel_npu._torch.safetensors_io import open_checkpoint
     from accel_npu.plugins.loading import lazy
 
     size = 1 << 20
@@ -612,11 +639,17 @@ def test_a_load_reads_as_a_cast_only_when_most_of_its_bytes_are_cast(tmp_path, m
     load: the reads bound it, so the readahead keeps its rolling window."""
     from safetensors.torch import save_file
 
-    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME, open_checkpoint
+    from accel_npu._torch.safetensors_io import DIFFUSERS_WEIGHTS as NAME
+    from accel_npu._torch.safetensors_io import open_checkpoint
     from accel_npu.plugins.loading import prefetch
 
-    save_file({"big.weight": torch.ones(1 << 20, dtype=torch.bfloat16),
-               "norm.weight": torch.ones(1024, dtype=torch.bfloat16)}, str(tmp_path / NAME))
+    save_file(
+        {
+            "big.weight": torch.ones(1 << 20, dtype=torch.bfloat16),
+            "norm.weight": torch.ones(1024, dtype=torch.bfloat16),
+        },
+        str(tmp_path / NAME),
+    )
     ckpt = open_checkpoint(str(tmp_path))
     made = []
 
@@ -776,10 +809,11 @@ def test_a_failed_prefetch_cast_is_read_again(ckpts, monkeypatch):
 def test_a_piece_that_fails_mid_tensor_fails_that_tensor_only(ckpts, monkeypatch):
     # pieces of 1 KiB, one thread; the second copy fails: the tensors it held fail (the placement reads
     # them again), the rest of a split tensor is skipped, and every other tensor is the file's, cast
+    from safetensors import safe_open
+
     from accel_npu._torch.safetensors_io import open_checkpoint, validate
     from accel_npu.plugins.loading import prefetch
     from accel_npu.plugins.loading.lazy import Readahead, _OpenShards
-    from safetensors import safe_open
 
     monkeypatch.setattr(prefetch, "PIECE_BYTES", 1024)
     ckpt = open_checkpoint(str(ckpts["qwen"]))
@@ -835,12 +869,15 @@ def test_prefault_makes_fresh_pages_resident():
     assert _rss_anon() - before > 0.9 * nbytes
 
 
-@pytest.mark.parametrize("shape, stored, wanted", [
-    ((3000, 1000), torch.bfloat16, torch.float32),    # pieces of PREFAULT_BYTES and a short last one
-    ((1001, 999), torch.float16, torch.float32),      # a size no page divides
-    ((7,), torch.bfloat16, torch.float32),            # smaller than a piece: one copy
-    ((2048, 1024), torch.float32, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "shape, stored, wanted",
+    [
+        ((3000, 1000), torch.bfloat16, torch.float32),  # pieces of PREFAULT_BYTES and a short last one
+        ((1001, 999), torch.float16, torch.float32),  # a size no page divides
+        ((7,), torch.bfloat16, torch.float32),  # smaller than a piece: one copy
+        ((2048, 1024), torch.float32, torch.bfloat16),
+    ],
+)
 def test_to_fresh_is_to(shape, stored, wanted, monkeypatch):
     from accel_npu._torch import memory
 
@@ -924,12 +961,12 @@ def test_no_cyclic_collection_runs_while_the_model_is_built(ckpts, gc_every_allo
     events = gc_every_allocation
     _mark_construction(monkeypatch, events)
     ours = QWEN_CLS.from_pretrained(ckpts["qwen"])
-    built = events[events.index("init>"): events.index("init<")]
+    built = events[events.index("init>") : events.index("init<")]
     assert built == ["init>"], built[:5]
     assert gc.isenabled()
     del events[:]
     ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]))
-    built = events[events.index("init>"): events.index("init<")]
+    built = events[events.index("init>") : events.index("init<")]
     assert any(e.startswith("gc") for e in built), built[:5]
     monkeypatch.undo()
     assert_identical(ours, ref)

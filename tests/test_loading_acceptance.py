@@ -1,4 +1,5 @@
 """Issue 4 acceptance: real `accelerate launch` processes on CPU (tiny real models, no hub)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ sys.path.insert(0, str(SCRIPTS))
 @pytest.fixture(scope="module")
 def deep_qwen(tmp_path_factory):
     """A Qwen-Image-shaped DiT checkpoint (reduced width), 6 blocks, bf16, sharded with an index."""
-    import torch
     import tiny_models as tm
+    import torch
 
     path = tmp_path_factory.mktemp("accept") / "qwen6"
     tm.randomize(tm.qwen(num_layers=6)).to(torch.bfloat16).save_pretrained(str(path), max_shard_size="60KB")
@@ -29,11 +30,26 @@ def test_two_ranks_train_with_the_loss_of_one_rank(deep_qwen):
     """Field report 000's expectation, quick variant (benchmarks/loss_equality.py runs 100 steps):
     the unchanged script loads the whole model without torch_dtype and slices 2 blocks itself;
     ACCEL_NPU_TRUNCATE makes the load read only those 2 blocks and the slicing a no-op."""
+
     def launch(n):
         return accelerate_launch(
-            ["--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-             str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "8"],
-            env=base_env(ACCEL_NPU_TRUNCATE="QwenImageTransformer2DModel:2"), timeout=600)
+            [
+                "--num_processes",
+                str(n),
+                "--num_machines",
+                "1",
+                "--mixed_precision",
+                "no",
+                "--dynamo_backend",
+                "no",
+                str(SCRIPTS / "train_qwen_truncated.py"),
+                str(deep_qwen),
+                "--steps",
+                "8",
+            ],
+            env=base_env(ACCEL_NPU_TRUNCATE="QwenImageTransformer2DModel:2"),
+            timeout=600,
+        )
 
     runs = {}
     for n, proc in zip((1, 2), run_concurrently(lambda: launch(1), lambda: launch(2))):
@@ -58,10 +74,16 @@ DIFFUSERS_FROM_PRETRAINED = "diffusers.models.modeling_utils:ModelMixin.from_pre
 def _zero3_launch_config(directory: Path) -> Path:
     ds = directory / "ds_zero3_bf16.json"
     ds.write_text(json.dumps(zero_config(3, bf16=True)))
-    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
-           "deepspeed_config": {"deepspeed_config_file": str(ds), "zero3_init_flag": True},
-           "num_machines": 1, "num_processes": 1, "machine_rank": 0, "main_training_function": "main",
-           "use_cpu": False}
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": str(ds), "zero3_init_flag": True},
+        "num_machines": 1,
+        "num_processes": 1,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "use_cpu": False,
+    }
     path = directory / "zero3.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -77,8 +99,11 @@ def test_frozen_tower_loads_outside_zero_init(tmp_path):
     config = _zero3_launch_config(tmp_path)
     got = {}
     for label, disable in (("stock", "1"), ("ours", "0")):
-        proc = accelerate_launch(["--config_file", str(config), str(SCRIPTS / "load_frozen_towers.py"),
-                                  str(tmp_path / "llama")], env=base_env(ACCEL_NPU_DISABLE=disable), timeout=600)
+        proc = accelerate_launch(
+            ["--config_file", str(config), str(SCRIPTS / "load_frozen_towers.py"), str(tmp_path / "llama")],
+            env=base_env(ACCEL_NPU_DISABLE=disable),
+            timeout=600,
+        )
         assert proc.returncode == 0, explain(proc)
         got[label] = results(proc)[0]
     # stock: the "frozen" tower is partitioned by zero.Init and cast to the DS config's bf16
@@ -92,15 +117,22 @@ def test_frozen_tower_loads_outside_zero_init(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_vae(tmp_path_factory):
     """A small fp32 AutoencoderKL checkpoint (a pipeline's frozen VAE)."""
+    import tiny_models as tm
     import torch
     from diffusers import AutoencoderKL
-    import tiny_models as tm
 
     path = tmp_path_factory.mktemp("vae") / "vae"
     torch.manual_seed(0)
-    tm.randomize(AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                               up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
-                               layers_per_block=1)).save_pretrained(str(path))
+    tm.randomize(
+        AutoencoderKL(
+            block_out_channels=(8, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            latent_channels=4,
+            norm_num_groups=4,
+            layers_per_block=1,
+        )
+    ).save_pretrained(str(path))
     return path
 
 
@@ -115,11 +147,22 @@ def test_zero3_loads_straight_into_partitions_read_once(tmp_path, deep_qwen, tin
     prepare) is rebuilt whole, fp32, as stock. What each rank read is counted by the script itself
     (the tensors it takes out of the shards), not by accel-npu."""
     config = _zero3_launch_config(tmp_path)
-    args = ["--config_file", str(config), "--num_processes", "2", str(SCRIPTS / "train_qwen_truncated.py"),
-            str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)] + (["--vae-child"] if vae_child else [])
+    args = [
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        str(SCRIPTS / "train_qwen_truncated.py"),
+        str(deep_qwen),
+        "--steps",
+        "4",
+        "--vae",
+        str(tiny_vae),
+    ] + (["--vae-child"] if vae_child else [])
     labels = ("partitioned", {}), ("stock", {"ACCEL_NPU_DISABLED_PATCHES": DIFFUSERS_FROM_PRETRAINED})
-    procs = run_concurrently(*(lambda env=env: accelerate_launch(args, env=base_env(**env), timeout=600)
-                               for _, env in labels))
+    procs = run_concurrently(
+        *(lambda env=env: accelerate_launch(args, env=base_env(**env), timeout=600) for _, env in labels)
+    )
     runs = {}
     for (label, _), proc in zip(labels, procs):
         assert proc.returncode == 0, explain(proc)
@@ -152,11 +195,13 @@ def test_zero3_read_failure_on_rank0_fails_every_rank_clearly(tmp_path, deep_qwe
     """Rank 0 reads for everyone: if a shard breaks under it, the other ranks, waiting in the
     broadcast, get a LoadError too instead of hanging until the process-group timeout."""
     import shutil
+
     from tests.launch_utils import torchrun_launch
 
     ckpt = shutil.copytree(deep_qwen, tmp_path / "qwen6")
-    proc = torchrun_launch([str(SCRIPTS / "zero3_read_failure.py"), str(ckpt)],
-                           env=base_env(ACCELERATE_USE_DEEPSPEED="true"))
+    proc = torchrun_launch(
+        [str(SCRIPTS / "zero3_read_failure.py"), str(ckpt)], env=base_env(ACCELERATE_USE_DEEPSPEED="true")
+    )
     res = results(proc)
     assert [r["rank"] for r in res] == [0, 1], explain(proc)
     assert not res[0]["ok"] and "cannot open" in res[0]["error"] and str(ckpt) in res[0]["error"], res[0]
@@ -164,11 +209,22 @@ def test_zero3_read_failure_on_rank0_fails_every_rank_clearly(tmp_path, deep_qwe
 
 
 def _fsdp2_launch_config(directory: Path, efficient: bool) -> Path:
-    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP",
-           "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                           "fsdp_cpu_ram_efficient_loading": efficient, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                           "fsdp_reshard_after_forward": True},
-           "num_machines": 1, "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_cpu_ram_efficient_loading": efficient,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_reshard_after_forward": True,
+        },
+        "num_machines": 1,
+        "num_processes": 2,
+        "machine_rank": 0,
+        "mixed_precision": "no",
+        "use_cpu": False,
+    }
     path = directory / f"fsdp2_{'efficient' if efficient else 'every_rank'}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -184,15 +240,24 @@ def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen
     configs = {efficient: _fsdp2_launch_config(tmp_path, efficient) for efficient in (True, False)}
 
     def launch(efficient):
-        args = ["--config_file", str(configs[efficient]),
-                str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "4", "--vae", str(tiny_vae)]
+        args = [
+            "--config_file",
+            str(configs[efficient]),
+            str(SCRIPTS / "train_qwen_truncated.py"),
+            str(deep_qwen),
+            "--steps",
+            "4",
+            "--vae",
+            str(tiny_vae),
+        ]
         return accelerate_launch(args, timeout=600)
 
     # stock diffusers ignores the setting: rank 1 reads the checkpoint too
     stock_launch = lambda: accelerate_launch(  # noqa: E731
-        ["--config_file", str(configs[True]), str(SCRIPTS / "train_qwen_truncated.py"),
-         str(deep_qwen), "--steps", "1"], env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED),
-        timeout=600)
+        ["--config_file", str(configs[True]), str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "1"],
+        env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED),
+        timeout=600,
+    )
     efficient_run, every_run, stock = run_concurrently(lambda: launch(True), lambda: launch(False), stock_launch)
     runs = {}
     for efficient, proc in ((True, efficient_run), (False, every_run)):

@@ -4,6 +4,7 @@ gives it (kandinsky2_2 train_text_to_image_prior.py: ``clip_mean = prior.clip_me
 
 The partitions are DeepSpeed's shape: a Parameter marked ``ds_id`` whose data is empty; the rebuild
 loads the whole model as ``load_whole`` returns it. No process group, no DeepSpeed engine."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Issue 4, staggered materialization: node-local load slots held with OS file locks."""
+
 from __future__ import annotations
 
 import os
@@ -45,11 +46,12 @@ def test_malloc_trim_gives_freed_heap_back_to_the_os(tmp_path):
         "from accel_npu._torch.memory import malloc_trim\n"
         "def rss():\n"
         "    return int(next(l for l in open('/proc/self/status') if l.startswith('RssAnon')).split()[1]) // 1024\n"
-        "blocks = [bytearray(4096) for _ in range(50_000)]\n"   # 200 MB of heap (below the mmap threshold)
-        "keep = bytearray(4096)\n"                               # a live heap block above them
+        "blocks = [bytearray(4096) for _ in range(50_000)]\n"  # 200 MB of heap (below the mmap threshold)
+        "keep = bytearray(4096)\n"  # a live heap block above them
         "full = rss(); del blocks; gc.collect(); freed = rss()\n"
         "trimmed = malloc_trim(); after = rss()\n"
-        "print('RESULT', full, freed, after, trimmed)\n")
+        "print('RESULT', full, freed, after, trimmed)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     full, freed, after, trimmed = proc.stdout.split("RESULT ")[1].split()
     assert int(full) - int(freed) < 50, "glibc kept the freed blocks (the reason for malloc_trim)"
@@ -64,8 +66,9 @@ def test_slots_serialize_within_a_process(monkeypatch, tmp_path):
         assert held == 0
         with load_slot(1, slots=1, timeout=0.3) as nested:  # a nested load does not deadlock
             assert nested is None
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env={**os.environ, "RANK": "0"},
-                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], env={**os.environ, "RANK": "0"}, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         assert holder.stdout.readline().strip() == "HOLDING"
         with pytest.raises(LoadSlotTimeout, match=rf"rank 0 \(pid {holder.pid} .*holding for"):
@@ -103,19 +106,41 @@ HOLDER = (
 @pytest.mark.slow
 def test_sigkilled_holder_releases_its_slot(tmp_path, qwen_ckpt):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
-    env.update(OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
-               ACCEL_NPU_LOAD_SLOTS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env={**env, "RANK": "0", "LOCAL_RANK": "0"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    env.update(
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmp_path),
+        TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
+        ACCEL_NPU_LOAD_SLOTS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER],
+        env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         assert holder.stdout.readline().strip() == "HOLDING"
         # two more ranks start loading: one gives up after 2 s, one waits up to 120 s
-        waiter = subprocess.Popen([sys.executable, str(SCRIPTS / "load_qwen.py"), str(qwen_ckpt)],
-                                  env={**env, "RANK": "2", "LOCAL_RANK": "2", "ACCEL_NPU_LOAD_TIMEOUT": "120"},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-        short = subprocess.run([sys.executable, str(SCRIPTS / "load_qwen.py"), str(qwen_ckpt)],
-                               env={**env, "RANK": "1", "LOCAL_RANK": "1", "ACCEL_NPU_LOAD_TIMEOUT": "2"},
-                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        waiter = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "load_qwen.py"), str(qwen_ckpt)],
+            env={**env, "RANK": "2", "LOCAL_RANK": "2", "ACCEL_NPU_LOAD_TIMEOUT": "120"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        short = subprocess.run(
+            [sys.executable, str(SCRIPTS / "load_qwen.py"), str(qwen_ckpt)],
+            env={**env, "RANK": "1", "LOCAL_RANK": "1", "ACCEL_NPU_LOAD_TIMEOUT": "2"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         # a rank that waits longer than the timeout fails, naming the holder
         assert short.returncode != 0
         assert f"rank 0 (pid {holder.pid}" in short.stderr and "LoadSlotTimeout" in short.stderr, short.stderr[-3000:]

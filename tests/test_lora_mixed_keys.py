@@ -8,6 +8,7 @@ when the first key is old-style (diffusers #14548), and the file's first key is 
 the attention layers are never injected. In-process, stock = ``tests.inprocess.stock()`` (every patch
 removed). Witness: the LoRA tensors the loaded UNet holds, against the trained model's peft state dict.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,22 @@ import accel_npu
 from tests.inprocess import stock
 
 # train_lcm_distill_lora_sdxl.py's default --lora_target_modules (lines 855-870)
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2", "conv1", "conv2",
-           "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj"]
+TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "proj_in",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "conv1",
+    "conv2",
+    "conv_shortcut",
+    "downsamplers.0.conv",
+    "upsamplers.0.conv",
+    "time_emb_proj",
+]
 
 
 def _unet():
@@ -27,22 +42,35 @@ def _unet():
 
     torch.manual_seed(0)
     return UNet2DConditionModel(
-        block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-        addition_time_embed_dim=8, transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=8)
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 1),
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=8,
+    )
 
 
 def _loaded(directory) -> dict:
     """{peft key without the adapter name: tensor} of the LoRA a fresh pipeline's load_lora_weights(dir) holds."""
     from diffusers import StableDiffusionXLPipeline
 
-    pipe = StableDiffusionXLPipeline(vae=None, text_encoder=None, text_encoder_2=None, tokenizer=None,
-                                     tokenizer_2=None, unet=_unet(), scheduler=None)
+    pipe = StableDiffusionXLPipeline(
+        vae=None, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None, unet=_unet(), scheduler=None
+    )
     pipe.load_lora_weights(str(directory))
-    return {k.replace(".default_0.weight", ".weight"): v.clone()
-            for k, v in pipe.unet.state_dict().items() if ".lora_" in k}
+    return {
+        k.replace(".default_0.weight", ".weight"): v.clone() for k, v in pipe.unet.state_dict().items() if ".lora_" in k
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +93,8 @@ def saved(tmp_path_factory):
     trained = {k: v.detach().clone() for k, v in get_peft_model_state_dict(unet).items()}
     directory = tmp_path_factory.mktemp("lcm_lora")
     StableDiffusionXLPipeline.save_lora_weights(
-        str(directory), unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)))
+        str(directory), unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    )
     with safe_open(str(directory / "pytorch_lora_weights.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     old = [k for k in keys if ".lora.down." in k or ".lora.up." in k]
@@ -109,6 +138,9 @@ def test_a_state_dict_stock_reads_whole_is_passed_as_it_is():
     assert adapter_keys(old_first, "unet") is None  # stock converts every key itself
     # another component's keys: not the model's to convert, kept as they are
     mixed = {"unet.a.conv1.lora_A.weight": t, "unet.a.to_k.lora.down.weight": t, "text_encoder.q.lora.down.weight": t}
-    assert adapter_keys(mixed, "unet") == {"unet.a.conv1.lora_A.weight": t, "unet.a.to_k.lora_A.weight": t,
-                                           "text_encoder.q.lora.down.weight": t}
+    assert adapter_keys(mixed, "unet") == {
+        "unet.a.conv1.lora_A.weight": t,
+        "unet.a.to_k.lora_A.weight": t,
+        "text_encoder.q.lora.down.weight": t,
+    }
     assert adapter_keys(mixed, "transformer") is None

@@ -19,13 +19,13 @@ ACCEL_NPU_DISABLED_PATCHES would (the rest of accel-npu hands the sd15 hook its 
 own fp32 master (``deepspeed.utils.safe_get_full_fp32_param``), the parameter objects, the optimizer's
 parameter groups, and a training step after the resume.
 """
+
 from __future__ import annotations
 
 import os
 
 import pytest
 
-import accel_npu
 from tests.inprocess import without
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1"]
@@ -42,8 +42,12 @@ def accelerator_factory(monkeypatch):
         from accelerate.utils import DeepSpeedPlugin
 
         zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
-        config = {"zero_optimization": zero, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
-                  "gradient_accumulation_steps": 1}
+        config = {
+            "zero_optimization": zero,
+            "bf16": {"enabled": True},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+        }
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
         if made:  # a new launch: accelerate's process-wide state starts afresh
             from accelerate.state import AcceleratorState, GradientState
@@ -63,9 +67,17 @@ def _unet():
 
     torch.manual_seed(0)
     return UNet2DConditionModel(  # tests/scripts/tiny_sd_family.py's
-        block_out_channels=(16,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+        block_out_channels=(16,),
+        layers_per_block=1,
+        sample_size=4,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
 
 
 def _lcm_hooks(accelerator, unet):
@@ -108,8 +120,9 @@ def _sd15_hooks(accelerator, unet):
                 else:
                     raise ValueError(f"unexpected save model: {model.__class__}")
                 weights.pop()
-            StableDiffusionPipeline.save_lora_weights(output_dir, unet_lora_layers=unet_lora_layers_to_save,
-                                                      text_encoder_lora_layers=None)
+            StableDiffusionPipeline.save_lora_weights(
+                output_dir, unet_lora_layers=unet_lora_layers_to_save, text_encoder_lora_layers=None
+            )
 
     def load_model_hook(models, input_dir):
         unet_ = None
@@ -128,7 +141,8 @@ def _sd15_hooks(accelerator, unet):
         StableDiffusionLoraLoaderMixin.load_lora_into_unet(lora_state_dict, network_alphas=network_alphas, unet=unet_)
         text_encoder_state_dict = {k: v for k, v in lora_state_dict.items() if "text_encoder." in k}
         StableDiffusionLoraLoaderMixin.load_lora_into_text_encoder(
-            text_encoder_state_dict, network_alphas=network_alphas, text_encoder=text_encoder_one_)
+            text_encoder_state_dict, network_alphas=network_alphas, text_encoder=text_encoder_one_
+        )
 
     return save_model_hook, load_model_hook
 
@@ -185,7 +199,8 @@ def _prepared(make, stage, script):
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("script", ["lcm", "sd15_advanced"])
 def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_parameters(
-        accelerator_factory, tmp_path, stage, script):
+    accelerator_factory, tmp_path, stage, script
+):
     """Each launch of the script as a fresh Accelerator and engine: the first trains 2 steps and saves, the
     resumed one loads (ours), the stock one loads with the patch off."""
     import torch
@@ -231,8 +246,13 @@ def test_a_load_hook_that_loads_the_lora_again_resumes_into_the_engines_paramete
         assert len(module.peft_config) == 2 and len(_lora(module)) == 2 * len(lora)
     # ZeRO-2: no gradient hook on the new parameters, an empty bucket; ZeRO-3: parameters it never partitioned
     # (the launches' "no attribute 'ds_status'" / "'ds_active_sub_modules'"; here the backward of a shape-[0] one)
-    expected = (IndexError, "list index out of range") if stage == 2 else (
-        (AttributeError, RuntimeError), "'Parameter' object has no attribute 'ds_|invalid gradient .* expected shape "
-                                        "compatible with \\[0\\]")
+    expected = (
+        (IndexError, "list index out of range")
+        if stage == 2
+        else (
+            (AttributeError, RuntimeError),
+            "'Parameter' object has no attribute 'ds_|invalid gradient .* expected shape compatible with \\[0\\]",
+        )
+    )
     with pytest.raises(expected[0], match=expected[1]):
         _step(accelerator, engine, optimizer, 4)

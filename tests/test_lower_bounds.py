@@ -7,6 +7,7 @@ torch is CI's own (2.13.0, the CPU build this machine has on disk): the lower se
 the registry only as a CUDA build (about 6 GB installed), which ``nox -s lower`` installs; its row in
 benchmarks/results/versions.md is the torch floor's evidence. Everything else is the set's pins.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from tests.launch_utils import REPO, base_env, explain, source_tree
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import versions as matrix  # noqa: E402  (benchmarks/versions.py: the version sets, standard library only)
+import versions as matrix  # benchmarks/versions.py: the version sets, standard library only
 
 pytestmark = pytest.mark.slow
 
@@ -39,25 +40,61 @@ def lower_venv(tmp_path_factory):
     # --no-compile: modules are byte-compiled when first imported; pip would compile every module it installs
     # (transformers and diffusers alone: about 20 s of CPU), most of which no test imports
     pip = [str(py), "-m", "pip", "install", "-q", "--no-compile"]
-    steps = [[*pip, "setuptools", "wheel", f"torch=={_torch_here()}"],
-             # non-editable, the set's pins in one resolve (deepspeed's sdist imports torch in its setup.py)
-             [*pip, "--no-build-isolation", f"torch=={_torch_here()}", str(root / "src"),
-              "matplotlib", "pytest", "pytest-timeout", "decord==0.6.0", *pins]]  # README installs matplotlib too
+    steps = [
+        [*pip, "setuptools", "wheel", f"torch=={_torch_here()}"],
+        # non-editable, the set's pins in one resolve (deepspeed's sdist imports torch in its setup.py)
+        [
+            *pip,
+            "--no-build-isolation",
+            f"torch=={_torch_here()}",
+            str(root / "src"),
+            "matplotlib",
+            "pytest",
+            "pytest-timeout",
+            "decord==0.6.0",
+            *pins,
+        ],
+    ]  # README installs matplotlib too
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=root)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    found = subprocess.run([str(py), "-c", "import importlib.metadata as m, sys\n"
-                                           "for d in sys.argv[1:]: print(d, m.version(d))",
-                            *(p.split("==")[0] for p in pins)], capture_output=True, text=True, check=True).stdout
+    found = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import importlib.metadata as m, sys\nfor d in sys.argv[1:]: print(d, m.version(d))",
+            *(p.split("==")[0] for p in pins),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert sorted(found.split("\n")[:-1]) == sorted(p.replace("==", " ") for p in pins), found
     return root
 
 
 def test_lifecycle_and_import_order_at_the_lower_bounds(lower_venv):
     py = lower_venv / "venv" / "bin" / "python"
-    proc = subprocess.run([str(py), "-m", "pytest", "-q", "--runslow", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "tests/test_patch_lifecycle.py", "tests/test_import_order.py"],
-                          cwd=lower_venv / "src", env=base_env(), capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pytest",
+            "-q",
+            "--runslow",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "tests/test_patch_lifecycle.py",
+            "tests/test_import_order.py",
+        ],
+        cwd=lower_venv / "src",
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:]
 
 
@@ -65,21 +102,44 @@ def test_readme_main_job_at_the_lower_bounds(lower_venv):
     bin_dir = lower_venv / "venv" / "bin"
     out = lower_venv / "main_job"
     env = base_env(PATH=f"{bin_dir}:{base_env().get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
-    proc = subprocess.run([str(bin_dir / "accelerate"), "launch", "--config_file", "launch_configs/cpu_zero3.yaml",
-                           "docs/examples/train_dit.py", "--output_dir", str(out / "out"), "--cache_dir",
-                           str(out / "cache")], cwd=lower_venv / "src", env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [
+            str(bin_dir / "accelerate"),
+            "launch",
+            "--config_file",
+            "launch_configs/cpu_zero3.yaml",
+            "docs/examples/train_dit.py",
+            "--output_dir",
+            str(out / "out"),
+            "--cache_dir",
+            str(out / "cache"),
+        ],
+        cwd=lower_venv / "src",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, explain(proc)
     # witnesses: the saved transformer loads with the lower set's diffusers, its weights moved from the initial ones
-    check = subprocess.run([str(bin_dir / "python"), "-c",
-                            "import sys, diffusers, torch\n"
-                            "from diffusers import QwenImageTransformer2DModel as T\n"
-                            "trained, initial = T.from_pretrained(sys.argv[1]), T.from_pretrained(sys.argv[2])\n"
-                            "moved = sum(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(),\n"
-                            "                                                  initial.state_dict().values()))\n"
-                            "print(diffusers.__version__, moved)",
-                            str(out / "out" / "transformer"), str(out / "cache" / "qwen-image" / "transformer")],
-                           env=env, capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [
+            str(bin_dir / "python"),
+            "-c",
+            "import sys, diffusers, torch\n"
+            "from diffusers import QwenImageTransformer2DModel as T\n"
+            "trained, initial = T.from_pretrained(sys.argv[1]), T.from_pretrained(sys.argv[2])\n"
+            "moved = sum(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(),\n"
+            "                                                  initial.state_dict().values()))\n"
+            "print(diffusers.__version__, moved)",
+            str(out / "out" / "transformer"),
+            str(out / "cache" / "qwen-image" / "transformer"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     version, moved = check.stdout.split()[-2:]
     assert version == "0.35.2" and int(moved) > 0, check.stdout

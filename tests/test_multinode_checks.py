@@ -3,6 +3,7 @@ read with CANN's syntax against this machine's interfaces, HCCL_IF_IP against it
 machine's rendezvous port, HCCL_CONNECT_TIMEOUT by job size, and the launch's shape from torch's
 LaunchConfig. Fast: no launch (tests/contract/test_npu_contract.py and
 tests/test_config_launch_configs.py launch)."""
+
 from __future__ import annotations
 
 import socket
@@ -13,16 +14,28 @@ from accel_npu._torch import nodes
 from accel_npu.plugins.devices.npu import multinode
 
 #: a 910B node: two NICs named as on Atlas 800T A2 servers, a docker bridge, an unaddressed virtual device
-NODE = {"lo": ["127.0.0.1"], "enp189s0f0": ["10.0.0.5"], "enp189s0f1": ["10.1.0.5"], "docker0": ["172.17.0.1"],
-        "ifb0": []}
+NODE = {
+    "lo": ["127.0.0.1"],
+    "enp189s0f0": ["10.0.0.5"],
+    "enp189s0f1": ["10.1.0.5"],
+    "docker0": ["172.17.0.1"],
+    "ifb0": [],
+}
 
 
-@pytest.mark.parametrize("value,usable", [
-    # CANN's HCCL_SOCKET_IFNAME forms (environment variable reference, envref_07_0075)
-    ("enp", ["enp189s0f0", "enp189s0f1"]), ("enp,docker", ["enp189s0f0", "enp189s0f1", "docker0"]),
-    ("=enp189s0f1", ["enp189s0f1"]), ("=enp189s0f", []), ("^enp,docker", ["lo", "ifb0"]),
-    ("^=enp189s0f0", ["lo", "enp189s0f1", "docker0", "ifb0"]), ("eth", []),
-])
+@pytest.mark.parametrize(
+    "value,usable",
+    [
+        # CANN's HCCL_SOCKET_IFNAME forms (environment variable reference, envref_07_0075)
+        ("enp", ["enp189s0f0", "enp189s0f1"]),
+        ("enp,docker", ["enp189s0f0", "enp189s0f1", "docker0"]),
+        ("=enp189s0f1", ["enp189s0f1"]),
+        ("=enp189s0f", []),
+        ("^enp,docker", ["lo", "ifb0"]),
+        ("^=enp189s0f0", ["lo", "enp189s0f1", "docker0", "ifb0"]),
+        ("eth", []),
+    ],
+)
 def test_socket_ifname_is_read_with_cann_syntax(value, usable):
     assert nodes.usable_interfaces(value, list(NODE)) == usable
     assert (multinode.socket_ifname_problem(value, NODE) is None) == bool(usable)
@@ -38,8 +51,9 @@ def test_a_name_from_another_machine_gets_the_prefix_that_matches_both():
     assert multinode.socket_ifname_problem("enp", NODE) is None
     assert nodes.usable_interfaces("enp", ["lo", "enp61s0f0"]) == ["enp61s0f0"]
     # nothing in common: the addressed interface's stem, never the loopback or an unaddressed device
-    assert "e.g. HCCL_SOCKET_IFNAME=enp)" in multinode.socket_ifname_problem("ib", {"lo": ["127.0.0.1"], "ifb0": [],
-                                                                                      "enp1s0": ["10.0.0.5"]})
+    assert "e.g. HCCL_SOCKET_IFNAME=enp)" in multinode.socket_ifname_problem(
+        "ib", {"lo": ["127.0.0.1"], "ifb0": [], "enp1s0": ["10.0.0.5"]}
+    )
     assert "names no interface" in multinode.socket_ifname_problem("^", NODE)
     assert "excludes every interface of this machine" in multinode.socket_ifname_problem("^enp,docker,lo,ifb", NODE)
 
@@ -60,8 +74,9 @@ def test_interfaces_are_the_kernels():
     assert "127.0.0.1" in nodes.interface_addresses()["lo"]
 
 
-@pytest.mark.parametrize("world,seconds", [(2, 1200), (5000, 1200), (8333, 1200), (10000, 1500), (40000, 6900),
-                                           (10 ** 6, 7200)])
+@pytest.mark.parametrize(
+    "world,seconds", [(2, 1200), (5000, 1200), (8333, 1200), (10000, 1500), (40000, 6900), (10**6, 7200)]
+)
 def test_connect_timeout_grows_with_the_job_past_the_default(world, seconds):
     # the HCCL test guide's two points (240 s at 3K cards, 600 s at 5K) lie on the line used
     assert multinode.connect_timeout_for(world) == seconds
@@ -80,9 +95,11 @@ def test_the_main_machine_port_is_checked_only_where_the_store_is_hosted():
         main = nodes.Nodes(count=2, rank=0, world_size=2, master_addr="127.0.0.1", master_port=port)
         problem = main_port_problem(main)
         assert f"port {port} (--main_process_port, torchrun --master_port), and that port is already in use" in problem
-        for fine in (nodes.Nodes(count=2, rank=1, world_size=2, master_port=port),   # a client only
-                     nodes.Nodes(count=1, rank=0, world_size=2, master_port=port),   # one machine: torch's own check
-                     nodes.Nodes(count=2, rank=None, world_size=2, master_port=port, rdzv_backend="c10d")):
+        for fine in (
+            nodes.Nodes(count=2, rank=1, world_size=2, master_port=port),  # a client only
+            nodes.Nodes(count=1, rank=0, world_size=2, master_port=port),  # one machine: torch's own check
+            nodes.Nodes(count=2, rank=None, world_size=2, master_port=port, rdzv_backend="c10d"),
+        ):
             assert main_port_problem(fine) is None
     finally:
         held.close()
@@ -92,11 +109,19 @@ def test_the_main_machine_port_is_checked_only_where_the_store_is_hosted():
 def test_the_launch_shape_comes_from_torchs_launch_config():
     from torch.distributed.launcher.api import LaunchConfig
 
-    config = LaunchConfig(min_nodes=2, max_nodes=2, nproc_per_node=8, rdzv_backend="static",
-                          rdzv_endpoint="10.0.0.1:29500", rdzv_configs={"rank": 1})
-    assert nodes.nodes_of(config) == nodes.Nodes(count=2, rank=1, world_size=16, master_addr="10.0.0.1",
-                                                 master_port=29500, rdzv_backend="static")
-    elastic = LaunchConfig(min_nodes=1, max_nodes=4, nproc_per_node=2, rdzv_backend="c10d",
-                           rdzv_endpoint="[fd00::1]:29400")
+    config = LaunchConfig(
+        min_nodes=2,
+        max_nodes=2,
+        nproc_per_node=8,
+        rdzv_backend="static",
+        rdzv_endpoint="10.0.0.1:29500",
+        rdzv_configs={"rank": 1},
+    )
+    assert nodes.nodes_of(config) == nodes.Nodes(
+        count=2, rank=1, world_size=16, master_addr="10.0.0.1", master_port=29500, rdzv_backend="static"
+    )
+    elastic = LaunchConfig(
+        min_nodes=1, max_nodes=4, nproc_per_node=2, rdzv_backend="c10d", rdzv_endpoint="[fd00::1]:29400"
+    )
     shape = nodes.nodes_of(elastic)
     assert (shape.rank, shape.master_addr, shape.master_port, shape.hosts_the_store) == (None, "fd00::1", 29400, False)

@@ -13,6 +13,7 @@ rank calls save_state), written to a temporary directory: unchanged, these scrip
 own zero_to_fp32 of each checkpoint (fp32 master weights), safetensors files opened here, and the
 pipeline's ``load_lora_weights``. Stock halves use ACCEL_NPU_DISABLED_PATCHES, as the upstream tests do.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import (BIN, OFFICIAL_EXAMPLES, OFFICIAL_MATRIX, OFFICIAL_MATRIX_REASON, REPO, SCRIPTS, base_env,
-                                free_port, one_rank_deepspeed_group, shipped_zero_configs)
+from tests.launch_utils import (
+    BIN,
+    OFFICIAL_EXAMPLES,
+    OFFICIAL_MATRIX,
+    OFFICIAL_MATRIX_REASON,
+    REPO,
+    SCRIPTS,
+    base_env,
+    free_port,
+    one_rank_deepspeed_group,
+    shipped_zero_configs,
+)
 from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
 
 sys.path.insert(0, str(SCRIPTS))
@@ -48,9 +59,12 @@ def zero3_engine():
         with one_rank_deepspeed_group(mp):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-            config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                      "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+            config = {
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            }
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
             yield engine
     finally:
@@ -175,11 +189,24 @@ def test_models_loaded_while_a_deepspeed_engine_lives_are_built_whole(zero3_engi
 
     torch.manual_seed(0)
     AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4).save_pretrained(tmp_path / "vae")
-    CLIPTextModel(CLIPTextConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, max_position_embeddings=8)).save_pretrained(tmp_path / "te")
-    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                                           "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
-                             zero3_init_flag=True)
+    CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=8,
+        )
+    ).save_pretrained(tmp_path / "te")
+    plugin = DeepSpeedPlugin(
+        hf_ds_config={
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+        },
+        zero3_init_flag=True,
+    )
     plugin.set_deepspeed_weakref()  # what DeepSpeedPlugin.select() does
 
     def partitioned():
@@ -209,13 +236,18 @@ def test_models_loaded_while_a_deepspeed_engine_lives_are_built_whole(zero3_engi
 SCRIPTS_RUN = {"sana": "train_dreambooth_lora_sana.py", "sdxl": "train_dreambooth_lora_sdxl.py"}
 STEPS = 4
 MISUSE_TIMEOUT_S = 15
-STOCK_TOWERS = ",".join([  # accel-npu's loads: without them transformers builds the text encoders partitioned
-    "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
-    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
-    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained"])
+STOCK_TOWERS = ",".join(
+    [  # accel-npu's loads: without them transformers builds the text encoders partitioned
+        "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+        "transformers.modeling_utils:PreTrainedModel.from_pretrained",
+        "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
+    ]
+)
 STOCK_HOOKS = "accelerate.accelerator:Accelerator.save_state,accelerate.accelerator:Accelerator.load_state"
-STOCK_SDXL_TOWER_ERROR = ("ValueError: Sequence length must be less than max_position_embeddings (got `sequence length`: "
-                          "16 and max_position_embeddings: 0")  # transformers' CLIP embeddings, partitioned
+STOCK_SDXL_TOWER_ERROR = (
+    "ValueError: Sequence length must be less than max_position_embeddings (got `sequence length`: "
+    "16 and max_position_embeddings: 0"
+)  # transformers' CLIP embeddings, partitioned
 
 
 def _script(name: str) -> Path:
@@ -229,18 +261,45 @@ def _line_of(name: str, text: str, after: int = 0) -> int:
 class Launch(StreamedLaunch):
     """One ``accelerate launch`` of a DreamBooth LoRA script with this file's arguments."""
 
-    def __init__(self, work: Path, name: str, config: Path, out: Path, steps: int, extra=(), env=None,
-                 script: Path | None = None):
-        args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
-                str(config), str(script or _script(name)), "--pretrained_model_name_or_path", str(work / name),
-                "--instance_data_dir", str(work / "images"), "--instance_prompt", "a photo of sks dog",
-                "--output_dir", str(out), "--resolution", "16", "--train_batch_size", "1",
-                "--max_train_steps", str(steps), "--rank", "4", "--seed", "0", "--learning_rate", "1e-2",
-                "--dataloader_num_workers", "0", *(["--max_sequence_length", "16"] if name == "sana" else []),
-                *extra]
+    def __init__(
+        self, work: Path, name: str, config: Path, out: Path, steps: int, extra=(), env=None, script: Path | None = None
+    ):
+        args = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--main_process_port",
+            str(free_port()),
+            "--config_file",
+            str(config),
+            str(script or _script(name)),
+            "--pretrained_model_name_or_path",
+            str(work / name),
+            "--instance_data_dir",
+            str(work / "images"),
+            "--instance_prompt",
+            "a photo of sks dog",
+            "--output_dir",
+            str(out),
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "1",
+            "--max_train_steps",
+            str(steps),
+            "--rank",
+            "4",
+            "--seed",
+            "0",
+            "--learning_rate",
+            "1e-2",
+            "--dataloader_num_workers",
+            "0",
+            *(["--max_sequence_length", "16"] if name == "sana" else []),
+            *extra,
+        ]
         super().__init__(args, env, work, steps, out)
 
-    def wait(self, timeout: float = 600) -> "Launch":
+    def wait(self, timeout: float = 600) -> Launch:
         return super().wait(timeout)
 
 
@@ -250,10 +309,22 @@ def runs(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("sana_sdxl")
     for name in SCRIPTS_RUN:
-        subprocess.run([sys.executable, str(SCRIPTS / "tiny_sana_sdxl.py"), name, str(work / name)], check=True,
-                       capture_output=True, timeout=300, env=base_env(), cwd=SCRIPTS)
-    subprocess.run([sys.executable, "-c", f"import tiny_models; tiny_models.dreambooth_images({str(work / 'images')!r})"],
-                   check=True, capture_output=True, timeout=120, env=base_env(), cwd=SCRIPTS)
+        subprocess.run(
+            [sys.executable, str(SCRIPTS / "tiny_sana_sdxl.py"), name, str(work / name)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+            env=base_env(),
+            cwd=SCRIPTS,
+        )
+    subprocess.run(
+        [sys.executable, "-c", f"import tiny_models; tiny_models.dreambooth_images({str(work / 'images')!r})"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        env=base_env(),
+        cwd=SCRIPTS,
+    )
     cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env())
     fixed = {name: fixed_copy(_script(name), work) for name in SCRIPTS_RUN}
@@ -264,30 +335,61 @@ def runs(tmp_path_factory):
     quick = dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S))
     wave = {}
     for name in SCRIPTS_RUN:
-        wave[f"misuse_{name}"] = Launch(work, name, cfg["zero3_t0"], work / f"misuse_{name}", STEPS,
-                                        ["--checkpointing_steps", "2"], quick)
-        wave[f"stock_towers_{name}"] = Launch(work, name, cfg["zero3_t0"], work / f"stock_towers_{name}", STEPS,
-                                              ["--checkpointing_steps", "2"],
-                                              dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_TOWERS))
+        wave[f"misuse_{name}"] = Launch(
+            work, name, cfg["zero3_t0"], work / f"misuse_{name}", STEPS, ["--checkpointing_steps", "2"], quick
+        )
+        wave[f"stock_towers_{name}"] = Launch(
+            work,
+            name,
+            cfg["zero3_t0"],
+            work / f"stock_towers_{name}",
+            STEPS,
+            ["--checkpointing_steps", "2"],
+            dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_TOWERS),
+        )
     r.update({k: v.wait() for k, v in wave.items()})
     # wave 2: the fixed scripts, checkpoints at 2 and 4 (and stock's save hook on the fixed Sana script)
     wave = {}
     for name in SCRIPTS_RUN:
         for label in ("zero2", "zero3_t0"):
-            wave[f"{name}_{label}"] = Launch(work, name, cfg[label], work / f"{name}_{label}", STEPS,
-                                             ["--checkpointing_steps", "2"], env, fixed[name])
+            wave[f"{name}_{label}"] = Launch(
+                work,
+                name,
+                cfg[label],
+                work / f"{name}_{label}",
+                STEPS,
+                ["--checkpointing_steps", "2"],
+                env,
+                fixed[name],
+            )
     r.update({k: v.wait() for k, v in wave.items()})
     # wave 3: --resume_from_checkpoint latest (checkpoint-4), 2 more steps, final save; and stock's save
     # hooks on the fixed scripts (ZeRO-2: they get the DeepSpeed engine at the first checkpoint)
-    wave = {f"stock_hooks_{name}": Launch(work, name, cfg["zero2"], work / f"stock_hooks_{name}", STEPS,
-                                          ["--checkpointing_steps", "2"],
-                                          dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_HOOKS), fixed[name])
-            for name in SCRIPTS_RUN}
+    wave = {
+        f"stock_hooks_{name}": Launch(
+            work,
+            name,
+            cfg["zero2"],
+            work / f"stock_hooks_{name}",
+            STEPS,
+            ["--checkpointing_steps", "2"],
+            dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_HOOKS),
+            fixed[name],
+        )
+        for name in SCRIPTS_RUN
+    }
     for name in SCRIPTS_RUN:
         for label in ("zero2", "zero3_t0"):
             wave[f"{name}_{label}_resumed"] = Launch(
-                work, name, cfg[label], work / f"{name}_{label}", STEPS + 2,
-                ["--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"], env, fixed[name])
+                work,
+                name,
+                cfg[label],
+                work / f"{name}_{label}",
+                STEPS + 2,
+                ["--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"],
+                env,
+                fixed[name],
+            )
     r.update({k: v.wait() for k, v in wave.items()})
     r["seconds"] = time.monotonic() - t0
     print(f"official sana/sdxl launches: {r['seconds']:.0f} s")
@@ -307,7 +409,8 @@ def _equal_in(saved: dict, master: dict) -> bool:
 
     return saved.keys() == master.keys() and all(
         v.shape == master[k].shape and torch.equal(v, master[k].to(torch.bfloat16).to(v.dtype))
-        for k, v in saved.items())
+        for k, v in saved.items()
+    )
 
 
 def needs_examples(test):
@@ -332,8 +435,10 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
         assert MISUSE_TIMEOUT_S <= error_after < MISUSE_TIMEOUT_S + 30 and ended_after < 60, run.explain()
         line = _line_of(name, "accelerator.save_state(save_path)")
         guard = _line_of(name, "if global_step % args.checkpointing_steps == 0:") - 1
-        assert f"{_script(name)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` " \
-               f"(line {guard})" in run.output, run.explain()
+        assert (
+            f"{_script(name)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` "
+            f"(line {guard})" in run.output
+        ), run.explain()
         assert run.output.count("CollectiveMisuseError: ") == 1, run.explain()
         assert not [d for d in os.listdir(run.out) if "checkpoint-" in d], os.listdir(run.out)
 
@@ -349,8 +454,9 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
     for name in SCRIPTS_RUN:
         stock = runs[f"stock_hooks_{name}"]
         assert stock.proc.returncode not in (0, None), stock.explain()
-        assert "ValueError: unexpected save model: <class 'deepspeed.runtime.engine.DeepSpeedEngine'>" \
-            in stock.output, stock.explain()
+        assert (
+            "ValueError: unexpected save model: <class 'deepspeed.runtime.engine.DeepSpeedEngine'>" in stock.output
+        ), stock.explain()
 
     # 4. the fixed scripts: checkpoints at 2 and 4, resume from latest (checkpoint-4) to 6, final LoRA
     for name in SCRIPTS_RUN:
@@ -360,14 +466,20 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
             assert resumed.proc.returncode == 0, resumed.explain()
             assert "Resuming from checkpoint checkpoint-4" in resumed.output, resumed.explain()  # the script's print
             out = first.out
-            assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == \
-                ["checkpoint-2", "checkpoint-4", "checkpoint-6"], (name, label)
+            assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == [
+                "checkpoint-2",
+                "checkpoint-4",
+                "checkpoint-6",
+            ], (name, label)
             assert not [d for d in os.listdir(out) if d.startswith(".")], os.listdir(out)
             masters = {step: master_lora(out / f"checkpoint-{step}") for step in (2, 4, 6)}
             for step, master in masters.items():  # the script's save hook (rank 0) inside each checkpoint
                 assert len(master) >= 8, (name, label, step)
-                assert _equal_in(lora_file(out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors"),
-                                 master), (name, label, step)
+                assert _equal_in(lora_file(out / f"checkpoint-{step}" / "pytorch_lora_weights.safetensors"), master), (
+                    name,
+                    label,
+                    step,
+                )
             assert any(not torch.equal(masters[4][k], masters[6][k]) for k in masters[6])  # 5-6 trained on
             final = lora_file(out / "pytorch_lora_weights.safetensors")
             assert _equal_in(final, masters[6]), (name, label)
@@ -377,8 +489,11 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
             assert all(torch.equal(v, final[k].to(v.dtype)) for k, v in loaded.items()), (name, label)
 
     # 5. docs/compatibility.md says so
-    rows = {tuple(c.strip() for c in row.strip("|").split("|")[:2]): row for row in DOC.read_text().splitlines()
-            if row.startswith(("| `train_dreambooth_lora_sana.py`", "| `train_dreambooth_lora_sdxl.py`"))}
+    rows = {
+        tuple(c.strip() for c in row.strip("|").split("|")[:2]): row
+        for row in DOC.read_text().splitlines()
+        if row.startswith(("| `train_dreambooth_lora_sana.py`", "| `train_dreambooth_lora_sdxl.py`"))
+    }
     for name, script in SCRIPTS_RUN.items():
         for config in ("cpu_zero2", "ZeRO-3, threshold 0"):
             row = rows[(f"`{script}`", config)]

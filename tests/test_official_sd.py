@@ -30,6 +30,7 @@ a UNet loaded into ZeRO-3 partitions by accel-npu is whole fp32 (stock's) when t
 ``ControlNetModel.from_unet``), and a partitioned LoRA cast ``.to(torch.float32)`` on rank 0 is saved in
 fp32 (train_dreambooth_lora.py's final save).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,27 +42,44 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import (BIN, OFFICIAL_EXAMPLES, OFFICIAL_MATRIX, OFFICIAL_MATRIX_REASON, REPO, SCRIPTS,
-                                base_env, free_port, one_rank_deepspeed_group, select_zero3_plugin,
-                                shipped_zero_configs)
+from tests.launch_utils import (
+    BIN,
+    OFFICIAL_EXAMPLES,
+    OFFICIAL_MATRIX,
+    OFFICIAL_MATRIX_REASON,
+    REPO,
+    SCRIPTS,
+    base_env,
+    free_port,
+    one_rank_deepspeed_group,
+    select_zero3_plugin,
+    shipped_zero_configs,
+)
 
 EXAMPLES = str(OFFICIAL_EXAMPLES)
 DOC = REPO / "docs" / "compatibility.md"
 STEPS = 4
 MISUSE_TIMEOUT_S = 15
-SCRIPT = {"lora": "dreambooth/train_dreambooth_lora.py", "full": "dreambooth/train_dreambooth.py",
-          "controlnet": "controlnet/train_controlnet.py"}
+SCRIPT = {
+    "lora": "dreambooth/train_dreambooth_lora.py",
+    "full": "dreambooth/train_dreambooth.py",
+    "controlnet": "controlnet/train_controlnet.py",
+}
 # "stock" under ZeRO-3: diffusers/transformers loads and the saves as the libraries do them
-STOCK = ",".join([
-    "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
-    "diffusers.models.modeling_utils:get_parameter_dtype",
-    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
-    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
-    "diffusers.models.modeling_utils:ModelMixin.save_pretrained", "safetensors.torch:save_file",
-    "accelerate.state:PartialState.wait_for_everyone", "accelerate.accelerator:Accelerator.end_training",
-    "deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
-    "peft.utils.save_and_load:get_peft_model_state_dict"])
-
+STOCK = ",".join(
+    [
+        "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+        "diffusers.models.modeling_utils:get_parameter_dtype",
+        "transformers.modeling_utils:PreTrainedModel.from_pretrained",
+        "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
+        "diffusers.models.modeling_utils:ModelMixin.save_pretrained",
+        "safetensors.torch:save_file",
+        "accelerate.state:PartialState.wait_for_everyone",
+        "accelerate.accelerator:Accelerator.end_training",
+        "deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
+        "peft.utils.save_and_load:get_peft_model_state_dict",
+    ]
+)
 
 
 # CI's subset: none. Every launch here is the official matrix's (RUN_OFFICIAL_MATRIX=1): CI's 30-minute budget
@@ -86,8 +104,15 @@ def matrix_only(test):
 
 def kinds(ci: tuple = CI_KINDS):
     """The script kinds as parameters, those outside ``ci`` marked matrix-only."""
-    return [pytest.param(k) if k in ci else pytest.param(k, marks=[pytest.mark.official_matrix, pytest.mark.skipif(
-        not OFFICIAL_MATRIX, reason=OFFICIAL_MATRIX_REASON)]) for k in SCRIPT]
+    return [
+        pytest.param(k)
+        if k in ci
+        else pytest.param(
+            k,
+            marks=[pytest.mark.official_matrix, pytest.mark.skipif(not OFFICIAL_MATRIX, reason=OFFICIAL_MATRIX_REASON)],
+        )
+        for k in SCRIPT
+    ]
 
 
 def _script(kind: str) -> Path:
@@ -100,17 +125,41 @@ def _line_of(kind: str, text: str, after: int = 0) -> int:
 
 
 def _launch(work: Path, kind: str, cfg: Path, out: Path, extra: list[str], env: dict) -> dict:
-    data = (["--train_data_dir", str(work / "controlnet_data")] if kind == "controlnet" else
-            ["--instance_data_dir", str(work / "instance"), "--instance_prompt", "a photo of sks dog"])
-    args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file", str(cfg),
-            str(_script(kind)), "--pretrained_model_name_or_path", str(work / "model"), *data,
-            "--resolution", "32", "--train_batch_size", "2", "--max_train_steps", str(STEPS),
-            "--learning_rate", "1e-3", "--seed", "0", "--dataloader_num_workers", "0", "--output_dir", str(out),
-            *extra]
+    data = (
+        ["--train_data_dir", str(work / "controlnet_data")]
+        if kind == "controlnet"
+        else ["--instance_data_dir", str(work / "instance"), "--instance_prompt", "a photo of sks dog"]
+    )
+    args = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--main_process_port",
+        str(free_port()),
+        "--config_file",
+        str(cfg),
+        str(_script(kind)),
+        "--pretrained_model_name_or_path",
+        str(work / "model"),
+        *data,
+        "--resolution",
+        "32",
+        "--train_batch_size",
+        "2",
+        "--max_train_steps",
+        str(STEPS),
+        "--learning_rate",
+        "1e-3",
+        "--seed",
+        "0",
+        "--dataloader_num_workers",
+        "0",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     started = time.monotonic()
     try:
-        proc = subprocess.run(args, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=600)
+        proc = subprocess.run(args, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
         code, text = proc.returncode, proc.stdout.decode(errors="replace")
     except subprocess.TimeoutExpired as exc:
         code, text = "timeout", (exc.stdout or b"").decode(errors="replace")
@@ -126,22 +175,38 @@ def runs(tmp_path_factory):
     from tests.torchvision_site import with_torchvision
 
     work = tmp_path_factory.mktemp("official_sd")
-    subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd_family.py"), str(work / "model"), str(work / "instance"),
-                    str(work / "controlnet_data")], check=True, capture_output=True, timeout=300, env=base_env())
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "tiny_sd_family.py"),
+            str(work / "model"),
+            str(work / "instance"),
+            str(work / "controlnet_data"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=base_env(),
+    )
     cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(work / "datasets-cache")))
     plan = {}
     for kind in KINDS:
         if OFFICIAL_MATRIX:
-            plan[(kind, "misuse")] = (cfg["zero3_t0"], ["--checkpointing_steps", "2"],
-                                      dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S)))
+            plan[(kind, "misuse")] = (
+                cfg["zero3_t0"],
+                ["--checkpointing_steps", "2"],
+                dict(env, ACCEL_NPU_COLLECTIVE_TIMEOUT=str(MISUSE_TIMEOUT_S)),
+            )
         plan[(kind, "stock_zero3_t0")] = (cfg["zero3_t0"], [], dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK))
         for label in ("zero2", "zero3_t0"):
             plan[(kind, label)] = (cfg[label], ["--resume_from_checkpoint", "latest"], env)
     t0 = time.monotonic()
     with ThreadPoolExecutor(3) as pool:
-        futures = {key: pool.submit(_launch, work, key[0], c, work / f"{key[0]}_{key[1]}", extra, e)
-                   for key, (c, extra, e) in plan.items()}
+        futures = {
+            key: pool.submit(_launch, work, key[0], c, work / f"{key[0]}_{key[1]}", extra, e)
+            for key, (c, extra, e) in plan.items()
+        }
         results = {key: f.result() for key, f in futures.items()}
     results["seconds"] = time.monotonic() - t0
     results["work"] = work
@@ -160,8 +225,12 @@ def _closeness(got: dict, witness: dict, initial: dict) -> tuple:
         return torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in keys])
 
     moved, apart = diff(witness, initial), diff(got, witness)
-    return (moved > 0).float().mean().item(), (apart == 0).float().mean().item(), apart.mean().item(), \
-        moved.mean().item()
+    return (
+        (moved > 0).float().mean().item(),
+        (apart == 0).float().mean().item(),
+        apart.mean().item(),
+        moved.mean().item(),
+    )
 
 
 def _assert_close_to_witness(got, witness, initial, min_identical=0.5, fraction=10):
@@ -191,8 +260,10 @@ def test_rank0_only_save_state_fails_naming_the_line_and_the_fix(runs, kind):
     assert _script(kind).read_text().splitlines()[guard_of - 1].strip() == "if accelerator.is_main_process:"
     line = _line_of(kind, "accelerator.save_state(save_path)", after=guard_of)
     text = run["output"]
-    assert f"{_script(kind)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` " \
-           f"(line {guard_of})" in text, _explain(run)
+    assert (
+        f"{_script(kind)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` "
+        f"(line {guard_of})" in text
+    ), _explain(run)
     assert "`if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`" in text
     assert f"did not within {MISUSE_TIMEOUT_S} s (ACCEL_NPU_COLLECTIVE_TIMEOUT)" in text
     assert text.count("CollectiveMisuseError: ") == 1, _explain(run)
@@ -207,8 +278,11 @@ def test_stock_zero3_fails_at_the_partitioned_text_encoder(runs, kind):
     run = runs[(kind, "stock_zero3_t0")]
     assert run["code"] not in (0, "timeout"), _explain(run)
     assert "max_position_embeddings: 0" in run["output"], _explain(run)
-    assert not (run["out"] / "unet").exists() and not list(run["out"].glob("*.safetensors")) \
-        if run["out"].exists() else True
+    assert (
+        not (run["out"] / "unet").exists() and not list(run["out"].glob("*.safetensors"))
+        if run["out"].exists()
+        else True
+    )
 
 
 @pytest.mark.slow
@@ -228,15 +302,19 @@ def test_dreambooth_lora_final_save_loads_and_equals(runs):
     # LoRA up (B) starts at zero: the initial adapter is down as trained, up all zeros
     initial = {k: (v if ".lora.down." in k else torch.zeros_like(v)) for k, v in witness.items()}
     ups = [k for k in got if ".lora.up." in k]
-    _assert_close_to_witness({k: got[k] for k in ups}, {k: witness[k] for k in ups},
-                             {k: initial[k] for k in ups}, min_identical=0.1)
+    _assert_close_to_witness(
+        {k: got[k] for k in ups}, {k: witness[k] for k in ups}, {k: initial[k] for k in ups}, min_identical=0.1
+    )
     pipe = StableDiffusionPipeline.from_pretrained(str(runs["work"] / "model"))
     pipe.load_lora_weights(str(z3["out"]), weight_name="pytorch_lora_weights.safetensors")
     adapter = pipe.get_active_adapters()[0]
     params = dict(pipe.unet.named_parameters())
     for key, value in got.items():
-        name = key[len("unet."):].replace(".lora.down.weight", f".lora_A.{adapter}.weight") \
+        name = (
+            key[len("unet.") :]
+            .replace(".lora.down.weight", f".lora_A.{adapter}.weight")
             .replace(".lora.up.weight", f".lora_B.{adapter}.weight")
+        )
         assert torch.equal(params[name].detach(), value), key
 
 
@@ -281,8 +359,13 @@ def test_controlnet_final_save_loads_and_equals(runs):
     assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in witness.items()}
     # the blocks from_unet copies from the UNet (the conditioning embedding starts at random)
     copied = [k for k in got if k.startswith(("conv_in.", "time_embedding.", "down_blocks.", "mid_block."))]
-    _assert_close_to_witness({k: got[k] for k in copied}, {k: witness[k] for k in copied},
-                             {k: initial[k] for k in copied}, min_identical=0.3, fraction=5)
+    _assert_close_to_witness(
+        {k: got[k] for k in copied},
+        {k: witness[k] for k in copied},
+        {k: initial[k] for k in copied},
+        min_identical=0.3,
+        fraction=5,
+    )
     ControlNetModel.from_pretrained(str(z2["out"]))
     loaded = ControlNetModel.from_pretrained(str(z3["out"])).state_dict()  # bf16 saved, fp32 loaded
     assert all(torch.equal(loaded[k], v.to(loaded[k].dtype)) for k, v in got.items())

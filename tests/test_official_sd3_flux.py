@@ -13,6 +13,7 @@ under a load average of ~11 (other helpers' launches): SD3 7.0 min + 6.3 min bui
 and torchvision's site, Flux 8.8 min. Witnesses: DeepSpeed's own zero_to_fp32 reading of the checkpoints, safetensors files opened
 here, diffusers' ``load_lora_weights`` -- never accel-npu's log lines.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,8 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import (OFFICIAL_EXAMPLES, OFFICIAL_MATRIX, OFFICIAL_MATRIX_REASON, SCRIPTS, free_port,
-                                one_rank_deepspeed_group, select_zero3_plugin, shipped_zero_configs)
+from tests.launch_utils import (
+    OFFICIAL_EXAMPLES,
+    OFFICIAL_MATRIX,
+    OFFICIAL_MATRIX_REASON,
+    SCRIPTS,
+    free_port,
+    one_rank_deepspeed_group,
+    select_zero3_plugin,
+    shipped_zero_configs,
+)
 from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
 
 sys.path.insert(0, str(SCRIPTS))
@@ -46,8 +55,8 @@ def one_rank_zero3(monkeypatch):
         try:
             yield
         finally:
-            from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
             import torch
+            from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
 
             torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
             del plugin
@@ -58,12 +67,12 @@ def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_
     and call it outside the engine. CLIPTextEmbeddings.forward reads ``position_embedding.weight.shape[0]``
     before any module holding parameters runs: stock fails with ``max_position_embeddings: 0``; accel-npu
     makes the encoder whole first (its hooks sit on every submodule) and keeps the script's bf16 cast."""
+    import tiny_sd3_flux
     import torch
     from transformers import CLIPTextModelWithProjection
-
-    import tiny_sd3_flux
-    from tests.inprocess import stock
     from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from tests.inprocess import stock
 
     ids = torch.tensor([[0, 5, 6, 7] + [1] * 73])  # the scripts' max_length=77
     import transformers.integrations.deepspeed as tds
@@ -73,7 +82,8 @@ def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_
     tds._hf_deepspeed_config_weak_ref = None
     try:
         tiny_sd3_flux._encoders(str(tmp_path), [CLIPTextModelWithProjection])["text_encoder"].save_pretrained(
-            str(tmp_path / "text_encoder"))
+            str(tmp_path / "text_encoder")
+        )
         ref = CLIPTextModelWithProjection.from_pretrained(str(tmp_path / "text_encoder")).to(dtype=torch.bfloat16)
         with torch.no_grad():
             want = ref(ids, output_hidden_states=True).hidden_states[-2]
@@ -82,8 +92,9 @@ def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_
     assert is_deepspeed_zero3_enabled()
 
     def load_like_the_script():
-        te = CLIPTextModelWithProjection.from_pretrained(str(tmp_path), subfolder="text_encoder",
-                                                         revision=None, variant=None)
+        te = CLIPTextModelWithProjection.from_pretrained(
+            str(tmp_path), subfolder="text_encoder", revision=None, variant=None
+        )
         built_partitioned = any(hasattr(p, "ds_id") for p in te.parameters())
         te.requires_grad_(False)
         te.to("cpu", dtype=torch.bfloat16)  # train_dreambooth_lora_sd3.py l.1239
@@ -103,7 +114,6 @@ def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_
     assert not any(hasattr(p, "ds_id") or p.requires_grad for p in te.parameters())
 
 
-
 def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_whole(tmp_path, one_rank_zero3):
     """SD3's load_model_hook under DeepSpeed: ``SD3Transformer2DModel.from_pretrained`` (accel-npu loads it
     into ZeRO-3 partitions), ``add_adapter``, then peft reads its state_dict outside any engine. The rebuild
@@ -116,13 +126,28 @@ def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_wh
     from accel_npu._torch import markers
 
     torch.manual_seed(0)
-    SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                          num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=16,
-                          pooled_projection_dim=16, out_channels=4).save_pretrained(str(tmp_path / "transformer"))
+    SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_projection_dim=16,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+    ).save_pretrained(str(tmp_path / "transformer"))
     model = SD3Transformer2DModel.from_pretrained(str(tmp_path), subfolder="transformer")
     assert any(hasattr(p, "ds_id") for p in model.parameters())  # loaded into partitions
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                 target_modules=["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"]))
+    model.add_adapter(
+        LoraConfig(
+            r=4,
+            lora_alpha=4,
+            init_lora_weights="gaussian",
+            target_modules=["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0"],
+        )
+    )
     getattr(model, markers.REBUILD)()  # what its first use outside an engine does
     files = load_file(str(tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"))
     state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
@@ -137,8 +162,12 @@ def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_wh
 # launched: the scripts unchanged, vendored (issue 16, items 1-3 and 5); RUN_OFFICIAL_MATRIX=1 only
 # ------------------------------------------------------------------------------------------------
 PROMPT = "a photo of sks dog"
-STOCK_LOADS = ",".join(["transformers.modeling_utils:PreTrainedModel.from_pretrained",
-                        "diffusers.models.modeling_utils:ModelMixin.from_pretrained"])
+STOCK_LOADS = ",".join(
+    [
+        "transformers.modeling_utils:PreTrainedModel.from_pretrained",
+        "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+    ]
+)
 STOCK_HOOKS = "accelerate.accelerator:Accelerator.save_state,accelerate.accelerator:Accelerator.load_state"
 MISUSE_TIMEOUT_S = 15
 
@@ -153,12 +182,40 @@ class Launch(StreamedLaunch):
     def __init__(self, cfg, script, pipe, images, out, steps, env, *extra):
         from tests.launch_utils import BIN
 
-        args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
-                str(cfg), str(script), "--pretrained_model_name_or_path", str(pipe), "--instance_data_dir",
-                str(images), "--instance_prompt", PROMPT, "--output_dir", str(out), "--resolution", "16",
-                "--train_batch_size", "1", "--max_train_steps", str(steps), "--rank", "4",
-                "--max_sequence_length", "16", "--seed", "0", "--learning_rate", "1e-2",
-                "--dataloader_num_workers", "0", *extra]
+        args = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--main_process_port",
+            str(free_port()),
+            "--config_file",
+            str(cfg),
+            str(script),
+            "--pretrained_model_name_or_path",
+            str(pipe),
+            "--instance_data_dir",
+            str(images),
+            "--instance_prompt",
+            PROMPT,
+            "--output_dir",
+            str(out),
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "1",
+            "--max_train_steps",
+            str(steps),
+            "--rank",
+            "4",
+            "--max_sequence_length",
+            "16",
+            "--seed",
+            "0",
+            "--learning_rate",
+            "1e-2",
+            "--dataloader_num_workers",
+            "0",
+            *extra,
+        ]
         super().__init__(args, env, Path(out).parent, steps, Path(out))
 
 
@@ -198,8 +255,13 @@ def work(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sd3_flux")
     for family in ("sd3", "flux"):
-        subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd3_flux.py"), family, str(root / family),
-                        str(root / "images")], check=True, capture_output=True, timeout=300, env=base_env())
+        subprocess.run(
+            [sys.executable, str(SCRIPTS / "tiny_sd3_flux.py"), family, str(root / family), str(root / "images")],
+            check=True,
+            capture_output=True,
+            timeout=300,
+            env=base_env(),
+        )
     # the scripts import torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
     return root, shipped_zero_configs(root), with_torchvision(base_env())
 
@@ -222,8 +284,17 @@ def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lo
     stock_out = root / "sd3_stock_zero3_t0"
     stock_out.mkdir()
     first = {c: Launch(cfg[c], script, pipe, images, outs[c], 4, env, "--checkpointing_steps", "2") for c in cfg}
-    stock = Launch(cfg["zero3_t0"], script, pipe, images, stock_out, 4,
-                   dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS), "--checkpointing_steps", "2")
+    stock = Launch(
+        cfg["zero3_t0"],
+        script,
+        pipe,
+        images,
+        stock_out,
+        4,
+        dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS),
+        "--checkpointing_steps",
+        "2",
+    )
     for run in (*first.values(), stock):
         run.wait()
     assert stock.returncode != 0 and "max_position_embeddings: 0" in stock.output, stock.explain()
@@ -234,8 +305,22 @@ def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lo
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
         at4[c] = master_lora(outs[c] / "checkpoint-4")
         _assert_final_lora_is("sd3", pipe, outs[c], at4[c])
-    second = {c: Launch(cfg[c], script, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
-                        "--resume_from_checkpoint", "latest") for c in cfg}
+    second = {
+        c: Launch(
+            cfg[c],
+            script,
+            pipe,
+            images,
+            outs[c],
+            6,
+            env,
+            "--checkpointing_steps",
+            "2",
+            "--resume_from_checkpoint",
+            "latest",
+        )
+        for c in cfg
+    }
     for c, run in second.items():
         run.wait()
         assert run.returncode == 0, run.explain()
@@ -272,8 +357,17 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     stock_out.mkdir()
     misuse = Launch(cfg["zero2"], script, pipe, images, misuse_out, 4, quick, "--checkpointing_steps", "2")
     plain = Launch(cfg["zero3_t0"], script, pipe, images, plain_out, 4, env, "--checkpointing_steps", "100")
-    stock = Launch(cfg["zero3_t0"], script, pipe, images, stock_out, 4,
-                   dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS), "--checkpointing_steps", "100")
+    stock = Launch(
+        cfg["zero3_t0"],
+        script,
+        pipe,
+        images,
+        stock_out,
+        4,
+        dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_LOADS),
+        "--checkpointing_steps",
+        "100",
+    )
     for run in (misuse, plain, stock):
         run.wait()
     # stock: the frozen CLIP text encoder is built in partitions and fails at its first call
@@ -284,8 +378,9 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     assert misuse.returncode != 0, misuse.explain()
     assert "CollectiveMisuseError" in misuse.output and f"train_dreambooth_lora_flux.py:{save_line}" in misuse.output
     assert f"(line {guard_line})" in misuse.output
-    assert "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:" in \
-        misuse.output
+    assert (
+        "if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:" in misuse.output
+    )
     assert _checkpoints(misuse_out) == [] and not any(misuse_out.iterdir()), list(misuse_out.iterdir())
     assert plain.returncode == 0, plain.explain()
 
@@ -294,8 +389,17 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
     first = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 4, env, "--checkpointing_steps", "2") for c in cfg}
     # stock, with the fix: accelerate hands the save hook DeepSpeed's engine, which is no
     # FluxTransformer2DModel, so it falls through to `text_encoder_one` (deleted once the prompts were encoded)
-    fixed_stock = Launch(cfg["zero2"], fixed, pipe, images, fixed_stock_out, 4,
-                         dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_HOOKS), "--checkpointing_steps", "2")
+    fixed_stock = Launch(
+        cfg["zero2"],
+        fixed,
+        pipe,
+        images,
+        fixed_stock_out,
+        4,
+        dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_HOOKS),
+        "--checkpointing_steps",
+        "2",
+    )
     fixed_stock.wait()
     assert fixed_stock.returncode != 0 and "in save_model_hook" in fixed_stock.output, fixed_stock.explain()
     assert "NameError: cannot access free variable 'text_encoder_one'" in fixed_stock.output
@@ -306,8 +410,22 @@ def test_flux_dreambooth_lora_unchanged_and_with_the_one_line_fix(work):
         assert _checkpoints(outs[c]) == ["checkpoint-2", "checkpoint-4"], c
     at4 = {c: master_lora(outs[c] / "checkpoint-4") for c in cfg}
     _assert_final_lora_is("flux", pipe, plain_out, at4["zero3_t0"])  # the unchanged script's final save
-    second = {c: Launch(cfg[c], fixed, pipe, images, outs[c], 6, env, "--checkpointing_steps", "2",
-                        "--resume_from_checkpoint", "latest") for c in cfg}
+    second = {
+        c: Launch(
+            cfg[c],
+            fixed,
+            pipe,
+            images,
+            outs[c],
+            6,
+            env,
+            "--checkpointing_steps",
+            "2",
+            "--resume_from_checkpoint",
+            "latest",
+        )
+        for c in cfg
+    }
     for c, run in second.items():
         run.wait()
         assert run.returncode == 0, run.explain()

@@ -3,6 +3,7 @@ unpatch restores the identical original, double unpatch, unpatch->repatch, and u
 module is imported (the module then stays stock until the next patch). Each order runs in a fresh process
 (with torch's autoload off, so the test decides when accel-npu arms) that imports every patched module,
 as a training script does; the results are asserted module by module."""
+
 import json
 import re
 import subprocess
@@ -18,8 +19,11 @@ def _declared_patches():
     from accel_npu.manager import get_plugin_manager
 
     pm = get_plugin_manager()
-    return [(impl.plugin_name, patch) for impl in pm.hook.accel_npu_register_patches.get_hookimpls()
-            for patch in impl.function() or ()]
+    return [
+        (impl.plugin_name, patch)
+        for impl in pm.hook.accel_npu_register_patches.get_hookimpls()
+        for patch in impl.function() or ()
+    ]
 
 
 DECLARED = _declared_patches()
@@ -29,13 +33,15 @@ def not_installed(patch) -> bool:
     from accel_npu.patching import installed_version, parse_supports
 
     return installed_version(parse_supports(patch.supports)[0]) is None
+
+
 # One fresh process per order: "patch-then-import" needs the modules not yet imported, which torch
 # (accel-npu activates inside it) and sys (every process has it) always are.
 ALWAYS_IMPORTED = ("torch", "sys")
 MODULES = sorted({patch.module for _, patch in DECLARED})
 
 
-CHECK = textwrap.dedent(r'''
+CHECK = textwrap.dedent(r"""
     import importlib, inspect, json, sys
     import wrapt
     order, modules = sys.argv[1], sys.argv[2:]
@@ -88,7 +94,7 @@ CHECK = textwrap.dedent(r'''
         out["repatched"] = ours(lookup(patch)[2], original) and patch.status == "applied"
     print("RESULT " + json.dumps({"imported_before_arming": already if order == "patch-then-import" else {},
                                   "results": results}))
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +104,12 @@ def lifecycle():
     env = base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCEL_NPU_CUDA_FACADE="1")
     found = {}
     for order in ("import-then-patch", "patch-then-import"):
-        proc = subprocess.run([sys.executable, "-c", CHECK, order, *MODULES], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHECK, order, *MODULES], env=env, capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-        found[order] = json.loads(line[len("RESULT "):])
+        found[order] = json.loads(line[len("RESULT ") :])
     return found
 
 
@@ -112,13 +119,19 @@ def lifecycle():
 def test_patch_lifecycle(lifecycle, module, order):
     found = lifecycle[order]
     if order == "patch-then-import" and module not in ALWAYS_IMPORTED:
-        assert found["imported_before_arming"][module] is False, \
+        assert found["imported_before_arming"][module] is False, (
             f"{module} was imported by accel-npu's own activation: patch-then-import is untestable"
+        )
     results = found["results"].get(module, {})
     expected = {p.target for _, p in DECLARED if p.module == module}
     assert set(results) == expected
-    ok = {"wrapped_once": True, "still_wrapped_once": True, "restored_identical": True,
-          "own_attribute_restored": True, "repatched": True}
+    ok = {
+        "wrapped_once": True,
+        "still_wrapped_once": True,
+        "restored_identical": True,
+        "own_attribute_restored": True,
+        "repatched": True,
+    }
     for target, result in results.items():
         # Every library a patch targets is installed in CI (decord is a test dependency): each
         # patch must really apply there; "skipped" is only acceptable for an absent library.
@@ -164,7 +177,7 @@ def test_patch_targets_are_unique():
     assert len(targets) == len(set(targets)), sorted(t for t in targets if targets.count(t) > 1)
 
 
-UNPATCH_BEFORE_IMPORT = textwrap.dedent(r'''
+UNPATCH_BEFORE_IMPORT = textwrap.dedent(r"""
     import importlib, inspect, json, sys
     import wrapt
     modules = sys.argv[1:]
@@ -191,17 +204,22 @@ UNPATCH_BEFORE_IMPORT = textwrap.dedent(r'''
         if patch.target in results:
             results[patch.target]["status_after_repatch"] = patch.status
     print("RESULT " + json.dumps({"imported_before": imported_before, "results": results}))
-''')
+""")
 
 
 @pytest.mark.slow
 def test_unpatch_before_import_leaves_the_module_stock_until_the_next_patch():
     """One process for every module: patch, unpatch, then import them all (ddtrace's patch-test base
     has this case): nothing is wrapped; the next patch() applies every supported patch."""
-    proc = subprocess.run([sys.executable, "-c", UNPATCH_BEFORE_IMPORT, *MODULES],
-                          env=base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCEL_NPU_CUDA_FACADE="1"), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", UNPATCH_BEFORE_IMPORT, *MODULES],
+        env=base_env(TORCH_DEVICE_BACKEND_AUTOLOAD="0", ACCEL_NPU_CUDA_FACADE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
     assert out["imported_before"] == [], "accel-npu's own activation imported these: the case is untestable"
     results = out["results"]
     installed = {p.target for _, p in DECLARED if not not_installed(p) and not p.not_needed()}

@@ -1,4 +1,5 @@
 """The patch ledger's own rules, on a private ledger and a real module."""
+
 import importlib
 import inspect
 import sys
@@ -20,8 +21,7 @@ def _shout(wrapped, instance, args, kwargs):
 
 
 def make(target, supports="pytest>=7", wrapper=_times_ten):
-    return Patch(target=f"{MOD}:{target}", supports=supports, reason="test", remove_when="test",
-                 wrapper=wrapper)
+    return Patch(target=f"{MOD}:{target}", supports=supports, reason="test", remove_when="test", wrapper=wrapper)
 
 
 @pytest.fixture
@@ -71,11 +71,14 @@ def test_classmethod_keeps_its_binding(target_module):
     assert inspect.getattr_static(mod.Child, "make") is original
 
 
-@pytest.mark.parametrize("supports,reason", [
-    ("pytest>=99", "outside the supported range"),
-    ("no-such-distribution>=1", "no-such-distribution is not installed"),
-    ("pytest >=>= 1", "unreadable version range"),
-])
+@pytest.mark.parametrize(
+    "supports,reason",
+    [
+        ("pytest>=99", "outside the supported range"),
+        ("no-such-distribution>=1", "no-such-distribution is not installed"),
+        ("pytest >=>= 1", "unreadable version range"),
+    ],
+)
 def test_unknown_version_is_skipped_with_reason_never_raised(target_module, supports, reason):
     ledger = PatchLedger()
     patch = ledger.register(make("add", supports=supports))
@@ -90,33 +93,58 @@ def test_a_version_declared_stock_correct_leaves_the_target_stock_and_says_why(t
 
     ledger = PatchLedger()
     # the defect "came with" pytest 99: every installed pytest is stock correct, and below the supported range
-    needless = ledger.register(Patch(target=f"{MOD}:add", supports="pytest>=99", stock_correct="pytest<99",
-                                     reason="test", remove_when="test", wrapper=_times_ten))
+    needless = ledger.register(
+        Patch(
+            target=f"{MOD}:add",
+            supports="pytest>=99",
+            stock_correct="pytest<99",
+            reason="test",
+            remove_when="test",
+            wrapper=_times_ten,
+        )
+    )
     ledger.arm()
     mod = importlib.import_module(MOD)
     assert mod.add(1, 2) == 3
-    assert needless.status == f"not needed: pytest {installed.__version__} is in pytest<99, where stock has no such defect"
+    assert (
+        needless.status == f"not needed: pytest {installed.__version__} is in pytest<99, where stock has no such defect"
+    )
     assert needless.installed_outside_range() is None and ledger.outside_their_range() == []
     # a stock_correct range the installed version is not in changes nothing: applied inside supports,
     # skipped (and outside the range) beyond it
     ledger.unpatch_all()
     applied = make("add", supports="pytest>=7")
     applied.stock_correct = "pytest<7"
-    skipped = Patch(target=f"{MOD}:Child.who", supports="pytest>=99", stock_correct="pytest<7", reason="test",
-                    remove_when="test", wrapper=_shout)
+    skipped = Patch(
+        target=f"{MOD}:Child.who",
+        supports="pytest>=99",
+        stock_correct="pytest<7",
+        reason="test",
+        remove_when="test",
+        wrapper=_shout,
+    )
     other = PatchLedger()
     other.register(applied)
     other.register(skipped)
     other.arm()
     assert applied.status == "applied" and mod.add(1, 2) == 30
-    assert skipped.status.startswith("skipped: ") and skipped.installed_outside_range() == f"pytest {installed.__version__}"
+    assert (
+        skipped.status.startswith("skipped: ")
+        and skipped.installed_outside_range() == f"pytest {installed.__version__}"
+    )
     other.unpatch_all()
 
 
 def test_stock_correct_names_the_distribution_supports_names():
     with pytest.raises(ValueError, match="names another distribution"):
-        Patch(target=f"{MOD}:add", supports="pytest>=7", stock_correct="torch<2", reason="", remove_when="",
-              wrapper=_times_ten)
+        Patch(
+            target=f"{MOD}:add",
+            supports="pytest>=7",
+            stock_correct="torch<2",
+            reason="",
+            remove_when="",
+            wrapper=_times_ten,
+        )
 
 
 def test_missing_attribute_is_skipped(target_module):
@@ -143,10 +171,27 @@ def test_apply_twice_wraps_once(target_module):
     assert not isinstance(mod.add.__wrapped__, wrapt.FunctionWrapper)
 
 
-@pytest.mark.parametrize("supports", ["torch>=2.5,<2.15", "accelerate>=1.10,<1.16", "x~=1.15",
-                                      "x==2.13.0", "x!=1.0,>0.9", "x<=0.19.8", "x~=0.19.2"])
-@pytest.mark.parametrize("installed", ["2.13.0+cpu", "2.15.0", "2.4.1", "1.15.0", "1.16.0", "0.19.8",
-                                       "0.19.9", "2.14.0rc1", "1.0", "0.95", "1.15.3", "2.0"])
+@pytest.mark.parametrize(
+    "supports",
+    ["torch>=2.5,<2.15", "accelerate>=1.10,<1.16", "x~=1.15", "x==2.13.0", "x!=1.0,>0.9", "x<=0.19.8", "x~=0.19.2"],
+)
+@pytest.mark.parametrize(
+    "installed",
+    [
+        "2.13.0+cpu",
+        "2.15.0",
+        "2.4.1",
+        "1.15.0",
+        "1.16.0",
+        "0.19.8",
+        "0.19.9",
+        "2.14.0rc1",
+        "1.0",
+        "0.95",
+        "1.15.3",
+        "2.0",
+    ],
+)
 def test_version_ranges_agree_with_packaging(supports, installed):
     """The startup-cheap range check gives packaging.specifiers' answer (local labels ignored)."""
     from packaging.specifiers import SpecifierSet
@@ -155,7 +200,7 @@ def test_version_ranges_agree_with_packaging(supports, installed):
     from accel_npu.patching import parse_supports, version_satisfies
 
     dist, clauses = parse_supports(supports)
-    spec = SpecifierSet(supports[len(dist):])
+    spec = SpecifierSet(supports[len(dist) :])
     assert version_satisfies(installed, clauses) == spec.contains(Version(installed).public, prereleases=True)
 
 
@@ -183,7 +228,7 @@ def test_an_installed_version_reads_the_same_whether_or_not_its_package_is_impor
         installed_version.cache_clear()
 
 
-LOCK_ORDER = r'''
+LOCK_ORDER = r"""
 import sys, threading
 sys.path.insert(0, sys.argv[1])
 import sync_point
@@ -211,7 +256,7 @@ if applier.is_alive() or importer.is_alive():
     import os; os._exit(3)
 import slow_target
 print("RESULT", plain_target.f(), slow_target.g(), flush=True)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -223,27 +268,33 @@ def test_a_wrapper_module_importing_a_module_another_thread_imports_does_not_dea
     import subprocess
     import textwrap
 
-    (tmp_path / "sync_point.py").write_text("import threading\nimporter_inside = threading.Event()\n"
-                                            "wrapper_importing = threading.Event()\n")
+    (tmp_path / "sync_point.py").write_text(
+        "import threading\nimporter_inside = threading.Event()\nwrapper_importing = threading.Event()\n"
+    )
     (tmp_path / "plain_target.py").write_text("def f():\n    return 1\n")
-    (tmp_path / "slow_target.py").write_text(textwrap.dedent("""
+    (tmp_path / "slow_target.py").write_text(
+        textwrap.dedent("""
         import sync_point
         sync_point.importer_inside.set()
         sync_point.wrapper_importing.wait(10)  # the applier is inside the wrapper module's import
 
         def g():
             return 10
-        """))
-    (tmp_path / "wrapper_module.py").write_text(textwrap.dedent("""
+        """)
+    )
+    (tmp_path / "wrapper_module.py").write_text(
+        textwrap.dedent("""
         import sync_point
         sync_point.wrapper_importing.set()
         import slow_target  # waits for the importer thread, which finishes slow_target first
 
         def wrap(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs) * 100
-        """))
-    proc = subprocess.run([sys.executable, "-c", LOCK_ORDER, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+        """)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", LOCK_ORDER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert "DEADLOCK" not in proc.stdout, "the ledger held its lock while importing a wrapper module"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("RESULT", 1)[1].split() == ["100", "11"]

@@ -9,6 +9,7 @@ witness: the safetensors file opened here against the engine's gathered paramete
 peft binds safetensors' save_file at import (``safe_save_file``), so ``accel_npu.unpatch()`` cannot take the
 gathered writer away from it.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,11 +28,16 @@ def zero3_lora_engine(monkeypatch):
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(0)
-        model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
-                               LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights=False))
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        model = get_peft_model(
+            torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+            LoraConfig(r=2, target_modules=["0", "2"], init_lora_weights=False),
+        )
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        }
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         yield engine

@@ -3,6 +3,7 @@
 Each test shows stock behaviour beside ours: `stock()` unpatches the ledger (every original object
 is back, identical) for the duration of the block, then re-arms it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 import accel_npu
-from tests.inprocess import stock, without
 from accel_npu._torch.device import cuda_available
 from accel_npu.plugins.precision import autocast, bf16_numpy, fused_adamw
+from tests.inprocess import stock, without
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +74,10 @@ def test_autocast_remap_is_logged_once(caplog):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 lin(x)
     lines = [r.getMessage() for r in caplog.records if "torch.autocast('cuda'" in r.getMessage()]
-    assert lines == ["accel-npu: torch.autocast('cuda', dtype=bfloat16) runs as torch.autocast('cpu', "
-                     "dtype=bfloat16) (no CUDA here; stock torch would disable autocast and run fp32)"]
+    assert lines == [
+        "accel-npu: torch.autocast('cuda', dtype=bfloat16) runs as torch.autocast('cpu', "
+        "dtype=bfloat16) (no CUDA here; stock torch would disable autocast and run fp32)"
+    ]
 
 
 def test_autocast_passes_through_where_cuda_is_available(monkeypatch):

@@ -1,6 +1,7 @@
 """The fast loop's guard (tests/process_guard.py, hooked in tests/conftest.py), run by pytest on a small
 tree of its own: a plain ``pytest`` deselects the tests marked slow, ``--runslow`` runs them, and an
 unmarked test that starts a process fails naming it, while a library starting one does not count."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from tests.launch_utils import REPO, base_env
 
 pytestmark = pytest.mark.slow  # runs pytest in a process of its own
 
-TESTS = '''
+TESTS = """
 import subprocess, sys
 
 import pytest
@@ -37,28 +38,46 @@ def test_starts_a_process_marked():
 
 def test_a_library_starts_one():
     helper.run_a_process()
-'''
-HELPER = '''
+"""
+HELPER = """
 import subprocess, sys
 
 
 def run_a_process():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
-'''
+"""
 
 
 def _run(tmp_path, *args) -> str:
     (tmp_path / "setup.cfg").write_text("[tool:pytest]\nmarkers =\n    slow: starts processes\n")
     (tmp_path / "tests").mkdir(exist_ok=True)
-    (tmp_path / "tests" / "conftest.py").write_text("from tests.conftest import *  # noqa: F403 (the hooks under test)\n")
+    (tmp_path / "tests" / "conftest.py").write_text(
+        "from tests.conftest import *  # noqa: F403 (the hooks under test)\n"
+    )
     (tmp_path / "tests" / "test_sample.py").write_text(TESTS)
     (tmp_path / "lib").mkdir(exist_ok=True)
     (tmp_path / "lib" / "helper.py").write_text(HELPER)
     # the repository's tests package (the conftest hooks) and the library, importable in the inner run
     env = base_env(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path / 'lib'}")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-rf", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           str(tmp_path / "tests" / "test_sample.py"), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-rf",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "tests" / "test_sample.py"),
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.stdout + proc.stderr
 
 

@@ -5,6 +5,7 @@ accel-npu (a non-editable `pip install .`, then `accelerate launch` from the rep
 tested as it would be committed), copied into an empty directory. The environment is stripped of
 this test run's venv, so the command builds its own `.venv` exactly as written.
 """
+
 import json
 import os
 import re
@@ -29,8 +30,9 @@ def user_environment() -> dict[str, str]:
     """A shell as a new user has it: no venv active, no PYTHONPATH, the system python3 on PATH."""
     venv_bin = str(Path(sys.executable).parent)
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACCEL_NPU_", "ACCELERATE_", "VIRTUAL_ENV", "PYTHON"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_NPU_", "ACCELERATE_", "VIRTUAL_ENV", "PYTHON"))
+    }
     env.update(PATH=os.pathsep.join(path), OMP_NUM_THREADS="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     return env
 
@@ -45,8 +47,9 @@ def test_readme_first_command_is_the_documented_shape():
 @pytest.mark.slow
 def test_readme_first_command_verbatim_in_a_fresh_clone(tmp_path):
     clone = source_tree(tmp_path / "accel-npu")
-    proc = subprocess.run(["bash", "-c", first_command()], cwd=clone, env=user_environment(),
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        ["bash", "-c", first_command()], cwd=clone, env=user_environment(), capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, explain(proc)
     out = proc.stdout + proc.stderr
     # Every worker activated: no plugin failed to load anywhere.

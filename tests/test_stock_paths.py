@@ -10,6 +10,7 @@
 - Where the façade answers: a plain process that imports diffusers sees stock torch (the façade's targets are
   torch's own objects); a launched rank and ACCEL_NPU_CUDA_FACADE=1 get it.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,8 @@ from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, re
 # literals: code that stock runs. Calls TorchScript cannot compile are kept: both sides must fail alike.
 SAMPLES = {
     "torch.distributed.launcher.api:launch_agent": "return torch.distributed.launcher.api.launch_agent(None, None)",
-    "torch.amp.autocast_mode:autocast.__init__":
-        "with torch.autocast('cpu', dtype=torch.bfloat16):\n    c = torch.mm(a.unsqueeze(1), b.unsqueeze(0))\n"
-        "return c.float()",
+    "torch.amp.autocast_mode:autocast.__init__": "with torch.autocast('cpu', dtype=torch.bfloat16):\n    c = torch.mm(a.unsqueeze(1), b.unsqueeze(0))\n"
+    "return c.float()",
     "torch.nn.functional:layer_norm": "return F.layer_norm(a, [3])",
     "torch.nn.functional:group_norm": "return F.group_norm(a.view(1, 3, 1), 1)",
     "torch:cat": "return torch.cat([a, b])",
@@ -34,13 +34,30 @@ SAMPLES = {
     "torch.amp.grad_scaler:GradScaler.__init__": "return torch.amp.GradScaler('cpu').get_scale()",
     "torch._tensor:Tensor.numpy": "return a.numpy()",
     "torch.optim.adamw:AdamW.__init__": "return torch.optim.AdamW([a])",
-    **{f"torch.cuda:{name}": f"return torch.cuda.{name}({arg})" for name, arg in [
-        ("is_available", ""), ("device_count", ""), ("current_device", ""), ("set_device", "0"),
-        ("get_device_name", ""), ("get_device_properties", "0"), ("get_device_capability", ""),
-        ("is_bf16_supported", ""), ("synchronize", ""), ("empty_cache", ""), ("memory_allocated", ""),
-        ("max_memory_allocated", ""), ("memory_reserved", ""), ("max_memory_reserved", ""),
-        ("reset_peak_memory_stats", ""), ("current_stream", ""), ("default_stream", ""), ("manual_seed", "0"),
-        ("manual_seed_all", "0")]},
+    **{
+        f"torch.cuda:{name}": f"return torch.cuda.{name}({arg})"
+        for name, arg in [
+            ("is_available", ""),
+            ("device_count", ""),
+            ("current_device", ""),
+            ("set_device", "0"),
+            ("get_device_name", ""),
+            ("get_device_properties", "0"),
+            ("get_device_capability", ""),
+            ("is_bf16_supported", ""),
+            ("synchronize", ""),
+            ("empty_cache", ""),
+            ("memory_allocated", ""),
+            ("max_memory_allocated", ""),
+            ("memory_reserved", ""),
+            ("max_memory_reserved", ""),
+            ("reset_peak_memory_stats", ""),
+            ("current_stream", ""),
+            ("default_stream", ""),
+            ("manual_seed", "0"),
+            ("manual_seed_all", "0"),
+        ]
+    },
     "torch.cuda.streams:Event.__new__": "return torch.cuda.Event(enable_timing=True)",
     "torch.cuda.streams:Stream.__new__": "return torch.cuda.Stream()",
     "torch.cuda:device.__enter__": "with torch.cuda.device(0):\n    c = a + b\nreturn c",
@@ -49,29 +66,55 @@ SAMPLES = {
     "torch._tensor:Tensor.cuda": "return a.cuda()",
     "torch.nn.modules.module:Module.to": "return torch.nn.Linear(3, 1).to(torch.float64)(a.double())",
     "torch.nn.modules.module:Module.cuda": "return torch.nn.Linear(3, 1).cuda()(a)",
-    "torch:zeros": "return torch.zeros(3) + a", "torch:ones": "return torch.ones(3, dtype=torch.float64)",
-    "torch:empty": "return torch.empty(3).shape[0] + a", "torch:full": "return torch.full([3], 2.0) * a",
-    "torch:rand": "return torch.rand(3) + a", "torch:randn": "return torch.randn(3) + a",
-    "torch:randint": "return torch.randint(0, 5, [3])", "torch:randperm": "return torch.randperm(4)",
-    "torch:arange": "return torch.arange(3) + a", "torch:linspace": "return torch.linspace(0.0, 1.0, 3) * b",
-    "torch:logspace": "return torch.logspace(0.0, 1.0, 3) * b", "torch:eye": "return torch.eye(3) @ a",
-    "torch:tensor": "return torch.tensor([1.0, 2.0, 3.0]) * a", "torch:as_tensor": "return torch.as_tensor(a) * 2",
-    "torch:zeros_like": "return torch.zeros_like(a) + b", "torch:ones_like": "return torch.ones_like(a) + b",
-    "torch:empty_like": "return torch.empty_like(a).shape[0] + b", "torch:full_like": "return torch.full_like(a, 3.0)",
-    "torch:rand_like": "return torch.rand_like(a)", "torch:randn_like": "return torch.randn_like(a)",
+    "torch:zeros": "return torch.zeros(3) + a",
+    "torch:ones": "return torch.ones(3, dtype=torch.float64)",
+    "torch:empty": "return torch.empty(3).shape[0] + a",
+    "torch:full": "return torch.full([3], 2.0) * a",
+    "torch:rand": "return torch.rand(3) + a",
+    "torch:randn": "return torch.randn(3) + a",
+    "torch:randint": "return torch.randint(0, 5, [3])",
+    "torch:randperm": "return torch.randperm(4)",
+    "torch:arange": "return torch.arange(3) + a",
+    "torch:linspace": "return torch.linspace(0.0, 1.0, 3) * b",
+    "torch:logspace": "return torch.logspace(0.0, 1.0, 3) * b",
+    "torch:eye": "return torch.eye(3) @ a",
+    "torch:tensor": "return torch.tensor([1.0, 2.0, 3.0]) * a",
+    "torch:as_tensor": "return torch.as_tensor(a) * 2",
+    "torch:zeros_like": "return torch.zeros_like(a) + b",
+    "torch:ones_like": "return torch.ones_like(a) + b",
+    "torch:empty_like": "return torch.empty_like(a).shape[0] + b",
+    "torch:full_like": "return torch.full_like(a, 3.0)",
+    "torch:rand_like": "return torch.rand_like(a)",
+    "torch:randn_like": "return torch.randn_like(a)",
     "torch:randint_like": "return torch.randint_like(a, 0, 5)",
     "torch.serialization:load": "return torch.load('/nonexistent.pt')",
     "torch.distributed.distributed_c10d:Backend.__new__": "return torch.distributed.Backend('gloo')",
     "torch.library:register_fake": "return torch.library.register_fake('aten::sin')",
-    "torch.nn.parallel.distributed:DistributedDataParallel.__init__":
-        "return torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))",
-    **{f"torch.distributed:{name}": f"return torch.distributed.{name}({arg})" for name, arg in [
-        ("all_reduce", "a"), ("broadcast", "a, 0"), ("all_gather", "[a], b"), ("all_gather_into_tensor", "a, b"),
-        ("reduce_scatter", "a, [b]"), ("reduce_scatter_tensor", "a, b"), ("barrier", ""), ("reduce", "a, 0"),
-        ("gather", "a"), ("scatter", "a"), ("all_to_all", "[a], [b]"), ("all_to_all_single", "a, b"),
-        ("all_gather_single", "a, b"), ("reduce_scatter_single", "a, b"),  # torch >= 2.13
-        ("all_gather_object", "[a], b"), ("broadcast_object_list", "[a]"), ("gather_object", "a"),
-        ("scatter_object_list", "[a], [b]"), ("init_process_group", "'gloo'")]},
+    "torch.nn.parallel.distributed:DistributedDataParallel.__init__": "return torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))",
+    **{
+        f"torch.distributed:{name}": f"return torch.distributed.{name}({arg})"
+        for name, arg in [
+            ("all_reduce", "a"),
+            ("broadcast", "a, 0"),
+            ("all_gather", "[a], b"),
+            ("all_gather_into_tensor", "a, b"),
+            ("reduce_scatter", "a, [b]"),
+            ("reduce_scatter_tensor", "a, b"),
+            ("barrier", ""),
+            ("reduce", "a, 0"),
+            ("gather", "a"),
+            ("scatter", "a"),
+            ("all_to_all", "[a], [b]"),
+            ("all_to_all_single", "a, b"),
+            ("all_gather_single", "a, b"),
+            ("reduce_scatter_single", "a, b"),  # torch >= 2.13
+            ("all_gather_object", "[a], b"),
+            ("broadcast_object_list", "[a]"),
+            ("gather_object", "a"),
+            ("scatter_object_list", "[a], [b]"),
+            ("init_process_group", "'gloo'"),
+        ]
+    },
 }
 
 
@@ -90,14 +133,20 @@ def _probe(tmp_path, name, *flags, **env):
     work.mkdir()
     samples = work / "samples.json"
     samples.write_text(json.dumps(SAMPLES))
-    return subprocess.run([sys.executable, str(SCRIPTS / "torchscript_probe.py"), str(samples), str(work), *flags],
-                          env=base_env(**env), capture_output=True, text=True, timeout=600, cwd=str(work))
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "torchscript_probe.py"), str(samples), str(work), *flags],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(work),
+    )
 
 
 def _report(proc):
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, explain(proc)
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def differing(ours: dict, stock: dict) -> dict:
@@ -130,7 +179,8 @@ def test_torchscript_compiles_every_wrapped_torch_callable_as_stock(tmp_path):
     ours, stock, mutant = run_concurrently(
         lambda: _probe(tmp_path, "ours", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
         lambda: _probe(tmp_path, "stock", ACCEL_NPU_DISABLE="1"),
-        lambda: _probe(tmp_path, "mutant", "--break-torchscript-sync", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"))
+        lambda: _probe(tmp_path, "mutant", "--break-torchscript-sync", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"),
+    )
     ours, stock, mutant = _report(ours), _report(stock), _report(mutant)
     # the wrappers were there (a launched rank), and stock had none
     assert ours["wrapped"] == "FunctionWrapper" and stock["wrapped"] == "builtin_function_or_method"
@@ -167,7 +217,8 @@ def compiled_runs():
         lambda: _compile_run("accelerate", "accelerate", ACCEL_NPU_DISABLE="1"),
         lambda: _compile_run("cuda-idiom", "accelerate"),
         lambda: _compile_run("cuda-idiom", "python"),
-        lambda: _compile_run("cuda-idiom", "python", ACCEL_NPU_DISABLE="1"))
+        lambda: _compile_run("cuda-idiom", "python", ACCEL_NPU_DISABLE="1"),
+    )
     return dict(zip(names, runs))
 
 
@@ -203,7 +254,7 @@ def test_torch_compile_of_the_cuda_idiom_in_a_launched_rank_and_a_plain_process(
 
 
 # -- where the façade answers ----------------------------------------------------------------------------
-SEES = r'''
+SEES = r"""
 import json, torch, diffusers
 import accelerate.accelerator, transformers.modeling_utils, torch.distributed.launcher.api, torch.nn.parallel
 from accel_npu.patching import get_ledger
@@ -214,12 +265,13 @@ print("RESULT " + json.dumps({
     "autocast_cuda_enabled": torch.autocast("cuda").fast_dtype is not None and torch.autocast("cuda")._enabled,
     "facade_statuses": sorted({p.status for p in facade if p.status != "not imported"}),
     "facade_patches": len(facade)}))
-'''
+"""
 
 
 def _sees(**env):
-    proc = subprocess.run([sys.executable, "-c", SEES], env=base_env(**env), capture_output=True, text=True,
-                          timeout=300, cwd="/")
+    proc = subprocess.run(
+        [sys.executable, "-c", SEES], env=base_env(**env), capture_output=True, text=True, timeout=300, cwd="/"
+    )
     return _result(proc), proc
 
 
@@ -230,14 +282,19 @@ def test_where_the_facade_answers():
     assert plain["is_available"] is False and plain["device_count"] == 0 and plain["stock_objects"], plain
     assert plain["autocast_cuda_enabled"] is False  # stock disables autocast("cuda") without CUDA
     assert plain["facade_patches"] > 40 and plain["facade_statuses"] == [
-        "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"]
+        "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"
+    ]
     assert "torch.cuda answers" not in proc.stderr
     stock, _ = _sees(ACCEL_NPU_DISABLE="1")
-    assert {k: plain[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")} == \
-           {k: stock[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")}
+    assert {k: plain[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")} == {
+        k: stock[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")
+    }
     # a launched rank (torchrun, accelerate launch, the DeepSpeed launcher set LOCAL_RANK), or opted in
-    for env in ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, {"ACCEL_NPU_CUDA_FACADE": "1"},
-                {"ACCELERATE_USE_CPU": "False"}):
+    for env in (
+        {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+        {"ACCEL_NPU_CUDA_FACADE": "1"},
+        {"ACCELERATE_USE_CPU": "False"},
+    ):
         on, _ = _sees(**env)
         assert on["is_available"] is True and on["autocast_cuda_enabled"] is True, env
         assert not on["stock_objects"] and on["facade_statuses"] == ["applied"], env
@@ -254,13 +311,20 @@ def test_where_the_facade_answers():
 @pytest.mark.slow
 def test_a_cuda_script_run_plainly_is_told_how_to_start_it(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import torch, diffusers, sys\n"
-                      "assert sys.argv[1] != 'cuda' or torch.cuda.is_available(), 'Training requires a GPU.'\n"
-                      "assert sys.argv[1] != 'other', 'some other check'\n")
+    script.write_text(
+        "import torch, diffusers, sys\n"
+        "assert sys.argv[1] != 'cuda' or torch.cuda.is_available(), 'Training requires a GPU.'\n"
+        "assert sys.argv[1] != 'other', 'some other check'\n"
+    )
     told = "accel-npu: this CUDA-written script met torch without CUDA"
-    runs = run_concurrently(*(lambda arg=arg: subprocess.run([sys.executable, str(script), arg], env=base_env(),
-                                                             capture_output=True, text=True, timeout=300)
-                              for arg in ("cuda", "other")))
+    runs = run_concurrently(
+        *(
+            lambda arg=arg: subprocess.run(
+                [sys.executable, str(script), arg], env=base_env(), capture_output=True, text=True, timeout=300
+            )
+            for arg in ("cuda", "other")
+        )
+    )
     cuda, other = runs
     assert cuda.returncode == 1 and "AssertionError: Training requires a GPU." in cuda.stderr
     assert told in cuda.stderr and "ACCEL_NPU_CUDA_FACADE=1" in cuda.stderr
@@ -273,7 +337,6 @@ def test_torchscript_entries_follow_the_wrappers_through_unpatch_and_repatch():
     import torch
     from torch.jit._builtins import _find_builtin
 
-    import accel_npu
     from tests.inprocess import stock
 
     # re-armed: deepspeed.zero.Init puts back on exit the torch.zeros it saved when it was imported
@@ -282,8 +345,10 @@ def test_torchscript_entries_follow_the_wrappers_through_unpatch_and_repatch():
         pass
 
     def script_and_run():
-        unit = torch.jit.CompilationUnit("def f(a: Tensor, b: Tensor):\n"
-                                         "    return torch.stack([a, b]).sum(0) + torch.cat([a, b])[:2] + torch.zeros(2)\n")
+        unit = torch.jit.CompilationUnit(
+            "def f(a: Tensor, b: Tensor):\n"
+            "    return torch.stack([a, b]).sum(0) + torch.cat([a, b])[:2] + torch.zeros(2)\n"
+        )
         return unit.f(torch.ones(2), torch.ones(2)).tolist()
 
     assert type(torch.stack).__name__ == "FunctionWrapper"

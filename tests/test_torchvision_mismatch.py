@@ -5,6 +5,7 @@ torch its C++ library cannot load. Stock ``import torchvision`` then dies regist
 for ``torchvision::nms``; with accel-npu the pure-Python parts work, one warning names the
 mismatch and the wheel, and the operators raise torchvision's own error when called.
 """
+
 import subprocess
 import sys
 
@@ -14,10 +15,9 @@ from tests.launch_utils import base_env
 from tests.torchvision_site import paired_version, with_torchvision
 
 # A 2x2 RGB image, row by row; the witness below is worked out from these numbers alone.
-PIXELS = [[(0, 128, 255), (255, 0, 64)],
-          [(10, 20, 30), (200, 100, 50)]]
+PIXELS = [[(0, 128, 255), (255, 0, 64)], [(10, 20, 30), (200, 100, 50)]]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys
 from PIL import Image
 from torchvision import transforms
@@ -38,14 +38,19 @@ try:
     print("NMS ran")
 except Exception as exc:
     print("NMS " + type(exc).__name__ + ": " + str(exc).splitlines()[0])
-'''
+"""
 
 
 def _run(**extra):
     import json
 
-    return subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(PIXELS)], env=with_torchvision(base_env(**extra)),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(PIXELS)],
+        env=with_torchvision(base_env(**extra)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -61,7 +66,7 @@ def test_import_torchvision_beside_a_torch_it_was_not_built_for():
     ours = _run()
     assert ours.returncode == 0, ours.stderr[-3000:]
     line = next(l for l in ours.stdout.splitlines() if l.startswith("TENSOR "))
-    got = json.loads(line[len("TENSOR "):])
+    got = json.loads(line[len("TENSOR ") :])
     # flipped left-right, channels first, (p/255 - 0.5)/0.5
     expected = [[[2 * PIXELS[y][1 - x][c] / 255 - 1 for x in range(2)] for y in range(2)] for c in range(3)]
     assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=1e-6), (got, expected)
@@ -76,5 +81,6 @@ def test_import_torchvision_beside_a_torch_it_was_not_built_for():
     version = paired_version()
     assert f"torchvision {version}+cu" in warning and str(torch.__version__) in warning, warning
     assert "libc10_cuda.so" in warning, warning  # the loader's own reason
-    assert f"pip install --no-deps torchvision=={version} --index-url https://download.pytorch.org/whl/cpu" \
-        in warning, warning
+    assert (
+        f"pip install --no-deps torchvision=={version} --index-url https://download.pytorch.org/whl/cpu" in warning
+    ), warning

@@ -7,6 +7,7 @@ accelerate's TensorBoardTracker.store_init_configuration, runs stock (tests.inpr
 accel-npu. Witnesses: stock's ValueError; the hparams TensorBoard itself reads back from our event file
 (tensorboard's EventAccumulator and the hparams plugin's protobuf), and accelerate's hparams.yml.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,15 @@ from tests.inprocess import stock
 
 
 def _config():
-    return {"conditional_frames_probs": {1: 0.5, 2: 0.5}, "resolution": [64, 96], "learning_rate": 1e-4,
-            "output_dir": "out", "use_dora": False, "max_train_steps": 3, "validation_prompt": None}
+    return {
+        "conditional_frames_probs": {1: 0.5, 2: 0.5},
+        "resolution": [64, 96],
+        "learning_rate": 1e-4,
+        "output_dir": "out",
+        "use_dora": False,
+        "max_train_steps": 3,
+        "validation_prompt": None,
+    }
 
 
 def _tracker(directory):
@@ -39,10 +47,15 @@ def _hparams_read_back(run_dir):
     accumulator = EventAccumulator(str(events.parent))
     accumulator.Reload()
     contents = accumulator.PluginTagToContent("hparams")
-    (start,) = [plugin_data_pb2.HParamsPluginData.FromString(c) for c in contents.values()
-                if plugin_data_pb2.HParamsPluginData.FromString(c).HasField("session_start_info")]
-    return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
-            for k, v in start.session_start_info.hparams.items()}
+    (start,) = [
+        plugin_data_pb2.HParamsPluginData.FromString(c)
+        for c in contents.values()
+        if plugin_data_pb2.HParamsPluginData.FromString(c).HasField("session_start_info")
+    ]
+    return {
+        k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+        for k, v in start.session_start_info.hparams.items()
+    }
 
 
 def test_list_and_dict_values_are_recorded_as_their_str(tmp_path, caplog):
@@ -65,13 +78,20 @@ def test_list_and_dict_values_are_recorded_as_their_str(tmp_path, caplog):
 
     run_dir = tmp_path / "ours" / "diffusers-lora"
     recorded = _hparams_read_back(run_dir)
-    assert recorded == {"conditional_frames_probs": "{1: 0.5, 2: 0.5}", "resolution": "[64, 96]",
-                        "learning_rate": pytest.approx(1e-4), "output_dir": "out", "use_dora": False,
-                        "max_train_steps": 3.0}  # None is left out, as torch leaves it out
+    assert recorded == {
+        "conditional_frames_probs": "{1: 0.5, 2: 0.5}",
+        "resolution": "[64, 96]",
+        "learning_rate": pytest.approx(1e-4),
+        "output_dir": "out",
+        "use_dora": False,
+        "max_train_steps": 3.0,
+    }  # None is left out, as torch leaves it out
     (yml,) = run_dir.rglob("hparams.yml")
     assert yaml.safe_load(yml.read_text()) == _config()  # accelerate's file keeps the values themselves
     warnings = [r.getMessage() for r in caplog.records if "TensorBoard's hparams" in r.getMessage()]
-    assert len(warnings) == 1 and "conditional_frames_probs (dict)" in warnings[0] and "resolution (list)" in warnings[0]
+    assert (
+        len(warnings) == 1 and "conditional_frames_probs (dict)" in warnings[0] and "resolution (list)" in warnings[0]
+    )
 
 
 def test_scalar_values_pass_untouched(tmp_path):

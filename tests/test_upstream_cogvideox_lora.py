@@ -14,6 +14,7 @@ no 2-rank group forms), accel-npu's text-to-video and image-to-video runs to ste
 then both resume from ``latest`` to step 6. Witnesses: DeepSpeed's own zero_to_fp32 reading of the
 checkpoints, safetensors files opened here, diffusers' ``load_lora_weights``.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,16 +22,27 @@ import sys
 
 import pytest
 
-from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, ended_by_launcher, explain, \
-    release_examples_env, run_concurrently
+from tests.launch_utils import (
+    RELEASE_EXAMPLES,
+    REPO,
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    ended_by_launcher,
+    explain,
+    release_examples_env,
+    run_concurrently,
+)
 from tests.official_scripts import loaded_lora, lora_file, master_lora
 from tests.torchvision_site import with_torchvision
 
 sys.path.insert(0, str(SCRIPTS))
 
 CONFIG = REPO / "launch_configs" / "cpu_zero2.yaml"
-SCRIPTS_BY_KIND = {"t2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py",
-                   "i2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_image_to_video_lora.py"}
+SCRIPTS_BY_KIND = {
+    "t2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py",
+    "i2v": RELEASE_EXAMPLES / "cogvideo" / "train_cogvideox_image_to_video_lora.py",
+}
 PATCH = "deepspeed.runtime.engine:DeepSpeedEngine.forward"
 DOC = REPO / "docs" / "compatibility.md"
 
@@ -58,8 +70,13 @@ def _engine(bf16: bool):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3))
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": bf16},
-              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -96,8 +113,9 @@ def test_a_half_precision_engine_casts_inputs_of_the_other_half_dtype_only(one_r
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = engine.module(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
-    assert any("torch.autocast(bfloat16)" in r.getMessage() and f"{__file__}:" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "torch.autocast(bfloat16)" in r.getMessage() and f"{__file__}:" in r.getMessage() for r in caplog.records
+    )
     # an fp32 engine (no bf16/fp16 in its config) is left alone: stock's error, nothing cast
     engine = _engine(bf16=False)
     with pytest.raises(RuntimeError, match="same dtype"):
@@ -120,9 +138,13 @@ def test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_d
     from tests.inprocess import stock
 
     def zero3_engine():
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        }
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = torch.nn.Sequential(torch.nn.Linear(4, 3))
         model.requires_grad_(False)
@@ -149,11 +171,42 @@ def test_a_zero3_model_cast_after_partitioned_loading_trains_in_the_configured_d
 # ------------------------------------------------------------------------------------------------
 def _args(kind: str, pipe, videos, out, steps: int, *extra: str) -> list[str]:
     size = "16" if kind == "t2v" else "32"  # tiny_cogvideox: t2v resizes 32 -> 16, i2v's transformer is sized for 32
-    return ["--config_file", str(CONFIG), str(SCRIPTS_BY_KIND[kind]), "--pretrained_model_name_or_path", str(pipe),
-            "--instance_data_root", str(videos), "--caption_column", "prompts.txt", "--video_column", "videos.txt",
-            "--height", size, "--width", size, "--max_num_frames", "9", "--output_dir", str(out),
-            "--train_batch_size", "1", "--max_train_steps", str(steps), "--checkpointing_steps", "2",
-            "--rank", "4", "--lora_alpha", "8", "--seed", "0", "--learning_rate", "1e-2", *extra]
+    return [
+        "--config_file",
+        str(CONFIG),
+        str(SCRIPTS_BY_KIND[kind]),
+        "--pretrained_model_name_or_path",
+        str(pipe),
+        "--instance_data_root",
+        str(videos),
+        "--caption_column",
+        "prompts.txt",
+        "--video_column",
+        "videos.txt",
+        "--height",
+        size,
+        "--width",
+        size,
+        "--max_num_frames",
+        "9",
+        "--output_dir",
+        str(out),
+        "--train_batch_size",
+        "1",
+        "--max_train_steps",
+        str(steps),
+        "--checkpointing_steps",
+        "2",
+        "--rank",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--seed",
+        "0",
+        "--learning_rate",
+        "1e-2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -171,22 +224,37 @@ def runs(tmp_path_factory):
     def launch(name, kind, steps, *extra, **env):
         out = root / name
         out.mkdir(exist_ok=True)
-        proc = accelerate_launch(_args(kind, pipes[kind], videos, out, steps, *extra),
-                                 env=with_torchvision(release_examples_env(base_env(**env))), timeout=600, cwd=root)
+        proc = accelerate_launch(
+            _args(kind, pipes[kind], videos, out, steps, *extra),
+            env=with_torchvision(release_examples_env(base_env(**env))),
+            timeout=600,
+            cwd=root,
+        )
         return proc, out
 
     done = {}
     names = ["stock_t2v", "stock_i2v", "t2v", "i2v"]
-    first = run_concurrently(lambda: launch("stock_t2v", "t2v", 4, ACCEL_NPU_DISABLED_PATCHES=PATCH),
-                             lambda: launch("stock_i2v", "i2v", 4, ACCEL_NPU_DISABLED_PATCHES=PATCH),
-                             lambda: launch("t2v", "t2v", 4), lambda: launch("i2v", "i2v", 4))
+    first = run_concurrently(
+        lambda: launch("stock_t2v", "t2v", 4, ACCEL_NPU_DISABLED_PATCHES=PATCH),
+        lambda: launch("stock_i2v", "i2v", 4, ACCEL_NPU_DISABLED_PATCHES=PATCH),
+        lambda: launch("t2v", "t2v", 4),
+        lambda: launch("i2v", "i2v", 4),
+    )
     done.update(zip(names, first))
-    at4 = {kind: master_lora(done[kind][1] / "checkpoint-4") if done[kind][0].returncode == 0 else None
-           for kind in SCRIPTS_BY_KIND}
-    second = run_concurrently(*[lambda kind=kind: launch(kind, kind, 6, "--resume_from_checkpoint", "latest")
-                                for kind in SCRIPTS_BY_KIND if done[kind][0].returncode == 0])
-    done.update({f"{kind}_resumed": proc for kind, proc in zip([k for k in SCRIPTS_BY_KIND if at4[k] is not None],
-                                                                second)})
+    at4 = {
+        kind: master_lora(done[kind][1] / "checkpoint-4") if done[kind][0].returncode == 0 else None
+        for kind in SCRIPTS_BY_KIND
+    }
+    second = run_concurrently(
+        *[
+            lambda kind=kind: launch(kind, kind, 6, "--resume_from_checkpoint", "latest")
+            for kind in SCRIPTS_BY_KIND
+            if done[kind][0].returncode == 0
+        ]
+    )
+    done.update(
+        {f"{kind}_resumed": proc for kind, proc in zip([k for k in SCRIPTS_BY_KIND if at4[k] is not None], second)}
+    )
     return done, pipes, at4
 
 
@@ -218,8 +286,11 @@ def test_stock_stops_before_step_1_on_every_rank(runs, kind):
     assert "diffusers/models/embeddings.py" in text  # where: the transformer's first matmul
     assert not list(out.glob("checkpoint-*")) and not (out / "pytorch_lora_weights.safetensors").exists()
     row = _doc_row(SCRIPTS_BY_KIND[kind].name, "cpu_zero2 / npu_zero2")
-    assert ("fp16 for frozen towers under a bf16 config: `mat1 and mat2 must have the same dtype" if kind == "t2v"
-            else "the same error, on every rank before step 1") in row
+    assert (
+        "fp16 for frozen towers under a bf16 config: `mat1 and mat2 must have the same dtype"
+        if kind == "t2v"
+        else "the same error, on every rank before step 1"
+    ) in row
 
 
 @pytest.mark.slow
@@ -260,4 +331,6 @@ def test_accel_npu_trains_checkpoints_resumes_and_saves_a_lora_that_loads(runs, 
     for k, v in loaded.items():
         assert torch.equal(v, saved[k]), k
     script = SCRIPTS_BY_KIND[kind].name
-    assert "trains, checkpoints, resumes from `latest`; the final LoRA loads" in _doc_row(script, "cpu_zero2 / npu_zero2")
+    assert "trains, checkpoints, resumes from `latest`; the final LoRA loads" in _doc_row(
+        script, "cpu_zero2 / npu_zero2"
+    )

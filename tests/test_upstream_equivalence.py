@@ -5,6 +5,7 @@ each half a pytest subprocess, and compares the outcomes test by test; a test wh
 that only one half collected, fails this test by name with both halves' causes. The comparer's own tests
 come first: fed maps that differ it must report them (a checker that cannot fail checks nothing).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,8 +44,11 @@ def test_the_comparer_reports_every_outcome_difference_and_one_sided_test():
     }
     result = ue.compare(stock, accel)
     differing = {d["id"]: d for d in result["differing"]}
-    assert set(differing) == {"t.py::accel_runs_what_stock_skips", "t.py::only_stock",
-                              "pipelines/kolors/test_kolors.py"}
+    assert set(differing) == {
+        "t.py::accel_runs_what_stock_skips",
+        "t.py::only_stock",
+        "pipelines/kolors/test_kolors.py",
+    }
     skip = differing["t.py::accel_runs_what_stock_skips"]
     assert (skip["stock"], skip["accel"]) == ("skipped", "failed")
     assert skip["stock_message"] == "test requires a hardware accelerator"
@@ -55,19 +59,28 @@ def test_the_comparer_reports_every_outcome_difference_and_one_sided_test():
     assert result["tests"] == 6 and result["identical"] == 3
     # same outcome, other cause: reported apart (addresses ignored), not counted as differing
     assert [d["id"] for d in result["same_outcome_other_cause"]] == ["t.py::both_fail_differently"]
-    assert ue.compare(stock, dict(stock)) == {"tests": 5, "identical": 5, "differing": [],
-                                              "same_outcome_other_cause": []}
+    assert ue.compare(stock, dict(stock)) == {
+        "tests": 5,
+        "identical": 5,
+        "differing": [],
+        "same_outcome_other_cause": [],
+    }
 
 
 def test_a_test_takes_its_worst_phase(tmp_path):
-    rows = [{"id": "a", "phase": "call", "outcome": "passed", "message": ""},
-            {"id": "a", "phase": "teardown", "outcome": "error", "message": "OSError: busy"},
-            {"id": "b", "phase": "setup", "outcome": "skipped", "message": "no gpu"},
-            {"id": "c", "phase": "collect", "outcome": "error", "message": "ImportError: x"}]
+    rows = [
+        {"id": "a", "phase": "call", "outcome": "passed", "message": ""},
+        {"id": "a", "phase": "teardown", "outcome": "error", "message": "OSError: busy"},
+        {"id": "b", "phase": "setup", "outcome": "skipped", "message": "no gpu"},
+        {"id": "c", "phase": "collect", "outcome": "error", "message": "ImportError: x"},
+    ]
     path = tmp_path / "o.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert ue.read_outcomes(path) == {"a": _o("error", "OSError: busy"), "b": _o("skipped", "no gpu"),
-                                      "c": _o("error", "ImportError: x")}
+    assert ue.read_outcomes(path) == {
+        "a": _o("error", "OSError: busy"),
+        "b": _o("skipped", "no gpu"),
+        "c": _o("error", "ImportError: x"),
+    }
 
 
 def test_the_halves_environments_differ_only_by_accel_npu_disable():
@@ -83,7 +96,8 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
     """Both halves through real pytest subprocesses and the plugin: a test that fails only with accel-npu
     active, one collected only stock (the other half's module fails to import) and a skip reason."""
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_synthetic.py").write_text(textwrap.dedent("""
+    (tmp_path / "tests" / "test_synthetic.py").write_text(
+        textwrap.dedent("""
         import os, pytest
         STOCK = os.environ.get("ACCEL_NPU_DISABLE") == "1"
 
@@ -96,21 +110,27 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
         @pytest.mark.skipif(STOCK, reason="requires a hardware accelerator")
         def test_skipped_only_stock():
             pass
-    """))
-    (tmp_path / "tests" / "test_collects_stock_only.py").write_text(textwrap.dedent("""
+    """)
+    )
+    (tmp_path / "tests" / "test_collects_stock_only.py").write_text(
+        textwrap.dedent("""
         import os
         if os.environ.get("ACCEL_NPU_DISABLE") != "1":
             raise RuntimeError("broken at import")
 
         def test_x():
             pass
-    """))
+    """)
+    )
     # a lazy import's wrapper (diffusers/transformers style): the first line hides the root cause, which the
     # recorded message must still name -- once raised as RuntimeError (pytest keeps the exception chain),
     # once as ImportError (pytest flattens it to text)
-    for name, wrapper in (("test_chained_runtime_error.py", "RuntimeError"),
-                          ("test_chained_import_error.py", "ImportError")):
-        (tmp_path / "tests" / name).write_text(textwrap.dedent(f"""
+    for name, wrapper in (
+        ("test_chained_runtime_error.py", "RuntimeError"),
+        ("test_chained_import_error.py", "ImportError"),
+    ):
+        (tmp_path / "tests" / name).write_text(
+            textwrap.dedent(f"""
             import os
             if os.environ.get("ACCEL_NPU_DISABLE") != "1":
                 try:
@@ -122,7 +142,8 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
 
             def test_y():
                 pass
-        """))
+        """)
+        )
     select = ["tests"]
     stock = ue.run_half(tmp_path, select, stock=True, timeout=300)
     accel = ue.run_half(tmp_path, select, stock=False, timeout=300)
@@ -147,8 +168,10 @@ def test_the_runner_sees_a_difference_end_to_end(tmp_path):
 @pytest.mark.parametrize("suite", sorted(ue.CI_SUBSET))
 def test_upstream_module_has_the_same_outcomes_with_accel_npu_as_stock(suite):
     missing = [name for name in ue.TEST_REQUIREMENTS if importlib.util.find_spec(name) is None]
-    assert not missing, (f"upstream's tests import {missing}: install them (the [test] extra should list "
-                         "them), or this suite's halves would only record the same import error")
+    assert not missing, (
+        f"upstream's tests import {missing}: install them (the [test] extra should list "
+        "them), or this suite's halves would only record the same import error"
+    )
     src, module = ue.CI_SUBSET[suite]
     assert (src / module).is_file(), src / module
     result = ue.run_suite(suite, src, [module], log=lambda *_: None)
@@ -157,4 +180,6 @@ def test_upstream_module_has_the_same_outcomes_with_accel_npu_as_stock(suite):
         assert half["counts"].get("passed"), f"{suite}: the {side} half passed no test: {half['counts']}"
     assert not result["differing"], f"{suite}: {len(result['differing'])} upstream test(s) differ:\n" + "\n".join(
         f"  {d['id']}: stock {d['stock']} ({d['stock_message'] or '-'}) / accel-npu {d['accel']} "
-        f"({d['accel_message'] or '-'})" for d in result["differing"])
+        f"({d['accel_message'] or '-'})"
+        for d in result["differing"]
+    )

@@ -10,6 +10,7 @@ Witnesses are DeepSpeed's own reader of the checkpoints (``zero_to_fp32``: the o
 master weights), safetensors files opened here, and diffusers' ``load_lora_weights`` /
 ``from_pretrained`` -- never accel-npu's log lines.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,16 @@ import sys
 import pytest
 import yaml
 
-from tests.launch_utils import RELEASE_EXAMPLES, REPO, SCRIPTS, accelerate_launch, base_env, explain, one_rank_deepspeed_group, \
-    release_examples_env
+from tests.launch_utils import (
+    RELEASE_EXAMPLES,
+    REPO,
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    explain,
+    one_rank_deepspeed_group,
+    release_examples_env,
+)
 from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
 
@@ -64,8 +73,12 @@ def _zero3_plugin(flag: bool):
     """accelerate's DeepSpeedPlugin for a ZeRO-3 config, selected as AcceleratorState selects it."""
     from accelerate.utils import DeepSpeedPlugin
 
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+    }
     plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=flag)
     plugin.set_deepspeed_weakref()  # what DeepSpeedPlugin.select() does
     return plugin
@@ -79,8 +92,9 @@ def _load_like_the_script(pipe):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     vae = AutoencoderKLQwenImage.from_pretrained(str(pipe), subfolder="vae")
-    te = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(pipe), subfolder="text_encoder",
-                                                           torch_dtype=torch.bfloat16)
+    te = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        str(pipe), subfolder="text_encoder", torch_dtype=torch.bfloat16
+    )
     built_partitioned = {"vae": _partitioned(vae), "text_encoder": _partitioned(te)}
     _plain_linear()
     for m in (vae, te):
@@ -174,11 +188,39 @@ def _config(tmp, stage: int) -> str:
 
 
 def _train(config, pipe, images, out, steps: int, *extra: str):
-    args = ["--config_file", config, str(SCRIPT), "--pretrained_model_name_or_path", str(pipe),
-            "--instance_data_dir", str(images), "--instance_prompt", PROMPT, "--output_dir", str(out),
-            "--resolution", "16", "--train_batch_size", "1", "--max_train_steps", str(steps),
-            "--checkpointing_steps", "2", "--rank", "4", "--lora_alpha", "8", "--max_sequence_length", "16",
-            "--seed", "0", "--learning_rate", "1e-2", "--skip_final_inference", *extra]
+    args = [
+        "--config_file",
+        config,
+        str(SCRIPT),
+        "--pretrained_model_name_or_path",
+        str(pipe),
+        "--instance_data_dir",
+        str(images),
+        "--instance_prompt",
+        PROMPT,
+        "--output_dir",
+        str(out),
+        "--resolution",
+        "16",
+        "--train_batch_size",
+        "1",
+        "--max_train_steps",
+        str(steps),
+        "--checkpointing_steps",
+        "2",
+        "--rank",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--max_sequence_length",
+        "16",
+        "--seed",
+        "0",
+        "--learning_rate",
+        "1e-2",
+        "--skip_final_inference",
+        *extra,
+    ]
     # the script imports torchvision.transforms: the paired wheel, on PYTHONPATH only (tests/torchvision_site.py)
     return accelerate_launch(args, env=with_torchvision(release_examples_env(base_env())), timeout=400, cwd=out.parent)
 
@@ -207,8 +249,11 @@ def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_p
     assert second.returncode == 0, explain(second)
     assert "Resuming from checkpoint checkpoint-4" in second.stdout + second.stderr  # the script's own print
     # resumed at step 4: only checkpoint-6 is new (a fresh start would have rewritten checkpoint-2)
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == \
-        ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
     assert master_lora(out / "checkpoint-4").keys() == at4.keys()
     final = master_lora(out / "checkpoint-6")
     assert len(final) == 16 and any(not torch.equal(final[k], at4[k]) for k in final)  # steps 5-6 trained
@@ -246,8 +291,9 @@ def _check_consolidate(pipe, ckpt, master, tmp_path):
 
     cli = os.path.join(os.path.dirname(sys.executable), "accel-npu")
     for args in ([str(ckpt), str(tmp_path / "adapter")], [str(ckpt), str(tmp_path / "merged"), "--merge-lora"]):
-        done = subprocess.run([cli, "consolidate", *args, "--no-progress"], capture_output=True, text=True,
-                              env=base_env(), timeout=300)
+        done = subprocess.run(
+            [cli, "consolidate", *args, "--no-progress"], capture_output=True, text=True, env=base_env(), timeout=300
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
     adapter = tmp_path / "adapter"
@@ -256,8 +302,7 @@ def _check_consolidate(pipe, ckpt, master, tmp_path):
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
-    assert keys and all(k.startswith("transformer.") and ".base_layer." not in k and ".default." not in k
-                        for k in keys)
+    assert keys and all(k.startswith("transformer.") and ".base_layer." not in k and ".default." not in k for k in keys)
     loaded = _loaded_lora(pipe, adapter)
     assert loaded.keys() == master.keys()
     for k, v in loaded.items():
@@ -277,5 +322,3 @@ def _check_consolidate(pipe, ckpt, master, tmp_path):
             merged_count += 1
         assert torch.allclose(got[k], want, rtol=0, atol=1e-6), k
     assert merged_count == 8
-
-

@@ -25,6 +25,7 @@ Stock halves use ACCEL_NPU_DISABLED_PATCHES: with ACCEL_NPU_DISABLE=1 on CPU eve
 of 1 (stock accelerate starts no gloo group without an accelerator), so neither failure can happen.
 A rank-0-only save_state made mid-step is tested in tests/test_checkpoints.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch_utils import BIN, RELEASE_EXAMPLES, REPO, SCRIPTS, base_env, free_port, shipped_zero_configs
-from tests.official_scripts import StreamedLaunch, fixed_copy, line_of
+from tests.official_scripts import StreamedLaunch, fixed_copy
 from tests.torchvision_site import with_torchvision
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -49,22 +50,60 @@ STEPS, CKPT, RESUMED_STEPS = 10, 5, 12
 VALIDATION_STEPS = 2
 # the patches whose absence is "stock" for each half
 STOCK_SAVE_STATE = "accelerate.accelerator:Accelerator.save_state,accelerate.accelerator:Accelerator.backward"
-STOCK_FINAL_SAVE = ",".join([
-    "diffusers.models.modeling_utils:ModelMixin.save_pretrained", "safetensors.torch:save_file",
-    "accelerate.state:PartialState.wait_for_everyone", "accelerate.accelerator:Accelerator.end_training",
-    "deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__"])
+STOCK_FINAL_SAVE = ",".join(
+    [
+        "diffusers.models.modeling_utils:ModelMixin.save_pretrained",
+        "safetensors.torch:save_file",
+        "accelerate.state:PartialState.wait_for_everyone",
+        "accelerate.accelerator:Accelerator.end_training",
+        "deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
+    ]
+)
 
 
 class Run(StreamedLaunch):
     """One `accelerate launch` of the upstream script (or the fixed copy) with this file's arguments."""
 
-    def __init__(self, cfg: Path, out: Path, extra: list[str], env: dict, workdir: Path, script: Path = UPSTREAM,
-                 steps: int = STEPS):
-        args = [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), "--config_file",
-                str(cfg), str(script), "--pretrained_model_name_or_path", str(workdir / "model"),
-                "--train_data_dir", str(workdir / "data"), "--caption_column", "text", "--resolution", "16",
-                "--train_batch_size", "2", "--max_train_steps", str(steps), "--learning_rate", "1e-3",
-                "--seed", "0", "--output_dir", str(out), "--dataloader_num_workers", "0", *extra]
+    def __init__(
+        self,
+        cfg: Path,
+        out: Path,
+        extra: list[str],
+        env: dict,
+        workdir: Path,
+        script: Path = UPSTREAM,
+        steps: int = STEPS,
+    ):
+        args = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--main_process_port",
+            str(free_port()),
+            "--config_file",
+            str(cfg),
+            str(script),
+            "--pretrained_model_name_or_path",
+            str(workdir / "model"),
+            "--train_data_dir",
+            str(workdir / "data"),
+            "--caption_column",
+            "text",
+            "--resolution",
+            "16",
+            "--train_batch_size",
+            "2",
+            "--max_train_steps",
+            str(steps),
+            "--learning_rate",
+            "1e-3",
+            "--seed",
+            "0",
+            "--output_dir",
+            str(out),
+            "--dataloader_num_workers",
+            "0",
+            *extra,
+        ]
         super().__init__(args, env, workdir, steps, out)
 
 
@@ -96,8 +135,13 @@ def _differences(a, b, where: str, out: list) -> list:
     import torch
 
     if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b)):
+        if not (
+            torch.is_tensor(a)
+            and torch.is_tensor(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        ):
             out.append(where)
     elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)):
@@ -154,12 +198,19 @@ def xformers(label: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("t2i")
-    subprocess.run([sys.executable, str(SCRIPTS / "tiny_sd.py"), str(work / "model"), str(work / "data")],
-                   check=True, capture_output=True, timeout=300, env=base_env())
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "tiny_sd.py"), str(work / "model"), str(work / "data")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=base_env(),
+    )
     cfg = shipped_zero_configs(work)
     env = with_torchvision(base_env(HF_DATASETS_CACHE=str(work / "datasets-cache")))
-    stock = {"save_state": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_SAVE_STATE),
-             "final": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_FINAL_SAVE)}
+    stock = {
+        "save_state": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_SAVE_STATE),
+        "final": dict(env, ACCEL_NPU_DISABLED_PATCHES=STOCK_FINAL_SAVE),
+    }
     fixed = fixed_copy(UPSTREAM, work, "train_text_to_image_fixed.py")
     ckpt = ["--checkpointing_steps", str(CKPT), "--resume_from_checkpoint", "latest"]
     results = {}
@@ -167,8 +218,9 @@ def runs(tmp_path_factory):
     # wave 1: unchanged and fixed, ZeRO-2 and ZeRO-3, and the stock hang
     first = {}
     for label in ("zero2", "zero3_t0"):
-        first[f"unchanged_{label}"] = Run(cfg[label], work / f"unchanged_{label}", ckpt + xformers(f"unchanged_{label}"),
-                                          env, work)
+        first[f"unchanged_{label}"] = Run(
+            cfg[label], work / f"unchanged_{label}", ckpt + xformers(f"unchanged_{label}"), env, work
+        )
         first[f"fixed_{label}"] = Run(cfg[label], work / f"fixed_{label}", ckpt, env, work, script=fixed)
     hang = Run(cfg["zero2"], work / "stock_hang", ckpt, stock["save_state"], work)
     deadline = time.monotonic() + 900
@@ -183,19 +235,38 @@ def runs(tmp_path_factory):
     hang.wait(30)
     results["hang"] = dict(run=hang, alive_20s_after_checkpoint=hang_alive, leftover=leftover)
     # wave 2: as each first run ends, its resume from `latest`; beside them, the stock final save
-    later = {"stock_final_zero3_t0": Run(cfg["zero3_t0"], work / "stock_final_z3", ["--checkpointing_steps", "100"],
-                                         stock["final"], work),
-             # rank-0-only validation (a pipeline forward with the partitioned UNet) right after the last step
-             "validation_zero3_t0": Run(cfg["zero3_t0"], work / "validation_z3",
-                                        ["--checkpointing_steps", "100", "--validation_prompts", "a red square",
-                                         "--validation_epochs", "1"], env, work, steps=VALIDATION_STEPS)}
+    later = {
+        "stock_final_zero3_t0": Run(
+            cfg["zero3_t0"], work / "stock_final_z3", ["--checkpointing_steps", "100"], stock["final"], work
+        ),
+        # rank-0-only validation (a pipeline forward with the partitioned UNet) right after the last step
+        "validation_zero3_t0": Run(
+            cfg["zero3_t0"],
+            work / "validation_z3",
+            ["--checkpointing_steps", "100", "--validation_prompts", "a red square", "--validation_epochs", "1"],
+            env,
+            work,
+            steps=VALIDATION_STEPS,
+        ),
+    }
     for label, run in first.items():
         run.wait(900)
-        results[label] = dict(run=run, checkpoints=sorted((d for d in os.listdir(run.out) if d.startswith("checkpoint")),
-                                                                 key=lambda d: int(d.split("-")[1])),
-                              unet=_unet_state(run.out) if (run.out / "unet").is_dir() else None)
-        later[f"resumed_{label}"] = Run(cfg[label.split("_", 1)[1]], run.out, ckpt + xformers(label), env, work,
-                                        script=fixed if label.startswith("fixed") else UPSTREAM, steps=RESUMED_STEPS)
+        results[label] = dict(
+            run=run,
+            checkpoints=sorted(
+                (d for d in os.listdir(run.out) if d.startswith("checkpoint")), key=lambda d: int(d.split("-")[1])
+            ),
+            unet=_unet_state(run.out) if (run.out / "unet").is_dir() else None,
+        )
+        later[f"resumed_{label}"] = Run(
+            cfg[label.split("_", 1)[1]],
+            run.out,
+            ckpt + xformers(label),
+            env,
+            work,
+            script=fixed if label.startswith("fixed") else UPSTREAM,
+            steps=RESUMED_STEPS,
+        )
     for label, run in later.items():
         run.wait(900)
         results[label] = dict(run=run)
@@ -271,7 +342,9 @@ def test_final_save_of_a_partitioned_unet_loads_and_equals_the_trained_weights(r
     from diffusers import UNet2DConditionModel
 
     z3, z2 = runs["unchanged_zero3_t0"], runs["unchanged_zero2"]
-    assert "does not exist. Starting a new training run" in z3["run"].output  # --resume_from_checkpoint latest, none yet
+    assert (
+        "does not exist. Starting a new training run" in z3["run"].output
+    )  # --resume_from_checkpoint latest, none yet
     got, witness = z3["unet"], z2["unet"]
     initial = UNet2DConditionModel.from_pretrained(runs["work"] / "model", subfolder="unet").state_dict()
     assert set(got) == set(witness) == set(initial)
@@ -339,10 +412,12 @@ def test_compatibility_doc_rows_for_this_script_are_true(runs):
     section = DOC.read_text().split("## `train_text_to_image.py`", 1)[1].split("\n## ", 1)[0]  # not the matrix's rows
     rows = [line for line in section.splitlines() if line.startswith("| `train_text_to_image.py`")]
     table = {tuple(c.strip() for c in row.strip("|").split("|")[1:3]): row for row in rows}
-    assert set(table) == {("cpu_zero2 / npu_zero2", "`--checkpointing_steps` < steps"),
-                          ("ZeRO-3, threshold 0", "`--checkpointing_steps` < steps"),
-                          ("cpu_zero2 / npu_zero2", "checkpointing off"),
-                          ("ZeRO-3, threshold 0", "checkpointing off")}, table
+    assert set(table) == {
+        ("cpu_zero2 / npu_zero2", "`--checkpointing_steps` < steps"),
+        ("ZeRO-3, threshold 0", "`--checkpointing_steps` < steps"),
+        ("cpu_zero2 / npu_zero2", "checkpointing off"),
+        ("ZeRO-3, threshold 0", "checkpointing off"),
+    }, table
     for stage, row in (("zero2", "cpu_zero2 / npu_zero2"), ("zero3_t0", "ZeRO-3, threshold 0")):
         assert runs[f"unchanged_{stage}"]["run"].proc.returncode == 0
         assert runs[f"resumed_unchanged_{stage}"]["run"].proc.returncode == 0

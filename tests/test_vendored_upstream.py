@@ -1,4 +1,5 @@
 """The vendored upstream files (tests/upstream/) are byte for byte what their SHA256SUMS record."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,12 +19,20 @@ def test_every_vendored_file_matches_its_recorded_hash_and_none_is_added_or_miss
     assert folders, "no vendored upstream folder with a SHA256SUMS"
     for folder in folders:
         recorded = _recorded(folder)
-        present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                   if p.is_file() and p.name != "SHA256SUMS" and "__pycache__" not in p.parts}
-        assert present == set(recorded), (f"{folder}: files not in SHA256SUMS {sorted(present - set(recorded))}, "
-                                          f"missing {sorted(set(recorded) - present)}")
-        changed = [name for name, digest in recorded.items()
-                   if hashlib.sha256((folder / name).read_bytes()).hexdigest() != digest]
+        present = {
+            p.relative_to(folder).as_posix()
+            for p in folder.rglob("*")
+            if p.is_file() and p.name != "SHA256SUMS" and "__pycache__" not in p.parts
+        }
+        assert present == set(recorded), (
+            f"{folder}: files not in SHA256SUMS {sorted(present - set(recorded))}, "
+            f"missing {sorted(set(recorded) - present)}"
+        )
+        changed = [
+            name
+            for name, digest in recorded.items()
+            if hashlib.sha256((folder / name).read_bytes()).hexdigest() != digest
+        ]
         assert not changed, f"{folder}: edited upstream files (never edit them; vendor a new tag): {changed}"
         assert (folder / "LICENSE").is_file()
 

@@ -1,22 +1,22 @@
 """Issue 3 item 8 (pitfall 7.11): decord readers given decord.gpu(i) decode on the CPU when CUDA is
 absent. Real decord 0.6.0 on a tiny uncompressed AVI this test writes (no encoder needed)."""
+
 from __future__ import annotations
 
 import logging
 import sys
 
+import decord  # a test dependency: its absence is a failure, not a skip
 import numpy as np
 import pytest
 
-import decord  # noqa: E402  (a test dependency: its absence is a failure, not a skip)
-
-import accel_npu  # noqa: E402
-from tests.inprocess import stock  # noqa: E402
-from accel_npu.plugins.video import readers  # noqa: E402
-from tests.launch_utils import SCRIPTS  # noqa: E402
+import accel_npu
+from accel_npu.plugins.video import readers
+from tests.inprocess import stock
+from tests.launch_utils import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
-from tiny_video import write_raw_avi  # noqa: E402
+from tiny_video import write_raw_avi
 
 
 def make_frames(n=6):
@@ -36,8 +36,6 @@ def clip(tmp_path):
 
 @pytest.fixture(autouse=True)
 def active():
-    import torch
-
     from accel_npu._torch.device import cuda_available
 
     assert not cuda_available()  # no real CUDA here (torch.cuda answers for the cpu backend under accel-npu)
@@ -88,6 +86,8 @@ def test_cpu_ctx_and_cuda_machines_untouched(clip, monkeypatch):
     path, _ = clip
     ctx = decord.cpu(0)
     assert readers._cpu_ctx_for(ctx, "VideoReader") is ctx
-    monkeypatch.setattr(readers, "cuda_available", lambda: True)  # a CUDA machine: the GPU context is passed on as given
+    monkeypatch.setattr(
+        readers, "cuda_available", lambda: True
+    )  # a CUDA machine: the GPU context is passed on as given
     gpu = decord.gpu(0)
     assert readers._cpu_ctx_for(gpu, "VideoReader") is gpu

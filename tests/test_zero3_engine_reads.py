@@ -11,6 +11,7 @@ placeholder) after the read, the EMA computed from DeepSpeed's read. The 2-rank 
 a rank-0-only checkpoint right after, a read by rank 0 alone) is one launch of
 tests/scripts/zero3_engine_reads.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ import logging
 
 import pytest
 
-import accel_npu
 from tests.inprocess import stock
 
 RATE = 0.9
@@ -49,9 +49,16 @@ def trained():
         from accelerate.utils import DeepSpeedPlugin
 
         # a prefetch bucket of one element: each parameter is gathered on its own (released as the reader moves on)
-        config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                        "stage3_prefetch_bucket_size": 1},
-                  "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+        config = {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": 1,
+            },
+            "bf16": {"enabled": True},
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+        }
         plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
         accelerator = Accelerator(deepspeed_plugin=plugin)
         torch.manual_seed(0)
@@ -170,8 +177,11 @@ def test_a_write_to_a_gathered_parameter_is_one_clear_error(trained):
             p.data.mul_(2)
     assert all(torch.equal(v, expected[n]) for n, v in deepspeed_read(engine).items())
 
-    with pytest.raises(ParameterWriteError, match=r"test_zero3_engine_reads\.py:\d+ changed 1 ZeRO-3 parameter\(s\) "
-                                                  r"of the DeepSpeed engine \(0\.weight\)"):
+    with pytest.raises(
+        ParameterWriteError,
+        match=r"test_zero3_engine_reads\.py:\d+ changed 1 ZeRO-3 parameter\(s\) "
+        r"of the DeepSpeed engine \(0\.weight\)",
+    ):
         for p in engine.parameters():
             p.data.mul_(2)  # .data: a version counter of its own; seen by the partition's bytes
     with pytest.raises(ParameterWriteError, match=r"\(2\.bias\)"):
@@ -189,12 +199,22 @@ def test_every_rank_reads_then_rank0_checkpoints_and_a_rank0_only_read_fails_cle
     DeepSpeed's partition on that rank (its slice); rank 0's `if accelerator.is_main_process: save_state` right
     after it is served at the other rank's next forward (both ranks' DeepSpeed shards written); a read by rank 0 alone (`process_index == 0`, no
     is_main_process guard to see) is a CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT."""
-    from tests.launch_utils import (REPO, accelerate_launch, base_env, explain, results, write_deepspeed_config,
-                                    zero_config)
+    from tests.launch_utils import (
+        REPO,
+        accelerate_launch,
+        base_env,
+        explain,
+        results,
+        write_deepspeed_config,
+        zero_config,
+    )
 
     yaml_path = write_deepspeed_config(tmp_path / "cfg", zero_config(3, bf16=True))
-    proc = accelerate_launch(["--config_file", str(yaml_path), str(REPO / "tests/scripts/zero3_engine_reads.py"),
-                              str(tmp_path / "out")], env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"), timeout=240)
+    proc = accelerate_launch(
+        ["--config_file", str(yaml_path), str(REPO / "tests/scripts/zero3_engine_reads.py"), str(tmp_path / "out")],
+        env=base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5"),
+        timeout=240,
+    )
     assert proc.returncode == 0, explain(proc)
     rec = results(proc)
     assert [r["rank"] for r in rec] == [0, 1], explain(proc)
@@ -204,6 +224,7 @@ def test_every_rank_reads_then_rank0_checkpoints_and_a_rank0_only_read_fails_cle
     assert rec[0]["asymmetric_seconds"] < 5 + 10, explain(proc)
     assert "zero3_engine_reads.py" in rec[0]["asymmetric_message"], explain(proc)
     shards = sorted(p.name for p in (tmp_path / "out" / "checkpoint-2").rglob("*model_states.pt"))
-    assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], \
+    assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"], (
         explain(proc)
+    )
     assert json.loads((tmp_path / "out" / "steps.json").read_text()) == {"saved_at": 2}

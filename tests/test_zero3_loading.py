@@ -3,6 +3,7 @@
 The end-to-end behaviour (2 ranks, bit-identical losses, rank 0 reading once, frozen VAEs rebuilt
 whole) is tests/test_loading_acceptance.py::test_zero3_loads_straight_into_partitions_read_once.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,15 @@ def hf_zero3(monkeypatch):
 
     def configure(stage=3, **zero):
         unset_hf_deepspeed_config()
-        keep[:] = [HfDeepSpeedConfig({"zero_optimization": {"stage": stage, **zero}, "bf16": {"enabled": True},
-                                      "train_micro_batch_size_per_gpu": 1})]
+        keep[:] = [
+            HfDeepSpeedConfig(
+                {
+                    "zero_optimization": {"stage": stage, **zero},
+                    "bf16": {"enabled": True},
+                    "train_micro_batch_size_per_gpu": 1,
+                }
+            )
+        ]
 
     try:
         yield configure
@@ -88,9 +96,18 @@ def test_a_config_change_by_the_script_makes_a_partitioned_model_whole(hf_zero3,
     from accel_npu._torch.zero import is_zero_partitioned
 
     torch.manual_seed(0)
-    UNet2DConditionModel(block_out_channels=(8,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
-                         down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-                         cross_attention_dim=8, attention_head_dim=2, norm_num_groups=4).save_pretrained(tmp_path)
+    UNet2DConditionModel(
+        block_out_channels=(8,),
+        layers_per_block=1,
+        sample_size=4,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=8,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    ).save_pretrained(tmp_path)
     files = load_file(str(tmp_path / "diffusion_pytorch_model.safetensors"))
     for name, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # as accelerate launch sets them (zero.Init reads LOCAL_RANK)

@@ -10,6 +10,7 @@ put that directory on the launched processes' PYTHONPATH. Packages that require 
 (timm, for diffusers' vqgan/train_vqgan.py) get a directory of their own the same way
 (``package_site``, ``with_torchvision(env, "timm==...")``).
 """
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,24 @@ def package_site(requirement: str) -> str:
         if not (site / name / "__init__.py").is_file():
             partial = Path(tempfile.mkdtemp(dir=root, prefix="partial-"))
             # --no-deps: its Requires-Dist pins torch; pip must not touch the torch under test.
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--no-deps",
-                                   "--disable-pip-version-check", "--target", str(partial),
-                                   requirement], capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--no-compile",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "--target",
+                    str(partial),
+                    requirement,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             if proc.returncode != 0:
                 shutil.rmtree(partial, ignore_errors=True)
                 raise RuntimeError(f"pip could not install {requirement}:\n{proc.stderr[-2000:]}")

@@ -24,6 +24,7 @@ Upstream's tests need test-only packages beyond the project's ``[test]`` extra:
 requirements: parameterized requests-mock
 (never the registry's torchvision wheels: they are CUDA builds and break the stock half's imports).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,22 @@ class Suite:
 
 #: Subsets chosen to finish in minutes on 2 CPU cores (measured, see benchmarks/results/upstream_equivalence.md).
 SUITES = {
-    "diffusers-models": Suite("diffusers", (
-        "tests/models/transformers/test_models_transformer_flux.py",
-        "tests/models/transformers/test_models_transformer_qwenimage.py",
-        "tests/models/unets/test_models_unet_2d_condition.py",
-        "tests/models/autoencoders/test_models_autoencoder_kl.py",
-    )),
-    "diffusers-pipelines": Suite("diffusers", (
-        "tests/pipelines/kolors",
-        "tests/pipelines/flux/test_pipeline_flux.py",
-    )),
+    "diffusers-models": Suite(
+        "diffusers",
+        (
+            "tests/models/transformers/test_models_transformer_flux.py",
+            "tests/models/transformers/test_models_transformer_qwenimage.py",
+            "tests/models/unets/test_models_unet_2d_condition.py",
+            "tests/models/autoencoders/test_models_autoencoder_kl.py",
+        ),
+    ),
+    "diffusers-pipelines": Suite(
+        "diffusers",
+        (
+            "tests/pipelines/kolors",
+            "tests/pipelines/flux/test_pipeline_flux.py",
+        ),
+    ),
     "accelerate": Suite("accelerate", ("tests/test_utils.py", "tests/test_accelerator.py")),
     "transformers": Suite("transformers", ("tests/test_image_transforms.py", "tests/test_monkey_patching.py")),
 }
@@ -81,6 +88,7 @@ CI_SUBSET = {
 TEST_REQUIREMENTS = ("parameterized", "requests_mock")
 
 # --------------------------------------------------------------------------- the pytest plugin (child side)
+
 
 def _first_line(text) -> str:
     for line in str(text or "").splitlines():
@@ -117,11 +125,11 @@ def _root_cause(longrepr) -> str:
 def _chained_text_exceptions(text: str) -> list[str]:
     """The exception lines (``E   Type: message``, innermost first) of a chain pytest printed as text;
     [] when the text holds no chain."""
-    if "The above exception was the direct cause" not in text and \
-            "During handling of the above exception" not in text:
+    if "The above exception was the direct cause" not in text and "During handling of the above exception" not in text:
         return []
-    return [_first_line(line[1:]) for line in text.splitlines()
-            if line.startswith("E ") and _EXCEPTION_LINE.match(line)]
+    return [
+        _first_line(line[1:]) for line in text.splitlines() if line.startswith("E ") and _EXCEPTION_LINE.match(line)
+    ]
 
 
 def _message(report) -> str:
@@ -166,8 +174,9 @@ def pytest_collectreport(report):
 def pytest_runtest_logreport(report):
     if hasattr(report, "wasxfail"):
         outcome = "xfailed" if report.skipped else "xpassed"
-        _record({"id": report.nodeid, "phase": report.when, "outcome": outcome,
-                 "message": _first_line(report.wasxfail)})
+        _record(
+            {"id": report.nodeid, "phase": report.when, "outcome": outcome, "message": _first_line(report.wasxfail)}
+        )
         return
     if report.when == "call" or report.failed or report.skipped:
         outcome = report.outcome
@@ -209,17 +218,20 @@ def compare(stock: dict[str, dict], accel: dict[str, dict]) -> dict:
     differing, other_cause, identical = [], [], 0
     for test_id in ids:
         s, a = stock.get(test_id, missing), accel.get(test_id, missing)
-        row = {"id": test_id, "stock": s["outcome"], "accel": a["outcome"],
-               "stock_message": s["message"], "accel_message": a["message"]}
+        row = {
+            "id": test_id,
+            "stock": s["outcome"],
+            "accel": a["outcome"],
+            "stock_message": s["message"],
+            "accel_message": a["message"],
+        }
         if s["outcome"] != a["outcome"]:
             differing.append(row)
             continue
         identical += 1
-        if s["outcome"] in ("failed", "error") and \
-                _VOLATILE.sub("*", s["message"]) != _VOLATILE.sub("*", a["message"]):
+        if s["outcome"] in ("failed", "error") and _VOLATILE.sub("*", s["message"]) != _VOLATILE.sub("*", a["message"]):
             other_cause.append(row)
-    return {"tests": len(ids), "identical": identical, "differing": differing,
-            "same_outcome_other_cause": other_cause}
+    return {"tests": len(ids), "identical": identical, "differing": differing, "same_outcome_other_cause": other_cause}
 
 
 def counts(outcomes: dict[str, dict]) -> dict[str, int]:
@@ -230,6 +242,7 @@ def counts(outcomes: dict[str, dict]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- running the halves
+
 
 def child_env(stock: bool, base: dict[str, str] | None = None) -> dict[str, str]:
     """The inherited environment less every ACCEL_NPU_* variable, offline and single-threaded;
@@ -252,8 +265,9 @@ class Half:
     tail: str = ""
 
 
-def run_half(src: Path, select: list[str], stock: bool, timeout: int, workers: int = 0,
-             extra: list[str] | None = None) -> Half:
+def run_half(
+    src: Path, select: list[str], stock: bool, timeout: int, workers: int = 0, extra: list[str] | None = None
+) -> Half:
     """One pytest run of ``select`` (paths relative to ``src``) in ``src``: rootdir and confcutdir are
     ``src`` (no conftest above it is loaded), upstream's own pytest config applies."""
     with tempfile.TemporaryDirectory(prefix="upstream_equivalence_") as tmp:
@@ -262,9 +276,26 @@ def run_half(src: Path, select: list[str], stock: bool, timeout: int, workers: i
         env[OUTCOMES_ENV] = str(outcomes_file)
         # -c os.devnull: upstream's tests under upstream's conftest only, not this repository's setup.cfg (found
         # above the vendored tree), whose --strict-markers refuses the markers upstream leaves unregistered
-        cmd = [sys.executable, "-m", "pytest", *select, "-p", "upstream_equivalence", "-p", "no:cacheprovider",
-               "-c", os.devnull, f"--rootdir={src}", f"--confcutdir={src}", "-q", "-rN", "--timeout=900", "--continue-on-collection-errors",
-               *(["-n", str(workers)] if workers else ["-p", "no:xdist"]), *(extra or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *select,
+            "-p",
+            "upstream_equivalence",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            os.devnull,
+            f"--rootdir={src}",
+            f"--confcutdir={src}",
+            "-q",
+            "-rN",
+            "--timeout=900",
+            "--continue-on-collection-errors",
+            *(["-n", str(workers)] if workers else ["-p", "no:xdist"]),
+            *(extra or []),
+        ]
         start = time.monotonic()
         half = Half()
         try:
@@ -272,18 +303,31 @@ def run_half(src: Path, select: list[str], stock: bool, timeout: int, workers: i
             half.returncode, half.tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired as exc:
             half.timed_out = True
-            half.tail = str(exc.stdout or "")[-4000:] if not isinstance(exc.stdout, bytes) else exc.stdout.decode()[-4000:]
+            half.tail = (
+                str(exc.stdout or "")[-4000:] if not isinstance(exc.stdout, bytes) else exc.stdout.decode()[-4000:]
+            )
         half.seconds = time.monotonic() - start
         half.outcomes = read_outcomes(outcomes_file)
     if not half.outcomes:  # pytest stopped before any test (usage error, crash at startup): say so
-        half.outcomes = {"<session>": {"outcome": "error",
-                                       "message": f"no outcomes recorded, rc={half.returncode}: "
-                                                  f"{_first_line(half.tail.strip().splitlines()[-1] if half.tail.strip() else '')}"}}
+        half.outcomes = {
+            "<session>": {
+                "outcome": "error",
+                "message": f"no outcomes recorded, rc={half.returncode}: "
+                f"{_first_line(half.tail.strip().splitlines()[-1] if half.tail.strip() else '')}",
+            }
+        }
     return half
 
 
-def run_suite(name: str, src: Path, select: list[str] | None = None, workers: int = 0,
-              timeout: int | None = None, extra: list[str] | None = None, log=print) -> dict:
+def run_suite(
+    name: str,
+    src: Path,
+    select: list[str] | None = None,
+    workers: int = 0,
+    timeout: int | None = None,
+    extra: list[str] | None = None,
+    log=print,
+) -> dict:
     suite = SUITES[name]
     select = list(select or suite.select)
     halves = {}
@@ -291,23 +335,37 @@ def run_suite(name: str, src: Path, select: list[str] | None = None, workers: in
         log(f"[{name}] {side} half: pytest {' '.join(select)} (in {src})")
         halves[side] = run_half(src, select, stock, timeout or suite.timeout, workers, extra)
         h = halves[side]
-        log(f"[{name}] {side} half: {h.seconds:.0f} s, rc={h.returncode}{' TIMED OUT' if h.timed_out else ''}, "
-            f"{counts(h.outcomes)}")
+        log(
+            f"[{name}] {side} half: {h.seconds:.0f} s, rc={h.returncode}{' TIMED OUT' if h.timed_out else ''}, "
+            f"{counts(h.outcomes)}"
+        )
     result = compare(halves["stock"].outcomes, halves["accel"].outcomes)
-    result.update(suite=name, library=suite.library, src=str(src), select=select,
-                  halves={side: {"seconds": round(h.seconds, 1), "returncode": h.returncode,
-                                 "timed_out": h.timed_out, "counts": counts(h.outcomes),
-                                 # every test that did not pass, with its cause (the .json keeps them)
-                                 "not_passed": {k: v for k, v in sorted(h.outcomes.items())
-                                                if v["outcome"] != "passed"}}
-                          for side, h in halves.items()})
+    result.update(
+        suite=name,
+        library=suite.library,
+        src=str(src),
+        select=select,
+        halves={
+            side: {
+                "seconds": round(h.seconds, 1),
+                "returncode": h.returncode,
+                "timed_out": h.timed_out,
+                "counts": counts(h.outcomes),
+                # every test that did not pass, with its cause (the .json keeps them)
+                "not_passed": {k: v for k, v in sorted(h.outcomes.items()) if v["outcome"] != "passed"},
+            }
+            for side, h in halves.items()
+        },
+    )
     return result
 
 
 # --------------------------------------------------------------------------- the report
 
+
 def versions() -> dict[str, str]:
     from importlib import metadata
+
     out = {"python": sys.version.split()[0]}
     for lib in LIBRARIES:
         try:
@@ -320,6 +378,7 @@ def versions() -> dict[str, str]:
 def git_state(outputs: list[Path]) -> dict:
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+
     rel = {p.resolve().relative_to(REPO).as_posix() for p in outputs if p.resolve().is_relative_to(REPO)}
     dirty = [line[3:] for line in git("status", "--porcelain").splitlines() if line[3:].strip() not in rel]
     return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(dirty), "dirty_paths": dirty}
@@ -331,54 +390,98 @@ def _cell(text: str) -> str:
 
 def markdown(report: dict) -> str:
     g = report["git"]
-    lines = ["# Upstream test suites: accel-npu active vs stock (ACCEL_NPU_DISABLE=1)", "",
-             f"Generated by `tools/upstream_equivalence.py` on {report['date']}.", "",
-             *([f"- at the start: commit `{report['git_start']['commit']}`, working tree "
-                + ("dirty" if report["git_start"]["dirty"] else "clean") + " (it changed while the suites ran)"]
-               if report.get("git_start") and report["git_start"] != g else []),
-             f"- Commit: {g['commit']} (at the end)",
-             f"- accel-npu working tree at the end "
-             + (f"**dirty** ({len(g['dirty_paths'])} paths: {', '.join(f'`{p}`' for p in g['dirty_paths'][:20])}"
-                f"{' …' if len(g['dirty_paths']) > 20 else ''})" if g["dirty"] else "clean"),
-             "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
-             "- each half: `python -m pytest <select> -p upstream_equivalence -c /dev/null --rootdir=<src> --confcutdir=<src>` in "
-             "the inherited environment less every `ACCEL_NPU_*`, with `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1`; the "
-             "stock half adds `ACCEL_NPU_DISABLE=1`",
-             ""]
+    lines = [
+        "# Upstream test suites: accel-npu active vs stock (ACCEL_NPU_DISABLE=1)",
+        "",
+        f"Generated by `tools/upstream_equivalence.py` on {report['date']}.",
+        "",
+        *(
+            [
+                f"- at the start: commit `{report['git_start']['commit']}`, working tree "
+                + ("dirty" if report["git_start"]["dirty"] else "clean")
+                + " (it changed while the suites ran)"
+            ]
+            if report.get("git_start") and report["git_start"] != g
+            else []
+        ),
+        f"- Commit: {g['commit']} (at the end)",
+        "- accel-npu working tree at the end "
+        + (
+            f"**dirty** ({len(g['dirty_paths'])} paths: {', '.join(f'`{p}`' for p in g['dirty_paths'][:20])}"
+            f"{' …' if len(g['dirty_paths']) > 20 else ''})"
+            if g["dirty"]
+            else "clean"
+        ),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "- each half: `python -m pytest <select> -p upstream_equivalence -c /dev/null --rootdir=<src> --confcutdir=<src>` in "
+        "the inherited environment less every `ACCEL_NPU_*`, with `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1`; the "
+        "stock half adds `ACCEL_NPU_DISABLE=1`",
+        "",
+    ]
     if report.get("notes"):
         lines += ["## Notes", "", *[f"- {n}" for n in report["notes"]], ""]
-    lines += ["## Summary", "", "| suite | source | tests | identical | differing | stock s | accel s | stock outcomes | accel outcomes |",
-              "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    lines += [
+        "## Summary",
+        "",
+        "| suite | source | tests | identical | differing | stock s | accel s | stock outcomes | accel outcomes |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
     for s in report["suites"]:
         h = s["halves"]
-        lines.append(f"| {s['suite']} | `{s['src']}` | {s['tests']} | {s['identical']} | {len(s['differing'])} | "
-                     f"{h['stock']['seconds']:.0f}{' (timed out)' if h['stock']['timed_out'] else ''} | "
-                     f"{h['accel']['seconds']:.0f}{' (timed out)' if h['accel']['timed_out'] else ''} | "
-                     f"{_cell(json.dumps(h['stock']['counts']))} | {_cell(json.dumps(h['accel']['counts']))} |")
+        lines.append(
+            f"| {s['suite']} | `{s['src']}` | {s['tests']} | {s['identical']} | {len(s['differing'])} | "
+            f"{h['stock']['seconds']:.0f}{' (timed out)' if h['stock']['timed_out'] else ''} | "
+            f"{h['accel']['seconds']:.0f}{' (timed out)' if h['accel']['timed_out'] else ''} | "
+            f"{_cell(json.dumps(h['stock']['counts']))} | {_cell(json.dumps(h['accel']['counts']))} |"
+        )
     for s in report["suites"]:
         lines += ["", f"## {s['suite']}", "", "Selected: " + ", ".join(f"`{p}`" for p in s["select"]), ""]
         if not s["differing"]:
             lines.append("No test differs.")
         else:
-            lines += [f"{len(s['differing'])} differing:", "",
-                      "| test | stock | accel | stock cause | accel cause |", "|---|---|---|---|---|"]
-            lines += [f"| `{d['id']}` | {d['stock']} | {d['accel']} | {_cell(d['stock_message'])} | "
-                      f"{_cell(d['accel_message'])} |" for d in s["differing"]]
+            lines += [
+                f"{len(s['differing'])} differing:",
+                "",
+                "| test | stock | accel | stock cause | accel cause |",
+                "|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{d['id']}` | {d['stock']} | {d['accel']} | {_cell(d['stock_message'])} | "
+                f"{_cell(d['accel_message'])} |"
+                for d in s["differing"]
+            ]
         if s["same_outcome_other_cause"]:
-            lines += ["", f"Same outcome, different first line ({len(s['same_outcome_other_cause'])}; not counted "
-                          "as differing):", "", "| test | outcome | stock cause | accel cause |", "|---|---|---|---|"]
-            lines += [f"| `{d['id']}` | {d['stock']} | {_cell(d['stock_message'])} | {_cell(d['accel_message'])} |"
-                      for d in s["same_outcome_other_cause"]]
+            lines += [
+                "",
+                f"Same outcome, different first line ({len(s['same_outcome_other_cause'])}; not counted as differing):",
+                "",
+                "| test | outcome | stock cause | accel cause |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{d['id']}` | {d['stock']} | {_cell(d['stock_message'])} | {_cell(d['accel_message'])} |"
+                for d in s["same_outcome_other_cause"]
+            ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", action="append", choices=sorted(SUITES), required=True)
-    p.add_argument("--src", action="append", type=Path, required=True,
-                   help="the upstream source tree holding tests/ (one per --suite, in order)")
-    p.add_argument("--select", action="append", default=None, nargs="+",
-                   help="test paths/ids relative to --src, for the suite given last before it")
+    p.add_argument(
+        "--src",
+        action="append",
+        type=Path,
+        required=True,
+        help="the upstream source tree holding tests/ (one per --suite, in order)",
+    )
+    p.add_argument(
+        "--select",
+        action="append",
+        default=None,
+        nargs="+",
+        help="test paths/ids relative to --src, for the suite given last before it",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "upstream_equivalence.md")
     p.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per half (0: none)")
     p.add_argument("--timeout", type=int, default=None, help="seconds per half (default: the suite's)")
@@ -400,10 +503,18 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     out_json = out.with_suffix(".json")
     git_start = git_state([out, out_json])  # the tree may change while the suites run: both ends recorded
-    results = [run_suite(name, src.resolve(), selects.get(i), args.workers, args.timeout)
-               for i, (name, src) in enumerate(zip(args.suite, args.src))]
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "git_start": git_start, "git": git_state([out, out_json]), "versions": versions(), "notes": args.note, "suites": results}
+    results = [
+        run_suite(name, src.resolve(), selects.get(i), args.workers, args.timeout)
+        for i, (name, src) in enumerate(zip(args.suite, args.src))
+    ]
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git_start": git_start,
+        "git": git_state([out, out_json]),
+        "versions": versions(),
+        "notes": args.note,
+        "suites": results,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(markdown(report))
     out_json.write_text(json.dumps(report, indent=1) + "\n")

@@ -9,6 +9,7 @@ rotary embeddings passed as (cos, sin) in diffusers' CogVideoX scripts), and so 
 keyword naming them (``attention_mask``, ``encoder_attention_mask``: transformers and diffusers cast a
 float mask to the activations' dtype themselves).
 """
+
 from __future__ import annotations
 
 
@@ -18,6 +19,7 @@ def fp32_activations(args: tuple, kwargs: dict) -> list[str]:
 
     f32, tensor = torch.float32, torch.Tensor
     found = [f"argument {i}" for i, v in enumerate(args) if isinstance(v, tensor) and v.dtype == f32 and v.dim() >= 2]
-    found += [k for k, v in kwargs.items()
-              if isinstance(v, tensor) and v.dtype == f32 and v.dim() >= 2 and "mask" not in k]
+    found += [
+        k for k, v in kwargs.items() if isinstance(v, tensor) and v.dtype == f32 and v.dim() >= 2 and "mask" not in k
+    ]
     return found

@@ -1,5 +1,6 @@
 """Who called into the libraries: the line of the user's script (for messages naming it), and whether
 the caller of a patched function is an installed library or the user's own code."""
+
 from __future__ import annotations
 
 import ast
@@ -7,8 +8,21 @@ import os
 import sys
 
 # frames of these packages are library code, never the line a user should change
-LIBRARIES = ("accel_npu", "accelerate", "wrapt", "deepspeed", "torch", "diffusers", "transformers",
-             "safetensors", "peft", "huggingface_hub", "contextlib", "functools", "importlib")
+LIBRARIES = (
+    "accel_npu",
+    "accelerate",
+    "wrapt",
+    "deepspeed",
+    "torch",
+    "diffusers",
+    "transformers",
+    "safetensors",
+    "peft",
+    "huggingface_hub",
+    "contextlib",
+    "functools",
+    "importlib",
+)
 
 
 def user_frame():

@@ -1,10 +1,11 @@
 """What devices this process really has, asked once (hot paths ask per call)."""
+
 from __future__ import annotations
 
 import functools
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_available() -> bool:
     """CUDA (or ROCm) devices are really present.
 

@@ -1,4 +1,5 @@
 """torch.distributed helpers that work before, without and after a process group exists."""
+
 from __future__ import annotations
 
 import contextlib
@@ -104,8 +105,9 @@ def _store_and_world():
         return None, 1, 0
 
 
-def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO", call: str = "",
-               stock: str = "") -> None:
+def rendezvous(
+    op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO", call: str = "", stock: str = ""
+) -> None:
     """Return once every rank has entered ``rendezvous(op)``; else, after ``timeout`` seconds, raise
     :class:`CollectiveMisuseError` naming the ranks that did not come, with ``advice`` (a string, or
     a callable returning one, called only then: e.g. to name the caller's line). ``under`` names what
@@ -145,13 +147,16 @@ def rendezvous(op: str, timeout: float, advice="", under: str = "DeepSpeed ZeRO"
     missing = [r for r in range(world) if r not in present]
     if callable(advice):
         advice = advice()
-    stock = stock or ("Stock accelerate would wait here until the process group times out, or gather the whole "
-                      "model into this rank's memory.")
+    stock = stock or (
+        "Stock accelerate would wait here until the process group times out, or gather the whole "
+        "model into this rank's memory."
+    )
     raise CollectiveMisuseError(
         f"{call or f'accelerator.{op}()'} under {under} is a collective, but only rank(s) {present} "
         f"entered it; rank(s) {missing} did not within {timeout:g} s "
         f"(ACCEL_NPU_COLLECTIVE_TIMEOUT). {stock} "
-        f"{advice}")
+        f"{advice}"
+    )
 
 
 def _state(store, key: str) -> str:
@@ -210,12 +215,11 @@ HCCL_EXEC_STEP = 68
 #: also the value for unset and 0.
 HCCL_AIV_EXEC_TIMEOUT = 1091
 #: torch_npu's SocVersion names (csrc/core/npu/NpuVariables.h, v7.2.0-pytorch2.7.1 .. master) of each class
-_STEPPED_SOCS = ("Ascend910PremiumA", "Ascend910ProA", "Ascend910A", "Ascend910ProB", "Ascend910B",
-                 "Ascend310P")
+_STEPPED_SOCS = ("Ascend910PremiumA", "Ascend910ProA", "Ascend910A", "Ascend910ProB", "Ascend910B", "Ascend310P")
 
 
 def _soc_class(soc: str | None) -> str:
-    """"stepped" (910 first generation, 310P), "a2a3" (910B1.., 910_93xx) or "" (unknown: as read)."""
+    """ "stepped" (910 first generation, 310P), "a2a3" (910B1.., 910_93xx) or "" (unknown: as read)."""
     if not soc:
         return ""
     if soc.startswith("Ascend310P") or soc in _STEPPED_SOCS:
@@ -253,7 +257,7 @@ def hccl_exec_timeout(env, soc: str | None = None) -> int | None:
 
 def first_timeout(timeouts) -> float | None:
     """The earliest of the timeouts that will end a stuck collective; None when none will."""
-    found = [float(t) for t in timeouts if t is not None and 0 < t < 10 ** 9]  # LLONG_MAX ms: none
+    found = [float(t) for t in timeouts if t is not None and 0 < t < 10**9]  # LLONG_MAX ms: none
     return min(found) if found else None
 
 

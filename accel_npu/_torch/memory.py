@@ -1,5 +1,6 @@
 """Host memory: give freed heap back to the OS, read MemAvailable, pause the cyclic collector, copy into
 fresh memory with its pages faulted in ahead."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import threading
 
 _libc = None
 _gc_lock = threading.Lock()
-_gc_pauses = 0           # blocks inside cyclic_gc_paused(), all threads together
+_gc_pauses = 0  # blocks inside cyclic_gc_paused(), all threads together
 _gc_was_enabled = False  # the collector's state when the first of them entered
 
 

@@ -1,6 +1,7 @@
 """One node's view of a launch across machines: the launch's shape, this node's network interfaces
 and addresses, and whether a port is free here. What a launcher can check on its own node before
 any worker starts; nothing here talks to another node."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -51,9 +52,14 @@ def nodes_of(config) -> Nodes:
     backend = str(getattr(config, "rdzv_backend", "static") or "static")
     rank = (getattr(config, "rdzv_configs", None) or {}).get("rank") if backend == "static" else None
     host, _, port = str(getattr(config, "rdzv_endpoint", "") or "").rpartition(":")
-    return Nodes(count=count, rank=None if rank is None else int(rank), world_size=count * nproc,
-                 master_addr=host.strip("[]"), master_port=int(port) if port.isdigit() else None,
-                 rdzv_backend=backend)
+    return Nodes(
+        count=count,
+        rank=None if rank is None else int(rank),
+        world_size=count * nproc,
+        master_addr=host.strip("[]"),
+        master_port=int(port) if port.isdigit() else None,
+        rdzv_backend=backend,
+    )
 
 
 def parse_socket_ifname(value: str) -> tuple[bool, bool, list[str]]:

@@ -1,5 +1,6 @@
 """One log line per process and cause: ``FirstTime()(key)`` is True the first time that instance sees
 ``key`` (thread-safe; each plugin keeps its own instance, so keys never collide across plugins)."""
+
 from __future__ import annotations
 
 import threading

@@ -1,7 +1,9 @@
 """Packing items in order into groups of at most a byte budget (one packer for every caller)."""
+
 from __future__ import annotations
 
-from typing import Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 T = TypeVar("T")
 

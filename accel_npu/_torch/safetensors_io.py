@@ -2,6 +2,7 @@
 
 One reader of shard indexes (:func:`read_index`), one table of dtype sizes (:data:`DTYPE_BYTES`).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,37 @@ DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 TRANSFORMERS_INDEX = "model.safetensors.index.json"
 
 #: bytes per element of each safetensors dtype
-DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-               "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}
+DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "C64": 8,
+}
 #: torch dtype name -> safetensors dtype
-SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+SAFETENSORS_DTYPE = {
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 def read_index(path: str) -> dict:
@@ -53,7 +80,7 @@ class Checkpoint:
 
     folder: str
     index_file: str | None
-    weight_map: dict[str, str]                      # key -> file name (relative to folder)
+    weight_map: dict[str, str]  # key -> file name (relative to folder)
     headers: dict[str, dict[str, tuple]] = field(default_factory=dict)  # file -> key -> (dtype, shape)
 
     @property
@@ -79,8 +106,9 @@ def _read_header(path: str) -> dict[str, tuple]:
                 raise ValueError(f"header length {n} does not fit the file size {size}")
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise LoadError(f"accel-npu: {path} is not a readable safetensors file ({exc}). "
-                        "Re-download or re-save this shard.") from exc
+        raise LoadError(
+            f"accel-npu: {path} is not a readable safetensors file ({exc}). Re-download or re-save this shard."
+        ) from exc
     out = {}
     data_len = size - 8 - n
     for key, info in header.items():
@@ -93,7 +121,8 @@ def _read_header(path: str) -> dict[str, tuple]:
         if end > data_len or begin > end:
             raise LoadError(
                 f"accel-npu: {path} is truncated or corrupt: key {key!r} needs bytes {begin}..{end} of the "
-                f"data section but the file holds only {data_len}. Re-download or re-save this shard.")
+                f"data section but the file holds only {data_len}. Re-download or re-save this shard."
+            )
         # dtype, shape, and the tensor's byte range in the file (for readahead)
         out[key] = (info.get("dtype"), tuple(info.get("shape", ())), 8 + n + begin, 8 + n + end)
     return out
@@ -125,7 +154,8 @@ def validate(ckpt: Checkpoint, keys: list[str]) -> list[str]:
             raise LoadError(
                 f"accel-npu: shard {path} named in {ckpt.index_file} is missing (it should hold {example!r} "
                 f"and {sum(1 for k in keys if ckpt.weight_map[k] == name) - 1} other needed tensor(s)). "
-                "Download the complete checkpoint.")
+                "Download the complete checkpoint."
+            )
         if name not in ckpt.headers:
             ckpt.headers[name] = _read_header(path)
     for k in keys:
@@ -134,7 +164,8 @@ def validate(ckpt: Checkpoint, keys: list[str]) -> list[str]:
             raise LoadError(
                 f"accel-npu: {ckpt.index_file or ckpt.folder} says key {k!r} is in {ckpt.path(name)}, but that "
                 "shard has no such tensor. The index and the shards do not belong together: re-download "
-                "or re-save the checkpoint.")
+                "or re-save the checkpoint."
+            )
     return needed
 
 
@@ -166,8 +197,7 @@ class SafetensorsStream:
             for dim in shape:
                 numel *= int(dim)
             nbytes = numel * DTYPE_BYTES[st_dtype]
-            header[name] = {"dtype": st_dtype, "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._order.append((name, dtype, tuple(shape), nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -183,8 +213,9 @@ class SafetensorsStream:
 
         expected, dtype, shape, nbytes = self._order[self._next]
         if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"internal: wrote {name} {tensor.dtype} {tuple(tensor.shape)}, "
-                                  f"expected {expected} {dtype} {shape}")
+            raise CheckpointError(
+                f"internal: wrote {name} {tensor.dtype} {tuple(tensor.shape)}, expected {expected} {dtype} {shape}"
+            )
         t = tensor.detach().cpu().contiguous().reshape(-1)
         if nbytes:
             self._f.write(t.view(torch.uint8).numpy().data)

@@ -1,11 +1,13 @@
 """DeepSpeed ZeRO-3 and module plumbing shared by loading, frozen towers and checkpoints."""
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import sys
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 def param_slots(model) -> dict[int, list[tuple[Any, str, str]]]:
@@ -50,7 +52,7 @@ def outside_zero_init() -> Iterator[None]:
         _frozen.reset(token)
 
 
-_engines: "weakref.WeakSet" = weakref.WeakSet()
+_engines: weakref.WeakSet = weakref.WeakSet()
 
 
 def note_engine_built(engine) -> None:

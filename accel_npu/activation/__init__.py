@@ -1,4 +1,5 @@
 """Turning accel-npu on in a process: load plugins, collect their patches, arm the ledger."""
+
 from __future__ import annotations
 
 import logging
@@ -39,9 +40,13 @@ def activate(strict: bool = False) -> bool:
         except Exception as exc:
             if strict:
                 raise
-            log.warning("accel-npu: disabled in this process, activation failed: %s: %s "
-                        "(ACCEL_NPU_TRACE=1 shows the traceback)", type(exc).__name__, exc,
-                        exc_info=environment.flag("ACCEL_NPU_TRACE"))
+            log.warning(
+                "accel-npu: disabled in this process, activation failed: %s: %s "
+                "(ACCEL_NPU_TRACE=1 shows the traceback)",
+                type(exc).__name__,
+                exc,
+                exc_info=environment.flag("ACCEL_NPU_TRACE"),
+            )
             return False
     return True
 
@@ -60,12 +65,14 @@ def _activate() -> None:
                 ledger.register(patch, plugin=impl.plugin_name)
         except Exception as exc:
             registration_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
-            log.warning("accel-npu: plugin %r failed to declare its patches and is skipped: %s",
-                        impl.plugin_name, exc)
+            log.warning("accel-npu: plugin %r failed to declare its patches and is skipped: %s", impl.plugin_name, exc)
     unknown = environment.disabled_patches() - {p.target for p in ledger.patches}
     if unknown:
-        log.warning("accel-npu: ACCEL_NPU_DISABLED_PATCHES names %s, which no plugin declares (targets are "
-                    "listed by `accel-npu env`)", ", ".join(sorted(unknown)))
+        log.warning(
+            "accel-npu: ACCEL_NPU_DISABLED_PATCHES names %s, which no plugin declares (targets are "
+            "listed by `accel-npu env`)",
+            ", ".join(sorted(unknown)),
+        )
     ledger.arm()
     pm.hook.accel_npu_activate(backend_name=environment.forced_backend())
 

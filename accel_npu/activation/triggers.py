@@ -21,11 +21,12 @@ place when it is used. The finder only compares names; it never finds anything i
 tests/test_activation.py checks that every declared patch's module is a trigger module (or inside
 one), or part of torch itself (applied with the first trigger, or at once in a worker).
 """
+
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 #: Third-party plugins' entry-point group (the plugin manager loads them from it).
 PLUGIN_ENTRY_POINT_GROUP = "accel_npu"
@@ -33,14 +34,29 @@ PLUGIN_ENTRY_POINT_GROUP = "accel_npu"
 #: Importing any of these (or, for the dotted ones, that subpackage) activates accel-npu.
 #: ``torch.distributed.launcher`` is what ``torchrun`` imports; ``torch_npu`` and ``mx_driving``
 #: are imported by NPU scripts (usually torch_npu is already imported by torch's autoload).
-TRIGGER_MODULES = frozenset({
-    "accelerate", "deepspeed", "diffusers", "transformers", "peft", "safetensors", "torchvision", "decord",
-    "torch_npu", "mx_driving", "torch.distributed.launcher",
-})
+TRIGGER_MODULES = frozenset(
+    {
+        "accelerate",
+        "deepspeed",
+        "diffusers",
+        "transformers",
+        "peft",
+        "safetensors",
+        "torchvision",
+        "decord",
+        "torch_npu",
+        "mx_driving",
+        "torch.distributed.launcher",
+    }
+)
 
 
-def activate_now(modules=None, environ=None, npu_installed: Callable[[], bool] | None = None,
-                 third_party_plugins: Callable[[], bool] | None = None) -> bool:
+def activate_now(
+    modules=None,
+    environ=None,
+    npu_installed: Callable[[], bool] | None = None,
+    third_party_plugins: Callable[[], bool] | None = None,
+) -> bool:
     """True when ``import torch`` should activate at once (see the module docstring)."""
     modules = sys.modules if modules is None else modules
     if any(name in modules for name in TRIGGER_MODULES):

@@ -1,6 +1,7 @@
 """The ``accel-npu`` command. Built-in subcommands are modules listed in BUILTIN_COMMANDS;
 plugins add more through the ``accel_npu_add_commands`` hook (``consolidate`` comes from the
 checkpoints plugin)."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """``accel-npu env``: everything a bug report needs, as text or --json."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,6 @@ import platform
 import sys
 
 
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -20,8 +20,8 @@ def _version(dist: str) -> str:
 
 def collect(import_targets: bool = True) -> dict:
     from accel_npu import activation, environment
-    from accel_npu.activation import triggers
     from accel_npu._version import __version__
+    from accel_npu.activation import triggers
     from accel_npu.backend import current_backend
     from accel_npu.manager import get_plugin_manager
     from accel_npu.patching import get_ledger
@@ -48,31 +48,57 @@ def collect(import_targets: bool = True) -> dict:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "accel-npu": __version__,
-            **{d: _version(d) for d in ("torch", "torch_npu", "accelerate", "deepspeed", "diffusers",
-                                         "transformers", "pluggy", "wrapt", "safetensors")},
+            **{
+                d: _version(d)
+                for d in (
+                    "torch",
+                    "torch_npu",
+                    "accelerate",
+                    "deepspeed",
+                    "diffusers",
+                    "transformers",
+                    "pluggy",
+                    "wrapt",
+                    "safetensors",
+                )
+            },
         },
         "activation": {
             "disabled (ACCEL_NPU_DISABLE)": disabled,
             "active in this process": activation.is_active(),
-            "`python script.py` here activates": "inside `import torch`" if at_import_torch else
-            "at its first import of " + ", ".join(sorted(triggers.TRIGGER_MODULES))
+            "`python script.py` here activates": "inside `import torch`"
+            if at_import_torch
+            else "at its first import of "
+            + ", ".join(sorted(triggers.TRIGGER_MODULES))
             + " (launched ranks: inside `import torch`; docs/activation.md)",
             "TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "<unset> (on)"),
             "CUDA façade here": _cuda_facade_here(),
         },
-        "backend": {"name": backend.name, "selected by": backend.plugin, "device type": backend.device_type,
-                    "dist backend": backend.dist_backend, "devices": backend.device_count},
+        "backend": {
+            "name": backend.name,
+            "selected by": backend.plugin,
+            "device type": backend.device_type,
+            "dist backend": backend.dist_backend,
+            "devices": backend.device_count,
+        },
         "installation": _installation(),
         "plugins": [
-            {"name": r.name, "source": r.source, "module": r.module, "version": r.version,
-             "status": r.status if r.name not in activation.registration_errors
-             else f"failed: {activation.registration_errors[r.name]}",
-             "imported from": _unexpected_origin(r)}
+            {
+                "name": r.name,
+                "source": r.source,
+                "module": r.module,
+                "version": r.version,
+                "status": r.status
+                if r.name not in activation.registration_errors
+                else f"failed: {activation.registration_errors[r.name]}",
+                "imported from": _unexpected_origin(r),
+            }
             for r in pm.records
         ],
         "patches": ledger.report(),
-        "environment": {v.name: os.environ.get(v.name, f"<unset> ({v.default or 'empty'})")
-                        for v in environment.VARIABLES},
+        "environment": {
+            v.name: os.environ.get(v.name, f"<unset> ({v.default or 'empty'})") for v in environment.VARIABLES
+        },
         "sections": {},
     }
     for section in pm.hook.accel_npu_env_report(backend=backend):
@@ -96,10 +122,12 @@ def _cuda_facade_here() -> str:
 def _installation() -> dict:
     from accel_npu import install
 
-    return {"imported from": install.imported_package_dir(),
-            "installed distribution": install.installed_package_dir() or "none (not installed)",
-            "shadowed": install.shadowing_note() or "no",
-            "startup hook": install.startup_hook_state()}
+    return {
+        "imported from": install.imported_package_dir(),
+        "installed distribution": install.installed_package_dir() or "none (not installed)",
+        "shadowed": install.shadowing_note() or "no",
+        "startup hook": install.startup_hook_state(),
+    }
 
 
 def _unexpected_origin(record) -> str | None:
@@ -176,9 +204,13 @@ def patch_table() -> str:
     impls = [i for i in pm.hook.accel_npu_register_patches.get_hookimpls() if i.plugin_name in order]
     for impl in sorted(impls, key=lambda i: order[i.plugin_name]):
         for patch in impl.function() or ():
-            supports = f"`{patch.supports}`" + (f" (stock correct: `{patch.stock_correct}`)" if patch.stock_correct else "")
-            rows.append(f"| `{patch.target}` | {impl.plugin_name} | {supports} | {cell(patch.reason)} | "
-                        f"{cell(patch.remove_when)} |")
+            supports = f"`{patch.supports}`" + (
+                f" (stock correct: `{patch.stock_correct}`)" if patch.stock_correct else ""
+            )
+            rows.append(
+                f"| `{patch.target}` | {impl.plugin_name} | {supports} | {cell(patch.reason)} | "
+                f"{cell(patch.remove_when)} |"
+            )
     return PATCH_TABLE_INTRO + "\n" + "\n".join(rows) + "\n"
 
 
@@ -204,13 +236,21 @@ def run(args) -> int:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("env", help="print versions, backend, plugins, patches (for bug reports)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--no-import", action="store_true",
-                   help="do not import patch targets (patches of unimported modules show 'not imported')")
-    p.add_argument("--selftest", action="store_true",
-                   help="run the first-run checks on this machine (device, precision, a 2-rank launch, "
-                        "ZeRO-2), one line each; exit status 1 if any fails")
-    p.add_argument("--patch-table", action="store_true",
-                   help="print every declared patch as a markdown table (docs/patches.md), without applying any")
-    p.add_argument("--timeout", type=float, default=110.0,
-                   help="--selftest: seconds the checks may take (default 110)")
+    p.add_argument(
+        "--no-import",
+        action="store_true",
+        help="do not import patch targets (patches of unimported modules show 'not imported')",
+    )
+    p.add_argument(
+        "--selftest",
+        action="store_true",
+        help="run the first-run checks on this machine (device, precision, a 2-rank launch, "
+        "ZeRO-2), one line each; exit status 1 if any fails",
+    )
+    p.add_argument(
+        "--patch-table",
+        action="store_true",
+        help="print every declared patch as a markdown table (docs/patches.md), without applying any",
+    )
+    p.add_argument("--timeout", type=float, default=110.0, help="--selftest: seconds the checks may take (default 110)")
     p.set_defaults(func=run)

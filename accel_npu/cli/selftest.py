@@ -12,6 +12,7 @@ which are the same on every backend (matmul, autocast("cuda"), AdamW fused vs fo
 accelerate's fp16 scaler, bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the subprocess:
 it returns a one-line detail, raises :class:`CheckSkipped`, or raises anything else (failed).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -41,8 +42,11 @@ def _device():
     from accel_npu.backend import current_backend
 
     backend = current_backend()
-    return torch, backend, (torch.device(backend.device_type, 0) if backend.device_type != "cpu"
-                            else torch.device("cpu"))
+    return (
+        torch,
+        backend,
+        (torch.device(backend.device_type, 0) if backend.device_type != "cpu" else torch.device("cpu")),
+    )
 
 
 def check_matmul() -> str:
@@ -54,8 +58,11 @@ def check_matmul() -> str:
     diff = float((got - want).abs().max())
     if diff > 1e-2:
         raise AssertionError(f"64x64 float32 matmul on {device} differs from the CPU by {diff:.3g}")
-    defaults = ", ".join(f"{k}={os.environ[k]}" for k in ("TASK_QUEUE_ENABLE", "PYTORCH_NPU_ALLOC_CONF",
-                                                          "CPU_AFFINITY_CONF") if k in os.environ)
+    defaults = ", ".join(
+        f"{k}={os.environ[k]}"
+        for k in ("TASK_QUEUE_ENABLE", "PYTORCH_NPU_ALLOC_CONF", "CPU_AFFINITY_CONF")
+        if k in os.environ
+    )
     return f"64x64 float32 on {device} matches the CPU (max diff {diff:.1e})" + (f"; {defaults}" if defaults else "")
 
 
@@ -74,10 +81,12 @@ def check_autocast() -> str:
         out = layer(torch.randn(2, 8, device=device))
     want = torch.bfloat16 if _bf16_supported(torch, backend) else torch.float32
     if out.device.type != device.type or out.dtype != want:
-        raise AssertionError(f"torch.autocast('cuda', bfloat16) gave {out.dtype} on {out.device}; expected {want} "
-                             f"on {device.type}")
+        raise AssertionError(
+            f"torch.autocast('cuda', bfloat16) gave {out.dtype} on {out.device}; expected {want} on {device.type}"
+        )
     return f"torch.autocast('cuda', bfloat16) -> {str(out.dtype).replace('torch.', '')} on {out.device.type}" + (
-        "" if want == torch.bfloat16 else " (this device has no bfloat16: float32 is right)")
+        "" if want == torch.bfloat16 else " (this device has no bfloat16: float32 is right)"
+    )
 
 
 def check_adamw() -> str:
@@ -113,8 +122,9 @@ def check_grad_scaler() -> str:
     scaler.update()
     moved = float((p.detach().cpu() - 1).abs().max())
     if moved != 0 or scaler.get_scale() != 512.0:
-        raise AssertionError(f"a step with an inf gradient was not skipped (weights moved {moved}, "
-                             f"scale {scaler.get_scale()})")
+        raise AssertionError(
+            f"a step with an inf gradient was not skipped (weights moved {moved}, scale {scaler.get_scale()})"
+        )
     return f"float16 GradScaler on {device.type}: the step with an injected inf was skipped, scale 1024 -> 512"
 
 
@@ -138,11 +148,13 @@ def check_accelerate_fp16() -> str:
     moved = float((p.detach().cpu() - 1).abs().max())
     kind = f"{type(scaler).__module__}.{type(scaler).__name__}"
     if not scaler.is_enabled():
-        raise AssertionError(f"accelerate's fp16 scaler ({kind}) is disabled here: fp16 would train without loss "
-                             "scaling")
+        raise AssertionError(
+            f"accelerate's fp16 scaler ({kind}) is disabled here: fp16 would train without loss scaling"
+        )
     if abs(moved - 0.1) > 1e-3:
-        raise AssertionError(f"one AdamW step through accelerate's fp16 scaler ({kind}) moved the weights by {moved:.3g}, "
-                             "not lr=0.1")
+        raise AssertionError(
+            f"one AdamW step through accelerate's fp16 scaler ({kind}) moved the weights by {moved:.3g}, not lr=0.1"
+        )
     fused = "fused" if opt.param_groups[0].get("fused") else "not fused"
     return f"{kind} on {device.type} (scale {scaler.get_scale():g}) stepped AdamW ({fused}) by lr"
 
@@ -168,8 +180,7 @@ DEVICE_CHECKS = (
     ("bf16 .numpy()", "accel_npu.cli.selftest:check_bf16_numpy"),
 )
 #: what the torchrun launch reports (accel_npu/cli/_selftest_dist.py), in order
-LAUNCH_CHECKS = ("launch (torchrun)", "all_reduce + barrier", "timeout ordering", "get_accelerator()",
-                 "ZeRO-2 step")
+LAUNCH_CHECKS = ("launch (torchrun)", "all_reduce + barrier", "timeout ordering", "get_accelerator()", "ZeRO-2 step")
 
 
 # -- running checks in the subprocess -------------------------------------------------------------
@@ -196,7 +207,7 @@ def run_check(name: str, ref: str) -> None:
 def one_line(text: str, limit: int = 400) -> str:
     """The first line of an error (torch's dispatcher errors list every kernel), at most ``limit`` chars."""
     first = (text.strip().splitlines() or [""])[0]
-    return first if len(first) <= limit else first[:limit - 3] + "..."
+    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 def environment_trace() -> bool:
@@ -253,7 +264,7 @@ def _parse(output: str) -> list[dict]:
     for line in output.splitlines():
         if line.startswith(MARK):
             try:
-                lines.append(json.loads(line[len(MARK):]))
+                lines.append(json.loads(line[len(MARK) :]))
             except ValueError:
                 continue
     return lines
@@ -262,7 +273,7 @@ def _parse(output: str) -> list[dict]:
 def _rank_error(stderr: str) -> str | None:
     """A launched rank's own one-line reason (accel_npu/cli/_selftest_dist.py prints it)."""
     lines = [line for line in (stderr or "").splitlines() if line.startswith("accel-npu self-test: rank ")]
-    return one_line(lines[0][len("accel-npu self-test: "):]) if lines else None
+    return one_line(lines[0][len("accel-npu self-test: ") :]) if lines else None
 
 
 def _tail(text: str, n: int = 3) -> str:
@@ -291,23 +302,39 @@ def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
     checks = checks_for(backend)
     nproc = 2 if backend.device_type == "cpu" or (backend.device_count or 0) >= 2 else 1
     worker_env, refused = worker_environment(backend, 1, env)
-    print(f"accel-npu self-test: backend {backend.name} ({backend.device_type}, {backend.dist_backend}, "
-          f"{backend.device_count} device(s)); every check in a fresh process with the workers' environment",
-          file=out, flush=True)
+    print(
+        f"accel-npu self-test: backend {backend.name} ({backend.device_type}, {backend.dist_backend}, "
+        f"{backend.device_count} device(s)); every check in a fresh process with the workers' environment",
+        file=out,
+        flush=True,
+    )
     launch = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         os.path.join(os.path.dirname(os.path.abspath(__file__)), "_selftest_dist.py")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    single = subprocess.Popen([sys.executable, "-m", "accel_npu.cli.selftest", json.dumps(checks)],
-                              env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "_selftest_dist.py"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    single = subprocess.Popen(
+        [sys.executable, "-m", "accel_npu.cli.selftest", json.dumps(checks)],
+        env=worker_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     results: list[dict] = []
     if refused:
         results.append({"name": "worker environment", "status": "failed", "detail": refused})
-    results += _collect(single, [n for n, _ in checks], timeout - (time.monotonic() - started),
-                        "single-process checks")
+    results += _collect(single, [n for n, _ in checks], timeout - (time.monotonic() - started), "single-process checks")
     single_s = time.monotonic() - started
-    results += _collect(launch, list(LAUNCH_CHECKS), timeout - (time.monotonic() - started),
-                        f"{nproc}-rank torchrun")
+    results += _collect(launch, list(LAUNCH_CHECKS), timeout - (time.monotonic() - started), f"{nproc}-rank torchrun")
     launch_s = time.monotonic() - started
     width = max(len(r["name"]) for r in results)
     for r in results:
@@ -315,10 +342,14 @@ def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
         detail = f" ({r['detail']})" if r["status"] == "ok" and r["detail"] else ""
         print(f"  {r['name'].ljust(width)}  {status}{detail}", file=out, flush=True)
     failed = [r["name"] for r in results if r["status"] == "failed"]
-    print(f"{len(results) - len(failed)} of {len(results)} checks did not fail"
-          + (f"; FAILED: {', '.join(failed)}" if failed else "")
-          + f" (single-process checks done after {single_s:.0f} s, the {nproc}-rank launch after {launch_s:.0f} s, "
-            f"side by side; --timeout {timeout:.0f} s)", file=out, flush=True)
+    print(
+        f"{len(results) - len(failed)} of {len(results)} checks did not fail"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+        + f" (single-process checks done after {single_s:.0f} s, the {nproc}-rank launch after {launch_s:.0f} s, "
+        f"side by side; --timeout {timeout:.0f} s)",
+        file=out,
+        flush=True,
+    )
     return 1 if failed else 0
 
 
@@ -332,7 +363,8 @@ def _collect(proc: subprocess.Popen, names: list[str], timeout: float, what: str
         why = f"{what} did not finish within {timeout:.0f} s: {_tail(stderr)}"
     got = {r["name"]: r for r in _parse(stdout)}
     return [got.get(name, {"name": name, "status": "failed", "detail": why}) for name in names] + [
-        r for name, r in got.items() if name not in names]
+        r for name, r in got.items() if name not in names
+    ]
 
 
 if __name__ == "__main__":

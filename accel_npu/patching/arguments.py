@@ -4,6 +4,7 @@ Wrappers see ``(args, kwargs)`` as the caller wrote them; a parameter arrives by
 keyword, never both (Python raises before the call). ddtrace's ``get_argument_value`` and
 ``set_argument_value`` (ddtrace/internal/utils/__init__.py) are the model.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,5 +27,5 @@ def with_argument(args: tuple, kwargs: dict, position: int, name: str, value: An
     """``(args, kwargs)`` with parameter ``name`` set to ``value`` where the caller passed it (by
     keyword when it was left out); the caller's own tuple and dict are not changed."""
     if name not in kwargs and len(args) > position:
-        return (*args[:position], value, *args[position + 1:]), kwargs
+        return (*args[:position], value, *args[position + 1 :]), kwargs
     return args, {**kwargs, name: value}

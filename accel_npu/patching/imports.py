@@ -4,12 +4,14 @@
 which activates accel-npu before ``Accelerator`` exists. The ledger waits for such a module to
 finish (:func:`call_when_imported`) instead of declaring its patches skipped.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("accel_npu")
 

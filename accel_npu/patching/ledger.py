@@ -17,6 +17,7 @@ Guarantees, each covered by tests/test_patch_lifecycle.py for every patch in the
 - never raises: an unknown library version, a missing attribute or a broken version string
   becomes "skipped"/"failed" with the reason, not an exception.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,8 +29,8 @@ from typing import Any
 import wrapt
 
 from accel_npu import environment
-from accel_npu.patching.imports import call_when_imported, still_importing
 from accel_npu.patching import torchscript
+from accel_npu.patching.imports import call_when_imported, still_importing
 from accel_npu.patching.patch import APPLIED, DISABLED, INACTIVE, NOT_IMPORTED, NOT_NEEDED, UNPATCHED, Patch
 
 log = logging.getLogger("accel_npu")
@@ -181,8 +182,7 @@ class PatchLedger:
             parent, attribute = patch._parent, patch._attribute
             current = inspect.getattr_static(parent, attribute, None)
             if current is not patch._installed:
-                log.warning("accel-npu: %s was re-wrapped by someone else; restoring the original anyway",
-                            patch.target)
+                log.warning("accel-npu: %s was re-wrapped by someone else; restoring the original anyway", patch.target)
             if patch._had_own_attribute:
                 setattr(parent, attribute, patch._original)
             else:
@@ -205,9 +205,15 @@ class PatchLedger:
 
     def report(self) -> list[dict[str, str]]:
         return [
-            {"target": p.target, "plugin": p.plugin, "supports": p.supports, "status": p.status,
-             "reason": p.reason, "remove_when": p.remove_when, **({"stock_correct": p.stock_correct}
-                                                                  if p.stock_correct else {})}
+            {
+                "target": p.target,
+                "plugin": p.plugin,
+                "supports": p.supports,
+                "status": p.status,
+                "reason": p.reason,
+                "remove_when": p.remove_when,
+                **({"stock_correct": p.stock_correct} if p.stock_correct else {}),
+            }
             for p in self.patches
         ]
 

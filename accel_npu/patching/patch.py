@@ -1,8 +1,10 @@
 """What a patch declares: its target, the versions it knows, why it exists, when it can go."""
+
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from accel_npu.patching.scope import Scope
 from accel_npu.patching.versions import installed_version, parse_supports, version_satisfies
@@ -40,13 +42,35 @@ class Patch:
     dataclass's generated methods cost an ``exec`` per class there.
     """
 
-    __slots__ = ("target", "supports", "reason", "remove_when", "wrapper_path", "_wrapper", "plugin", "scope", "stock_correct",
-                 "status",
-                 "_parent", "_attribute", "_original", "_had_own_attribute", "_installed")
+    __slots__ = (
+        "target",
+        "supports",
+        "reason",
+        "remove_when",
+        "wrapper_path",
+        "_wrapper",
+        "plugin",
+        "scope",
+        "stock_correct",
+        "status",
+        "_parent",
+        "_attribute",
+        "_original",
+        "_had_own_attribute",
+        "_installed",
+    )
 
-    def __init__(self, target: str, supports: str, reason: str, remove_when: str,
-                 wrapper: Union[Wrapper, str], plugin: str = "", scope: Scope | None = None,
-                 stock_correct: str = "") -> None:
+    def __init__(
+        self,
+        target: str,
+        supports: str,
+        reason: str,
+        remove_when: str,
+        wrapper: Wrapper | str,
+        plugin: str = "",
+        scope: Scope | None = None,
+        stock_correct: str = "",
+    ) -> None:
         if ":" not in target:
             raise ValueError(f"Patch target {target!r} must be 'module:qualified.name'")
         if isinstance(wrapper, str) and ":" not in wrapper:
@@ -56,8 +80,10 @@ class Patch:
         self.wrapper_path = wrapper if isinstance(wrapper, str) else ""
         self._wrapper, self.plugin, self.scope = wrapper, plugin, scope
         if stock_correct and parse_supports(stock_correct)[0] != parse_supports(supports)[0]:
-            raise ValueError(f"Patch {target!r}: stock_correct {stock_correct!r} names another distribution "
-                             f"than supports {supports!r}")
+            raise ValueError(
+                f"Patch {target!r}: stock_correct {stock_correct!r} names another distribution "
+                f"than supports {supports!r}"
+            )
         self.stock_correct = stock_correct
         # ledger-owned state
         self.status = NOT_IMPORTED
@@ -125,7 +151,7 @@ class Patch:
         return None
 
     def installed_outside_range(self) -> str | None:
-        """"<distribution> <version>" when that distribution is installed at a version outside the range
+        """ "<distribution> <version>" when that distribution is installed at a version outside the range
         (not when it is absent or the range unreadable), else None."""
         try:
             dist, installed, clauses = self._installed_against_range()

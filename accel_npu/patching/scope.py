@@ -5,9 +5,10 @@ why not ("inactive here: ...") and the target stays the library's own object. Th
 is the example: it answers for the user's script in launched ranks, and is absent from a pytest run
 or a notebook that merely imports diffusers (accel_npu/scopes.py).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class Scope:
@@ -17,7 +18,7 @@ class Scope:
 
     __slots__ = ("name", "why_not")
 
-    def __init__(self, name: str, why_not: Callable[[], "str | None"]) -> None:
+    def __init__(self, name: str, why_not: Callable[[], str | None]) -> None:
         self.name, self.why_not = name, why_not
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ swaps ``torch.zeros``/``empty``/``ones``/``full``/``tensor`` for its own wrapper
 entry is then derived as the table derives it, from the name the function has in torch's builtin
 modules (``register_all`` in ``torch/jit/_builtins.py``).
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Version ranges of patches ("accelerate>=1.10,<1.16"), checked cheaply inside ``import torch``."""
+
 from __future__ import annotations
 
 import functools
@@ -12,13 +13,17 @@ import sys
 _NAME = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*)")
 _CLAUSE = re.compile(r"\s*(~=|==|!=|>=|<=|>|<)\s*([0-9][0-9A-Za-z.+!-]*)\s*")
 _COMPARE = {
-    "==": lambda v, r: v == r, "!=": lambda v, r: v != r, ">=": lambda v, r: v >= r,
-    "<=": lambda v, r: v <= r, ">": lambda v, r: v > r, "<": lambda v, r: v < r,
+    "==": lambda v, r: v == r,
+    "!=": lambda v, r: v != r,
+    ">=": lambda v, r: v >= r,
+    "<=": lambda v, r: v <= r,
+    ">": lambda v, r: v > r,
+    "<": lambda v, r: v < r,
 }
 
 
 def parse_supports(supports: str) -> tuple[str, list[tuple[str, str]]]:
-    """"accelerate>=1.10,<1.16" -> ("accelerate", [(">=", "1.10"), ("<", "1.16")])."""
+    """ "accelerate>=1.10,<1.16" -> ("accelerate", [(">=", "1.10"), ("<", "1.16")])."""
     match = _NAME.fullmatch(supports)
     if not match or not match.group(2).strip():
         raise ValueError("expected 'distribution<op>version[,<op>version...]'")
@@ -43,14 +48,14 @@ def version_satisfies(installed: str, clauses: list[tuple[str, str]]) -> bool:
         r = Version(ref)
         if op == "~=":  # compatible release: >= ref, same prefix but the last component
             prefix = r.release[:-1] or r.release
-            if not (v >= r and v.release[:len(prefix)] == prefix):
+            if not (v >= r and v.release[: len(prefix)] == prefix):
                 return False
         elif not _COMPARE[op](v, r):
             return False
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def installed_version(dist: str) -> str | None:
     if dist == "python":  # the interpreter itself, for patches of the standard library
         import platform

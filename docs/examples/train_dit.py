@@ -20,6 +20,7 @@ every ``--checkpointing_steps``; the latest one is resumed automatically), ``los
 ``loss_curve.png`` and the trained ``transformer/`` directory (loadable with
 ``from_pretrained``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,20 +42,33 @@ from tqdm.auto import tqdm
 
 logger = get_logger(__name__)
 
-COLORS = {"red": (1.0, -0.6, -0.6), "green": (-0.6, 1.0, -0.6), "blue": (-0.6, -0.6, 1.0),
-          "yellow": (1.0, 1.0, -0.8), "white": (1.0, 1.0, 1.0), "black": (-1.0, -1.0, -1.0)}
+COLORS = {
+    "red": (1.0, -0.6, -0.6),
+    "green": (-0.6, 1.0, -0.6),
+    "blue": (-0.6, -0.6, 1.0),
+    "yellow": (1.0, 1.0, -0.8),
+    "white": (1.0, 1.0, 1.0),
+    "black": (-1.0, -1.0, -1.0),
+}
 SHAPES = ("stripes", "rings", "checkers", "gradient")
 SPECIAL = ("<pad>", "<unk>", "</s>")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_type", choices=("qwen-image", "cosmos"), default="qwen-image",
-                   help="DiT family: QwenImageTransformer2DModel + AutoencoderKLQwenImage, or "
-                        "CosmosTransformer3DModel + AutoencoderKLWan (both with a T5 text encoder)")
-    p.add_argument("--model_path", default=None,
-                   help="pipeline-style checkpoint dir (transformer/, vae/, text_encoder/, tokenizer/); "
-                        "default: tiny models built on first run into --cache_dir")
+    p.add_argument(
+        "--model_type",
+        choices=("qwen-image", "cosmos"),
+        default="qwen-image",
+        help="DiT family: QwenImageTransformer2DModel + AutoencoderKLQwenImage, or "
+        "CosmosTransformer3DModel + AutoencoderKLWan (both with a T5 text encoder)",
+    )
+    p.add_argument(
+        "--model_path",
+        default=None,
+        help="pipeline-style checkpoint dir (transformer/, vae/, text_encoder/, tokenizer/); "
+        "default: tiny models built on first run into --cache_dir",
+    )
     p.add_argument("--cache_dir", default="outputs/tiny-models", help="where the embedded default lives")
     p.add_argument("--output_dir", default="outputs/train_dit")
     p.add_argument("--max_steps", type=int, default=60, help="total optimizer steps (resume counts)")
@@ -80,35 +94,75 @@ def caption_vocabulary():
 
 def build_tiny_models(model_type: str, path: str, seed: int) -> None:
     """Build the tiny pipeline with random (seeded) weights and save_pretrained it to ``path``."""
-    from diffusers import (AutoencoderKLQwenImage, AutoencoderKLWan, CosmosTransformer3DModel,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        AutoencoderKLWan,
+        CosmosTransformer3DModel,
+        QwenImageTransformer2DModel,
+    )
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     z_dim, text_dim = 8, 32
     vocab = caption_vocabulary()
-    vae_kwargs = dict(base_dim=16, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
-                      latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    vae_kwargs = dict(
+        base_dim=16,
+        z_dim=z_dim,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.0] * z_dim,
+        latents_std=[1.0] * z_dim,
+    )
     if model_type == "qwen-image":
         vae = AutoencoderKLQwenImage(**vae_kwargs)
         transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=text_dim, axes_dims_rope=(4, 6, 6))
+            patch_size=2,
+            in_channels=4 * z_dim,
+            out_channels=z_dim,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=text_dim,
+            axes_dims_rope=(4, 6, 6),
+        )
     else:
         vae = AutoencoderKLWan(**vae_kwargs)
         transformer = CosmosTransformer3DModel(
-            in_channels=z_dim, out_channels=z_dim, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-            mlp_ratio=2.0, text_embed_dim=text_dim, adaln_lora_dim=16, max_size=(4, 32, 32),
-            patch_size=(1, 2, 2), rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=False,  # True needs torchvision
-            extra_pos_embed_type="learnable", encoder_hidden_states_channels=text_dim,
-            crossattn_proj_in_channels=text_dim)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=len(vocab), d_model=text_dim, d_kv=8, d_ff=64,
-                                           num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=2))
+            in_channels=z_dim,
+            out_channels=z_dim,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            num_layers=2,
+            mlp_ratio=2.0,
+            text_embed_dim=text_dim,
+            adaln_lora_dim=16,
+            max_size=(4, 32, 32),
+            patch_size=(1, 2, 2),
+            rope_scale=(1.0, 1.0, 1.0),
+            concat_padding_mask=False,  # True needs torchvision
+            extra_pos_embed_type="learnable",
+            encoder_hidden_states_channels=text_dim,
+            crossattn_proj_in_channels=text_dim,
+        )
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(vocab),
+            d_model=text_dim,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=0,
+            eos_token_id=2,
+        )
+    )
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                        eos_token="</s>", model_max_length=16)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>", model_max_length=16
+    )
 
     tmp = f"{path}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -117,10 +171,19 @@ def build_tiny_models(model_type: str, path: str, seed: int) -> None:
     text_encoder.save_pretrained(os.path.join(tmp, "text_encoder"))
     tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
     with open(os.path.join(tmp, "model_index.json"), "w") as f:
-        json.dump({"_class_name": "TinyDiTPipeline", "model_type": model_type, "seed": seed,
-                   "transformer": ["diffusers", type(transformer).__name__], "vae": ["diffusers", type(vae).__name__],
-                   "text_encoder": ["transformers", "T5EncoderModel"],
-                   "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}, f, indent=2)
+        json.dump(
+            {
+                "_class_name": "TinyDiTPipeline",
+                "model_type": model_type,
+                "seed": seed,
+                "transformer": ["diffusers", type(transformer).__name__],
+                "vae": ["diffusers", type(vae).__name__],
+                "text_encoder": ["transformers", "T5EncoderModel"],
+                "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+            },
+            f,
+            indent=2,
+        )
     os.replace(tmp, path)  # a half-written cache never looks complete
 
 
@@ -129,11 +192,15 @@ def load_components(model_type: str, path: str):
     import diffusers
     import transformers
 
-    classes = {"transformer": ("diffusers", "QwenImageTransformer2DModel" if model_type == "qwen-image"
-                               else "CosmosTransformer3DModel"),
-               "vae": ("diffusers", "AutoencoderKLQwenImage" if model_type == "qwen-image" else "AutoencoderKLWan"),
-               "text_encoder": ("transformers", "T5EncoderModel"),
-               "tokenizer": ("transformers", "AutoTokenizer")}
+    classes = {
+        "transformer": (
+            "diffusers",
+            "QwenImageTransformer2DModel" if model_type == "qwen-image" else "CosmosTransformer3DModel",
+        ),
+        "vae": ("diffusers", "AutoencoderKLQwenImage" if model_type == "qwen-image" else "AutoencoderKLWan"),
+        "text_encoder": ("transformers", "T5EncoderModel"),
+        "tokenizer": ("transformers", "AutoTokenizer"),
+    }
     index = os.path.join(path, "model_index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -166,15 +233,21 @@ class SyntheticCaptions(torch.utils.data.Dataset):
         shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
         freq = 1.0 + 3.0 * float(torch.rand((), generator=g))
         y, x = torch.meshgrid(torch.linspace(-1, 1, self.res), torch.linspace(-1, 1, self.res), indexing="ij")
-        pattern = {"stripes": torch.sin(math.pi * freq * x), "rings": torch.cos(math.pi * freq * (x**2 + y**2)),
-                   "checkers": torch.sin(math.pi * freq * x) * torch.sin(math.pi * freq * y),
-                   "gradient": (x + y) / 2}[shape]
+        pattern = {
+            "stripes": torch.sin(math.pi * freq * x),
+            "rings": torch.cos(math.pi * freq * (x**2 + y**2)),
+            "checkers": torch.sin(math.pi * freq * x) * torch.sin(math.pi * freq * y),
+            "gradient": (x + y) / 2,
+        }[shape]
         alpha = (pattern + 1) / 2
         image = alpha * torch.tensor(COLORS[fg]).view(3, 1, 1) + (1 - alpha) * torch.tensor(COLORS[bg]).view(3, 1, 1)
         caption = f"an image of {fg} {shape} on a {bg} background"
         ids = self.tokenizer(caption, padding="max_length", truncation=True, max_length=16, return_tensors="pt")
-        return {"pixel_values": image.clamp(-1, 1).unsqueeze(1),  # (C, T=1, H, W): a one-frame video
-                "input_ids": ids.input_ids[0], "attention_mask": ids.attention_mask[0]}
+        return {
+            "pixel_values": image.clamp(-1, 1).unsqueeze(1),  # (C, T=1, H, W): a one-frame video
+            "input_ids": ids.input_ids[0],
+            "attention_mask": ids.attention_mask[0],
+        }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,16 +301,23 @@ class FlowMatchingDiT(torch.nn.Module):
                 packed = packed.reshape(b, f * (h // 2) * (w // 2), c * 4)
                 # the whole (padded) text length, which is what diffusers >= 0.37 uses by itself
                 extra = {"txt_seq_lens": [text.shape[1]] * b} if self.pass_txt_seq_lens else {}
-                out = self.transformer(hidden_states=packed, encoder_hidden_states=text,
-                                       encoder_hidden_states_mask=attention_mask, timestep=t,
-                                       img_shapes=[[(f, h // 2, w // 2)]] * b, return_dict=False, **extra)[0]
+                out = self.transformer(
+                    hidden_states=packed,
+                    encoder_hidden_states=text,
+                    encoder_hidden_states_mask=attention_mask,
+                    timestep=t,
+                    img_shapes=[[(f, h // 2, w // 2)]] * b,
+                    return_dict=False,
+                    **extra,
+                )[0]
                 out = out.view(b, f, h // 2, w // 2, c, 2, 2).permute(0, 4, 1, 2, 5, 3, 6)
                 return out.reshape(b, c, f, h, w)
             extra = {}
             if self.transformer.config.concat_padding_mask:  # real Cosmos checkpoints (needs torchvision)
                 extra["padding_mask"] = torch.zeros(1, 1, noisy.shape[-2], noisy.shape[-1], device=noisy.device)
-            return self.transformer(hidden_states=noisy, timestep=t, encoder_hidden_states=text,
-                                    return_dict=False, **extra)[0]
+            return self.transformer(
+                hidden_states=noisy, timestep=t, encoder_hidden_states=text, return_dict=False, **extra
+            )[0]
 
     def forward(self, pixel_values, input_ids, attention_mask, noise=None, t=None):
         latents, text = self.encode(pixel_values, input_ids, attention_mask)
@@ -269,8 +349,9 @@ def evaluate(model, batch, seed):
 def latest_checkpoint(directory):
     if not os.path.isdir(directory):
         return None, 0
-    found = [(int(m.group(1)), name) for name in os.listdir(directory)
-             if (m := re.fullmatch(r"checkpoint-(\d+)", name))]
+    found = [
+        (int(m.group(1)), name) for name in os.listdir(directory) if (m := re.fullmatch(r"checkpoint-(\d+)", name))
+    ]
     if not found:
         return None, 0
     step, name = max(found)
@@ -278,8 +359,10 @@ def latest_checkpoint(directory):
 
 
 def write_loss_table(history, accelerator):
-    rows = [f"{'step':>6} | {'loss':>9} | {'eval mse':>9} | {'s/step':>7}",
-            f"{'-' * 6}-+-{'-' * 9}-+-{'-' * 9}-+-{'-' * 7}"]
+    rows = [
+        f"{'step':>6} | {'loss':>9} | {'eval mse':>9} | {'s/step':>7}",
+        f"{'-' * 6}-+-{'-' * 9}-+-{'-' * 9}-+-{'-' * 7}",
+    ]
     for r in history:
         ev = f"{r['eval_mse']:9.4f}" if r.get("eval_mse") is not None else " " * 9
         rows.append(f"{r['step']:>6} | {r['loss']:9.4f} | {ev} | {r['sec_per_step']:7.2f}")
@@ -325,16 +408,26 @@ def main(argv=None):
     n_frozen = sum(numel(p) for p in model.parameters() if not p.requires_grad)
 
     dataset = SyntheticCaptions(tokenizer, args.num_samples, args.resolution, args.seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.train_batch_size, shuffle=True,
-                                         drop_last=True, generator=torch.Generator().manual_seed(args.seed))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=args.learning_rate, weight_decay=1e-2, fused=True)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.train_batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, weight_decay=1e-2, fused=True
+    )
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     eval_batch = {k: v[: args.train_batch_size] for k, v in next(iter(loader)).items()}
     towers = accelerator.unwrap_model(model)
-    accelerator.print("frozen towers: " + ", ".join(
-        f"{name} {str(next(getattr(towers, name).parameters()).dtype).replace('torch.', '')}"
-        for name in ("vae", "text_encoder")))
+    accelerator.print(
+        "frozen towers: "
+        + ", ".join(
+            f"{name} {str(next(getattr(towers, name).parameters()).dtype).replace('torch.', '')}"
+            for name in ("vae", "text_encoder")
+        )
+    )
 
     ckpt_root = os.path.join(args.output_dir, "checkpoints")
     history_path = os.path.join(args.output_dir, "loss_history.json")
@@ -346,15 +439,21 @@ def main(argv=None):
         if os.path.exists(history_path):
             with open(history_path) as f:
                 history = [r for r in json.load(f) if r["step"] <= start_step]
-    accelerator.print(f"{args.model_type}: {n_train / 1e6:.2f}M trainable + {n_frozen / 1e6:.2f}M frozen parameters, "
-                      f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, "
-                      f"steps {start_step} -> {args.max_steps}")
+    accelerator.print(
+        f"{args.model_type}: {n_train / 1e6:.2f}M trainable + {n_frozen / 1e6:.2f}M frozen parameters, "
+        f"{accelerator.num_processes} process(es), {accelerator.distributed_type}, "
+        f"steps {start_step} -> {args.max_steps}"
+    )
 
     if start_step >= args.max_steps:
-        accelerator.print(f"Already trained to step {start_step} (--max_steps {args.max_steps}): nothing to train; "
-                          "pass a larger --max_steps to continue, or a new --output_dir to start over.")
+        accelerator.print(
+            f"Already trained to step {start_step} (--max_steps {args.max_steps}): nothing to train; "
+            "pass a larger --max_steps to continue, or a new --output_dir to start over."
+        )
     steps_per_epoch = len(loader)
-    progress = tqdm(total=args.max_steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=args.max_steps, initial=start_step, desc="train", disable=not accelerator.is_local_main_process
+    )
     step, last_time = start_step, time.time()
     while step < args.max_steps:
         epoch, skip = divmod(step, steps_per_epoch)
@@ -379,8 +478,12 @@ def main(argv=None):
                 eval_mse = evaluate(accelerator.unwrap_model(model), eval_batch, args.seed)
             if step % args.log_steps == 0 or step == start_step + 1 or eval_mse is not None:
                 now = time.time()
-                row = {"step": step, "loss": mean_loss, "eval_mse": eval_mse,
-                       "sec_per_step": (now - last_time) / max(1, step - (history[-1]["step"] if history else start_step))}
+                row = {
+                    "step": step,
+                    "loss": mean_loss,
+                    "eval_mse": eval_mse,
+                    "sec_per_step": (now - last_time) / max(1, step - (history[-1]["step"] if history else start_step)),
+                }
                 last_time = now
                 history.append(row)
                 ev = f" | eval mse {eval_mse:.4f}" if eval_mse is not None else ""
@@ -392,8 +495,11 @@ def main(argv=None):
                 if accelerator.is_main_process:
                     with open(history_path, "w") as f:
                         json.dump(history, f, indent=1)
-                    kept = sorted((int(m.group(1)), m.group(0)) for n in os.listdir(ckpt_root)
-                                  if (m := re.fullmatch(r"checkpoint-(\d+)", n)))
+                    kept = sorted(
+                        (int(m.group(1)), m.group(0))
+                        for n in os.listdir(ckpt_root)
+                        if (m := re.fullmatch(r"checkpoint-(\d+)", n))
+                    )
                     for _, name in kept[: max(0, len(kept) - args.checkpoints_total_limit)]:
                         shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
             if step >= args.max_steps:
@@ -406,7 +512,7 @@ def main(argv=None):
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         trained = accelerator.unwrap_model(model).transformer
-        weights = {k[len("transformer."):]: v for k, v in state_dict.items() if k.startswith("transformer.")}
+        weights = {k[len("transformer.") :]: v for k, v in state_dict.items() if k.startswith("transformer.")}
         final = type(trained).from_config(trained.config)
         final.load_state_dict(weights)
         final.save_pretrained(os.path.join(args.output_dir, "transformer"))
@@ -415,8 +521,10 @@ def main(argv=None):
         plot_loss(history, os.path.join(args.output_dir, "loss_curve.png"))
         accelerator.print("\nLoss table")
         write_loss_table(history, accelerator)
-        accelerator.print(f"\nSaved {os.path.join(args.output_dir, 'transformer')} "
-                          f"and {os.path.join(args.output_dir, 'loss_curve.png')}")
+        accelerator.print(
+            f"\nSaved {os.path.join(args.output_dir, 'transformer')} "
+            f"and {os.path.join(args.output_dir, 'loss_curve.png')}"
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

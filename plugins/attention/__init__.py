@@ -11,6 +11,7 @@
 One log line per process says what ran. On a machine with CUDA every wrapper passes straight through.
 docs/cuda-compat.md ("Attention flags") has the table.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -27,7 +28,7 @@ XFORMERS_AVAILABLE = Patch(
     supports=_DIFFUSERS,
     # e.g. examples/text_to_image/train_text_to_image.py checks it before calling the method
     reason="diffusers' scripts raise 'xformers is not available' under --enable_xformers_memory_efficient_attention "
-           "without xformers: True to the script only.",
+    "without xformers: True to the script only.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:is_xformers_available",
     scope=CUDA_FACADE,
@@ -37,7 +38,7 @@ ATTENTION_XFORMERS = Patch(
     target="diffusers.models.attention_processor:Attention.set_use_memory_efficient_attention_xformers",
     supports=_DIFFUSERS,
     reason="diffusers/models/attention_processor.py raises without xformers or CUDA; AttnProcessorNPU (npu) or "
-           "SDPA (cpu) runs instead.",
+    "SDPA (cpu) runs instead.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:attention_set_xformers",
     scope=CUDA_FACADE,
@@ -47,7 +48,7 @@ ATTENTION_MODULE_XFORMERS = Patch(
     target="diffusers.models.attention:AttentionModuleMixin.set_use_memory_efficient_attention_xformers",
     supports=_DIFFUSERS,
     reason="diffusers/models/attention.py raises without xformers or CUDA; the native backend (SDPA, which torch_npu "
-           "runs on npu) is kept.",
+    "runs on npu) is kept.",
     remove_when=_REMOVE_WHEN,
     wrapper=f"{_PKG}.diffusers:attention_module_set_xformers",
     scope=CUDA_FACADE,
@@ -57,7 +58,7 @@ FLASH_ATTENTION_2 = Patch(
     target="transformers.modeling_utils:PreTrainedModel._check_and_adjust_attn_implementation",
     supports="transformers>=4.57.6,<5.26",
     reason="transformers/modeling_utils.py raises ImportError for attn_implementation='flash_attention_2' without "
-           "flash_attn: SDPA on cpu (npu: transformers' own path).",
+    "flash_attn: SDPA on cpu (npu: transformers' own path).",
     remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",
     wrapper=f"{_PKG}.transformers:check_and_adjust_attn_implementation",
     scope=CUDA_FACADE,

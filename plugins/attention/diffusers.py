@@ -7,6 +7,7 @@ should be True" (diffusers/models/attention_processor.py, attention.py). Here th
 "memory-efficient attention": on npu diffusers' own ``AttnProcessorNPU`` (torch_npu's
 ``npu_fusion_attention``), on cpu the SDPA processor diffusers already set.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -44,7 +45,8 @@ def _missing(name):
         f"module 'xformers' has no attribute {name!r}: xformers is not installed (it needs CUDA). This module "
         "is accel-npu's stand-in, which only lets a script's `import xformers` / `xformers.__version__` "
         "check pass; diffusers' enable_xformers_memory_efficient_attention() runs torch_npu's fused "
-        "attention (npu) or torch's scaled_dot_product_attention (cpu) instead (docs/cuda-compat.md).")
+        "attention (npu) or torch's scaled_dot_product_attention (cpu) instead (docs/cuda-compat.md)."
+    )
 
 
 def _provide_xformers_module() -> None:
@@ -79,13 +81,20 @@ def attention_set_xformers(wrapped, instance, args, kwargs):
 
     if device == "npu" and type(getattr(instance, "processor", None)) is AttnProcessor2_0 and is_torch_npu_available():
         instance.set_use_npu_flash_attention(True)
-        log_once(("diffusers", "npu"), "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs CUDA; "
-                 "attention runs diffusers' AttnProcessorNPU (torch_npu.npu_fusion_attention for fp16/bf16, "
-                 "scaled_dot_product_attention for fp32) on npu")
+        log_once(
+            ("diffusers", "npu"),
+            "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs CUDA; "
+            "attention runs diffusers' AttnProcessorNPU (torch_npu.npu_fusion_attention for fp16/bf16, "
+            "scaled_dot_product_attention for fp32) on npu",
+        )
     else:
-        log_once(("diffusers", device), "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs CUDA; "
-                 "attention keeps the processors diffusers set (AttnProcessor2_0: "
-                 "torch.nn.functional.scaled_dot_product_attention) on %s", device)
+        log_once(
+            ("diffusers", device),
+            "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs CUDA; "
+            "attention keeps the processors diffusers set (AttnProcessor2_0: "
+            "torch.nn.functional.scaled_dot_product_attention) on %s",
+            device,
+        )
     return None
 
 
@@ -100,7 +109,10 @@ def attention_module_set_xformers(wrapped, instance, args, kwargs):
     device = attention_device()
     if not valid or device is None:
         return wrapped(*args, **kwargs)
-    log_once(("diffusers-dispatch", device), "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs "
-             "CUDA; diffusers' attention backend stays native (torch.nn.functional.scaled_dot_product_attention) on %s",
-             device)
+    log_once(
+        ("diffusers-dispatch", device),
+        "accel-npu: enable_xformers_memory_efficient_attention(): xformers needs "
+        "CUDA; diffusers' attention backend stays native (torch.nn.functional.scaled_dot_product_attention) on %s",
+        device,
+    )
     return None

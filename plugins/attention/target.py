@@ -1,7 +1,9 @@
 """Where a CUDA attention flag has to land here, and the one log line per process that says so."""
+
 from __future__ import annotations
 
 import logging
+
 from accel_npu._torch.device import cuda_available
 from accel_npu._torch.once import FirstTime
 
@@ -11,7 +13,7 @@ _once = FirstTime()
 
 
 def attention_device() -> str | None:
-    """"npu" or "cpu" where xformers / flash_attn cannot run (no CUDA), None where nothing changes
+    """ "npu" or "cpu" where xformers / flash_attn cannot run (no CUDA), None where nothing changes
     (CUDA is really present, or the backend is forced to cuda without it)."""
     if cuda_available():
         return None

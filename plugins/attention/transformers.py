@@ -7,6 +7,7 @@ On npu transformers runs it itself (``custom_supported_devices``: ``is_torch_npu
 transformers/modeling_flash_attention_utils.py, kernels in integrations/npu_flash_attention.py):
 we leave it to transformers. On cpu the model gets SDPA (eager where the model has no SDPA path).
 """
+
 from __future__ import annotations
 
 from accel_npu.patching import argument
@@ -27,15 +28,23 @@ def check_and_adjust_attn_implementation(wrapped, instance, args, kwargs):
 
     if device == "npu":
         if is_torch_npu_available():
-            log_once(("transformers", "npu"), "accel-npu: attn_implementation='flash_attention_2' runs transformers' "
-                     "Ascend path (torch_npu.npu_fusion_attention, transformers/integrations/npu_flash_attention.py)")
+            log_once(
+                ("transformers", "npu"),
+                "accel-npu: attn_implementation='flash_attention_2' runs transformers' "
+                "Ascend path (torch_npu.npu_fusion_attention, transformers/integrations/npu_flash_attention.py)",
+            )
         return wrapped(*args, **kwargs)
     if is_flash_attn_2_available():
         return wrapped(*args, **kwargs)
     replacement = "sdpa" if getattr(instance, "_supports_sdpa", False) else "eager"
-    log_once(("transformers", replacement), "accel-npu: attn_implementation='flash_attention_2' runs as %r (%s) on cpu: "
-             "flash_attn needs CUDA", replacement,
-             "torch.nn.functional.scaled_dot_product_attention" if replacement == "sdpa" else "transformers' eager attention")
+    log_once(
+        ("transformers", replacement),
+        "accel-npu: attn_implementation='flash_attention_2' runs as %r (%s) on cpu: flash_attn needs CUDA",
+        replacement,
+        "torch.nn.functional.scaled_dot_product_attention"
+        if replacement == "sdpa"
+        else "transformers' eager attention",
+    )
     if args:
         args = (replacement, *args[1:])
     else:

@@ -9,6 +9,7 @@ wrappers and machinery sit beside it: ``accelerator.py`` (the wrapped Accelerato
 (idle ranks serve rank 0's gathers and save_state), ``partitioned.py``, ``lora.py``, ``adapter_reload.py``
 (a load hook's second LoRA load on resume), ``callsite.py``, ``consolidate.py``, ``files.py``.
 """
+
 from __future__ import annotations
 
 from accel_npu import environment
@@ -23,8 +24,13 @@ _SUPPORTS = "accelerate>=1.10.1,<1.17"
 
 
 def _patch(name, reason, remove_when, wrapper):
-    return Patch(target=f"accelerate.accelerator:Accelerator.{name}", supports=_SUPPORTS, reason=reason,
-                 remove_when=remove_when, wrapper=wrapper)
+    return Patch(
+        target=f"accelerate.accelerator:Accelerator.{name}",
+        supports=_SUPPORTS,
+        reason=reason,
+        remove_when=remove_when,
+        wrapper=wrapper,
+    )
 
 
 SAVE_STATE = _patch(
@@ -34,7 +40,8 @@ SAVE_STATE = _patch(
     "A crash during a DeepSpeed save_state leaves a half-written checkpoint in place of the previous "
     "one; it is written aside and renamed into place.",
     "accelerate/DeepSpeed write checkpoints to a temporary directory and publish them atomically",
-    f"{_PKG}.accelerator:save_state")
+    f"{_PKG}.accelerator:save_state",
+)
 LOAD_STATE = _patch(
     "load_state",
     # Also: load hooks get an empty models list under DeepSpeed, so hooks written for DDP (diffusers'
@@ -42,67 +49,82 @@ LOAD_STATE = _patch(
     "Resume needs a complete checkpoint: an incomplete one is refused naming the missing files, an "
     "interrupted atomic swap is recovered.",
     "accelerate validates DeepSpeed checkpoints before loading them",
-    f"{_PKG}.accelerator:load_state")
+    f"{_PKG}.accelerator:load_state",
+)
 GET_STATE_DICT = _patch(
     "get_state_dict",
     # Frozen towers kept out of the engine are added back to the state dict.
     "Under ZeRO-3 get_state_dict is a collective: called on rank 0 alone it gathers the whole model "
     "there or waits for the process-group timeout.",
     "accelerate detects a collective entered by one rank (and frozen towers are no longer hidden)",
-    f"{_PKG}.accelerator:get_state_dict")
+    f"{_PKG}.accelerator:get_state_dict",
+)
 SAVE_MODEL = _patch(
     "save_model",
     "Under ZeRO-3 save_model gathers the full 16-bit model into rank 0's memory (+1x model) and hangs "
     "when called by one rank only.",
     "accelerate/DeepSpeed write ZeRO-3 models shard by shard",
-    f"{_PKG}.accelerator:save_model")
+    f"{_PKG}.accelerator:save_model",
+)
 
 
 WAIT_FOR_EVERYONE = Patch(
-    target="accelerate.state:PartialState.wait_for_everyone", supports=_SUPPORTS,
+    target="accelerate.state:PartialState.wait_for_everyone",
+    supports=_SUPPORTS,
     reason="Under ZeRO-3 rank 0 saving alone writes shape-[0] tensors while the others wait here; "
-           "waiting ranks serve rank 0's gathers.",
+    "waiting ranks serve rank 0's gathers.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.boundary:wait_for_everyone")
+    wrapper=f"{_PKG}.boundary:wait_for_everyone",
+)
 END_TRAINING = Patch(
-    target="accelerate.accelerator:Accelerator.end_training", supports=_SUPPORTS,
+    target="accelerate.accelerator:Accelerator.end_training",
+    supports=_SUPPORTS,
     reason="diffusers' scripts save on rank 0 while the others destroy the process group in "
-           "end_training(); under ZeRO-3 they serve rank 0's gathers first.",
+    "end_training(); under ZeRO-3 they serve rank 0's gathers first.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.boundary:end_training")
+    wrapper=f"{_PKG}.boundary:end_training",
+)
 GATHERED_ENTER = Patch(
     target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
     supports="deepspeed>=0.16.9,<0.20",
     reason="A ZeRO-3 gather made on one rank for a save hangs; it is announced first, so idle ranks "
-           "join it and busy ones make it fail in time.",
+    "join it and busy ones make it fail in time.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.serving:gathered_enter")
+    wrapper=f"{_PKG}.serving:gathered_enter",
+)
 ZERO3_FORWARD_FETCH = Patch(
     target="deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
     supports="deepspeed>=0.16.9,<0.20",
     # In the step window (boundary.py) the paused ranks join each of rank 0's fetches.
     reason="A ZeRO-3 forward run on rank 0 alone (train_unconditional.py's sampling) hangs in its gathers.",
     remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
-    wrapper=f"{_PKG}.boundary:pre_sub_module_forward")
+    wrapper=f"{_PKG}.boundary:pre_sub_module_forward",
+)
 DIFFUSERS_SAVE_PRETRAINED = Patch(
-    target="diffusers.models.modeling_utils:ModelMixin.save_pretrained", supports="diffusers>=0.35.2,<0.43",
+    target="diffusers.models.modeling_utils:ModelMixin.save_pretrained",
+    supports="diffusers>=0.35.2,<0.43",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
-           "(train_text_to_image.py's final save); the trained model is lost.",
+    "(train_text_to_image.py's final save); the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained")
+    wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained",
+)
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
-    target="transformers.modeling_utils:PreTrainedModel.save_pretrained", supports="transformers>=4.57.6,<5.26",
+    target="transformers.modeling_utils:PreTrainedModel.save_pretrained",
+    supports="transformers>=4.57.6,<5.26",
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
-           "(train_llada2.py's checkpoints); the trained model is lost.",
+    "(train_llada2.py's checkpoints); the trained model is lost.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=f"{_PKG}.partitioned:transformers_save_pretrained")
+    wrapper=f"{_PKG}.partitioned:transformers_save_pretrained",
+)
 SAFETENSORS_SAVE_FILE = Patch(
     # transformers/modeling_utils.py binds its alias safe_save_file at import, after this is applied
     # (safetensors.torch imports torch, which activates accel-npu): save_pretrained's shards come here too
-    target="safetensors.torch:save_file", supports="safetensors>=0.4.3,<0.9",
+    target="safetensors.torch:save_file",
+    supports="safetensors>=0.4.3,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
-    wrapper=f"{_PKG}.partitioned:save_file")
+    wrapper=f"{_PKG}.partitioned:save_file",
+)
 
 
 PEFT_STATE_DICT = Patch(
@@ -110,7 +132,7 @@ PEFT_STATE_DICT = Patch(
     supports="peft>=0.17,<0.22",
     # It hands back the partitioned parameters, which save_file gathers.
     reason="Under ZeRO-3 get_peft_model_state_dict returns empty copies, so save_lora_weights writes "
-           "shape-[0] tensors (exit 0) that load_lora_weights refuses.",
+    "shape-[0] tensors (exit 0) that load_lora_weights refuses.",
     remove_when="peft gathers ZeRO-3 parameters in get_peft_model_state_dict",
     wrapper=f"{_PKG}.lora:peft_state_dict",
 )
@@ -120,9 +142,9 @@ PEFT_LOAD_ADAPTER = Patch(
     supports="peft>=0.17,<0.22",
     # Only inside load_state's hooks under DeepSpeed, for an adapter the engine-held model already has.
     reason="On resume, a load hook's load_adapter casts the engine's bf16 LoRA to new fp32 parameters the "
-           "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
+    "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
     remove_when="peft loads an existing adapter without replacing its parameters, or diffusers' LCM LoRA "
-                "scripts stop loading the adapter again in their load hook",
+    "scripts stop loading the adapter again in their load hook",
     wrapper=f"{_PKG}.adapter_reload:peft_load_adapter",
 )
 DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
@@ -131,9 +153,9 @@ DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     # Keys already in peft's naming are left as they are; the in-place load only inside load_state's hooks
     # under DeepSpeed, for keys matching an adapter the model already has.
     reason="A LoRA mixing old and peft key names loads in part (diffusers #14548); on resume a load hook's "
-           "load_lora_into_unet adds an adapter the optimizer lacks.",
+    "load_lora_into_unet adds an adapter the optimizer lacks.",
     remove_when="diffusers converts every old-style key, and the sd15 advanced script drops its hook's second "
-                "load (as #6514 did for SDXL)",
+    "load (as #6514 did for SDXL)",
     wrapper=f"{_PKG}.lora:load_lora_adapter",
 )
 
@@ -143,23 +165,30 @@ BACKWARD = _patch(
     "diffusers' scripts call save_state on rank 0 only, which under DeepSpeed hangs (diffusers #2606); "
     "the other ranks serve it at the step boundary.",
     "accelerate saves a main-process-only save_state under DeepSpeed, or diffusers calls it on every rank",
-    f"{_PKG}.boundary:backward")
+    f"{_PKG}.boundary:backward",
+)
 
 
 def _iter_patch(cls):
     return Patch(
-        target=f"accelerate.data_loader:{cls}.__iter__", supports=_SUPPORTS,
+        target=f"accelerate.data_loader:{cls}.__iter__",
+        supports=_SUPPORTS,
         # The next batch after an optimizer step is a rank's clean point: nothing drawn, RNG as at the step.
         reason="A rank's next batch after an optimizer step is where it waits for rank 0 and serves a "
-               "save_state made alone (diffusers #2606).",
-        remove_when="with the Accelerator.backward patch", wrapper=f"{_PKG}.boundary:dataloader_iter")
+        "save_state made alone (diffusers #2606).",
+        remove_when="with the Accelerator.backward patch",
+        wrapper=f"{_PKG}.boundary:dataloader_iter",
+    )
 
 
 OPTIMIZER_STEP = Patch(
-    target="accelerate.optimizer:AcceleratedOptimizer.step", supports=_SUPPORTS,
+    target="accelerate.optimizer:AcceleratedOptimizer.step",
+    supports=_SUPPORTS,
     reason="Under FSDP the step boundary where the other ranks serve rank 0's save_state (diffusers #2606) is "
-           "after the script's optimizer.step(), not in backward.",
-    remove_when="with the Accelerator.backward patch", wrapper=f"{_PKG}.boundary:optimizer_step")
+    "after the script's optimizer.step(), not in backward.",
+    remove_when="with the Accelerator.backward patch",
+    wrapper=f"{_PKG}.boundary:optimizer_step",
+)
 DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
 DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")
 SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
@@ -167,19 +196,39 @@ SKIP_DATALOADER_ITER = _iter_patch("SkipDataLoader")
 
 @hookimpl
 def accel_npu_register_patches():
-    return [SAVE_STATE, LOAD_STATE, GET_STATE_DICT, SAVE_MODEL, WAIT_FOR_EVERYONE, END_TRAINING, GATHERED_ENTER,
-            ZERO3_FORWARD_FETCH, DIFFUSERS_SAVE_PRETRAINED, TRANSFORMERS_SAVE_PRETRAINED, SAFETENSORS_SAVE_FILE,
-            PEFT_STATE_DICT, PEFT_LOAD_ADAPTER, DIFFUSERS_LOAD_LORA_ADAPTER, BACKWARD, OPTIMIZER_STEP,
-            DATALOADER_SHARD_ITER, DATALOADER_DISPATCHER_ITER, SKIP_DATALOADER_ITER]
+    return [
+        SAVE_STATE,
+        LOAD_STATE,
+        GET_STATE_DICT,
+        SAVE_MODEL,
+        WAIT_FOR_EVERYONE,
+        END_TRAINING,
+        GATHERED_ENTER,
+        ZERO3_FORWARD_FETCH,
+        DIFFUSERS_SAVE_PRETRAINED,
+        TRANSFORMERS_SAVE_PRETRAINED,
+        SAFETENSORS_SAVE_FILE,
+        PEFT_STATE_DICT,
+        PEFT_LOAD_ADAPTER,
+        DIFFUSERS_LOAD_LORA_ADAPTER,
+        BACKWARD,
+        OPTIMIZER_STEP,
+        DATALOADER_SHARD_ITER,
+        DATALOADER_DISPATCHER_ITER,
+        SKIP_DATALOADER_ITER,
+    ]
 
 
 @hookimpl
 def accel_npu_env_report(backend):
-    return ("checkpoints", {
-        "ACCEL_NPU_COLLECTIVE_TIMEOUT": environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") + " s",
-        "save_state under DeepSpeed": "atomic (temporary directory, rename, `latest` last)",
-        "rank-0-only save_state right after an optimizer step": "served by the other ranks at their next batch",
-    })
+    return (
+        "checkpoints",
+        {
+            "ACCEL_NPU_COLLECTIVE_TIMEOUT": environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") + " s",
+            "save_state under DeepSpeed": "atomic (temporary directory, rename, `latest` last)",
+            "rank-0-only save_state right after an optimizer step": "served by the other ranks at their next batch",
+        },
+    )
 
 
 @hookimpl

@@ -5,11 +5,13 @@ boundary is served by the other ranks (``boundary.py``); ``load_state`` refuses 
 ``get_state_dict`` / ``save_model`` called on rank 0 alone under ZeRO-3 are served by the idle ranks
 (``serving.py``) and stream the model shard by shard (``streaming.py``).
 """
+
 from __future__ import annotations
 
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.patching import argument, with_argument
-from accel_npu.plugins.checkpoints import boundary, serving, state as checkpointing
+from accel_npu.plugins.checkpoints import boundary, serving
+from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.streaming import streaming_save_model
 
 
@@ -17,14 +19,17 @@ def save_state(wrapped, instance, args, kwargs):
     if checkpointing.is_fsdp(instance) and instance.num_processes > 1:
         return _fsdp_save_state(wrapped, instance, args, kwargs)
     if not checkpointing.is_deepspeed(instance) or any(
-            getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models):
+        getattr(m, "use_node_local_storage", lambda: False)() for m in instance._models
+    ):
         return wrapped(*args, **kwargs)  # node-local storage: each node's rank 0 publishes its own
     output_dir = argument(args, kwargs, 0, "output_dir")
     safe = argument(args, kwargs, 1, "safe_serialization", True)
     if output_dir is None and not instance.project_configuration.automatic_checkpoint_naming:
         return wrapped(*args, **kwargs)  # stock raises its own error
     model_kwargs = {k: v for k, v in kwargs.items() if k not in ("output_dir", "safe_serialization")}
-    announced = boundary.announce_save_state(output_dir, safe, model_kwargs)  # rank 0 at a step boundary: the others serve it
+    announced = boundary.announce_save_state(
+        output_dir, safe, model_kwargs
+    )  # rank 0 at a step boundary: the others serve it
     try:
         with boundary.inside_save():
             return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
@@ -62,8 +67,9 @@ def load_state(wrapped, instance, args, kwargs):
 
 
 def _zero3_multi(instance) -> bool:
-    return (checkpointing.is_deepspeed(instance) and checkpointing.zero_stage(instance) == 3
-            and instance.num_processes > 1)
+    return (
+        checkpointing.is_deepspeed(instance) and checkpointing.zero_stage(instance) == 3 and instance.num_processes > 1
+    )
 
 
 def get_state_dict(wrapped, instance, args, kwargs):
@@ -85,8 +91,11 @@ def save_model(wrapped, instance, args, kwargs):
     save_directory = argument(args, kwargs, 1, "save_directory")
     max_shard_size = argument(args, kwargs, 2, "max_shard_size", "10GB")
     safe = argument(args, kwargs, 3, "safe_serialization", True)
-    engine = model if hasattr(model, "zero_gather_16bit_weights_on_model_save") else next(
-        (m for m in instance._models if getattr(m, "module", None) is model), None)
+    engine = (
+        model
+        if hasattr(model, "zero_gather_16bit_weights_on_model_save")
+        else next((m for m in instance._models if getattr(m, "module", None) is model), None)
+    )
     if engine is None:
         return wrapped(*args, **kwargs)
     if not engine.zero_gather_16bit_weights_on_model_save():

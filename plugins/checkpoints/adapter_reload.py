@@ -20,6 +20,7 @@ that adapter's existing parameters in place (ZeRO-3: gathered and re-partitioned
 and does nothing else: no dtype cast, no new parameter, no new adapter. Anything else (another adapter
 name, keys the adapter lacks, hotswap) goes to the library unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,9 +56,13 @@ def held_by_engine(module) -> bool:
 
 def _say_once(where: str, adapter: str) -> None:
     if _logged((where, adapter)):
-        log.info("accel-npu: %s during load_state under DeepSpeed: the checkpoint's LoRA is loaded into the "
-                 "existing adapter %r in place (DeepSpeed restored it and the optimizer holds its parameters), "
-                 "not cast or added again", where, adapter)
+        log.info(
+            "accel-npu: %s during load_state under DeepSpeed: the checkpoint's LoRA is loaded into the "
+            "existing adapter %r in place (DeepSpeed restored it and the optimizer holds its parameters), "
+            "not cast or added again",
+            where,
+            adapter,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,8 +99,9 @@ def _with_adapter_name(key: str, adapter: str) -> str:
 def _adapter_parameters(model, adapter: str) -> dict[str, tuple]:
     """{parameter name: full shape} of ``adapter``'s LoRA parameters (ZeRO-3: ``ds_shape``)."""
     pattern = re.compile(rf"\.{_PARAMETER_PREFIX}[^.]+\.{re.escape(adapter)}(\.|$)")
-    return {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()
-            if pattern.search(name)}
+    return {
+        name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters() if pattern.search(name)
+    }
 
 
 def _matching_adapter(model, state_dict: dict, candidates) -> str | None:
@@ -132,15 +138,24 @@ def diffusers_load_lora_adapter(wrapped, instance, args, kwargs):
     hotswap = argument(args, kwargs, 2, "hotswap", False)
     requested = kwargs.get("adapter_name")
     adapters = list(getattr(instance, "peft_config", None) or {})
-    if (hotswap or not isinstance(source, dict) or not adapters or kwargs.get("low_cpu_mem_usage")
-            or (requested is not None and requested not in adapters) or not held_by_engine(instance)):
+    if (
+        hotswap
+        or not isinstance(source, dict)
+        or not adapters
+        or kwargs.get("low_cpu_mem_usage")
+        or (requested is not None and requested not in adapters)
+        or not held_by_engine(instance)
+    ):
         return wrapped(*args, **kwargs)
     state_dict = source
     if prefix is not None:
         state_dict = {k.removeprefix(f"{prefix}."): v for k, v in source.items() if k.startswith(f"{prefix}.")}
     state_dict = _peft_keys(state_dict)
-    adapter = None if state_dict is None else _matching_adapter(
-        instance, state_dict, [requested] if requested is not None else adapters)
+    adapter = (
+        None
+        if state_dict is None
+        else _matching_adapter(instance, state_dict, [requested] if requested is not None else adapters)
+    )
     if adapter is None:
         return wrapped(*args, **kwargs)
     from peft import set_peft_model_state_dict

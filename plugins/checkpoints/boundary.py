@@ -39,6 +39,7 @@ rank's next step fetches (and prefetches) alike. Any other collective rank 0 ent
 that cannot be served: a quantized or hpZ fetch, an all_reduce) is refused before it starts: the
 others could only answer it with the collectives of their next step.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -119,7 +120,8 @@ def after_backward(accelerator) -> None:
     _pin_prepared_models(accelerator)
     _hook_forwards(accelerator)
     after_step = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "__dict__", {}).get(
-        STEPS_AT_OPTIMIZER_STEP)
+        STEPS_AT_OPTIMIZER_STEP
+    )
     if after_step is not None:  # an engine that steps at the script's optimizer.step() (several models in one)
         if _after_engine_step not in after_step:
             after_step.append(_after_engine_step)
@@ -128,7 +130,7 @@ def after_backward(accelerator) -> None:
         open_window()
 
 
-_forward_hooked: "weakref.WeakSet" = weakref.WeakSet()
+_forward_hooked: weakref.WeakSet = weakref.WeakSet()
 
 
 def _hook_forwards(accelerator) -> None:
@@ -147,8 +149,11 @@ def _hook_forwards(accelerator) -> None:
 
 def _before_forward(module, args):
     if _w.open:
-        _before_collective("the forward of a prepared model (its ZeRO-3 / FSDP gathers)",
-                           point="the next forward of a prepared model")
+        _before_collective(
+            "the forward of a prepared model (its ZeRO-3 / FSDP gathers)", point="the next forward of a prepared model"
+        )
+
+
 def _after_engine_step() -> None:
     if _w.enabled:
         open_window()
@@ -246,8 +251,10 @@ def _pause(store, rank, lg, where: str) -> None:
     key = _release_key(step)
     while not serving._wait(store, [key], 60.0):
         if time.monotonic() - started > limit:
-            raise CollectiveMisuseError(f"rank {rank} waited {limit:g} s at {where} after optimizer "
-                                        f"step {step} for rank 0 to reach its next batch or collective")
+            raise CollectiveMisuseError(
+                f"rank {rank} waited {limit:g} s at {where} after optimizer "
+                f"step {step} for rank 0 to reach its next batch or collective"
+            )
     if serving._get(store, key) == "go":
         return
     while True:  # rank 0 serves something in this window: read the log until its release
@@ -255,8 +262,10 @@ def _pause(store, rank, lg, where: str) -> None:
         ev = serving._read(store, i, 60.0)
         if ev is None:
             if time.monotonic() - started > limit:
-                raise CollectiveMisuseError(f"rank {rank} waited {limit:g} s at {where} after optimizer "
-                                            f"step {step} for rank 0 to reach its next batch or collective")
+                raise CollectiveMisuseError(
+                    f"rank {rank} waited {limit:g} s at {where} after optimizer "
+                    f"step {step} for rank 0 to reach its next batch or collective"
+                )
             continue
         lg.cursor += 1
         kind = ev["kind"]
@@ -267,13 +276,15 @@ def _pause(store, rank, lg, where: str) -> None:
             raise CollectiveMisuseError(ev["message"])
         if kind == "gather":
             serving.serve_gather(store, i, ev, rank)
-        elif kind == "save_state" and ev["step"] == step and ev["index"] > _w.saves \
-                and serving._state(store, i) is None:
+        elif (
+            kind == "save_state" and ev["step"] == step and ev["index"] > _w.saves and serving._state(store, i) is None
+        ):
             _w.saves = ev["index"]
             accelerator = _w.accelerator() if _w.accelerator is not None else None
             if accelerator is None:
-                raise CollectiveMisuseError("rank 0 saves at an optimizer-step boundary, but this rank's "
-                                            "Accelerator is gone")
+                raise CollectiveMisuseError(
+                    "rank 0 saves at an optimizer-step boundary, but this rank's Accelerator is gone"
+                )
             accelerator.save_state(ev["output_dir"], safe_serialization=ev["safe"], **ev["kwargs"])
 
 
@@ -288,9 +299,14 @@ def announce_save_state(output_dir, safe_serialization, kwargs) -> int | None:
         return None
     import json
 
-    event = {"kind": "save_state", "step": _w.step, "index": _w.saves,
-             "output_dir": None if output_dir is None else str(output_dir), "safe": safe_serialization,
-             "kwargs": kwargs}
+    event = {
+        "kind": "save_state",
+        "step": _w.step,
+        "index": _w.saves,
+        "output_dir": None if output_dir is None else str(output_dir),
+        "safe": safe_serialization,
+        "kwargs": kwargs,
+    }
     try:
         json.dumps(event)
     except (TypeError, ValueError):
@@ -353,12 +369,14 @@ def _before_collective(name: str, point: str = "") -> None:
         site, guard = _guarded_caller()
         if guard is not None:
             _w.open = False
-            message = (f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
-                       f"right after {_w.opened_by}: under DeepSpeed ZeRO or FSDP (a sharded model gathers its layers) "
-                       f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
-                       f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
-                       f"`{callsite.FIX.replace('DEEPSPEED', 'FSDP') if _w.fsdp else callsite.FIX}` "
-                       f"(from accelerate.utils import DistributedType), so every rank runs it.")
+            message = (
+                f"{site[0]}:{site[1]} enters {name}, a collective, inside `{guard[1]}` (line {guard[0]}) "
+                f"right after {_w.opened_by}: under DeepSpeed ZeRO or FSDP (a sharded model gathers its layers) "
+                f"the other ranks cannot join it: they go on to the next step's collectives. Stock accelerate "
+                f"waits here until the process group times out. Fix (one line): {site[0]}:{guard[0]}: "
+                f"`{callsite.FIX.replace('DEEPSPEED', 'FSDP') if _w.fsdp else callsite.FIX}` "
+                f"(from accelerate.utils import DistributedType), so every rank runs it."
+            )
             error = CollectiveMisuseError(message)
             publish_abort(message)
             raise error
@@ -382,14 +400,20 @@ def _servable_fetch(coordinator, sub_module):
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    if getattr(coordinator, "zero_quantized_weights", False) or getattr(coordinator, "zero_quantized_nontrainable_weights", False):
+    if getattr(coordinator, "zero_quantized_weights", False) or getattr(
+        coordinator, "zero_quantized_nontrainable_weights", False
+    ):
         return None
     params = list(ppc.iter_params(sub_module, recurse=ppc.z3_leaf_module(sub_module)))
     if any(p.ds_status == ZeroParamStatus.INFLIGHT for p in params):
         return None
     fetch = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    if any(p.ds_secondary_tensor is not None or hasattr(p.ds_tensor, "ds_quant_scale")
-           or getattr(p, "nvme_swapper", None) is not None for p in fetch):
+    if any(
+        p.ds_secondary_tensor is not None
+        or hasattr(p.ds_tensor, "ds_quant_scale")
+        or getattr(p, "nvme_swapper", None) is not None
+        for p in fetch
+    ):
         return None
     return fetch
 
@@ -408,8 +432,12 @@ def _release(offload, coordinator) -> None:
 
     release = getattr(coordinator, _CO + "release_param")
     for p in offload.module.parameters():
-        if p.ds_status == ZeroParamStatus.AVAILABLE and not getattr(p, "ds_persist", False) \
-                and not p.ds_active_sub_modules and not getattr(p, "_ds_z3_gathered_param_context_depth", 0):
+        if (
+            p.ds_status == ZeroParamStatus.AVAILABLE
+            and not getattr(p, "ds_persist", False)
+            and not p.ds_active_sub_modules
+            and not getattr(p, "_ds_z3_gathered_param_context_depth", 0)
+        ):
             release(p)
 
 
@@ -438,6 +466,7 @@ def pre_sub_module_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # not servable: the collective hook refuses its gather, naming the line
     _keep_trace(instance, coordinator)
     if sub_module is instance.module:  # the whole forward: what it leaves gathered goes when it ends
+
         def after(*_):
             handle.remove()
             _release(instance, coordinator)
@@ -553,8 +582,9 @@ def _called_by_the_script() -> bool:
     """The script called ``wait_for_everyone`` itself (through accelerate's wrappers of the same name),
     not a library inside a call that rank 0 may make alone."""
     frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_name in ("wait_for_everyone", "wrapper")
-                                 or frame.f_code.co_filename.startswith("<wrapt")):
+    while frame is not None and (
+        frame.f_code.co_name in ("wait_for_everyone", "wrapper") or frame.f_code.co_filename.startswith("<wrapt")
+    ):
         frame = frame.f_back
     return frame is not None and (frame.f_globals.get("__name__", "") or "").split(".")[0] not in callsite.LIBRARIES
 

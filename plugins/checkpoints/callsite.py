@@ -4,6 +4,7 @@ A collective entered by rank 0 alone is nearly always ``if accelerator.is_main_p
 it (diffusers' train_text_to_image.py around ``accelerator.save_state``, diffusers #2606). The
 error names that line and the `if` so the one-line fix can be given verbatim.
 """
+
 from __future__ import annotations
 
 from accel_npu._torch.callsite import LIBRARIES, main_process_guard, user_frame  # noqa: F401  (re-exported: the misuse messages use it)
@@ -32,5 +33,4 @@ def fix_for(call: str, kind: str = "DEEPSPEED") -> str:
     guard = main_process_guard(*site) if site is not None else None
     at = f"{site[0]}:{guard[0]}: " if guard is not None else ""
     fix = FIX.replace("DistributedType.DEEPSPEED", f"DistributedType.{kind}")
-    return (f"Fix (one line): {at}`{fix}` (from accelerate.utils import DistributedType), so every rank calls "
-            f"{call}.")
+    return f"Fix (one line): {at}`{fix}` (from accelerate.utils import DistributedType), so every rank calls {call}."

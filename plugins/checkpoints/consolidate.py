@@ -9,6 +9,7 @@ becomes its adapter, as peft and diffusers write it: ``adapter_model.safetensors
 loadable with a pipeline's ``load_lora_weights(OUT_DIR)``. ``--merge-lora`` also writes the base
 weights with the adapter merged in (W + alpha/r * B @ A) to ``OUT_DIR/merged``, loadable with
 ``from_pretrained``."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,25 @@ import shutil
 
 from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu.errors import CheckpointError
-from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_tree, partial_dir, plan_shards,
-                                                 write_json)
 from accel_npu.plugins.checkpoints import lora
+from accel_npu.plugins.checkpoints.files import (
+    COMPONENTS_DIR,
+    MANIFEST,
+    fsync_tree,
+    partial_dir,
+    plan_shards,
+    write_json,
+)
 from accel_npu.plugins.checkpoints.state import missing_files
 
-
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
+_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def _checkpoint_problems(ckpt_dir: str, tag: str | None) -> tuple[str, list[str]]:
@@ -104,9 +116,16 @@ def _group_keys(keys: list[str], comps: dict) -> dict[str, list[str]]:
     return groups
 
 
-def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "5GB",
-                tag: str | None = None, progress: bool = True, merge_lora: bool = False,
-                lora_prefix: str | None = None) -> dict[str, list[str]]:
+def consolidate(
+    ckpt_dir: str,
+    out_dir: str,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    tag: str | None = None,
+    progress: bool = True,
+    merge_lora: bool = False,
+    lora_prefix: str | None = None,
+) -> dict[str, list[str]]:
     """Turn a ZeRO-2/3 checkpoint (e.g. what ``save_state`` wrote) into one directory per trained
     component: ``out_dir/<name>/config.json`` + safetensors shards (+ index), loadable with
     ``from_pretrained``. Streams one output shard at a time (ZeRO-3). Returns {component: files}.
@@ -127,8 +146,11 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
     tag, problems = _checkpoint_problems(ckpt_dir, tag)
     if problems:
-        raise CheckpointError(f"cannot consolidate {ckpt_dir}: the checkpoint is incomplete. Missing:\n  - "
-                              + "\n  - ".join(problems) + "\nNothing was written.")
+        raise CheckpointError(
+            f"cannot consolidate {ckpt_dir}: the checkpoint is incomplete. Missing:\n  - "
+            + "\n  - ".join(problems)
+            + "\nNothing was written."
+        )
     comps = _components(ckpt_dir)
     state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag, lazy_mode=True)
     groups = _group_keys(list(state.keys()), comps)
@@ -160,8 +182,9 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_size
                 merged = lora.merged_view(state, loras[name])
                 sub = os.path.join(sub, "merged")
                 os.makedirs(sub, exist_ok=True)
-                written[os.path.relpath(sub, tmp)] = _write_component(merged, list(merged), prefix, sub, stem,
-                                                                      torch_dtype, limit, None)
+                written[os.path.relpath(sub, tmp)] = _write_component(
+                    merged, list(merged), prefix, sub, stem, torch_dtype, limit, None
+                )
             else:
                 written[name or "."] = _write_component(state, keys, prefix, sub, stem, torch_dtype, limit, bar)
             if comp.get("config"):
@@ -184,18 +207,23 @@ def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, b
     def out_dtype(v):
         return torch_dtype if v.dtype.is_floating_point else v.dtype
 
-    plan = plan_shards({key: state[key] for key in keys}, limit, lambda v: int(torch.Size(v.shape).numel())
-                       * torch.empty((), dtype=out_dtype(v)).element_size())
+    plan = plan_shards(
+        {key: state[key] for key in keys},
+        limit,
+        lambda v: int(torch.Size(v.shape).numel()) * torch.empty((), dtype=out_dtype(v)).element_size(),
+    )
     n = len(plan)
     files, weight_map, total = [], {}, 0
 
     def out_name(key):
-        return key[len(prefix):] if prefix and key.startswith(prefix) else key
+        return key[len(prefix) :] if prefix and key.startswith(prefix) else key
 
     for i, shard_keys in enumerate(plan):
         fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
-        stream = SafetensorsStream(os.path.join(directory, fname),
-                                   [(out_name(k), out_dtype(state[k]), tuple(state[k].shape)) for k in shard_keys])
+        stream = SafetensorsStream(
+            os.path.join(directory, fname),
+            [(out_name(k), out_dtype(state[k]), tuple(state[k].shape)) for k in shard_keys],
+        )
         for key in shard_keys:
             v = state[key]
             t = v.contiguous()
@@ -209,35 +237,57 @@ def _write_component(state, keys, prefix, directory, stem, torch_dtype, limit, b
         total += stream.total
         files.append(fname)
     if n > 1:
-        write_json(os.path.join(directory, f"{stem}.safetensors.index.json"),
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(
+            os.path.join(directory, f"{stem}.safetensors.index.json"),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
         files.append(f"{stem}.safetensors.index.json")
     return files
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "consolidate", help="turn a sharded DeepSpeed checkpoint into from_pretrained directories",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "consolidate",
+        help="turn a sharded DeepSpeed checkpoint into from_pretrained directories",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (holds `latest` and the tag folder)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (must not exist or be empty)")
-    p.add_argument("--dtype", default="fp32", choices=["bf16", "fp32", "fp16"],
-                   help="floating-point dtype of the written weights (default: fp32, the master weights)")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["bf16", "fp32", "fp16"],
+        help="floating-point dtype of the written weights (default: fp32, the master weights)",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in `latest`)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="a LoRA checkpoint: also write the base weights with the adapter merged in, to OUT_DIR/merged")
-    p.add_argument("--lora-prefix", default=None,
-                   help="a LoRA checkpoint: the pipeline attribute its adapter keys start with (default: "
-                        "transformer / unet / text_encoder, from the trained class)")
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA checkpoint: also write the base weights with the adapter merged in, to OUT_DIR/merged",
+    )
+    p.add_argument(
+        "--lora-prefix",
+        default=None,
+        help="a LoRA checkpoint: the pipeline attribute its adapter keys start with (default: "
+        "transformer / unet / text_encoder, from the trained class)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    written = consolidate(args.ckpt_dir, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                          tag=args.tag, progress=not args.no_progress, merge_lora=args.merge_lora,
-                          lora_prefix=args.lora_prefix)
+    written = consolidate(
+        args.ckpt_dir,
+        args.out_dir,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        tag=args.tag,
+        progress=not args.no_progress,
+        merge_lora=args.merge_lora,
+        lora_prefix=args.lora_prefix,
+    )
     for name, files in written.items():
         print(f"{args.out_dir}/{'' if name == '.' else name + '/'}: {len(files)} file(s): {', '.join(files)}")
     return 0

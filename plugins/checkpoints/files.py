@@ -1,4 +1,5 @@
 """Checkpoint files: names, the hidden sibling a save writes into, durable writes, shard plans."""
+
 from __future__ import annotations
 
 import json

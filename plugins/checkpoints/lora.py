@@ -18,6 +18,7 @@ naming (``to_k.lora.down``) to peft's only when the FIRST key lacks ``lora_A``; 
 way diffusers' own ``convert_state_dict_to_diffusers`` writes it (attention in the old naming, every
 other layer ``lora_A``) loads only the layers named like its first key.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,8 @@ from typing import Any
 
 from accel_npu._torch.once import FirstTime
 from accel_npu.errors import CheckpointError
-from accel_npu.plugins.checkpoints.files import write_json
 from accel_npu.patching import argument, with_argument
+from accel_npu.plugins.checkpoints.files import write_json
 
 log = logging.getLogger("accel_npu")
 _first = FirstTime()
@@ -41,8 +42,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 #: diffusers' LORA_ADAPTER_METADATA_KEY (diffusers/loaders/lora_base.py)
 METADATA_KEY = "lora_adapter_metadata"
-_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
-                       r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?P<rest>(\.[^.]+)?)$")
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+    r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?P<rest>(\.[^.]+)?)$"
+)
 
 
 def is_lora(keys: list[str]) -> bool:
@@ -53,12 +56,12 @@ def is_lora(keys: list[str]) -> bool:
 @dataclass
 class LoraPlan:
     component: str
-    prefix: str                      # the component's key prefix in the checkpoint ("" for the root)
-    pipe_prefix: str                 # "transformer" / "unet" / "text_encoder"
-    adapter: str                     # peft adapter name ("default")
-    config: dict                     # LoraConfig.to_dict(), unprefixed
-    source: str                      # where the config came from
-    lora_keys: dict[str, str] = field(default_factory=dict)   # output key -> checkpoint key
+    prefix: str  # the component's key prefix in the checkpoint ("" for the root)
+    pipe_prefix: str  # "transformer" / "unet" / "text_encoder"
+    adapter: str  # peft adapter name ("default")
+    config: dict  # LoraConfig.to_dict(), unprefixed
+    source: str  # where the config came from
+    lora_keys: dict[str, str] = field(default_factory=dict)  # output key -> checkpoint key
     modules: dict[str, dict[str, str]] = field(default_factory=dict)  # module -> {"A": key, "B": key}
 
 
@@ -101,8 +104,9 @@ def _configs_in(ckpt_dir: str) -> list[tuple[str, str | None, dict]]:
     return found
 
 
-def plan(ckpt_dir: str, keys: list[str], prefix: str, component: str, comp: dict, lora_prefix: str | None,
-         merge: bool) -> LoraPlan:
+def plan(
+    ckpt_dir: str, keys: list[str], prefix: str, component: str, comp: dict, lora_prefix: str | None, merge: bool
+) -> LoraPlan:
     """Everything needed to write the adapter (and the merged weights), checked before writing."""
     adapters = set()
     plan_ = None
@@ -119,15 +123,18 @@ def plan(ckpt_dir: str, keys: list[str], prefix: str, component: str, comp: dict
             f"(rank, alpha, target modules) is not in DeepSpeed's files, and the checkpoint holds neither a "
             f"LoRA file with diffusers' '{METADATA_KEY}' for '{pipe_prefix}' (what save_lora_weights writes "
             f"from a save hook) nor an {ADAPTER_CONFIG}. Pass --lora-prefix if the adapter's keys start with "
-            "another pipeline attribute. Nothing was written.")
+            "another pipeline attribute. Nothing was written."
+        )
     source, config = chosen[0]
     for key in keys:
         m = _LORA_KEY.match(key)
         if m:
             adapters.add(m.group("adapter"))
     if len(adapters) != 1:
-        raise CheckpointError(f"{ckpt_dir}: {component or 'the model'} holds {len(adapters)} LoRA adapters "
-                              f"({', '.join(sorted(adapters))}); consolidate writes one. Nothing was written.")
+        raise CheckpointError(
+            f"{ckpt_dir}: {component or 'the model'} holds {len(adapters)} LoRA adapters "
+            f"({', '.join(sorted(adapters))}); consolidate writes one. Nothing was written."
+        )
     adapter = adapters.pop()
     plan_ = LoraPlan(component, prefix, pipe_prefix, adapter, config, source)
     for key in keys:
@@ -135,15 +142,17 @@ def plan(ckpt_dir: str, keys: list[str], prefix: str, component: str, comp: dict
         if not m or m.group("adapter") != adapter:
             continue
         module = m.group("module")
-        local = module[len(prefix):] if prefix and module.startswith(prefix) else module
+        local = module[len(prefix) :] if prefix and module.startswith(prefix) else module
         out = f"{pipe_prefix}.{local}.{m.group('kind')}{m.group('rest')}"
         plan_.lora_keys[out] = key
         if m.group("kind") in ("lora_A", "lora_B") and m.group("rest") == ".weight":
             plan_.modules.setdefault(module, {})[m.group("kind")[-1]] = key
     if merge:
         if config.get("use_dora") or any(".lora_magnitude_vector." in k for k in keys):
-            raise CheckpointError(f"--merge-lora: {component or 'the model'} is a DoRA adapter; merging DoRA is "
-                                  "not supported here (load the adapter with load_lora_weights). Nothing was written.")
+            raise CheckpointError(
+                f"--merge-lora: {component or 'the model'} is a DoRA adapter; merging DoRA is "
+                "not supported here (load the adapter with load_lora_weights). Nothing was written."
+            )
         if config.get("fan_in_fan_out"):
             raise CheckpointError("--merge-lora: fan_in_fan_out adapters are not supported. Nothing was written.")
     return plan_
@@ -154,7 +163,7 @@ def scaling(plan_: LoraPlan, module: str) -> float:
     from peft.utils.other import get_pattern_key
 
     cfg = plan_.config
-    local = module[len(plan_.prefix):] if plan_.prefix and module.startswith(plan_.prefix) else module
+    local = module[len(plan_.prefix) :] if plan_.prefix and module.startswith(plan_.prefix) else module
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
     r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), local), cfg["r"])
@@ -192,8 +201,10 @@ class _Merged:
         a = self.a.contiguous().to(torch.float32)
         b = self.b.contiguous().to(torch.float32)
         if w.dim() != 2 or a.dim() != 2 or b.dim() != 2:
-            raise CheckpointError(f"--merge-lora: only Linear LoRA layers can be merged here (got a weight of shape "
-                                  f"{tuple(w.shape)}); load the adapter with load_lora_weights instead.")
+            raise CheckpointError(
+                f"--merge-lora: only Linear LoRA layers can be merged here (got a weight of shape "
+                f"{tuple(w.shape)}); load the adapter with load_lora_weights instead."
+            )
         return w + self.scale * (b @ a)
 
 
@@ -212,8 +223,9 @@ def merged_view(state, plan_: LoraPlan) -> dict[str, Any]:
             ab = plan_.modules.get(module)
             if ab and rest == "weight":
                 if "A" not in ab or "B" not in ab:
-                    raise CheckpointError(f"--merge-lora: {module} has lora_A or lora_B but not both. "
-                                          "Nothing was written.")
+                    raise CheckpointError(
+                        f"--merge-lora: {module} has lora_A or lora_B but not both. Nothing was written."
+                    )
                 out[name] = _Merged(state[key], state[ab["A"]], state[ab["B"]], scaling(plan_, module))
             else:
                 out[name] = state[key]
@@ -303,7 +315,10 @@ def _every_key_read(instance, args, kwargs):
     if converted is None:
         return args, kwargs
     if _first((type(instance).__name__, prefix)):
-        log.info("accel-npu: the %s LoRA of %s mixes diffusers' old key naming (to_k.lora.down) with peft's "
-                 "(lora_A); every key is read, not only those named like the first (diffusers #14548)",
-                 prefix or "", type(instance).__name__)
+        log.info(
+            "accel-npu: the %s LoRA of %s mixes diffusers' old key naming (to_k.lora.down) with peft's "
+            "(lora_A); every key is read, not only those named like the first (diffusers #14548)",
+            prefix or "",
+            type(instance).__name__,
+        )
     return with_argument(args, kwargs, 0, "pretrained_model_name_or_path_or_dict", converted)

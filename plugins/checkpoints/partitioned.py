@@ -18,6 +18,7 @@ Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, 
   (pickle) shards, a weight conversion that computes new tensors from partitioned ones, no
   process group any more (after ``end_training``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,11 @@ def _remembered(tensors: dict) -> dict:
     or an empty copy of it (a clone of its partition), never a tensor with data of its own."""
     for answered, sources in _answered:
         if answered is tensors:
-            return {k: p for k, p in sources.items() if k in tensors and (
-                tensors[k] is p or getattr(tensors[k], "numel", lambda: 1)() == 0)}
+            return {
+                k: p
+                for k, p in sources.items()
+                if k in tensors and (tensors[k] is p or getattr(tensors[k], "numel", lambda: 1)() == 0)
+            }
     return {}
 
 
@@ -68,14 +72,19 @@ def _group_alive() -> bool:
 def refuse_if_group_gone(what: str) -> None:
     """The slices can only be gathered while the process group is up."""
     if not _group_alive():
-        refuse(what, "The process group is gone (accelerator.end_training() was called), so the slices cannot "
-               "be gathered.", "Save before accelerator.end_training().")
+        refuse(
+            what,
+            "The process group is gone (accelerator.end_training() was called), so the slices cannot be gathered.",
+            "Save before accelerator.end_training().",
+        )
 
 
 def refuse(what: str, reason: str, fix: str):
-    raise CheckpointError(f"{what}: the model's parameters are ZeRO-3 partitions (each rank holds a slice; "
-                          f"stock would write shape-[0] tensors that from_pretrained cannot load). {reason} "
-                          f"Nothing was written. {fix}")
+    raise CheckpointError(
+        f"{what}: the model's parameters are ZeRO-3 partitions (each rank holds a slice; "
+        f"stock would write shape-[0] tensors that from_pretrained cannot load). {reason} "
+        f"Nothing was written. {fix}"
+    )
 
 
 @contextlib.contextmanager
@@ -96,7 +105,7 @@ def meta_state_dict(module):
         out = original(*args, **kwargs)
         prefix = kwargs.get("prefix", "")
         for key in list(out):
-            param = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
+            param = by_name.get(key[len(prefix) :]) if key.startswith(prefix) else None
             if param is not None and serving.is_partitioned(param):
                 if id(param) not in metas:
                     metas[id(param)] = torch.empty(whole_shape(param), dtype=param.dtype, device="meta")
@@ -184,10 +193,13 @@ def save_file(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     unknown = [k for k, t in tensors.items() if k not in sources and getattr(t, "is_meta", False)]
     if unknown:
-        refuse(f"safetensors save_file({bound.arguments.get('filename')!r})",
-               f"Entries {unknown[:5]} are meta tensors computed from partitioned parameters (a weight conversion), "
-               "not parameters that can be gathered.", "Save the gathered weights instead: state_dict = "
-               "accelerator.get_state_dict(model) on every rank, then save it on the main process.")
+        refuse(
+            f"safetensors save_file({bound.arguments.get('filename')!r})",
+            f"Entries {unknown[:5]} are meta tensors computed from partitioned parameters (a weight conversion), "
+            "not parameters that can be gathered.",
+            "Save the gathered weights instead: state_dict = "
+            "accelerator.get_state_dict(model) on every rank, then save it on the main process.",
+        )
     refuse_if_group_gone(f"safetensors save_file({bound.arguments.get('filename')!r})")
     write_streaming(tensors, sources, bound.arguments["filename"], bound.arguments.get("metadata"))
 
@@ -203,8 +215,11 @@ def diffusers_save_pretrained(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # stock raises its own error
     what = f"{type(instance).__name__}.save_pretrained({bound.arguments.get('save_directory')!r})"
     if not bound.arguments.get("safe_serialization", True) or bound.arguments.get("use_flashpack"):
-        refuse(what, "Only safetensors shards can be written gathered slice by slice.",
-               "Pass safe_serialization=True (the default).")
+        refuse(
+            what,
+            "Only safetensors shards can be written gathered slice by slice.",
+            "Pass safe_serialization=True (the default).",
+        )
     refuse_if_group_gone(what)
     with meta_state_dict(instance):
         return wrapped(*args, **kwargs)
@@ -225,13 +240,19 @@ def transformers_save_pretrained(wrapped, instance, args, kwargs):
     # transformers 4.x wrote torch.save shards with safe_serialization=False; 5.x has no such argument
     # (it lands in **kwargs, ignored with save_function: every shard goes through safe_save_file)
     if bound.arguments.get("safe_serialization", True) is False:
-        refuse(what, "Only safetensors shards can be written gathered slice by slice.",
-               "Pass safe_serialization=True (the default).")
+        refuse(
+            what,
+            "Only safetensors shards can be written gathered slice by slice.",
+            "Pass safe_serialization=True (the default).",
+        )
     if not _alias_gathers():
-        refuse(what, "transformers.modeling_utils was imported before accel-npu was active, so its alias of "
-               "safetensors' save_file (safe_save_file) would write them as they are.",
-               "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
-               "model.save_pretrained(dir, state_dict=state_dict) on the main process.")
+        refuse(
+            what,
+            "transformers.modeling_utils was imported before accel-npu was active, so its alias of "
+            "safetensors' save_file (safe_save_file) would write them as they are.",
+            "Pass the gathered weights: state_dict = accelerator.get_state_dict(model) on every rank, then "
+            "model.save_pretrained(dir, state_dict=state_dict) on the main process.",
+        )
     refuse_if_group_gone(what)
     with meta_state_dict(instance):
         # an adapter-only save (transformers' add_adapter) skips the weight conversion
@@ -263,7 +284,10 @@ def _refuse_computed_entries(what: str, model) -> None:
     converted = revert_weight_conversion(model, dict(state))
     computed = [k for k, t in converted.items() if getattr(t, "is_meta", False) and id(t) not in by_meta]
     if computed:
-        refuse(what, f"transformers converts weights on saving (revert_weight_conversion): {computed[:5]} are computed "
-               "from several partitioned parameters, which cannot be gathered slice by slice.",
-               "Pass save_original_format=False, or the gathered weights: state_dict = accelerator.get_state_dict(model) "
-               "on every rank, then model.save_pretrained(dir, state_dict=state_dict) on the main process.")
+        refuse(
+            what,
+            f"transformers converts weights on saving (revert_weight_conversion): {computed[:5]} are computed "
+            "from several partitioned parameters, which cannot be gathered slice by slice.",
+            "Pass save_original_format=False, or the gathered weights: state_dict = accelerator.get_state_dict(model) "
+            "on every rank, then model.save_pretrained(dir, state_dict=state_dict) on the main process.",
+        )

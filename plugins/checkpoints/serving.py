@@ -22,6 +22,7 @@ on a rank that is busy elsewhere), as an ordered event log every rank reads in t
 Requests are made one group of parameters at a time (a quarter of a shard), so no rank ever holds
 more than that whole at once. Only under DeepSpeed ZeRO-3 with more than one rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,7 @@ class _Log:
 
 
 _logs: dict[int, _Log] = {}
-_params_by_id: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_params_by_id: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
 
 def _session():
@@ -78,7 +79,7 @@ def _wait(store, keys, seconds: float) -> bool:
     try:
         store.wait(keys, timedelta(seconds=max(0.001, seconds)))
         return True
-    except Exception as exc:  # noqa: BLE001 - the timeout error's type differs between torch versions
+    except Exception as exc:  # the timeout error's type differs between torch versions
         if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
             return False
         raise
@@ -199,12 +200,20 @@ def before_gather(params, modifier_rank=None, fetch: bool = False) -> None:
         if ev is None:
             break  # an appender died between add and set: handled below as a missing ack
         lg.cursor += 1
-        if ev["kind"] == "gather" and ev["rank"] != rank and ev["ids"] == ids and not fetch \
-                and not ev.get("fetch") and _state(store, i) is None:
+        if (
+            ev["kind"] == "gather"
+            and ev["rank"] != rank
+            and ev["ids"] == ids
+            and not fetch
+            and not ev.get("fetch")
+            and _state(store, i) is None
+        ):
             _decide(store, seq, "cancelled")
             if _ack_and_wait(store, i, rank, None) != "go":
-                raise CollectiveMisuseError(f"a gather of ZeRO-3 parameters started by rank {ev['rank']} was "
-                                            "cancelled: some rank did not come (see that rank's error)")
+                raise CollectiveMisuseError(
+                    f"a gather of ZeRO-3 parameters started by rank {ev['rank']} was "
+                    "cancelled: some rank did not come (see that rank's error)"
+                )
             return
     lg.cursor = max(lg.cursor, seq + 1)
     others = [r for r in range(world) if r != rank]
@@ -217,25 +226,30 @@ def before_gather(params, modifier_rank=None, fetch: bool = False) -> None:
         return
     _decide(store, seq, "cancelled")
     missing = [r for r in others if r not in came]
-    where = callsite.describe("a forward of a ZeRO-3 partitioned model" if fetch else "a save of a ZeRO-3 partitioned model")
+    where = callsite.describe(
+        "a forward of a ZeRO-3 partitioned model" if fetch else "a save of a ZeRO-3 partitioned model"
+    )
     if problems:
         reason = "; ".join(f"rank {r}: {v}" for r, v in problems.items())
-        raise CollectiveMisuseError(f"cannot gather the ZeRO-3 partitioned parameters {ids[:5]}...: {reason}. "
-                                    "Nothing was written.")
+        raise CollectiveMisuseError(
+            f"cannot gather the ZeRO-3 partitioned parameters {ids[:5]}...: {reason}. Nothing was written."
+        )
     if fetch:
         raise CollectiveMisuseError(
             f"{where + ': ' if where else ''}the model's parameters are ZeRO-3 partitions (each rank holds 1/{world}); "
             f"a forward on rank {rank} alone needs the other ranks to join its gathers, but rank(s) {missing} did not "
             f"reach their next batch, collective or idle point within {timeout:g} s (ACCEL_NPU_COLLECTIVE_TIMEOUT). "
             f"Run it on every rank (`if accelerator.is_main_process or accelerator.distributed_type == "
-            f"DistributedType.DEEPSPEED:`).")
+            f"DistributedType.DEEPSPEED:`)."
+        )
     raise CollectiveMisuseError(
         f"{where + ': ' if where else ''}the model's parameters are ZeRO-3 partitions (each rank holds 1/{world}); "
         f"saving them on rank {rank} alone needs the other ranks to join the gather, but rank(s) {missing} did not "
         f"reach an idle point (wait_for_everyone, end_training) within {timeout:g} s "
         f"(ACCEL_NPU_COLLECTIVE_TIMEOUT): they are still training. Nothing was written. Save after "
         f"accelerator.wait_for_everyone(), or call it on every rank "
-        f"(`if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`).")
+        f"(`if accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`)."
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
   (``get_state_dict``/``save_model``/``save_state``) before anything is gathered; a rank-0-only
   call fails within ``ACCEL_NPU_COLLECTIVE_TIMEOUT`` seconds with what to call instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,17 @@ from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import models_prepared_together
 from accel_npu.errors import CheckpointError
-
 from accel_npu.plugins.checkpoints import adapter_reload, callsite
-from accel_npu.plugins.checkpoints.files import (COMPONENTS_DIR, MANIFEST, fsync_path, fsync_tree, is_our_temp,
-                                                 old_dir, partial_dir, write_json)
+from accel_npu.plugins.checkpoints.files import (
+    COMPONENTS_DIR,
+    MANIFEST,
+    fsync_path,
+    fsync_tree,
+    is_our_temp,
+    old_dir,
+    partial_dir,
+    write_json,
+)
 
 __all__ = ["CheckpointError", "CollectiveMisuseError", "atomic_save_state", "resolve_load_dir", "rendezvous"]
 
@@ -40,16 +48,19 @@ _INSTEAD = {
         "    if accelerator.is_main_process: save(state_dict)\n"
         "or, without gathering the model into one rank's memory:\n"
         "    accelerator.save_state(output_dir)                   # all ranks; sharded, atomic\n"
-        "    accel-npu consolidate output_dir export_dir          # later, offline: diffusers directories"),
+        "    accel-npu consolidate output_dir export_dir          # later, offline: diffusers directories"
+    ),
     "save_model": (
         "Call accelerator.save_model(model, dir) on every rank (under ZeRO-3 it gathers one shard at a "
         "time; only the main process writes), or accelerator.save_state(dir) on every rank and "
-        "`accel-npu consolidate dir export_dir` afterwards."),
+        "`accel-npu consolidate dir export_dir` afterwards."
+    ),
     "save_state": (
         "Call accelerator.save_state(dir) on every rank, not inside `if accelerator.is_main_process:`: "
         "under DeepSpeed every rank writes its own shard of the model and optimizer (DeepSpeed's "
         "save_checkpoint), and rank 0 cannot write the others' while they run the next step's "
-        "collectives. Nothing was written."),
+        "collectives. Nothing was written."
+    ),
 }
 
 
@@ -61,6 +72,7 @@ def rendezvous(op: str, timeout: float | None = None, fsdp: bool = False) -> Non
     """Return once every rank has called ``rendezvous(op)``; else a :class:`CollectiveMisuseError`
     after ``timeout`` (``ACCEL_NPU_COLLECTIVE_TIMEOUT``) naming the script line that called it, the
     `if` around it, and what to call instead."""
+
     def advice() -> str:
         call = f"accelerator.{op}()"
         where = callsite.describe(call)
@@ -68,8 +80,9 @@ def rendezvous(op: str, timeout: float | None = None, fsdp: bool = False) -> Non
             return _INSTEAD.get(op, "")
         return f"{where}. {callsite.fix_for(call, 'FSDP' if fsdp else 'DEEPSPEED')} {_INSTEAD.get(op, '')}"
 
-    dist.rendezvous(op, collective_timeout() if timeout is None else timeout, advice,
-                    under="FSDP" if fsdp else "DeepSpeed ZeRO")
+    dist.rendezvous(
+        op, collective_timeout() if timeout is None else timeout, advice, under="FSDP" if fsdp else "DeepSpeed ZeRO"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,8 +146,11 @@ def record_components(model, directory: str) -> dict:
     items = [("", model)] if root_lib else list(model.named_children())
     for name, module in items:
         lib = _library_of(module)
-        entry = {"class": f"{type(module).__module__}.{type(module).__qualname__}", "library": lib,
-                 "prefix": f"{name}." if name else ""}
+        entry = {
+            "class": f"{type(module).__module__}.{type(module).__qualname__}",
+            "library": lib,
+            "prefix": f"{name}." if name else "",
+        }
         if lib:
             try:
                 _save_component_config(module, lib, os.path.join(base, name or "_root"))
@@ -154,15 +170,16 @@ def _automatic_target(accelerator) -> str:
     base = os.path.join(accelerator.project_dir, "checkpoints")
     os.makedirs(base, exist_ok=True)
     if pc.total_limit is not None and accelerator.is_main_process:
-        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None),
-                         key=_digits)
+        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None), key=_digits)
         excess = len(folders) + 1 - pc.total_limit
-        for f in folders[:max(0, excess)]:
+        for f in folders[: max(0, excess)]:
             shutil.rmtree(os.path.join(base, f))
     final = os.path.join(base, f"checkpoint_{accelerator.save_iteration}")
     if os.path.exists(final):
-        raise ValueError(f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists. Please "
-                         "manually override `self.save_iteration` with what iteration to start with.")
+        raise ValueError(
+            f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists. Please "
+            "manually override `self.save_iteration` with what iteration to start with."
+        )
     return final
 
 
@@ -210,9 +227,16 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
             for name in names:
                 path = os.path.join(dirpath, name)
                 files[os.path.relpath(path, tmp)] = os.path.getsize(path)
-        write_json(os.path.join(tmp, MANIFEST), {
-            "format": 1, "tags": tags, "world_size": accelerator.num_processes,
-            "zero_stage": zero_stage(accelerator), "files": files})
+        write_json(
+            os.path.join(tmp, MANIFEST),
+            {
+                "format": 1,
+                "tags": tags,
+                "world_size": accelerator.num_processes,
+                "zero_stage": zero_stage(accelerator),
+                "files": files,
+            },
+        )
         fsync_tree(tmp)
         _swap_into_place(tmp, final)
     accelerator.wait_for_everyone()
@@ -232,7 +256,8 @@ class WeightsSavedByDeepSpeed:
         raise CheckpointError(
             "under DeepSpeed accelerate passes no state dicts to save_state hooks: DeepSpeed's "
             "save_checkpoint has written the weights. In the hook, save the model with "
-            "model.save_pretrained(...) or call accelerator.get_state_dict(model) on every rank.")
+            "model.save_pretrained(...) or call accelerator.get_state_dict(model) on every rank."
+        )
 
     __getitem__ = __iter__ = __len__ = keys = items = values = _refuse
 
@@ -310,10 +335,16 @@ def load_hooks_see_models(accelerator):
                     raise given_models from None
                 code = getattr(hook, "__code__", None)
                 where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-                log.warning("accel-npu: the load_state pre-hook %s%s failed given the prepared models (%s: %s); it "
-                            "ran as accelerate runs it under DeepSpeed, on an empty list: the engines restored the "
-                            "models from %s.", getattr(hook, "__qualname__", hook), where,
-                            type(given_models).__name__, given_models, input_dir)
+                log.warning(
+                    "accel-npu: the load_state pre-hook %s%s failed given the prepared models (%s: %s); it "
+                    "ran as accelerate runs it under DeepSpeed, on an empty list: the engines restored the "
+                    "models from %s.",
+                    getattr(hook, "__qualname__", hook),
+                    where,
+                    type(given_models).__name__,
+                    given_models,
+                    input_dir,
+                )
                 return result
 
         return hook_with_models
@@ -348,8 +379,11 @@ def _zero3_loadable(model):
         def _load_from_state_dict(state_dict, prefix, *args, **kwargs):
             import deepspeed
 
-            wanted = [p for n, p in module._parameters.items()
-                      if p is not None and hasattr(p, "ds_id") and prefix + n in state_dict]
+            wanted = [
+                p
+                for n, p in module._parameters.items()
+                if p is not None and hasattr(p, "ds_id") and prefix + n in state_dict
+            ]
             if not wanted:
                 return type(module)._load_from_state_dict(module, state_dict, prefix, *args, **kwargs)
             with deepspeed.zero.GatheredParameters(wanted, modifier_rank=0), torch.no_grad():
@@ -437,23 +471,28 @@ def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
         if not accelerator.project_configuration.automatic_checkpoint_naming:
             return None
         base = os.path.join(accelerator.project_dir, "checkpoints")
-        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None),
-                         key=_digits)
+        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None), key=_digits)
         if not folders:
             return None
         input_dir = os.path.join(base, folders[-1])
     input_dir = os.path.expanduser(os.fspath(input_dir))
     if not os.path.isdir(input_dir) and os.path.isdir(old_dir(input_dir)):
-        log.warning("accel-npu: %s is missing but the previous checkpoint set aside by an interrupted save is "
-                    "there; loading %s", input_dir, old_dir(input_dir))
+        log.warning(
+            "accel-npu: %s is missing but the previous checkpoint set aside by an interrupted save is "
+            "there; loading %s",
+            input_dir,
+            old_dir(input_dir),
+        )
         input_dir = old_dir(input_dir)
     if os.path.isdir(input_dir):
         missing = missing_files(input_dir)
         if missing is None:
             missing = _missing_deepspeed_files(input_dir)
         if missing:
-            raise CheckpointError(f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}. "
-                                  f"{_newest_complete_beside(input_dir)}")
+            raise CheckpointError(
+                f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}. "
+                f"{_newest_complete_beside(input_dir)}"
+            )
     return input_dir
 
 
@@ -464,8 +503,10 @@ def _missing_deepspeed_files(directory: str) -> list[str]:
     tag = _tag(0)
     tag_dir = os.path.join(directory, tag)
     if not os.path.isdir(tag_dir):
-        return [f"{tag}/ (DeepSpeed's model and optimizer shards: the save that made this directory "
-                f"did not finish, e.g. save_state called on one rank only)"]
+        return [
+            f"{tag}/ (DeepSpeed's model and optimizer shards: the save that made this directory "
+            f"did not finish, e.g. save_state called on one rank only)"
+        ]
     if not any(name.endswith("model_states.pt") for name in os.listdir(tag_dir)):
         return [f"{tag}/*model_states.pt"]
     return []
@@ -484,14 +525,22 @@ def _newest_complete_beside(directory: str) -> str:
     found = []
     for other in os.listdir(parent):
         path = os.path.join(parent, other)
-        if (other != name and other.startswith(stem) and not is_our_temp(other) and _digits(other) is not None
-                and os.path.isdir(path) and _is_complete(path)):
+        if (
+            other != name
+            and other.startswith(stem)
+            and not is_our_temp(other)
+            and _digits(other) is not None
+            and os.path.isdir(path)
+            and _is_complete(path)
+        ):
             found.append((_digits(other), path))
     if not found:
-        return (f"There is no complete checkpoint beside it in {parent}: remove {directory} to start afresh "
-                f"(`--resume_from_checkpoint latest` picks it by name).")
+        return (
+            f"There is no complete checkpoint beside it in {parent}: remove {directory} to start afresh "
+            f"(`--resume_from_checkpoint latest` picks it by name)."
+        )
     newest = max(found)[1]
-    return (f"The newest complete checkpoint is {newest}: load that one, or remove {directory} "
-            f"(`--resume_from_checkpoint latest` picks the highest number).")
-
-
+    return (
+        f"The newest complete checkpoint is {newest}: load that one, or remove {directory} "
+        f"(`--resume_from_checkpoint latest` picks the highest number)."
+    )

@@ -1,4 +1,5 @@
 """``save_model`` under ZeRO-3 without the whole model on rank 0: one output shard at a time."""
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,11 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
         os.makedirs(save_directory, exist_ok=True)
         stem, ext = weights.rsplit(".", 1)
         for name in os.listdir(save_directory):
-            if name == weights or name == weights + ".index.json" or (name.startswith(stem + "-") and name.endswith("." + ext)):
+            if (
+                name == weights
+                or name == weights + ".index.json"
+                or (name.startswith(stem + "-") and name.endswith("." + ext))
+            ):
                 os.remove(os.path.join(save_directory, name))
 
     weight_map = {}
@@ -83,8 +88,10 @@ def streaming_save_model(accelerator, model, save_directory, max_shard_size="10G
                 total += nbytes(k)
         del bin_shard
     if main and n > 1:
-        write_json(os.path.join(save_directory, weights + ".index.json"),
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(
+            os.path.join(save_directory, weights + ".index.json"),
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
     # no barrier here (stock save_model has none): called on rank 0 alone, it would pair with the
     # other ranks' next wait_for_everyone
     del engine

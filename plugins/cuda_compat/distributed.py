@@ -1,5 +1,6 @@
 """The wrapper of ``torch.distributed``'s ``Backend`` (named by path in this package's patches): a
 process group asked for "nccl" without CUDA runs the active backend (hccl on npu, gloo on cpu)."""
+
 from __future__ import annotations
 
 import logging

@@ -1,13 +1,19 @@
 """The line after a CUDA error in a process where the façade is off (a plain ``python train.py``)."""
+
 from __future__ import annotations
 
 import linecache
 
 # torch's own messages when a script asks for CUDA that is not there (torch/cuda/__init__.py _lazy_init,
 # torch/cuda/streams.py, torch/distributed/distributed_c10d.py, torch/serialization.py)
-_CUDA_MISSING = ("Torch not compiled with CUDA enabled", "Found no NVIDIA driver", "PyTorch was compiled without CUDA",
-                 "Tried to instantiate dummy base class", "Distributed package doesn't have NCCL built in",
-                 "Attempting to deserialize object on a CUDA device")
+_CUDA_MISSING = (
+    "Torch not compiled with CUDA enabled",
+    "Found no NVIDIA driver",
+    "PyTorch was compiled without CUDA",
+    "Tried to instantiate dummy base class",
+    "Distributed package doesn't have NCCL built in",
+    "Attempting to deserialize object on a CUDA device",
+)
 
 
 def _failing_line(error: BaseException) -> str:
@@ -25,7 +31,9 @@ def met_missing_cuda(error: BaseException) -> bool:
 
 
 def explain(error: BaseException, why_off: str) -> str:
-    return (f"this CUDA-written script met torch without CUDA, and accel-npu's torch.cuda façade is off in this "
-            f"process ({why_off}). Start it as training starts — `accelerate launch train.py` or `torchrun "
-            f"--nproc_per_node N train.py` — or set ACCEL_NPU_CUDA_FACADE=1 for a plain `python` run "
-            f"(docs/cuda-compat.md).")
+    return (
+        f"this CUDA-written script met torch without CUDA, and accel-npu's torch.cuda façade is off in this "
+        f"process ({why_off}). Start it as training starts — `accelerate launch train.py` or `torchrun "
+        f"--nproc_per_node N train.py` — or set ACCEL_NPU_CUDA_FACADE=1 for a plain `python` run "
+        f"(docs/cuda-compat.md)."
+    )

@@ -1,6 +1,7 @@
 """What ``torch.cuda.*`` answers where CUDA is absent: torch.npu's functions on the npu backend,
 CPU equivalents (or documented no-ops) on the cpu backend. docs/cuda-compat.md lists every entry.
 """
+
 from __future__ import annotations
 
 import os
@@ -158,8 +159,10 @@ class CpuDeviceProperties:
         self.is_integrated, self.is_multi_gpu_board = True, False
 
     def __repr__(self):
-        return (f"_CudaDeviceProperties(name='{self.name}', major=0, minor=0, "
-                f"total_memory={self.total_memory // 2 ** 20}MB, multi_processor_count={self.multi_processor_count})")
+        return (
+            f"_CudaDeviceProperties(name='{self.name}', major=0, minor=0, "
+            f"total_memory={self.total_memory // 2**20}MB, multi_processor_count={self.multi_processor_count})"
+        )
 
 
 class CpuEvent:

@@ -1,5 +1,6 @@
 """Wrappers of ``torch.cuda``'s functions (named by path in this package's patches): each answers for
 the active device, torch.npu's function on npu, the cpu table on cpu (``facade.py``)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,9 +15,12 @@ _once = FirstTime()  # one warning per process and target
 
 def _announce(t: str) -> None:
     if _once(("facade", t)):
-        log.warning("accel-npu: torch.cuda answers for %s here (no CUDA; %s); installed libraries still see "
-                    "torch.cuda.is_available() False (docs/cuda-compat.md)", t,
-                    "torch.npu's functions" if t == "npu" else "CPU equivalents")
+        log.warning(
+            "accel-npu: torch.cuda answers for %s here (no CUDA; %s); installed libraries still see "
+            "torch.cuda.is_available() False (docs/cuda-compat.md)",
+            t,
+            "torch.npu's functions" if t == "npu" else "CPU equivalents",
+        )
 
 
 def _npu_call(name, args, kwargs):
@@ -29,8 +33,6 @@ def _npu_call(name, args, kwargs):
 
 
 def _cpu_table():
-    import torch
-
     return {
         "device_count": facade.cpu_device_count,
         "current_device": facade.cpu_current_device,

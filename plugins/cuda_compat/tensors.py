@@ -1,6 +1,7 @@
 """Wrappers of the consumers of "cuda" that make tensors (named by path in this package's patches):
 ``Tensor.to/.cuda``, ``Module.to/.cuda``, factory functions' ``device=`` and ``torch.load``'s
 ``map_location``, each with "cuda" (or a CUDA ordinal) remapped to the active device."""
+
 from __future__ import annotations
 
 from accel_npu.patching import argument

@@ -17,6 +17,7 @@ is left as the script asked; so is a probe that cannot run on meta.
 
 This module declares the patch; ``construction.py`` holds the wrapper of DDP's ``__init__``.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -32,7 +33,7 @@ DDP_UNUSED_PARAMETERS = Patch(
     supports="torch>=2.5.1,<2.16",
     # Also: DDP(model, device_ids=[rank]) of a CPU module on the cpu backend raises; the ids are dropped.
     reason="DDP with parameters no forward uses dies at step 2 ('Expected to have finished reduction'); "
-           "a meta-device probe finds them and sets static_graph.",
+    "a meta-device probe finds them and sets static_graph.",
     remove_when="DDP detects parameters that never get a gradient itself, or accelerate sets static_graph",
     wrapper=f"{_PKG}.construction:ddp_init",
 )

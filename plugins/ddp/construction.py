@@ -2,6 +2,7 @@
 device ids of a CPU module dropped on the cpu backend, and the unused-parameter probe (``unused.py``)
 armed for the first training forward, which turns on DDP's static graph when some parameters get no
 gradient."""
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,14 @@ def _before_first_training_forward(ddp, args, kwargs):
         return None
     ddp._set_static_graph()
     shown = ", ".join(unused[:4]) + (f", ... ({len(unused)} in all)" if len(unused) > 4 else "")
-    log.warning("accel-npu: DDP: %s of %s get no gradient in its forward (%s): static_graph on, so DDP "
-                "skips them from step 2 instead of failing with 'Expected to have finished reduction' "
-                "(find_unused_parameters=True would search the graph every step)",
-                f"{len(unused)} parameter(s)" if unused else "parameters on another rank",
-                type(ddp.module).__name__, shown or "see that rank")
+    log.warning(
+        "accel-npu: DDP: %s of %s get no gradient in its forward (%s): static_graph on, so DDP "
+        "skips them from step 2 instead of failing with 'Expected to have finished reduction' "
+        "(find_unused_parameters=True would search the graph every step)",
+        f"{len(unused)} parameter(s)" if unused else "parameters on another rank",
+        type(ddp.module).__name__,
+        shown or "see that rank",
+    )
     return None
 
 
@@ -71,5 +75,6 @@ def ddp_init(wrapped, instance, args, kwargs):
         return
     if not any(p.requires_grad for p in instance.module.parameters()):
         return
-    instance._accel_npu_probe_handle = instance.register_forward_pre_hook(_before_first_training_forward,
-                                                                        with_kwargs=True)
+    instance._accel_npu_probe_handle = instance.register_forward_pre_hook(
+        _before_first_training_forward, with_kwargs=True
+    )

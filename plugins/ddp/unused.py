@@ -4,6 +4,7 @@ The probe runs the module's forward once on meta copies of its parameters, buffe
 (shapes and dtypes only: no compute, no memory) and asks autograd which parameters the outputs
 reach — what DDP's ``find_unused_parameters=True`` searches for in every iteration, asked once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,17 +35,22 @@ def unused_parameters(module, args, kwargs) -> list[str] | None:
     if not trainable:
         return []
     probe = {name: torch.empty_like(p, device="meta").requires_grad_(True) for name, p in trainable.items()}
-    frozen = {name: torch.empty_like(t, device="meta")
-              for name, t in [*module.named_parameters(), *module.named_buffers()] if name not in probe}
+    frozen = {
+        name: torch.empty_like(t, device="meta")
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if name not in probe
+    }
     try:
         with torch.enable_grad():
-            out = functional_call(module, {**frozen, **probe}, tuple(_to_meta(args)), _to_meta(kwargs),
-                                  tie_weights=True, strict=False)
+            out = functional_call(
+                module, {**frozen, **probe}, tuple(_to_meta(args)), _to_meta(kwargs), tie_weights=True, strict=False
+            )
             outputs = [t for t in _find_tensors(out) if t.requires_grad]
             if not outputs:
                 return None
-            grads = torch.autograd.grad(outputs, list(probe.values()),
-                                        grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True)
+            grads = torch.autograd.grad(
+                outputs, list(probe.values()), grad_outputs=[torch.ones_like(t) for t in outputs], allow_unused=True
+            )
     except Exception as exc:  # noqa: BLE001 - the probe is an optimisation of a failure path: stock then
         log.debug("accel-npu: DDP unused-parameter probe of %s could not run on meta: %r", type(module).__name__, exc)
         return None

@@ -29,6 +29,7 @@ This module declares the patches; the wrappers sit beside it: mixed_precision.py
 inference_mode.py, prepare.py (auto_batch_size.py, models_together.py), input_dtype.py, gathered_reads.py
 (precision_config.py: what the configs say).
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -45,7 +46,7 @@ DEEPSPEED_LAUNCHER = Patch(
     # A mismatch with the DeepSpeed JSON is another ValueError; a real fp16/bf16 contradiction is one
     # error naming both files, before any worker starts.
     reason="mixed_precision beside deepspeed_config_file fails in every worker (accelerate's "
-           "_deepspeed_config_checks); the launcher lets the DeepSpeed file decide.",
+    "_deepspeed_config_checks); the launcher lets the DeepSpeed file decide.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=f"{_PKG}.mixed_precision:deepspeed_launcher",
 )
@@ -55,7 +56,7 @@ CONFIG_CHECKS = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin._deepspeed_config_checks",
     supports="accelerate>=1.10.1,<1.17",
     reason="'the following accelerate config variables will be ignored' for mixed_precision, which "
-           "set_mixed_precision reconciles with the DeepSpeed file instead.",
+    "set_mixed_precision reconciles with the DeepSpeed file instead.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=f"{_PKG}.mixed_precision:config_checks",
 )
@@ -64,7 +65,7 @@ SET_MIXED_PRECISION = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.set_mixed_precision",
     supports="accelerate>=1.10.1,<1.17",
     reason="'`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed config file'; the "
-           "file decides, a real fp16/bf16 clash is one ConfigError.",
+    "file decides, a real fp16/bf16 clash is one ConfigError.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
     wrapper=f"{_PKG}.mixed_precision:set_mixed_precision",
 )
@@ -75,7 +76,7 @@ PLUGIN_POST_INIT = Patch(
     supports="accelerate>=1.10.1,<1.17",
     # Also where the accel_npu_configure_deepspeed hook sees every DeepSpeed config.
     reason="A script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently overrides the launch "
-           "config's deepspeed_config_file; the launch-side file wins.",
+    "config's deepspeed_config_file; the launch-side file wins.",
     remove_when="accelerate prefers the launch config's DeepSpeed file (or warns about the override)",
     wrapper=f"{_PKG}.config_file:plugin_post_init",
 )
@@ -87,7 +88,7 @@ ZERO3_FETCH = Patch(
     supports="deepspeed>=0.16.9,<0.20",
     # ZeRO-3 keeps parameters gathered after a forward without backward.
     reason="ZeRO-3 parameters gathered under inference_mode() break the next training forward "
-           "('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
+    "('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters outside inference mode itself",
     wrapper=f"{_PKG}.inference_mode:fetch_sub_module",
 )
@@ -104,9 +105,9 @@ PREPARE = Patch(
     # the engine's first training forward sets the value (a forward pre-hook on that engine, removed after).
     # A data_efficiency config is one error naming the key and file.
     reason="accelerator.py prepare: one model per DeepSpeed engine even with one optimizer over several; 'auto' "
-           "micro batch only from DataLoader.batch_size. Both completed.",
+    "micro batch only from DataLoader.batch_size. Both completed.",
     remove_when="accelerate prepares models sharing one optimizer as one engine and resolves 'auto' micro "
-                "batch sizes without a DataLoader.batch_size",
+    "batch sizes without a DataLoader.batch_size",
     wrapper=f"{_PKG}.prepare:prepare",
 )
 
@@ -118,7 +119,7 @@ ENGINE_INPUT_DTYPE = Patch(
     # diffusers v0.40.0 examples/cogvideo/train_cogvideox_*lora.py run frozen towers in fp16 under a
     # bf16 config and stop with 'mat1 and mat2 must have the same dtype' (models/embeddings.py).
     reason="DeepSpeed casts inputs only under fp16.auto_cast: other-half inputs are cast; fp32 activations run "
-           "under torch.autocast, as accelerate runs them under DDP.",
+    "under torch.autocast, as accelerate runs them under DDP.",
     remove_when="DeepSpeed casts floating-point inputs to the engine's dtype itself (auto_cast for bf16)",
     wrapper=f"{_PKG}.input_dtype:cast_other_half_inputs",
 )
@@ -132,7 +133,7 @@ ZERO3_PARAM_DTYPE = Patch(
     stock_correct="deepspeed<0.19.2",
     # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config.
     reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
-           "loading trains in the wrong dtype; partitions are cast.",
+    "loading trains in the wrong dtype; partitions are cast.",
     remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
     wrapper=f"{_PKG}.input_dtype:cast_partitioned_params",
 )
@@ -147,7 +148,7 @@ ENGINE_PARAMETERS = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.parameters",
     supports="deepspeed>=0.16.9,<0.20",
     reason="A script iterating a ZeRO-3 engine's parameters() reads shape-[0] partitions ('size of tensor a (3) "
-           "must match ... b (0)'); gathered while held.",
+    "must match ... b (0)'); gathered while held.",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
     wrapper=f"{_PKG}.gathered_reads:parameters",
 )
@@ -156,7 +157,7 @@ ENGINE_NAMED_PARAMETERS = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.named_parameters",
     supports="deepspeed>=0.16.9,<0.20",
     reason="A script iterating a ZeRO-3 engine's named_parameters() reads shape-[0] partitions; gathered while "
-           "held (GatheredParameters).",
+    "held (GatheredParameters).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
     wrapper=f"{_PKG}.gathered_reads:named_parameters",
 )
@@ -164,5 +165,15 @@ ENGINE_NAMED_PARAMETERS = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [DEEPSPEED_LAUNCHER, CONFIG_CHECKS, SET_MIXED_PRECISION, PLUGIN_POST_INIT, ZERO3_FETCH,
-            PREPARE, ENGINE_INPUT_DTYPE, ZERO3_PARAM_DTYPE, ENGINE_PARAMETERS, ENGINE_NAMED_PARAMETERS]
+    return [
+        DEEPSPEED_LAUNCHER,
+        CONFIG_CHECKS,
+        SET_MIXED_PRECISION,
+        PLUGIN_POST_INIT,
+        ZERO3_FETCH,
+        PREPARE,
+        ENGINE_INPUT_DTYPE,
+        ZERO3_PARAM_DTYPE,
+        ENGINE_PARAMETERS,
+        ENGINE_NAMED_PARAMETERS,
+    ]

@@ -28,6 +28,7 @@ alone and "auto" is put back.
 Left as one error naming the key and the DeepSpeed file that says "auto": a config whose ``data_efficiency``
 section is enabled (random-LTD reads the micro batch size inside ``deepspeed.initialize``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,7 +49,7 @@ _READ_AT_INITIALIZE = ("data_efficiency",)
 
 
 class AutoBatchSizeError(ConfigError, ValueError):
-    """"auto" micro batch size with nothing to take it from (a ValueError, as accelerate's own)."""
+    """ "auto" micro batch size with nothing to take it from (a ValueError, as accelerate's own)."""
 
 
 def _positive_int(value) -> bool:
@@ -86,7 +87,8 @@ def _error(plugin, what: str) -> AutoBatchSizeError:
     source = getattr(plugin, DS_CONFIG_SOURCE, None) or "the DeepSpeed config"
     return AutoBatchSizeError(
         f'accel-npu: "{KEY}": "auto" in {source} cannot be resolved: {what}. Set an integer '
-        f'"{KEY}" (the per-process batch size) in {source}.')
+        f'"{KEY}" (the per-process batch size) in {source}.'
+    )
 
 
 def _read_at_initialize(config: dict) -> str | None:
@@ -126,9 +128,12 @@ def fill_auto_micro_batch_size(accelerator, args) -> str:
         return THIS_CALL_ONLY
     section = _read_at_initialize(plugin.deepspeed_config)
     if section is not None:
-        what = (f"the DataLoader passed to accelerator.prepare(), {_describe(unresolved[0])}, has no batch size "
-                "(nor does its batch_sampler)" if unresolved else
-                "accelerator.prepare() was given no DataLoader to take the batch size from")
+        what = (
+            f"the DataLoader passed to accelerator.prepare(), {_describe(unresolved[0])}, has no batch size "
+            "(nor does its batch_sampler)"
+            if unresolved
+            else "accelerator.prepare() was given no DataLoader to take the batch size from"
+        )
         raise _error(plugin, f'{what}, and the config\'s "{section}" reads it inside deepspeed.initialize')
     total = plugin.deepspeed_config.get(TRAIN_BATCH)
     if _positive_int(total):  # an integer train_batch_size: DeepSpeed's own derivation (runtime/config.py)
@@ -167,8 +172,11 @@ def set_engine_micro_batch_size(engine, value: int, configs) -> None:
     if timer is not None and hasattr(timer, "batch_size"):
         timer.batch_size = train_batch
     seen: set[int] = set()
-    for config in (getattr(engine, "config", None), getattr(getattr(engine, "_config", None), "_param_dict", None),
-                   *configs):
+    for config in (
+        getattr(engine, "config", None),
+        getattr(getattr(engine, "_config", None), "_param_dict", None),
+        *configs,
+    ):
         if not isinstance(config, dict) or id(config) in seen:
             continue
         seen.add(id(config))
@@ -190,13 +198,21 @@ def resolve_at_first_forward(engine, configs) -> None:
         handle.remove()
         value = _first_batch_dimension((args, kwargs))
         if not _positive_int(value):
-            log.info('accel-npu: "%s": "auto" stays %d: the first training forward of the DeepSpeed engine was '
-                     "given no tensor to read a batch dimension from", KEY, PROVISIONAL)
+            log.info(
+                'accel-npu: "%s": "auto" stays %d: the first training forward of the DeepSpeed engine was '
+                "given no tensor to read a batch dimension from",
+                KEY,
+                PROVISIONAL,
+            )
             return None
         set_engine_micro_batch_size(engine, value, configs)
-        log.info('accel-npu: "%s": "auto" -> %d, the batch dimension of the DeepSpeed engine\'s first training '
-                 "forward (no DataLoader batch size in accelerator.prepare(); train_batch_size %d)",
-                 KEY, value, engine.train_batch_size())
+        log.info(
+            'accel-npu: "%s": "auto" -> %d, the batch dimension of the DeepSpeed engine\'s first training '
+            "forward (no DataLoader batch size in accelerator.prepare(); train_batch_size %d)",
+            KEY,
+            value,
+            engine.train_batch_size(),
+        )
         return None
 
     handle = engine.register_forward_pre_hook(hook, with_kwargs=True)

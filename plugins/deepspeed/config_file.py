@@ -1,5 +1,6 @@
 """The launch config's DeepSpeed file wins over a script's hard-coded ``DeepSpeedPlugin(hf_ds_config=...)``;
 every DeepSpeed config is shown to the ``accel_npu_configure_deepspeed`` hook."""
+
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,12 @@ def plugin_post_init(wrapped, instance, args, kwargs):
     if launch_file in (None, "", "none"):
         launch_file = None
     if isinstance(given, str) and given != "none" and launch_file and not _same_file(given, launch_file):
-        log.warning("accel-npu: the script's DeepSpeedPlugin(hf_ds_config=%r) is replaced by the launch "
-                    "config's DeepSpeed file %r (deepspeed_config_file wins over a hard-coded path)",
-                    given, launch_file)
+        log.warning(
+            "accel-npu: the script's DeepSpeedPlugin(hf_ds_config=%r) is replaced by the launch "
+            "config's DeepSpeed file %r (deepspeed_config_file wins over a hard-coded path)",
+            given,
+            launch_file,
+        )
         instance.hf_ds_config = launch_file
         given = launch_file
     if isinstance(given, str) and given != "none":

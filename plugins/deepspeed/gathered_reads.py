@@ -31,6 +31,7 @@ lost when it is partitioned again (``modifier_rank=None``), and the optimizer's 
 overwrite it at the next step anyway; that is one :class:`ParameterWriteError` naming the
 parameter and the line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -167,27 +168,43 @@ def _serve(method: str) -> bool:
     site, guard = guarded_caller(_consumer_frame())
     if guard is not None:
         if _first(("guarded", site)):
-            log.warning("accel-npu: %s:%d iterates the DeepSpeed engine's %s() inside `%s` (line %d): under ZeRO-3 "
-                        "gathering them is a collective the other ranks do not join, so this rank reads its "
-                        "shape-[0] partitions, as stock does. Read them on every rank (the gather is then made "
-                        "for you), or use accelerator.get_state_dict(model) for the whole weights.",
-                        site[0], site[1], method, guard[1], guard[0])
+            log.warning(
+                "accel-npu: %s:%d iterates the DeepSpeed engine's %s() inside `%s` (line %d): under ZeRO-3 "
+                "gathering them is a collective the other ranks do not join, so this rank reads its "
+                "shape-[0] partitions, as stock does. Read them on every rank (the gather is then made "
+                "for you), or use accelerator.get_state_dict(model) for the whole weights.",
+                site[0],
+                site[1],
+                method,
+                guard[1],
+                guard[0],
+            )
         return False
     call = f"iterating the DeepSpeed engine's {method}()"
 
     def advice() -> str:
         where = user_frame()
         at = f"{where[0]}:{where[1]} " if where else "The script "
-        return (f"{at}reads the engine's ZeRO-3 parameters (each gathered from every rank's partition): make the "
-                f"read on every rank, or on none.")
+        return (
+            f"{at}reads the engine's ZeRO-3 parameters (each gathered from every rank's partition): make the "
+            f"read on every rank, or on none."
+        )
 
-    dist.rendezvous("engine_parameters", environment.seconds("ACCEL_NPU_COLLECTIVE_TIMEOUT"), advice,
-                    call=call, stock="Stock DeepSpeed hands this rank shape-[0] partitions here.")
+    dist.rendezvous(
+        "engine_parameters",
+        environment.seconds("ACCEL_NPU_COLLECTIVE_TIMEOUT"),
+        advice,
+        call=call,
+        stock="Stock DeepSpeed hands this rank shape-[0] partitions here.",
+    )
     where = user_frame()
     if _first(("served", where)):
-        log.info("accel-npu: %s reads the DeepSpeed engine's %s() under ZeRO-3: each partitioned parameter is "
-                 "gathered (read-only, deepspeed.zero.GatheredParameters) while the script holds it.",
-                 f"{where[0]}:{where[1]}" if where else "the script", method)
+        log.info(
+            "accel-npu: %s reads the DeepSpeed engine's %s() under ZeRO-3: each partitioned parameter is "
+            "gathered (read-only, deepspeed.zero.GatheredParameters) while the script holds it.",
+            f"{where[0]}:{where[1]}" if where else "the script",
+            method,
+        )
     return True
 
 
@@ -201,4 +218,5 @@ def _write_error(engine, written, method: str) -> ParameterWriteError:
         f"{method}(): under ZeRO-3 accel-npu hands them out gathered, read-only (each rank keeps 1/N of a "
         f"parameter, the optimizer its fp32 master), so the change would be lost when they are partitioned again; "
         f"stock DeepSpeed hands out shape-[0] partitions, where it is lost too. Change trained weights through the "
-        f"optimizer, or under ZeRO-3 with deepspeed.utils.safe_set_full_fp32_param (its fp32 master).")
+        f"optimizer, or under ZeRO-3 with deepspeed.utils.safe_set_full_fp32_param (its fp32 master)."
+    )

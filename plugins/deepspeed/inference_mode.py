@@ -1,5 +1,6 @@
 """ZeRO-3 parameter fetches run outside ``torch.inference_mode``: parameters gathered under it become
 inference tensors and the next training forward fails ("Inference tensors cannot be saved for backward")."""
+
 from __future__ import annotations
 
 

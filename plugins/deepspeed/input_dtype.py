@@ -20,6 +20,7 @@ DeepSpeed it does not, and the first matmul fails ("expected m1 and m2 to have t
 too. A forward given a floating fp32 tensor of two or more dimensions directly as an argument runs under
 ``torch.autocast`` of the engine's dtype, as that script runs under DDP; engines given no such input run as before.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,11 +86,18 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
         _warned.add(site)
         where = f"{site[0]}:{site[1]}" if site else "the script"
         names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-        log.warning("accel-npu: %s passes %s %s to a DeepSpeed engine whose weights are %s (the DeepSpeed "
-                    "config enables %s): cast to %s at the engine's boundary, as DeepSpeed's fp16 auto_cast "
-                    "casts inputs. Models the script runs in %s outside the engine stay as they are.",
-                    where, names[other], ", ".join(found), names[half], "bf16" if half == torch.bfloat16 else "fp16",
-                    names[half], names[other])
+        log.warning(
+            "accel-npu: %s passes %s %s to a DeepSpeed engine whose weights are %s (the DeepSpeed "
+            "config enables %s): cast to %s at the engine's boundary, as DeepSpeed's fp16 auto_cast "
+            "casts inputs. Models the script runs in %s outside the engine stay as they are.",
+            where,
+            names[other],
+            ", ".join(found),
+            names[half],
+            "bf16" if half == torch.bfloat16 else "fp16",
+            names[half],
+            names[other],
+        )
     if fp32:
         _warn_autocast(fp32, half)
         with torch.autocast(device_type, dtype=half):
@@ -105,10 +113,15 @@ def _warn_autocast(names: list[str], half) -> None:
         return
     _warned.add(("autocast", site))
     where = f"{site[0]}:{site[1]}" if site else "the script"
-    log.warning("accel-npu: %s passes float32 %s to a DeepSpeed engine whose weights are %s: its forward runs under "
-                "torch.autocast(%s), as accelerate runs it under DDP with mixed precision (DeepSpeed casts no "
-                "float32 input).", where, ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""),
-                "bfloat16" if half == torch.bfloat16 else "float16", "bfloat16" if half == torch.bfloat16 else "float16")
+    log.warning(
+        "accel-npu: %s passes float32 %s to a DeepSpeed engine whose weights are %s: its forward runs under "
+        "torch.autocast(%s), as accelerate runs it under DDP with mixed precision (DeepSpeed casts no "
+        "float32 input).",
+        where,
+        ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""),
+        "bfloat16" if half == torch.bfloat16 else "float16",
+        "bfloat16" if half == torch.bfloat16 else "float16",
+    )
 
 
 _warned_cast: set = set()
@@ -144,8 +157,13 @@ def cast_partitioned_params(wrapped, instance, args, kwargs):
         cast.append(name)
     if cast and id(instance) not in _warned_cast:
         _warned_cast.add(id(instance))
-        log.warning("accel-npu: %d parameter(s) of the ZeRO-3 model given to DeepSpeed (e.g. %s) were not in the "
-                    "configured %s (cast after loading, e.g. .to(float16)); cast to %s as DeepSpeed casts a model "
-                    "it partitions itself", len(cast), cast[0], str(param_dtype).removeprefix("torch."),
-                    str(param_dtype).removeprefix("torch."))
+        log.warning(
+            "accel-npu: %d parameter(s) of the ZeRO-3 model given to DeepSpeed (e.g. %s) were not in the "
+            "configured %s (cast after loading, e.g. .to(float16)); cast to %s as DeepSpeed casts a model "
+            "it partitions itself",
+            len(cast),
+            cast[0],
+            str(param_dtype).removeprefix("torch."),
+            str(param_dtype).removeprefix("torch."),
+        )
     return result

@@ -4,6 +4,7 @@ accelerate 1.15 rejects ``mixed_precision`` set beside ``deepspeed_config_file``
 config variables will be ignored") and raises on a value that disagrees with the DeepSpeed JSON; here the
 launcher and each worker resolve the two with ``precision_config.resolve_precision``.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,11 @@ def set_mixed_precision(wrapped, instance, args, kwargs):
     mixed_precision = argument(args, kwargs, 0, "mixed_precision")
     ds_source = str(getattr(instance, DS_CONFIG_SOURCE, None) or "<DeepSpeedPlugin config>")
     env_mp = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    source = ("ACCELERATE_MIXED_PRECISION (accelerate launch)" if env_mp and env_mp.lower() == str(mixed_precision).lower()
-              else "Accelerator(mixed_precision=...)")
+    source = (
+        "ACCELERATE_MIXED_PRECISION (accelerate launch)"
+        if env_mp and env_mp.lower() == str(mixed_precision).lower()
+        else "Accelerator(mixed_precision=...)"
+    )
     effective, line = resolve_precision(mixed_precision, source, instance.deepspeed_config, ds_source)
     if line and effective != (mixed_precision or "no"):
         log.warning(line)

@@ -39,6 +39,7 @@ discriminator, diffusers' vqgan/train_vqgan.py), no optimizer, a trainable param
 optimizer (or an optimizer parameter outside the models), a model with nothing to train, models sharing
 parameters, and accelerate's ``DummyOptim``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,10 @@ def why_not_together(models: list, others: list) -> str | None:
     if dummy:
         return "accelerate's DummyOptim (the optimizer comes from the DeepSpeed config) with several models"
     if len(optimizers) != 1:
-        return (f"{len(models)} models with {len(optimizers)} optimizers; one DeepSpeed engine owns one "
-                "optimizer: use one optimizer over all the models' parameters, or one Accelerator per model")
+        return (
+            f"{len(models)} models with {len(optimizers)} optimizers; one DeepSpeed engine owns one "
+            "optimizer: use one optimizer over all the models' parameters, or one Accelerator per model"
+        )
     in_optimizer = {id(p) for p in _optimizer_params(optimizers[0])}
     seen: set[int] = set()
     for i, model in enumerate(models):
@@ -78,12 +81,10 @@ def why_not_together(models: list, others: list) -> str | None:
         seen |= ids
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
-            return (f"model {i} ({type(model).__name__}) has no trainable parameter: use it outside "
-                    "accelerator.prepare")
+            return f"model {i} ({type(model).__name__}) has no trainable parameter: use it outside accelerator.prepare"
         outside = sum(1 for p in trainable if id(p) not in in_optimizer)
         if outside:
-            return (f"{outside} trainable parameters of model {i} ({type(model).__name__}) are not in the "
-                    "optimizer")
+            return f"{outside} trainable parameters of model {i} ({type(model).__name__}) are not in the optimizer"
     if in_optimizer - seen:
         return f"the optimizer holds {len(in_optimizer - seen)} parameters of no model in the call"
     return None
@@ -110,13 +111,14 @@ def _container_class():
         def forward(self, *args, **kwargs):
             raise RuntimeError(
                 "accel-npu: these models were prepared together under one DeepSpeed engine; call each one "
-                "through what accelerator.prepare() returned for it")
+                "through what accelerator.prepare() returned for it"
+            )
 
         # Each model's own state dict, prefixed: state-dict hooks of a model (diffusers' AttnProcsLayers renames
         # "layers.<i>" to processor names and back) see its keys as they would alone.
         def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
             if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
-                destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+                destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args) :])[:3]
             if destination is None:
                 from collections import OrderedDict
 
@@ -138,8 +140,9 @@ def _container_class():
                 else:
                     unexpected.append(key)
             if strict and unexpected:
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: unexpected keys "
-                                   f"{unexpected[:5]}")
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict for {type(self).__name__}: unexpected keys {unexpected[:5]}"
+                )
             for name, model in self._modules.items():
                 result = model.load_state_dict(parts[name], strict=strict, assign=assign)
                 missing += [f"{name}.{k}" for k in result.missing_keys]
@@ -161,9 +164,21 @@ def _hidden_size(model):
 #: DeepSpeedEngine methods a PreparedTogether runs for its own model (the rest are the shared engine's)
 # also the parameter iterators another plugin may have wrapped on DeepSpeedEngine (gathered reads): this
 # model's own parameters, through the same wrapper
-_OWN = frozenset({"forward", "train", "eval", "module_state_dict", "load_module_state_dict",
-                  "_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict", "save_16bit_model",
-                  "save_fp16_model", "parameters", "named_parameters"})
+_OWN = frozenset(
+    {
+        "forward",
+        "train",
+        "eval",
+        "module_state_dict",
+        "load_module_state_dict",
+        "_zero3_consolidated_16bit_state_dict",
+        "_consolidated_16bit_state_dict",
+        "save_16bit_model",
+        "save_fp16_model",
+        "parameters",
+        "named_parameters",
+    }
+)
 _CLASSES: dict = {}
 
 
@@ -249,8 +264,13 @@ def _prepared_together_class():
         return method
 
     for name, value in vars(DeepSpeedEngine).items():
-        if (callable(value) and not isinstance(value, (staticmethod, classmethod)) and not name.startswith("__")
-                and name not in _OWN and name not in vars(PreparedTogether)):
+        if (
+            callable(value)
+            and not isinstance(value, (staticmethod, classmethod))
+            and not name.startswith("__")
+            and name not in _OWN
+            and name not in vars(PreparedTogether)
+        ):
             setattr(PreparedTogether, name, delegate(name))
     _CLASSES["member"] = PreparedTogether
     return PreparedTogether
@@ -272,8 +292,10 @@ def _step_classes():
 
         def backward(self, loss, sync_gradients=True, **kwargs):
             if self.pending and sync_gradients:
-                _warn_once("accel-npu: accelerator.backward() again without optimizer.step() after the last "
-                           "one: the pending optimizer step is taken first")
+                _warn_once(
+                    "accel-npu: accelerator.backward() again without optimizer.step() after the last "
+                    "one: the pending optimizer step is taken first"
+                )
                 self.step()
             self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
             self.engine.backward(loss, **kwargs)
@@ -326,8 +348,12 @@ def _show_gradients(engine) -> list:
     shown = []
     for param in engine.module.parameters():
         # _hp_mapping is None where the parameter lies outside this rank's partition: it still takes part
-        if not param.requires_grad or param.grad is not None or hasattr(param, "ds_id") \
-                or not hasattr(param, "_hp_mapping"):
+        if (
+            not param.requires_grad
+            or param.grad is not None
+            or hasattr(param, "ds_id")
+            or not hasattr(param, "_hp_mapping")
+        ):
             continue
         grad = safe_get_full_grad(param)
         if grad is None:
@@ -366,8 +392,10 @@ def prepare_models_together(prepare, accelerator, args, kwargs):
     others = [a for a in args if not isinstance(a, torch.nn.Module)]
     why = why_not_together(models, others)
     if why is not None:
-        raise AssertionError(f"{STOCK_MESSAGE} (accel-npu prepares several models as one engine only with one "
-                             f"optimizer over all their trainable parameters: {why})")
+        raise AssertionError(
+            f"{STOCK_MESSAGE} (accel-npu prepares several models as one engine only with one "
+            f"optimizer over all their trainable parameters: {why})"
+        )
     container = _container_class()(models)
     inner = [container if i == positions[0] else a for i, a in enumerate(args) if i not in positions[1:]]
     result = prepare(*inner, **kwargs)
@@ -375,12 +403,15 @@ def prepare_models_together(prepare, accelerator, args, kwargs):
     engine = result[positions[0]]
     member = _prepared_together_class()
     views = {i: member(engine, model) for i, model in zip(positions, models)}
-    out, rest = [], iter(result[:positions[0]] + result[positions[0] + 1:])
+    out, rest = [], iter(result[: positions[0]] + result[positions[0] + 1 :])
     for i in range(len(args)):
         out.append(views[i] if i in views else next(rest))
     for view in views.values():
         view._is_accelerate_prepared = True
     _step_at_optimizer_step(accelerator, engine, out)
-    log.info("accel-npu: %s prepared as one DeepSpeed engine (one optimizer over all their parameters; "
-             "accelerate allows one model per engine)", ", ".join(type(m).__name__ for m in models))
+    log.info(
+        "accel-npu: %s prepared as one DeepSpeed engine (one optimizer over all their parameters; "
+        "accelerate allows one model per engine)",
+        ", ".join(type(m).__name__ for m in models),
+    )
     return tuple(out)

@@ -3,6 +3,7 @@
 The DeepSpeed file decides; a real contradiction (fp16 in one, bf16 in the other, both explicit)
 is one ConfigError naming both.
 """
+
 from __future__ import annotations
 
 from accel_npu.environment import truthy
@@ -41,8 +42,9 @@ def file_precision(ds_config: dict) -> str | None:
     return None
 
 
-def resolve_precision(accelerate_value: str | None, accelerate_source: str, ds_config: dict,
-                      ds_source: str) -> tuple[str, str]:
+def resolve_precision(
+    accelerate_value: str | None, accelerate_source: str, ds_config: dict, ds_source: str
+) -> tuple[str, str]:
     """The effective mixed precision and the log line that states it.
 
     The DeepSpeed file decides; a contradiction (fp16 vs bf16, both explicit) raises ConfigError.
@@ -55,9 +57,11 @@ def resolve_precision(accelerate_value: str | None, accelerate_source: str, ds_c
         raise ConfigError(
             f"accel-npu: mixed precision contradicts itself: {accelerate_source} says {acc!r} but the "
             f"DeepSpeed config {ds_source} enables {ds!r}. Keep one: set mixed_precision: {ds} (or remove "
-            f"it) in the accelerate config, or change the \"{ds}\"/\"{acc}\" blocks of {ds_source}."
+            f'it) in the accelerate config, or change the "{ds}"/"{acc}" blocks of {ds_source}.'
         )
     effective = ds if ds is not None else acc
-    line = (f"accel-npu: mixed precision = {effective} (DeepSpeed config {ds_source}: "
-            f"{ds if ds is not None else 'auto/unset'}; {accelerate_source}: {acc}; the DeepSpeed file decides)")
+    line = (
+        f"accel-npu: mixed precision = {effective} (DeepSpeed config {ds_source}: "
+        f"{ds if ds is not None else 'auto/unset'}; {accelerate_source}: {acc}; the DeepSpeed file decides)"
+    )
     return effective, line

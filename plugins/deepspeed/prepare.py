@@ -4,6 +4,7 @@
 - an "auto" micro batch size accelerate cannot read: resolved (auto_batch_size.py), on the call as accelerate
   sees it (the models already put under one container).
 """
+
 from __future__ import annotations
 
 from accel_npu.plugins.deepspeed.auto_batch_size import prepare_with_auto_micro_batch_size

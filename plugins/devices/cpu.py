@@ -10,6 +10,7 @@ This plugin makes both behave like they do on GPUs, which is what lets a user de
 same DeepSpeed config on a laptop. It also closes the gloo group of a script that never calls
 ``destroy_process_group`` before the interpreter tears down (see ``CLOSE_GLOO_AT_EXIT``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -23,6 +24,7 @@ from accel_npu.backend import Backend, cpu_fallback_refusal, current_backend, is
 from accel_npu.errors import NoUsableDeviceError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
+
 from . import gloo_workers
 
 log = logging.getLogger("accel_npu")
@@ -33,8 +35,9 @@ def accel_npu_select_backend(env):
     forced = environment.forced_backend(env)
     if forced and forced != "cpu":
         return None
-    return Backend(name="cpu", device_type="cpu", dist_backend="gloo", device_count=0,
-                   ds_accelerator="cpu", plugin="cpu")
+    return Backend(
+        name="cpu", device_type="cpu", dist_backend="gloo", device_count=0, ds_accelerator="cpu", plugin="cpu"
+    )
 
 
 @hookimpl
@@ -54,8 +57,11 @@ def _prepare_backend_on_cpu(wrapped, instance, args, kwargs):
         if refusal:  # an NPU rank that lost its device (a per-rank ASCEND_RT_VISIBLE_DEVICES): not gloo
             raise NoUsableDeviceError(refusal)
 
-        log.info("accel-npu: no accelerator; rank %s of %s uses gloo (MULTI_CPU)",
-                 os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))
+        log.info(
+            "accel-npu: no accelerator; rank %s of %s uses gloo (MULTI_CPU)",
+            os.environ.get("RANK"),
+            os.environ.get("WORLD_SIZE"),
+        )
         return "gloo", DistributedType.MULTI_CPU
     return backend, distributed_type
 
@@ -66,8 +72,13 @@ def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
         return launch_args, defaults, mp_from_config_flag
     n = launch_args.num_processes or 1
     machines = launch_args.num_machines or 1
-    single_process_path = not (launch_args.multi_gpu or launch_args.use_deepspeed or launch_args.use_fsdp
-                               or launch_args.use_megatron_lm or launch_args.tpu)
+    single_process_path = not (
+        launch_args.multi_gpu
+        or launch_args.use_deepspeed
+        or launch_args.use_fsdp
+        or launch_args.use_megatron_lm
+        or launch_args.tpu
+    )
     if n > 1 and getattr(launch_args, "mpirun_hostfile", None) is None:
         if launch_args.use_deepspeed or launch_args.use_fsdp or launch_args.cpu:
             # `use_cpu: true` sends these to the single-process launcher; torchrun works instead.
@@ -85,16 +96,21 @@ def _fsdp_on_cpu(wrapped, instance, args, kwargs):
     first = not AcceleratorState._shared_state  # later AcceleratorState() calls only re-read it
     wrapped(*args, **kwargs)
     fsdp_plugin = kwargs.get("fsdp_plugin")
-    if (first and fsdp_plugin is not None and instance.distributed_type == DistributedType.MULTI_CPU
-            and current_backend().name == "cpu"):
+    if (
+        first
+        and fsdp_plugin is not None
+        and instance.distributed_type == DistributedType.MULTI_CPU
+        and current_backend().name == "cpu"
+    ):
         # What stock does for MULTI_GPU/MULTI_NPU/...: the list it checks leaves MULTI_CPU out.
         instance.distributed_type = DistributedType.FSDP
         if instance._mixed_precision != "no":
             fsdp_plugin.set_mixed_precision(instance._mixed_precision)
         instance.fsdp_plugin = fsdp_plugin
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        log.info("accel-npu: no accelerator; FSDP%s over %s gloo ranks", fsdp_plugin.fsdp_version,
-                 instance.num_processes)
+        log.info(
+            "accel-npu: no accelerator; FSDP%s over %s gloo ranks", fsdp_plugin.fsdp_version, instance.num_processes
+        )
 
 
 # Long enough for a worker descheduled on a loaded machine; short enough not to hide a stuck peer.
@@ -125,9 +141,13 @@ def _close_gloo_group_at_exit() -> None:
         log.debug("accel-npu: could not close the gloo group at exit: %s", exc)
     busy = gloo_workers.wait_until_idle(timeout_s=_GLOO_DRAIN_TIMEOUT_S)
     if busy:
-        log.warning("accel-npu: %d gloo worker thread(s) still busy %.0f s after the script ended (%s); "
-                    "exiting anyway. A collective started without wait() may still be running.",
-                    len(busy), _GLOO_DRAIN_TIMEOUT_S, "; ".join(busy.values()))
+        log.warning(
+            "accel-npu: %d gloo worker thread(s) still busy %.0f s after the script ended (%s); "
+            "exiting anyway. A collective started without wait() may still be running.",
+            len(busy),
+            _GLOO_DRAIN_TIMEOUT_S,
+            "; ".join(busy.values()),
+        )
 
 
 def _register_close_at_exit(wrapped, instance, args, kwargs):
@@ -143,7 +163,7 @@ PREPARE_BACKEND = Patch(
     target="accelerate.state:PartialState._prepare_backend",
     supports="accelerate>=1.10.1,<1.17",
     reason="No accelerator + distributed launch: stock returns no backend, so every rank is "
-           "rank 0 of 1 while DeepSpeed's gloo group has N (duplicate data and checkpoints).",
+    "rank 0 of 1 while DeepSpeed's gloo group has N (duplicate data and checkpoints).",
     remove_when="accelerate selects gloo/MULTI_CPU for LOCAL_RANK launches without an accelerator",
     wrapper=_prepare_backend_on_cpu,
 )
@@ -152,7 +172,7 @@ VALIDATE_LAUNCH = Patch(
     target="accelerate.commands.launch:_validate_launch_command",
     supports="accelerate>=1.10.1,<1.17",
     reason="`accelerate launch --num_processes N` without an accelerator starts 1 process "
-           "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
+    "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
     remove_when="accelerate launches N gloo workers with torchrun on CPU-only machines",
     wrapper=_validate_launch_on_cpu,
 )
@@ -164,7 +184,7 @@ FSDP_ON_CPU = Patch(
     # accelerate/state.py AcceleratorState.__init__ sets DistributedType.FSDP only for
     # MULTI_GPU/NPU/XPU/..., never MULTI_CPU.
     reason="An FSDP launch config on gloo ranks silently trains as plain DDP: accelerate/state.py "
-           "turns FSDP on for GPU/NPU/XPU types only, never MULTI_CPU.",
+    "turns FSDP on for GPU/NPU/XPU types only, never MULTI_CPU.",
     remove_when="accelerate enables FSDP for DistributedType.MULTI_CPU",
     wrapper=_fsdp_on_cpu,
 )
@@ -177,7 +197,7 @@ CLOSE_GLOO_AT_EXIT = Patch(
     # was abandoned. At exit: destroy the default group, then wait until the groups still
     # referenced (DeepSpeed's) are idle.
     reason="gloo workers still running at interpreter exit abort a finished run with SIGABRT, exit -6 "
-           "(pytorch#190489); the groups are closed or quiesced at exit.",
+    "(pytorch#190489); the groups are closed or quiesced at exit.",
     remove_when="torch.distributed quiesces gloo's worker threads before Python finalizes",
     wrapper=_register_close_at_exit,
 )
@@ -207,7 +227,7 @@ SHM_OP_ONLY_WHEN_ASKED = Patch(
     target="deepspeed.comm.torch:build_shm_op",
     supports="deepspeed>=0.16.9,<0.20",
     reason="deepspeed/comm/torch.py TorchBackend.__init__ compiles the CPU shm all-reduce op with g++ "
-           "(fails without a compiler); only inference_all_reduce uses it.",
+    "(fails without a compiler); only inference_all_reduce uses it.",
     remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",
     wrapper=_shm_op_only_when_asked,
 )

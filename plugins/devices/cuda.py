@@ -1,4 +1,5 @@
 """The cuda device backend: CUDA is present, so accel-npu changes nothing about devices."""
+
 from __future__ import annotations
 
 from accel_npu import environment
@@ -16,8 +17,14 @@ def accel_npu_select_backend(env):
 
     if not forced and not cuda_available():
         return None
-    return Backend(name="cuda", device_type="cuda", dist_backend="nccl",
-                   device_count=torch.cuda.device_count(), ds_accelerator=None, plugin="cuda")
+    return Backend(
+        name="cuda",
+        device_type="cuda",
+        dist_backend="nccl",
+        device_count=torch.cuda.device_count(),
+        ds_accelerator=None,
+        plugin="cuda",
+    )
 
 
 def check_cuda_devices() -> str:

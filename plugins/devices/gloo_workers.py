@@ -17,6 +17,7 @@ means it may still be about to drop a work: running or runnable, waiting for the
 (``FUTEX_WAIT``), for the GIL (a timed wait), or for a peer inside a collective (gloo's waits are
 timed). The caller sleeps meanwhile, which releases the GIL the worker may need.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,12 @@ def _worker_states() -> dict[str, str]:
 
 def _idle(syscall_line: str, futex: str) -> bool:
     fields = syscall_line.split()  # nr, then args: uaddr, op, val, timeout, ...
-    return (len(fields) >= 5 and fields[0] == futex
-            and int(fields[2], 16) & _FUTEX_CMD_MASK == _FUTEX_WAIT_BITSET and int(fields[4], 16) == 0)
+    return (
+        len(fields) >= 5
+        and fields[0] == futex
+        and int(fields[2], 16) & _FUTEX_CMD_MASK == _FUTEX_WAIT_BITSET
+        and int(fields[4], 16) == 0
+    )
 
 
 def busy_workers() -> dict[str, str] | None:

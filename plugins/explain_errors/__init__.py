@@ -8,6 +8,7 @@ Python's own traceback, so the last thing a user reads is the fix.
 This module declares the patch and names a library release that needs a newer torch than it declares
 (accel_npu.compat); ``excepthook.py`` holds the wrapper and ``explanations``.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -21,7 +22,7 @@ EXCEPTHOOK = Patch(
     target="sys:excepthook",
     supports="python>=3.10,<3.15",
     reason="Errors caused by the machine (HCCL ports taken, an NPU touched in a forked worker) end in a "
-           "traceback that names no fix: one line after it says what to change.",
+    "traceback that names no fix: one line after it says what to change.",
     remove_when="torch_npu's and CANN's errors name their fix themselves",
     wrapper=f"{_PKG}.excepthook:excepthook",
 )

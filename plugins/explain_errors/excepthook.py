@@ -1,5 +1,6 @@
 """The wrapper of ``sys.excepthook`` (named by path in this package's patch): after Python's traceback,
 the plugins' lines for the error (the ``accel_npu_explain_error`` hook)."""
+
 from __future__ import annotations
 
 import sys

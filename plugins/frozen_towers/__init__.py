@@ -12,6 +12,7 @@ loading plugin builds models whole (they can only be used outside it).
 
 This module declares the patch and the ``accel-npu env`` section; ``towers.py`` holds the wrapper.
 """
+
 from __future__ import annotations
 
 from accel_npu import environment
@@ -27,7 +28,7 @@ PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
     supports="accelerate>=1.10.1,<1.17",
     reason="DeepSpeed casts a frozen fp32 VAE/text encoder held by the model to bf16 ('Input type "
-           "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
+    "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
     remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",
     wrapper=f"{_PKG}.towers:prepare_deepspeed",
 )
@@ -41,7 +42,10 @@ def accel_npu_register_patches():
 @hookimpl
 def accel_npu_env_report(backend):
     names = towers.requested_names()
-    return ("frozen towers", {
-        "ACCEL_NPU_FROZEN_MODULES": environment.get("ACCEL_NPU_FROZEN_MODULES") or "(auto-detect)",
-        "mode": "off" if names == [] else ("auto-detect" if names is None else ", ".join(names)),
-    })
+    return (
+        "frozen towers",
+        {
+            "ACCEL_NPU_FROZEN_MODULES": environment.get("ACCEL_NPU_FROZEN_MODULES") or "(auto-detect)",
+            "mode": "off" if names == [] else ("auto-detect" if names is None else ", ".join(names)),
+        },
+    )

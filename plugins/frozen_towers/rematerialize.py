@@ -4,6 +4,7 @@ From the safetensors files the tower was loaded from (its checkpoint dtype, bit-
 a diffusers model the loader put into partitions, by the rebuild it attached; parameters found
 nowhere are gathered from the partitions (a collective).
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,11 @@ def source_dir(tower, attr: str = "") -> str | None:
     for root in roots:
         dirs = [root] + ([os.path.join(root, attr)] if attr else [])
         try:
-            dirs += [os.path.join(root, d) for d in sorted(os.listdir(root))
-                     if os.path.isdir(os.path.join(root, d)) and d != attr]
+            dirs += [
+                os.path.join(root, d)
+                for d in sorted(os.listdir(root))
+                if os.path.isdir(os.path.join(root, d)) and d != attr
+            ]
         except OSError:
             pass
         for d in dirs:
@@ -114,7 +118,7 @@ def _candidate_keys(tower, name: str) -> list[str]:
     prefix = getattr(tower, "base_model_prefix", "") or ""
     if prefix:
         if name.startswith(prefix + "."):
-            cands.append(name[len(prefix) + 1:])
+            cands.append(name[len(prefix) + 1 :])
         else:
             cands.append(f"{prefix}.{name}")
     return cands
@@ -132,8 +136,11 @@ def rematerialize(tower, attr: str = "") -> str:
     rebuild = getattr(tower, markers.REBUILD, None)  # set by the diffusers loader (placement/zero3.py)
     if all_ranks_agree(rebuild is not None):
         rebuild()  # stock diffusers' result, from the files; local to each rank
-        log.info("accel-npu: %s was loaded into ZeRO-3 partitions; rebuilt whole from %s", attr or
-                 type(tower).__name__, getattr(tower, markers.SOURCE, "its files"))
+        log.info(
+            "accel-npu: %s was loaded into ZeRO-3 partitions; rebuilt whole from %s",
+            attr or type(tower).__name__,
+            getattr(tower, markers.SOURCE, "its files"),
+        )
         return "files"
     directory = source_dir(tower, attr)
     has_files = directory is not None
@@ -143,8 +150,9 @@ def rematerialize(tower, attr: str = "") -> str:
     params = {pid: entries[0][0]._parameters[entries[0][1]] for pid, entries in slots.items()}
     tensors: dict[int, Any] = {}
     if has_files:
-        wanted = {entries[0][2]: [k for e in entries for k in _candidate_keys(tower, e[2])]
-                  for pid, entries in slots.items()}
+        wanted = {
+            entries[0][2]: [k for e in entries for k in _candidate_keys(tower, e[2])] for pid, entries in slots.items()
+        }
         found = _read_tensors(weight_files(directory), wanted)
         for pid, entries in slots.items():
             if entries[0][2] in found:
@@ -166,14 +174,21 @@ def rematerialize(tower, attr: str = "") -> str:
             module._parameters[pname] = new
     how = "files" if not missing else ("gathered" if not has_files or len(missing) == len(slots) else "files+gathered")
     if how == "files":
-        log.info("accel-npu: %s was built under ZeRO-3 zero.Init; re-materialized whole from %s", attr or
-                 type(tower).__name__, directory)
+        log.info(
+            "accel-npu: %s was built under ZeRO-3 zero.Init; re-materialized whole from %s",
+            attr or type(tower).__name__,
+            directory,
+        )
     else:
-        log.warning("accel-npu: %s was built under ZeRO-3 zero.Init and %d of its parameters were not found "
-                    "in the files it came from (%s); they were gathered from the partitions in %s. Load it "
-                    "before creating the Accelerator to keep its checkpoint dtype.", attr or type(tower).__name__,
-                    len(missing), directory or "no local directory recorded",
-                    next(iter(tensors.values())).dtype if tensors else "?")
+        log.warning(
+            "accel-npu: %s was built under ZeRO-3 zero.Init and %d of its parameters were not found "
+            "in the files it came from (%s); they were gathered from the partitions in %s. Load it "
+            "before creating the Accelerator to keep its checkpoint dtype.",
+            attr or type(tower).__name__,
+            len(missing),
+            directory or "no local directory recorded",
+            next(iter(tensors.values())).dtype if tensors else "?",
+        )
     return how
 
 

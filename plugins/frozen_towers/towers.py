@@ -16,6 +16,7 @@ ZeRO-3 ``step()`` and ZeRO-2 ``save_checkpoint``):
 
 Nothing here imports torch at module level: the plugin imports it lazily.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,15 @@ from accel_npu.plugins.frozen_towers.rematerialize import rematerialize
 
 log = logging.getLogger("accel_npu")
 
-__all__ = ["select_towers", "hide", "restore", "hidden_towers", "tower_state_dict", "requested_names",
-           "prepare_deepspeed"]
+__all__ = [
+    "select_towers",
+    "hide",
+    "restore",
+    "hidden_towers",
+    "tower_state_dict",
+    "requested_names",
+    "prepare_deepspeed",
+]
 _GUARDED_CLASSES: dict[type, type] = {}
 
 
@@ -40,7 +48,7 @@ _GUARDED_CLASSES: dict[type, type] = {}
 # selection
 def _is_model_like(module) -> bool:
     """A module that is a model of its own (diffusers/transformers), not a plain container."""
-    return hasattr(module, "config") and not isinstance(getattr(module, "config"), (int, float, str))
+    return hasattr(module, "config") and not isinstance(module.config, (int, float, str))
 
 
 def _all_frozen(module) -> bool:
@@ -88,13 +96,15 @@ def select_towers(model, names: list[str] | None = None) -> list[str]:
                 children = ", ".join(n for n, _ in model.named_children())
                 raise ConfigError(
                     f"ACCEL_NPU_FROZEN_MODULES names {name!r}, but {type(model).__name__} has no such "
-                    f"submodule (its children: {children}). Fix the name or unset the variable.") from None
+                    f"submodule (its children: {children}). Fix the name or unset the variable."
+                ) from None
             if sub is model or not name:
                 raise ConfigError("ACCEL_NPU_FROZEN_MODULES cannot name the model itself")
             if _any_trainable(sub):
                 raise ConfigError(
                     f"ACCEL_NPU_FROZEN_MODULES names {name!r}, but it has trainable parameters; call "
-                    f"{name}.requires_grad_(False) first or remove it from the variable.")
+                    f"{name}.requires_grad_(False) first or remove it from the variable."
+                )
             chosen.append(name)
     else:
         chosen = []
@@ -108,10 +118,14 @@ def select_towers(model, names: list[str] | None = None) -> list[str]:
                     visit(child, full + ".", depth + 1)
 
         visit(model, "", 0)
-    if chosen and not any(p.requires_grad for n, p in model.named_parameters()
-                          if not any(n == c or n.startswith(c + ".") for c in chosen)):
-        log.info("accel-npu: %s has no trainable parameter outside %s; leaving it to DeepSpeed as is",
-                 type(model).__name__, chosen)
+    if chosen and not any(
+        p.requires_grad for n, p in model.named_parameters() if not any(n == c or n.startswith(c + ".") for c in chosen)
+    ):
+        log.info(
+            "accel-npu: %s has no trainable parameter outside %s; leaving it to DeepSpeed as is",
+            type(model).__name__,
+            chosen,
+        )
         return []
     return chosen
 
@@ -152,11 +166,19 @@ def _guarded_class(cls: type) -> type:
             tower.train(mode)
         return result
 
-    sub = type(cls.__name__, (cls,), {
-        "__setattr__": __setattr__, "__delattr__": __delattr__, "train": train,
-        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "_accel_npu_guarded": True, "_accel_npu_original_class": cls,
-    })
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__setattr__": __setattr__,
+            "__delattr__": __delattr__,
+            "train": train,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_accel_npu_guarded": True,
+            "_accel_npu_original_class": cls,
+        },
+    )
     _GUARDED_CLASSES[cls] = sub
     return sub
 
@@ -168,15 +190,17 @@ def _replace_hidden(parent, name: str, value) -> None:
             f"{type(parent).__name__}.{name} was kept out of the DeepSpeed engine as a frozen tower; the "
             f"module assigned to it now has trainable parameters, which the engine and optimizer built "
             f"at accelerator.prepare() cannot train. Freeze it (requires_grad_(False)) or set "
-            f"ACCEL_NPU_FROZEN_MODULES to the towers to hide, without {name!r}.")
+            f"ACCEL_NPU_FROZEN_MODULES to the towers to hide, without {name!r}."
+        )
     old = parent.__dict__[HIDDEN][name]
     device = _device_of(old)
     if device is not None:
         value.to(device)
     object.__setattr__(parent, name, value)
     parent.__dict__[HIDDEN][name] = value
-    log.info("accel-npu: %s.%s replaced; the new module is kept out of the DeepSpeed engine too",
-             type(parent).__name__, name)
+    log.info(
+        "accel-npu: %s.%s replaced; the new module is kept out of the DeepSpeed engine too", type(parent).__name__, name
+    )
 
 
 def _device_of(module):
@@ -211,8 +235,10 @@ def hide(model, names: list[str], device=None) -> dict[str, Any]:
             parent.__class__ = _guarded_class(type(parent))
         hidden[name] = tower
     if hidden:
-        log.info("accel-npu: kept out of the DeepSpeed engine (frozen, own dtype): %s",
-                 ", ".join(f"{n} ({_describe(t)})" for n, t in hidden.items()))
+        log.info(
+            "accel-npu: kept out of the DeepSpeed engine (frozen, own dtype): %s",
+            ", ".join(f"{n} ({_describe(t)})" for n, t in hidden.items()),
+        )
     return hidden
 
 
@@ -226,8 +252,7 @@ def restore(model) -> None:
         parent._modules[attr] = tower
         if not parent.__dict__[HIDDEN]:
             order = parent.__dict__.pop(HIDDEN + "_order", [])
-            items = sorted(parent._modules.items(),
-                           key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+            items = sorted(parent._modules.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
             parent._modules.clear()
             parent._modules.update(items)
             del parent.__dict__[HIDDEN]

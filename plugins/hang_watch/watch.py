@@ -6,6 +6,7 @@ asks every rank for its counters over the process group's store, on a connection
 blocked main thread cannot block it; it names the ranks that did not arrive, every rank prints its
 stacks and exits 1. docs/troubleshooting.md ("A job hangs in a collective") describes the report.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -29,10 +30,10 @@ log = logging.getLogger("accel_npu")
 
 EXIT_STATUS = 1
 _PREFIX = "accel_npu/hang"
-_QUERY = f"{_PREFIX}/query"          # counter: one round per suspicion
-_ABORT = f"{_PREFIX}/abort"          # the reporting rank (compare_set: one reporter)
-_REPORTED = f"{_PREFIX}/reported"    # the reporter has printed its summary
-_PRINTED = f"{_PREFIX}/printed"      # counter: ranks that printed their stacks
+_QUERY = f"{_PREFIX}/query"  # counter: one round per suspicion
+_ABORT = f"{_PREFIX}/abort"  # the reporting rank (compare_set: one reporter)
+_REPORTED = f"{_PREFIX}/reported"  # the reporter has printed its summary
+_PRINTED = f"{_PREFIX}/printed"  # counter: ranks that printed their stacks
 
 
 def _answer_key(round_: int, rank: int) -> str:
@@ -61,16 +62,26 @@ class Calls:
     past it is freed only in interpreter teardown, where a worker still dropping its last work
     needs the GIL and aborts the process (exit -6 after training finished)."""
 
-    __slots__ = ("rank", "world", "timeout", "group_timeout", "default_group", "counts", "ops", "inflight", "last",
-                 "changed_at")
+    __slots__ = (
+        "rank",
+        "world",
+        "timeout",
+        "group_timeout",
+        "default_group",
+        "counts",
+        "ops",
+        "inflight",
+        "last",
+        "changed_at",
+    )
 
     def __init__(self, rank: int, world: int, timeout: float, group_timeout: float | None, default_group) -> None:
         self.rank, self.world, self.timeout, self.group_timeout = rank, world, timeout, group_timeout
         self.default_group = weakref.ref(default_group)  # dist.group.WORLD: counted as None, like group=None
-        self.counts: dict = {}    # group key -> collectives entered on that group
-        self.ops: dict = {}       # group key -> name of the last collective entered on it
+        self.counts: dict = {}  # group key -> collectives entered on that group
+        self.ops: dict = {}  # group key -> name of the last collective entered on it
         self.inflight: dict = {}  # thread id -> (name, group key, sequence number, entered at)
-        self.last = None          # (name, group key, sequence number) of the last call that returned
+        self.last = None  # (name, group key, sequence number) of the last call that returned
         self.changed_at = time.monotonic()
 
 
@@ -210,9 +221,13 @@ def arm() -> Calls | None:
             return None
         timeout = configured if configured is not None else default_timeout(group_timeout)
         if configured is not None and group_timeout and configured >= group_timeout:
-            log.warning("accel-npu: ACCEL_NPU_HANG_TIMEOUT=%g s is not below the %g s after which torch ends a stuck "
-                        "collective (the process-group timeout, or HCCL_EXEC_TIMEOUT): it does so first, without the "
-                        "hang report", configured, group_timeout)
+            log.warning(
+                "accel-npu: ACCEL_NPU_HANG_TIMEOUT=%g s is not below the %g s after which torch ends a stuck "
+                "collective (the process-group timeout, or HCCL_EXEC_TIMEOUT): it does so first, without the "
+                "hang report",
+                configured,
+                group_timeout,
+            )
         from torch.distributed import distributed_c10d as c10d
 
         calls = Calls(dist.get_rank(), world, timeout, group_timeout, c10d._get_default_group())
@@ -229,6 +244,7 @@ def _disarm() -> None:
 
 
 # -- the watchdog --------------------------------------------------------------------------------
+
 
 def _group_info(key) -> tuple[str, list[int]]:
     """(name as every rank knows it, global ranks) of a group, given its key (see ``group_key``)."""
@@ -293,8 +309,11 @@ class Watchdog(threading.Thread):
             return getattr(self.store, op)(*args)
         except Exception as exc:  # noqa: BLE001 - e.g. the store's host process is stopped
             self.store_failed = True
-            log.warning("accel-npu: hang watch cannot reach the process group's store (%s): a hang report will "
-                        "show this rank only", exc)
+            log.warning(
+                "accel-npu: hang watch cannot reach the process group's store (%s): a hang report will "
+                "show this rank only",
+                exc,
+            )
             return None
 
     def _stop_at_exit(self) -> None:
@@ -361,9 +380,14 @@ class Watchdog(threading.Thread):
             entry[1] = calls.ops.get(group, entry[1])
         inside = [[n, _group_info(g)[0], s, round(now - t, 1)] for n, g, s, t in list(calls.inflight.values())]
         last = calls.last
-        return {"counts": counts, "inside": inside,
-                "last": [last[0], _group_info(last[1])[0], last[2]] if last else None,
-                "quiet": round(now - calls.changed_at, 1), "host": socket.gethostname(), "pid": os.getpid()}
+        return {
+            "counts": counts,
+            "inside": inside,
+            "last": [last[0], _group_info(last[1])[0], last[2]] if last else None,
+            "quiet": round(now - calls.changed_at, 1),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
 
     def _answer_queries(self) -> None:
         latest = self._store("add", _QUERY, 0)
@@ -413,8 +437,11 @@ class Watchdog(threading.Thread):
         calls = self.calls
         name, group, seq = call
         gname, members = _group_info(group)
-        store_note = "" if self.store is not None and not self.store_failed else (
-            " (the process group's store cannot be reached: the other ranks' state is unknown)")
+        store_note = (
+            ""
+            if self.store is not None and not self.store_failed
+            else (" (the process group's store cannot be reached: the other ranks' state is unknown)")
+        )
         behind, other = [], []
         for r in members or range(calls.world):
             if r == calls.rank:
@@ -425,8 +452,10 @@ class Watchdog(threading.Thread):
                     other.append(f"rank {r} has exited")
             elif r not in answers:
                 behind.append(r)
-                other.append(f"rank {r}: no answer within {self.answer_wait:g} s (stopped, e.g. SIGSTOP, or "
-                             "blocked holding the GIL: it prints no stack)")
+                other.append(
+                    f"rank {r}: no answer within {self.answer_wait:g} s (stopped, e.g. SIGSTOP, or "
+                    "blocked holding the GIL: it prints no stack)"
+                )
             else:
                 a = answers[r]
                 n, op = a["counts"].get(gname, [0, ""])
@@ -445,18 +474,26 @@ class Watchdog(threading.Thread):
         else:
             if not behind:
                 return None
-            head = (f"rank {calls.rank} has entered no collective for {waited:.1f} s since {title} returned "
-                    f"({timeout}; the host blocks elsewhere, e.g. on the device, see its stack)")
+            head = (
+                f"rank {calls.rank} has entered no collective for {waited:.1f} s since {title} returned "
+                f"({timeout}; the host blocks elsewhere, e.g. on the device, see its stack)"
+            )
         if behind:
             line = f"accel-npu hang: rank(s) {behind} did not arrive: {head}. " + "; ".join(other) + "."
         elif other:
-            line = f"accel-npu hang: every rank arrived, but not at the same collective: {head}. " + "; ".join(other) + "."
+            line = (
+                f"accel-npu hang: every rank arrived, but not at the same collective: {head}. " + "; ".join(other) + "."
+            )
         else:
-            line = (f"accel-npu hang: every rank of the group is in it, yet it does not complete (network, device "
-                    f"or a peer process outside this job): {head}.")
+            line = (
+                f"accel-npu hang: every rank of the group is in it, yet it does not complete (network, device "
+                f"or a peer process outside this job): {head}."
+            )
         limit = f" of {_seconds(calls.group_timeout)} s" if calls.group_timeout else ""
-        return (line + store_note + f" Every rank that can prints its stacks; the job fails (exit {EXIT_STATUS}) "
-                f"instead of waiting for the process-group timeout{limit}.")
+        return (
+            line + store_note + f" Every rank that can prints its stacks; the job fails (exit {EXIT_STATUS}) "
+            f"instead of waiting for the process-group timeout{limit}."
+        )
 
     def _follow(self) -> None:
         """Another rank reported: print this rank's stacks, wait for the report, exit."""
@@ -484,9 +521,10 @@ class Watchdog(threading.Thread):
             where = f"in no collective; the last, {n} #{s} of group {_group_info(g)[0]}, returned {now - calls.changed_at:.1f} s ago"
         else:
             where = "in no collective, and has called none yet"
-        return (f"accel-npu hang report, rank {calls.rank} of {calls.world} (pid {os.getpid()}, host "
-                f"{socket.gethostname()}): {where}. Python stacks of its threads (most recent call last):\n"
-                + _stacks())
+        return (
+            f"accel-npu hang report, rank {calls.rank} of {calls.world} (pid {os.getpid()}, host "
+            f"{socket.gethostname()}): {where}. Python stacks of its threads (most recent call last):\n" + _stacks()
+        )
 
 
 def _where(answer: dict) -> str:

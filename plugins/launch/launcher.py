@@ -6,6 +6,7 @@ plugins' environment defaults where the user set nothing, and (3) put accel-npu'
 PYTHONPATH so workers activate even when a script imports torch_npu before torch (which turns
 torch's entry points off for that process).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,14 +46,17 @@ def main_port_problem(nodes: Nodes) -> str | None:
         return None
     if port_free(nodes.master_port):
         return None
-    return (f"accel-npu: refusing to start workers: this is machine rank 0, which hosts the rendezvous on port "
-            f"{nodes.master_port} (--main_process_port, torchrun --master_port), and that port is already in use "
-            f"on this machine (another job, or an earlier launch still running: `ss -ltnp 'sport = :{nodes.master_port}'` "
-            f"names it). Pick a free port and pass the same --main_process_port to every machine.")
+    return (
+        f"accel-npu: refusing to start workers: this is machine rank 0, which hosts the rendezvous on port "
+        f"{nodes.master_port} (--main_process_port, torchrun --master_port), and that port is already in use "
+        f"on this machine (another job, or an earlier launch still running: `ss -ltnp 'sport = :{nodes.master_port}'` "
+        f"names it). Pick a free port and pass the same --main_process_port to every machine."
+    )
 
 
-def prepare_worker_environment(num_processes: int, environ=None, script_dir: str | None = None,
-                               nodes: Nodes = SINGLE) -> dict[str, str]:
+def prepare_worker_environment(
+    num_processes: int, environ=None, script_dir: str | None = None, nodes: Nodes = SINGLE
+) -> dict[str, str]:
     """Run launch checks and apply environment defaults to ``environ`` (os.environ by default).
 
     ``nodes``: the launch's shape (machines, this machine's rank, the rendezvous endpoint).
@@ -87,8 +91,7 @@ def prepare_worker_environment(num_processes: int, environ=None, script_dir: str
     _warn_patches_outside_their_range()
     _warn_undeclared_torch_needs()
     if added:
-        log.info("accel-npu: worker environment defaults: %s",
-                 ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
+        log.info("accel-npu: worker environment defaults: %s", ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
     return added
 
 
@@ -102,10 +105,14 @@ def _warn_patches_outside_their_range() -> None:
     if not off:
         return
     versions = sorted({p.installed_outside_range() for p in off})
-    log.warning("accel-npu: %d patch(es) are off for %s, so these fixes are not active in this launch "
-                "(install versions inside the ranges, or an accel-npu release that supports yours; "
-                "`accel-npu env` lists them): %s", len(off), ", ".join(versions),
-                "; ".join(f"{p.target} ({p.supports}): {p.reason}" for p in off))
+    log.warning(
+        "accel-npu: %d patch(es) are off for %s, so these fixes are not active in this launch "
+        "(install versions inside the ranges, or an accel-npu release that supports yours; "
+        "`accel-npu env` lists them): %s",
+        len(off),
+        ", ".join(versions),
+        "; ".join(f"{p.target} ({p.supports}): {p.reason}" for p in off),
+    )
 
 
 def _warn_undeclared_torch_needs() -> None:
@@ -125,8 +132,9 @@ def _launch_agent(wrapped, instance, args, kwargs):
     from accel_npu.errors import LaunchError
 
     try:
-        prepare_worker_environment(int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()),
-                                   nodes=nodes_of(config))
+        prepare_worker_environment(
+            int(nproc), script_dir=worker_script_dir(entrypoint, cmd_args or ()), nodes=nodes_of(config)
+        )
     except LaunchError as exc:
         # One clear error, not a traceback through accelerate's and torch's launchers.
         raise SystemExit(f"{type(exc).__name__}: {exc}") from None
@@ -137,7 +145,7 @@ LAUNCH_AGENT = Patch(
     target="torch.distributed.launcher.api:launch_agent",
     supports="torch>=2.5.1,<2.16",
     reason="Workers must inherit accel-npu's activation and the backend's environment defaults, and "
-           "a launch that cannot work must be refused before they start.",
+    "a launch that cannot work must be refused before they start.",
     remove_when="never: this is how accel-npu reaches launched workers",
     wrapper=_launch_agent,
 )

@@ -12,14 +12,15 @@ Two things happen in the ``accelerate launch`` process, before any worker starts
    directory only. We resolve it against the YAML's directory when that file exists there
    (a path given with ``--deepspeed_config_file`` on the command line is left alone).
 """
+
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
 
-from accel_npu.config_files import SIDECAR_SUFFIX, sidecar_for
 from accel_npu import environment
+from accel_npu.config_files import SIDECAR_SUFFIX, sidecar_for
 from accel_npu.errors import ConfigError, LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch, argument
@@ -39,12 +40,16 @@ def read_sidecar(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"accel-npu: cannot read the launch settings {path}: {exc}. Fix or delete the file "
-                          f"(re-run `accel-npu config` to write it again).") from exc
+        raise ConfigError(
+            f"accel-npu: cannot read the launch settings {path}: {exc}. Fix or delete the file "
+            f"(re-run `accel-npu config` to write it again)."
+        ) from exc
     env = data.get("env") if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(env or {}, dict):
-        raise ConfigError(f"accel-npu: {path} must be a mapping with an 'env:' mapping of VARIABLE: value; "
-                          f"got {type(data).__name__}. Re-run `accel-npu config` to write it again.")
+        raise ConfigError(
+            f"accel-npu: {path} must be a mapping with an 'env:' mapping of VARIABLE: value; "
+            f"got {type(data).__name__}. Re-run `accel-npu config` to write it again."
+        )
     bad = [k for k in (env or {}) if not isinstance(k, str) or not k or "=" in k]
     if bad:
         raise ConfigError(f"accel-npu: {path}: {bad[0]!r} is not an environment variable name.")
@@ -73,15 +78,25 @@ def apply_sidecar(config_file: str, environ=None) -> tuple[dict[str, str], dict[
             here = current_backend().name
         except Exception:  # noqa: BLE001 - a warning only
             here = written_for
-        if written_for == "npu" and here != "npu" and environment.forced_backend() != "cpu" \
-                and importlib.util.find_spec("torch_npu") is None:
+        if (
+            written_for == "npu"
+            and here != "npu"
+            and environment.forced_backend() != "cpu"
+            and importlib.util.find_spec("torch_npu") is None
+        ):
             # an npu config on a machine without torch_npu would train on the CPU without a word
-            raise LaunchError(f"accel-npu: {config_file} was written for the npu backend, but torch_npu is not "
-                              "installed here: install the torch_npu release matching your torch (`accel-npu env` "
-                              "checks the pair), or set ACCEL_NPU_BACKEND=cpu to run this config on the CPU.")
+            raise LaunchError(
+                f"accel-npu: {config_file} was written for the npu backend, but torch_npu is not "
+                "installed here: install the torch_npu release matching your torch (`accel-npu env` "
+                "checks the pair), or set ACCEL_NPU_BACKEND=cpu to run this config on the CPU."
+            )
         if here != written_for:
-            log.warning("accel-npu: %s was written for the %s backend; this machine uses %s.",
-                        os.path.basename(config_file), written_for, here)
+            log.warning(
+                "accel-npu: %s was written for the %s backend; this machine uses %s.",
+                os.path.basename(config_file),
+                written_for,
+                here,
+            )
     if applied or kept:
         msg = f"accel-npu: launch settings from {path}"
         if applied:
@@ -135,8 +150,12 @@ def resolve_deepspeed_config_file(config_file: str, launch_args) -> str | None:
     if isinstance(nondefault, set):
         nondefault.add("deepspeed_config_file")  # so the config's relative value does not replace it
     if os.path.abspath(value) != candidate:
-        log.info("accel-npu: deepspeed_config_file %s resolved next to %s: %s", value,
-                 os.path.basename(config_file), candidate)
+        log.info(
+            "accel-npu: deepspeed_config_file %s resolved next to %s: %s",
+            value,
+            os.path.basename(config_file),
+            candidate,
+        )
     return candidate
 
 
@@ -158,7 +177,7 @@ LAUNCH_COMMAND = Patch(
     # accelerate configs also cannot carry the workers' environment (TASK_QUEUE_ENABLE, ...):
     # `accel-npu config`'s sidecar is applied here.
     reason="A relative deepspeed_config_file resolves against each worker's cwd, so a shipped config "
-           "works from one directory only; also applies the sidecar.",
+    "works from one directory only; also applies the sidecar.",
     remove_when="accelerate resolves config-relative paths (the sidecar part stays: accel-npu's own)",
     wrapper=_launch_command,
 )

@@ -7,6 +7,7 @@ local), ``slots.py``, ``lazy.py``, ``prefetch.py``, ``truncation.py``, ``job.py`
 does not improve to the stock implementation (hub ids, device_map, quantization, variants,
 pickled checkpoints, ...).
 """
+
 from __future__ import annotations
 
 from accel_npu._torch.dist import local_world_size
@@ -21,16 +22,15 @@ from accel_npu.patching import Patch
 _PKG = "accel_npu.plugins.loading"
 
 
-
 DIFFUSERS_MODEL = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.from_pretrained",
     supports="diffusers>=0.35.2,<0.43",
     # Stock also opens every shard for num_layers=N, leaves missing keys on meta, half-loads a
     # corrupt checkpoint and ignores zero3_init_flag (docs/loading.md).
     reason="Each rank reads and builds the whole model in fp32 before prepare (host OOM at 2 ranks); "
-           "loads are truncated, checked, staggered or partitioned.",
+    "loads are truncated, checked, staggered or partitioned.",
     remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
-                "staggers ranks and builds under zero.Init (not as of 0.42)",
+    "staggers ranks and builds under zero.Init (not as of 0.42)",
     wrapper=f"{_PKG}.diffusers:from_pretrained",
 )
 
@@ -39,7 +39,7 @@ DIFFUSERS_DTYPE = Patch(
     supports="diffusers>=0.35.2,<0.43",
     # Read outside an engine, the model is made whole first.
     reason="A model loaded into ZeRO-3 partitions reports bf16 before prepare, so train_dreambooth.py "
-           "refuses it ('Unet loaded as datatype torch.bfloat16').",
+    "refuses it ('Unet loaded as datatype torch.bfloat16').",
     remove_when="diffusers builds models under zero.Init itself (then its dtype is zero.Init's, as stock)",
     wrapper=f"{_PKG}.placement.zero3:parameter_dtype",
 )
@@ -49,7 +49,7 @@ DIFFUSERS_CONFIG_CHANGE = Patch(
     supports="diffusers>=0.35.2,<0.43",
     # Called by the script on a model loaded into ZeRO-3 partitions, before prepare: made whole first.
     reason="train_instruct_pix2pix{,_sdxl}.py set in_channels=8, then copy conv_in.weight into a wider conv: "
-           "a model loaded into ZeRO-3 partitions has none.",
+    "a model loaded into ZeRO-3 partitions has none.",
     remove_when="diffusers builds models under zero.Init itself (then stock breaks the script alike)",
     wrapper=f"{_PKG}.placement.zero3:config_changed",
 )
@@ -58,7 +58,7 @@ TRANSFORMERS_MODEL = Patch(
     target="transformers.modeling_utils:PreTrainedModel.from_pretrained",
     supports="transformers>=4.57.6,<5.26",
     reason="ACCEL_NPU_TRUNCATE for transformers classes, an error instead of random init past the "
-           "checkpoint's depth, node-level load slots, malloc_trim.",
+    "checkpoint's depth, node-level load slots, malloc_trim.",
     remove_when="never for ACCEL_NPU_TRUNCATE; slots: when transformers staggers per-node loading",
     wrapper=f"{_PKG}.transformers:from_pretrained",
 )
@@ -67,7 +67,7 @@ DIFFUSERS_PIPELINE = Patch(
     target="diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained",
     supports="diffusers>=0.35.2,<0.43",
     reason="Under ZeRO-3 transformers builds a pipeline's inference towers (VAE, text encoders) inside "
-           "zero.Init, partitioned and cast (accelerate #3170, diffusers #10743).",
+    "zero.Init, partitioned and cast (accelerate #3170, diffusers #10743).",
     remove_when="transformers/accelerate stop using zero.Init for pipeline components",
     wrapper=f"{_PKG}.frozen:pipeline_from_pretrained",
 )
@@ -78,7 +78,7 @@ FSDP2_LOAD_FULL_STATE_DICT = Patch(
     # Every other rank also receives each whole tensor into a new buffer before its shard is
     # scattered: node peak = full model + all shards + ~half a model per other rank.
     reason="accelerate/utils/fsdp_utils.py keeps rank 0's whole original_sd alive until every shard is "
-           "built; each tensor is scattered and freed in turn.",
+    "built; each tensor is scattered and freed in turn.",
     remove_when="accelerate frees original_sd entries as it scatters them into the shards",
     wrapper=f"{_PKG}.placement.fsdp:load_full_state_dict_streaming",
 )
@@ -87,7 +87,7 @@ ZERO3_INIT_CM = Patch(
     target="accelerate.utils.dataclasses:DeepSpeedPlugin.zero3_init_context_manager",
     supports="accelerate>=1.10.1,<1.17",
     reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig set, so "
-           "towers still build under zero.Init (accelerate #3170).",
+    "towers still build under zero.Init (accelerate #3170).",
     remove_when="accelerate clears the weakref when zero.Init is disabled",
     wrapper=f"{_PKG}.frozen:zero3_init_context_manager",
 )
@@ -98,7 +98,7 @@ ZERO3_INIT_FLAG = Patch(
     supports="accelerate>=1.10.1,<1.17",
     # The object is marked with the flag; loads honour it.
     reason="With zero3_init_flag: false accelerate still sets transformers' HfDeepSpeedConfig: towers load "
-           "partitioned ('Padding_idx must be within num_embeddings').",
+    "partitioned ('Padding_idx must be within num_embeddings').",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
     wrapper=f"{_PKG}.frozen:set_deepspeed_weakref",
 )
@@ -107,7 +107,7 @@ TRANSFORMERS_FROM_CONFIG = Patch(
     target="transformers.modeling_utils:PreTrainedModel._from_config",
     supports="transformers>=4.57.6,<5.26",
     reason="AutoModel.from_config builds under zero.Init whenever the HfDeepSpeedConfig weakref is set, "
-           "even with accelerate's zero3_init_flag: false.",
+    "even with accelerate's zero3_init_flag: false.",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
     wrapper=f"{_PKG}.frozen:from_config",
 )
@@ -115,8 +115,17 @@ TRANSFORMERS_FROM_CONFIG = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [DIFFUSERS_MODEL, DIFFUSERS_DTYPE, DIFFUSERS_CONFIG_CHANGE, TRANSFORMERS_MODEL, DIFFUSERS_PIPELINE, ZERO3_INIT_CM,
-            FSDP2_LOAD_FULL_STATE_DICT, ZERO3_INIT_FLAG, TRANSFORMERS_FROM_CONFIG]
+    return [
+        DIFFUSERS_MODEL,
+        DIFFUSERS_DTYPE,
+        DIFFUSERS_CONFIG_CHANGE,
+        TRANSFORMERS_MODEL,
+        DIFFUSERS_PIPELINE,
+        ZERO3_INIT_CM,
+        FSDP2_LOAD_FULL_STATE_DICT,
+        ZERO3_INIT_FLAG,
+        TRANSFORMERS_FROM_CONFIG,
+    ]
 
 
 @hookimpl
@@ -143,14 +152,22 @@ def loading_report() -> dict:
         info["load threads (ACCEL_NPU_LOAD_THREADS)"] = str(load_threads(local_world_size()))
     except ConfigError as exc:
         info["load threads (ACCEL_NPU_LOAD_THREADS)"] = f"INVALID: {exc}"
-    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = ("straight into partitions, read once by rank 0" if zero3.switched_on()
-                                                   else "off: whole model on every rank, as stock")
+    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = (
+        "straight into partitions, read once by rank 0"
+        if zero3.switched_on()
+        else "off: whole model on every rank, as stock"
+    )
     info["FSDP loads (fsdp_cpu_ram_efficient_loading)"] = (
-        "rank 0 reads, the other ranks get its weights at prepare" if fsdp.efficient_loading_requested()
-        else "off in this environment: every rank reads, as stock")
+        "rank 0 reads, the other ranks get its weights at prepare"
+        if fsdp.efficient_loading_requested()
+        else "off in this environment: every rank reads, as stock"
+    )
     avail = available_memory()
     info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
     info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"
     info["casts' pages faulted in ahead (MADV_POPULATE_WRITE)"] = (
-        "available" if prefault_available() else "not available (Linux before 5.14, or not glibc): casts fault them as they copy")
+        "available"
+        if prefault_available()
+        else "not available (Linux before 5.14, or not glibc): casts fault them as they copy"
+    )
     return info

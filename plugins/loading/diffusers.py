@@ -18,6 +18,7 @@ goes to the stock implementation unchanged, before a byte is read):
    ``load_model_dict_into_meta`` (same casting and ``keep_in_fp32`` rules).
 5. **Finish** (:func:`finish`): nothing may be left on meta; one line for what was not read.
 """
+
 from __future__ import annotations
 
 import copy
@@ -90,8 +91,9 @@ def plan_load(cls, args, kwargs) -> _Plan | None:
         return None
     dtype = kwargs.get("dtype", None)
     torch_dtype = dtype if dtype is not None else kwargs.get("torch_dtype", None)
-    if torch_dtype is not None and (not isinstance(torch_dtype, torch.dtype)
-                                    or torch_dtype == getattr(torch, "float8_e4m3fn", None)):
+    if torch_dtype is not None and (
+        not isinstance(torch_dtype, torch.dtype) or torch_dtype == getattr(torch, "float8_e4m3fn", None)
+    ):
         return None
     subfolder = kwargs.get("subfolder")
     folder = os.path.join(path, subfolder or "")
@@ -104,8 +106,9 @@ def plan_load(cls, args, kwargs) -> _Plan | None:
     ckpt = open_checkpoint(folder)
     if ckpt is None:
         return None
-    return _Plan(original, path, folder, ckpt, kwargs, torch_dtype, bool(kwargs.get("output_loading_info", False)),
-                 subfolder)
+    return _Plan(
+        original, path, folder, ckpt, kwargs, torch_dtype, bool(kwargs.get("output_loading_info", False)), subfolder
+    )
 
 
 class _Fallback(Exception):
@@ -114,9 +117,9 @@ class _Fallback(Exception):
 
 @dataclass
 class _Depth:
-    key: str | None          # the config key of the block count
-    in_checkpoint: Any       # what the checkpoint's config says
-    requested: Any           # what this call asks for (None: as the checkpoint)
+    key: str | None  # the config key of the block count
+    in_checkpoint: Any  # what the checkpoint's config says
+    requested: Any  # what this call asks for (None: as the checkpoint)
 
 
 def read_config(cls, plan: _Plan) -> tuple[dict, dict, _Depth]:
@@ -124,17 +127,26 @@ def read_config(cls, plan: _Plan) -> tuple[dict, dict, _Depth]:
     from diffusers.models import modeling_utils as mu
 
     kwargs = dict(plan.kwargs)
-    for name in (*_DIFFUSERS_NEUTRAL, "output_loading_info", "torch_dtype", "dtype", "subfolder",
-                 "disable_mmap"):
+    for name in (*_DIFFUSERS_NEUTRAL, "output_loading_info", "torch_dtype", "dtype", "subfolder", "disable_mmap"):
         kwargs.pop(name, None)
     passed = {k: kwargs.pop(k) for k in _DIFFUSERS_PASSED if k in kwargs}
 
     truncate_to = truncation.truncation_for(cls)
-    user_agent = {"diffusers": getattr(mu, "__version__", ""), "file_type": "model", "framework": "pytorch",
-                  "model_class": cls.__name__}
+    user_agent = {
+        "diffusers": getattr(mu, "__version__", ""),
+        "file_type": "model",
+        "framework": "pytorch",
+        "model_class": cls.__name__,
+    }
     config, unused_kwargs, _commit = cls.load_config(
-        plan.path, return_unused_kwargs=True, return_commit_hash=True, subfolder=plan.subfolder,
-        user_agent=user_agent, **passed, **kwargs)
+        plan.path,
+        return_unused_kwargs=True,
+        return_commit_hash=True,
+        subfolder=plan.subfolder,
+        user_agent=user_agent,
+        **passed,
+        **kwargs,
+    )
     config = copy.deepcopy(config)
     if config.get("quantization_config") is not None:
         raise _Fallback()
@@ -193,11 +205,14 @@ def check_job(cls, plan: _Plan, model, depth: _Depth) -> tuple[LoadJob, list[str
     if missing_meta:
         hint = ""
         if depth.requested is not None and depth.in_checkpoint is not None and depth.requested > depth.in_checkpoint:
-            hint = (f" {cls.__name__} was asked for {depth.key}={depth.requested}, but the checkpoint has "
-                    f"{depth.in_checkpoint}: ask for at most {depth.in_checkpoint}.")
+            hint = (
+                f" {cls.__name__} was asked for {depth.key}={depth.requested}, but the checkpoint has "
+                f"{depth.in_checkpoint}: ask for at most {depth.in_checkpoint}."
+            )
         raise LoadError(
             f"accel-npu: {plan.folder} has no tensor for {len(missing_meta)} parameter(s) of {cls.__name__}: "
-            f"{truncation.short_list(missing_meta)}.{hint} (Stock diffusers would leave them on the meta device.)")
+            f"{truncation.short_list(missing_meta)}.{hint} (Stock diffusers would leave them on the meta device.)"
+        )
 
     needed_files = validate(ckpt, kept)
     torch_dtype = plan.torch_dtype
@@ -206,10 +221,22 @@ def check_job(cls, plan: _Plan, model, depth: _Depth) -> tuple[LoadJob, list[str
         t = model_sd[k]
         dt = t.dtype if torch_dtype is None or not t.is_floating_point() else torch_dtype
         out_bytes += t.numel() * dt.itemsize
-    job = LoadJob(cls=cls, model=model, model_sd=model_sd, ckpt=ckpt, kept=kept, needed_files=needed_files,
-                  nbytes=nbytes_of(ckpt, kept), out_bytes=out_bytes, torch_dtype=torch_dtype,
-                  keep_in_fp32=_keep_in_fp32(cls), unexpected=unexpected, path=plan.path, folder=plan.folder,
-                  load_whole=lambda: load(cls, plan))  # stock's result from the files, if ever needed
+    job = LoadJob(
+        cls=cls,
+        model=model,
+        model_sd=model_sd,
+        ckpt=ckpt,
+        kept=kept,
+        needed_files=needed_files,
+        nbytes=nbytes_of(ckpt, kept),
+        out_bytes=out_bytes,
+        torch_dtype=torch_dtype,
+        keep_in_fp32=_keep_in_fp32(cls),
+        unexpected=unexpected,
+        path=plan.path,
+        folder=plan.folder,
+        load_whole=lambda: load(cls, plan),
+    )  # stock's result from the files, if ever needed
     return job, missing, on_meta
 
 
@@ -251,24 +278,41 @@ def finish(job: LoadJob, depth: _Depth, seconds: float) -> None:
     cls = job.cls
     left = tensors_on_meta(job.model)
     if left:
-        raise LoadError(f"accel-npu: after loading {job.folder}, {cls.__name__} still has tensors on the meta "
-                        f"device: {truncation.short_list(left)}. They are neither in the checkpoint nor created by "
-                        "the model's __init__; this model class cannot be loaded with low_cpu_mem_usage.")
+        raise LoadError(
+            f"accel-npu: after loading {job.folder}, {cls.__name__} still has tensors on the meta "
+            f"device: {truncation.short_list(left)}. They are neither in the checkpoint nor created by "
+            "the model's __init__; this model class cannot be loaded with low_cpu_mem_usage."
+        )
     if not job.unexpected:
         return
     dropped_layers = truncation.layer_indices(job.unexpected)
-    truncated = depth.requested is not None and depth.in_checkpoint is not None \
-        and depth.requested < depth.in_checkpoint
+    truncated = (
+        depth.requested is not None and depth.in_checkpoint is not None and depth.requested < depth.in_checkpoint
+    )
     if truncated:
         log.warning(
             "accel-npu: %s truncated to %s=%d of %d: read %d tensors (%.1f MB in %.2f s) from %d of %d "
-            "shard(s); skipped %d checkpoint tensors of layers %s (not read).", cls.__name__, depth.key,
-            depth.requested, depth.in_checkpoint, len(job.kept), job.nbytes / 2**20, seconds,
-            len(job.needed_files), len(job.ckpt.files), len(job.unexpected),
-            truncation.ranges(dropped_layers) if dropped_layers else "-")
+            "shard(s); skipped %d checkpoint tensors of layers %s (not read).",
+            cls.__name__,
+            depth.key,
+            depth.requested,
+            depth.in_checkpoint,
+            len(job.kept),
+            job.nbytes / 2**20,
+            seconds,
+            len(job.needed_files),
+            len(job.ckpt.files),
+            len(job.unexpected),
+            truncation.ranges(dropped_layers) if dropped_layers else "-",
+        )
     else:
-        log.warning("accel-npu: %d tensor(s) of the checkpoint at %s are not used by %s (not read): %s",
-                    len(job.unexpected), job.folder, cls.__name__, truncation.short_list(job.unexpected, 5))
+        log.warning(
+            "accel-npu: %d tensor(s) of the checkpoint at %s are not used by %s (not read): %s",
+            len(job.unexpected),
+            job.folder,
+            cls.__name__,
+            truncation.short_list(job.unexpected, 5),
+        )
 
 
 def load(cls, plan: _Plan):
@@ -291,8 +335,12 @@ def load(cls, plan: _Plan):
     model.register_to_config(_name_or_path=plan.original)
     model.eval()
     if plan.output_loading_info:
-        return model, {"missing_keys": [k for k in missing if k not in on_meta], "unexpected_keys": job.unexpected,
-                       "mismatched_keys": [], "error_msgs": []}
+        return model, {
+            "missing_keys": [k for k in missing if k not in on_meta],
+            "unexpected_keys": job.unexpected,
+            "mismatched_keys": [],
+            "error_msgs": [],
+        }
     return model
 
 

@@ -9,6 +9,7 @@ accelerate sets that weakref for every ZeRO-3 config, whatever ``zero3_init_flag
 is set. The weakref's config object is marked here with the flag accelerate had when it set it;
 with the flag off, ``from_pretrained`` / ``from_config`` build whole, as the user's config asks.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -3,10 +3,12 @@
 A :class:`LoadJob` holds the model built on meta and the checkpoint keys it keeps; each
 placement module fills the model's parameters its own way from it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from accel_npu._torch.memory import to_fresh
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of
@@ -16,19 +18,19 @@ from accel_npu.plugins.loading.lazy import LazyTensors
 @dataclass
 class LoadJob:
     cls: type
-    model: Any                      # built on meta (buffers and plain tensor attributes real)
-    model_sd: dict                  # the meta model's state dict (shapes, dtypes)
+    model: Any  # built on meta (buffers and plain tensor attributes real)
+    model_sd: dict  # the meta model's state dict (shapes, dtypes)
     ckpt: Checkpoint
-    kept: list[str]                 # checkpoint keys the model uses, in model order
-    needed_files: list[str]         # shards holding them (validated)
-    nbytes: int                     # bytes of ``kept`` in the files
-    out_bytes: int                  # bytes of ``kept`` once cast
+    kept: list[str]  # checkpoint keys the model uses, in model order
+    needed_files: list[str]  # shards holding them (validated)
+    nbytes: int  # bytes of ``kept`` in the files
+    out_bytes: int  # bytes of ``kept`` once cast
     torch_dtype: Any
     keep_in_fp32: list[str]
     unexpected: list[str]
-    path: str                       # what from_pretrained was given (diffusers' model_name_or_path)
-    folder: str                     # the directory holding the weights
-    load_whole: Callable[[], Any]   # stock's result from the files (for a model used outside the engine)
+    path: str  # what from_pretrained was given (diffusers' model_name_or_path)
+    folder: str  # the directory holding the weights
+    load_whole: Callable[[], Any]  # stock's result from the files (for a model used outside the engine)
     _cast: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -79,8 +81,14 @@ class LoadJob:
                     continue
             rest[key] = tensor
         if rest:
-            load_model_dict_into_meta(self.model, rest, dtype=self.torch_dtype, model_name_or_path=self.path,
-                                      keep_in_fp32_modules=self.keep_in_fp32, unexpected_keys=self.unexpected)
+            load_model_dict_into_meta(
+                self.model,
+                rest,
+                dtype=self.torch_dtype,
+                model_name_or_path=self.path,
+                keep_in_fp32_modules=self.keep_in_fp32,
+                unexpected_keys=self.unexpected,
+            )
 
     def read_buffers_only(self) -> set[str]:
         """Buffers (small; not all in a broadcast) on every rank with stock's casting rules;

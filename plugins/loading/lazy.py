@@ -1,4 +1,5 @@
 """Reading the kept tensors of a checkpoint once, shard by shard, with readahead and cast threads."""
+
 from __future__ import annotations
 
 import os
@@ -6,7 +7,6 @@ import os
 from accel_npu._torch.dist import is_local_main
 from accel_npu._torch.safetensors_io import Checkpoint
 from accel_npu.errors import LoadError
-
 
 #: bytes of the checkpoint asked of the kernel (POSIX_FADV_WILLNEED) ahead of the tensor being read
 READAHEAD_BYTES = 256 << 20
@@ -35,8 +35,14 @@ class Readahead:
     single pages (``force_page_cache_ra`` allocates folios of the mapping's minimum order).
     """
 
-    def __init__(self, ckpt: Checkpoint, files: dict[str, list[str]], window: int = READAHEAD_BYTES,
-                 done: dict[str, list[tuple[int, int]]] | None = None, casting: bool = False):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        files: dict[str, list[str]],
+        window: int = READAHEAD_BYTES,
+        done: dict[str, list[tuple[int, int]]] | None = None,
+        casting: bool = False,
+    ):
         import threading
 
         self.ckpt, self.window = ckpt, window
@@ -59,10 +65,10 @@ class Readahead:
                     self.starts[k] = total
                     self.ranges.append((name, begin, end))
                     total += end - begin
-        self.next = 0       # the first range not wholly requested
-        self.offset = 0     # bytes of that range already requested
+        self.next = 0  # the first range not wholly requested
+        self.offset = 0  # bytes of that range already requested
         self.requested = 0  # stream bytes requested so far
-        self.target = 0     # stream bytes the readers have asked to have requested
+        self.target = 0  # stream bytes the readers have asked to have requested
         self.casting = casting
         self.limit: int | None = None  # stream bytes requested at most (None: all)
         self.fds: dict[str, int] = {}
@@ -113,7 +119,7 @@ class Readahead:
     def requested_ranges(self) -> dict[str, list[tuple[int, int]]]:
         """file -> the byte ranges requested so far."""
         out: dict[str, list[tuple[int, int]]] = {}
-        for name, begin, end in self.ranges[:self.next]:
+        for name, begin, end in self.ranges[: self.next]:
             out.setdefault(name, []).append((begin, end))
         if self.offset and self.next < len(self.ranges):
             name, begin, _ = self.ranges[self.next]
@@ -159,8 +165,7 @@ class LazyTensors:
     Results are identical and yielded in the same order.
     """
 
-    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None, convert=None, threads: int = 1,
-                 prefetch=None):
+    def __init__(self, ckpt: Checkpoint, keys: list[str], progress=None, convert=None, threads: int = 1, prefetch=None):
         self.ckpt, self.keys, self.progress = ckpt, keys, progress
         self.convert, self.threads = convert, threads
         self.prefetch = prefetch  # prefetch.Prefetch: tensors read and cast while the model was built
@@ -197,8 +202,12 @@ class LazyTensors:
         files = self.files(only)
         order = [(name, k) for name, keys in files.items() for k in keys]
         left = {name: len(keys) for name, keys in files.items()}  # tensors of each shard not yet yielded
-        ahead = Readahead(self.ckpt, files, done=self.prefetch.hand_over() if self.prefetch is not None else None,
-                          casting=self.prefetch is not None and self.prefetch.casting)
+        ahead = Readahead(
+            self.ckpt,
+            files,
+            done=self.prefetch.hand_over() if self.prefetch is not None else None,
+            casting=self.prefetch is not None and self.prefetch.casting,
+        )
         shards = _OpenShards(self.ckpt)
         pool = None
         if self.convert is not None and self.threads > 1:
@@ -228,7 +237,7 @@ class LazyTensors:
             shards.close_all()
             ahead.close()
 
-    def _read(self, order: list[tuple[str, str]], shards: "_OpenShards", pool, ahead: Readahead):
+    def _read(self, order: list[tuple[str, str]], shards: _OpenShards, pool, ahead: Readahead):
         """(shard, key, tensor) in ``order``. With a pool, the next ``2 * threads`` tensors are read
         and cast ahead — across shard boundaries, so no thread idles while the last (large) tensor
         of a shard is cast. A tensor the prefetch cast is taken where the real cast leaves it as it
@@ -279,7 +288,7 @@ class LazyTensors:
             yield name, k, result(name, k, got, early)
 
 
-def _read(ahead: Readahead, shards: "_OpenShards", name: str, key: str, convert):
+def _read(ahead: Readahead, shards: _OpenShards, name: str, key: str, convert):
     """One tensor in a load thread: its readahead, ``get_tensor`` (which reads the tensor's first
     byte, a page fault when cold, with the GIL held) and the cast all off the main thread."""
     ahead.reached(key)

@@ -12,6 +12,7 @@ placement reads whatever lies past that bound. The placement takes a prefetched 
 the real cast would leave it unchanged (same dtype, contiguous) and reads anything else as before:
 a wrong guess costs time, never a different result.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,7 +85,7 @@ class Prefetch:
         validate(self.ckpt, keys)  # headers read (check_job finds them read); a bad file raises here first
         return self._in_order(self.ckpt, keys)
 
-    def start(self, what: str) -> "Prefetch":
+    def start(self, what: str) -> Prefetch:
         import torch
 
         nbytes = out_bytes = cast_bytes = 0
@@ -113,8 +114,11 @@ class Prefetch:
         if not casts:  # nothing to cast: ask for the first window's bytes (beside construction)
             first = next((k for keys in self.files.values() for k in keys), None)
             if first is not None:
-                self._workers = [threading.Thread(target=self._ahead.reached, args=(first,),
-                                                  name="accel-npu-prefetch_0", daemon=True)]
+                self._workers = [
+                    threading.Thread(
+                        target=self._ahead.reached, args=(first,), name="accel-npu-prefetch_0", daemon=True
+                    )
+                ]
                 self._workers[0].start()
             return self
         shards = _OpenShards(self.ckpt)
@@ -123,8 +127,10 @@ class Prefetch:
         self._futures = dict(pieces.futures)
         with pieces._lock:  # each thread's first piece taken here, before the main thread constructs
             first = [pieces._take() for _ in range(self.threads)]
-        self._workers = [threading.Thread(target=self._work, args=(pieces, piece), name=f"accel-npu-prefetch_{i}",
-                                          daemon=True) for i, piece in enumerate(first)]
+        self._workers = [
+            threading.Thread(target=self._work, args=(pieces, piece), name=f"accel-npu-prefetch_{i}", daemon=True)
+            for i, piece in enumerate(first)
+        ]
         for w in self._workers:
             w.start()
         return self
@@ -140,7 +146,7 @@ class Prefetch:
             total += end - begin
         return out
 
-    def _work(self, pieces: "_Pieces", first) -> None:
+    def _work(self, pieces: _Pieces, first) -> None:
         try:
             if first is not None:
                 pieces.cast(first)
@@ -189,16 +195,16 @@ class _Pieces:
     when its first piece is taken, and its future completes when its last piece is copied.
     """
 
-    def __init__(self, casts, shards: "_OpenShards", ahead: Readahead, ckpt: Checkpoint, threads: int):
+    def __init__(self, casts, shards: _OpenShards, ahead: Readahead, ckpt: Checkpoint, threads: int):
         from concurrent.futures import Future
 
         self.casts, self.shards, self.ahead, self.ckpt, self.threads = casts, shards, ahead, ckpt, threads
         self._left = sum(ckpt.headers[name][k][3] - ckpt.headers[name][k][2] for name, k, _, _ in casts)
         self.futures = {k: Future() for _, k, _, _ in casts}
         self._lock = threading.Lock()
-        self._next = 0      # the first cast not wholly handed out
-        self._taken = 0     # pieces handed out
-        self._offset = 0    # its elements already handed out
+        self._next = 0  # the first cast not wholly handed out
+        self._taken = 0  # pieces handed out
+        self._offset = 0  # its elements already handed out
         self._tensors: dict[str, tuple] = {}  # key -> (output, source, elements not yet copied)
         self.built = False  # construction is over (Prefetch.model_built)
 
@@ -269,7 +275,7 @@ class _Pieces:
             out, src, _ = self._tensors[k]
             itemsize = src.element_size()
             n = min(numel - self._offset, max(1, (limit - size) // itemsize))
-            piece.append((k, out.view(-1)[self._offset:self._offset + n], src[self._offset:self._offset + n]))
+            piece.append((k, out.view(-1)[self._offset : self._offset + n], src[self._offset : self._offset + n]))
             size += n * itemsize
             self._left -= n * itemsize
             self._offset += n

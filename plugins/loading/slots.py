@@ -1,6 +1,7 @@
 """Staggered materialization: at most K ranks of a node read weights at once (flock'ed slot
 files: a rank that dies releases its slot), K from free host memory or ACCEL_NPU_LOAD_SLOTS;
 and how many threads one rank reads and casts with."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ import os
 import re
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from accel_npu import environment
 from accel_npu._torch.dist import local_world_size
@@ -56,8 +57,13 @@ def _slot_dir() -> str:
 
 
 def _who() -> dict:
-    return {"pid": os.getpid(), "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
-            "host": socket.gethostname(), "since": time.time()}
+    return {
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK"),
+        "local_rank": os.environ.get("LOCAL_RANK"),
+        "host": socket.gethostname(),
+        "since": time.time(),
+    }
 
 
 def _describe_holders(directory: str, slots: int) -> str:
@@ -67,8 +73,10 @@ def _describe_holders(directory: str, slots: int) -> str:
             with open(os.path.join(directory, f"slot-{i}.holder")) as f:
                 h = json.load(f)
             alive = _pid_alive(int(h["pid"]))
-            parts.append(f"slot {i}: rank {h.get('rank')} (pid {h['pid']} on {h.get('host')}, "
-                         f"holding for {time.time() - float(h['since']):.0f} s{'' if alive else ', process gone'})")
+            parts.append(
+                f"slot {i}: rank {h.get('rank')} (pid {h['pid']} on {h.get('host')}, "
+                f"holding for {time.time() - float(h['since']):.0f} s{'' if alive else ', process gone'})"
+            )
         except (OSError, ValueError, KeyError):
             parts.append(f"slot {i}: holder unknown")
     return "; ".join(parts)
@@ -88,8 +96,9 @@ _held_depth = 0
 
 
 @contextlib.contextmanager
-def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
-              timeout: float | None = None) -> Iterator[int | None]:
+def load_slot(
+    nbytes: int, what: str = "weights", slots: int | None = None, timeout: float | None = None
+) -> Iterator[int | None]:
     """Hold one of this node's load slots while materializing ``nbytes``.
 
     Yields the slot number (None when no staggering applies). A process that dies releases its
@@ -131,10 +140,14 @@ def load_slot(nbytes: int, what: str = "weights", slots: int | None = None,
                 f"accel-npu: rank {os.environ.get('RANK', '?')} waited {waited:.0f} s for one of {slots} load "
                 f"slot(s) to load {what} and gave up; held by: {_describe_holders(directory, slots)}. "
                 "A rank that hangs while loading blocks the others: check that rank's log; raise "
-                "ACCEL_NPU_LOAD_TIMEOUT for very slow storage, or ACCEL_NPU_LOAD_SLOTS if memory allows.")
+                "ACCEL_NPU_LOAD_TIMEOUT for very slow storage, or ACCEL_NPU_LOAD_SLOTS if memory allows."
+            )
         if not reported and waited > 5:
-            log.info("accel-npu: rank %s waiting for a load slot (%s)", os.environ.get("RANK"),
-                     _describe_holders(directory, slots))
+            log.info(
+                "accel-npu: rank %s waiting for a load slot (%s)",
+                os.environ.get("RANK"),
+                _describe_holders(directory, slots),
+            )
             reported = True
         time.sleep(0.05)
     holder = os.path.join(directory, f"slot-{held}.holder")

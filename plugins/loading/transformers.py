@@ -1,6 +1,7 @@
 """transformers ``PreTrainedModel.from_pretrained``: stock transformers 5 loading (already lazy
 per key) plus ACCEL_NPU_TRUNCATE, a clear error for a depth the checkpoint lacks (instead of
 random init), only the kept shards opened, load slots and malloc_trim."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,13 +13,13 @@ from dataclasses import dataclass
 
 from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.safetensors_io import TRANSFORMERS_INDEX, read_index
-from accel_npu.errors import LoadError
 from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned
+from accel_npu.errors import LoadError
+from accel_npu.patching import argument
 from accel_npu.plugins.loading import truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.placement.zero3 import attach_rebuild
 from accel_npu.plugins.loading.slots import load_slot
-from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
 
@@ -93,14 +94,21 @@ def _from_pretrained(wrapped, cls, args, kwargs):
         raise LoadError(
             f"accel-npu: {path} has no tensor for {len(missing)} weight(s) of {cls.__name__} built with "
             f"{depth_asked[0]}={depth_asked[1]}: {truncation.short_list(missing)}. The checkpoint has fewer layers: ask "
-            "for at most as many as its config.json says (transformers would initialize them randomly).")
+            "for at most as many as its config.json says (transformers would initialize them randomly)."
+        )
     unexpected = list(info.get("unexpected_keys") or [])
     if unexpected:
         layers = truncation.layer_indices(unexpected)
         shards = f" from {view.kept_files} of {view.all_files} shard(s)" if view is not None else ""
-        log.warning("accel-npu: %s truncated to %s=%d: read%s; skipped %d checkpoint tensors of layers %s "
-                    "(not read).", cls.__name__, depth_asked[0], depth_asked[1], shards, len(unexpected),
-                    truncation.ranges(layers) or "-")
+        log.warning(
+            "accel-npu: %s truncated to %s=%d: read%s; skipped %d checkpoint tensors of layers %s (not read).",
+            cls.__name__,
+            depth_asked[0],
+            depth_asked[1],
+            shards,
+            len(unexpected),
+            truncation.ranges(layers) or "-",
+        )
     return (model, info) if user_info else model
 
 
@@ -130,8 +138,9 @@ class _View:
 def _truncated_view(path, kwargs, depth: int) -> _View | None:
     """For a local sharded transformers checkpoint: a temporary directory with the same files but
     only the shards that hold tensors of the first ``depth`` layers, and an index of those keys."""
-    if not isinstance(path, (str, os.PathLike)) or any(kwargs.get(k) for k in ("variant", "gguf_file", "from_tf",
-                                                                                "from_flax")):
+    if not isinstance(path, (str, os.PathLike)) or any(
+        kwargs.get(k) for k in ("variant", "gguf_file", "from_tf", "from_flax")
+    ):
         return None
     if kwargs.get("use_safetensors") is False:
         return None
@@ -164,8 +173,9 @@ def _truncated_view(path, kwargs, depth: int) -> _View | None:
 
         shutil.rmtree(view, ignore_errors=True)
         return None
-    kept_bytes = sum(os.path.getsize(os.path.join(folder, n)) for n in kept_files
-                     if os.path.isfile(os.path.join(folder, n)))
+    kept_bytes = sum(
+        os.path.getsize(os.path.join(folder, n)) for n in kept_files if os.path.isfile(os.path.join(folder, n))
+    )
     return _View(view, dropped, len(kept_files), len(set(weight_map.values())), kept_bytes)
 
 

@@ -1,5 +1,6 @@
 """Truncation before reading: how many repeated blocks a load builds (``num_layers=2``,
 ``ACCEL_NPU_TRUNCATE=Class:2``), and the one-line summaries of what was skipped."""
+
 from __future__ import annotations
 
 from accel_npu import environment
@@ -25,7 +26,8 @@ def truncation_map(raw: str | None = None) -> dict[str, int]:
         if not sep or not name.strip() or n < 1:
             raise ConfigError(
                 f"accel-npu: ACCEL_NPU_TRUNCATE={raw!r}: {item!r} is not 'ClassName:layers' with layers >= 1 "
-                "(example: ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2)")
+                "(example: ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2)"
+            )
         out[name.strip()] = n
     return out
 

@@ -32,6 +32,7 @@ This module declares the patches; the wrappers sit beside it: ``autocast.py``, `
 (GradScaler, accelerate's fp16 on cpu), ``bf16_numpy.py``, ``fused_adamw.py``, ``float64.py``,
 ``frozen_half.py``.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -48,7 +49,7 @@ AUTOCAST = Patch(
     target="torch.amp.autocast_mode:autocast.__init__",
     supports="torch>=2.5.1,<2.16",
     reason="autocast('cuda') without CUDA: torch/amp/autocast_mode.py disables autocast with a warning "
-           "and the script silently trains in fp32; it runs on the active device.",
+    "and the script silently trains in fp32; it runs on the active device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=f"{_PKG}.autocast:autocast_init",
     scope=CUDA_FACADE,
@@ -95,7 +96,7 @@ GRAD_SCALER = Patch(
     # torch_npu implements _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ for npu
     # (Ascend/pytorch test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py).
     reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler without CUDA, so fp16 autocast on "
-           "npu/cpu trains unscaled; it scales on the autocast device.",
+    "npu/cpu trains unscaled; it scales on the autocast device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
     wrapper=f"{_PKG}.loss_scaling:grad_scaler_init",
     scope=CUDA_FACADE,
@@ -107,7 +108,7 @@ ACCELERATOR_FP16_CPU = Patch(
     target="accelerate.accelerator:Accelerator.__init__",
     supports="accelerate>=1.10.1,<1.17",
     reason="accelerate ignores mixed_precision fp16 on a cpu device (fp32, no scaler): the cpu backend "
-           "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
+    "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
     remove_when="accelerate runs fp16 autocast with a GradScaler on cpu",
     wrapper=f"{_PKG}.loss_scaling:accelerator_init",
     scope=CUDA_FACADE,
@@ -119,7 +120,7 @@ BF16_NUMPY = Patch(
     target="torch._tensor:Tensor.numpy",
     supports="torch>=2.5.1,<2.16",
     reason="tensor.numpy() on bfloat16 raises 'TypeError: Got unsupported ScalarType BFloat16' "
-           "(numpy has no bfloat16); returns a float32 array.",
+    "(numpy has no bfloat16); returns a float32 array.",
     remove_when="numpy gains a bfloat16 dtype that torch converts to",
     wrapper=f"{_PKG}.bf16_numpy:tensor_numpy",
 )
@@ -132,7 +133,7 @@ ADAMW_INIT = Patch(
     # On npu AdamW defaults to torch_npu's fused kernel, but never with an fp16 GradScaler's
     # grad_scale/found_inf, which torch_npu's fused mode does not take.
     reason="AdamW(fused=True) raises where torch/torch_npu has no fused kernel for a parameter's device "
-           "or dtype (torch/optim/optimizer.py); falls back to foreach.",
+    "or dtype (torch/optim/optimizer.py); falls back to foreach.",
     remove_when="torch_npu's fused AdamW covers every dtype and accepts grad_scale/found_inf",
     wrapper=f"{_PKG}.fused_adamw:adamw_init",
 )
@@ -144,9 +145,9 @@ LUMINA2_FREQS_CIS = Patch(
     supports="diffusers>=0.35.2,<0.43",
     # transformer_lumina2.py:245 (v0.40.0) guards only mps; the tables go to the device on every forward
     reason="Lumina2's RoPE tables are complex128 except on mps and NPU kernels reject float64 (diffusers #10428): "
-           "complex64 on npu, as on mps.",
+    "complex64 on npu, as on mps.",
     remove_when="diffusers' Lumina2RotaryPosEmbed downcasts for npu (maybe_adjust_dtype_for_device), "
-                "not as of main 58eb52c080 (2026-08)",
+    "not as of main 58eb52c080 (2026-08)",
     wrapper=f"{_PKG}.float64:lumina2_freqs_cis",
 )
 
@@ -158,7 +159,7 @@ FROZEN_HALF_DIFFUSERS = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.to",
     supports="diffusers>=0.35.2,<0.43",
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
-           "(no autocast there); it runs under torch.autocast.",
+    "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
     wrapper=f"{_PKG}.frozen_half:cast_to",
 )
@@ -167,7 +168,7 @@ FROZEN_HALF_TRANSFORMERS = Patch(
     target="transformers.modeling_utils:PreTrainedModel.to",
     supports="transformers>=4.57.6,<5.26",
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
-           "(no autocast there); it runs under torch.autocast.",
+    "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
     wrapper=f"{_PKG}.frozen_half:cast_to",
 )
@@ -179,7 +180,7 @@ FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
     target="accelerate.optimizer:AcceleratedOptimizer.__init__",
     supports="accelerate>=1.10.1,<1.17",
     reason="Which parameters the prepared optimizers hold: a half model given fp32 activations whose gradients "
-           "no optimizer applies runs under autocast as a frozen one.",
+    "no optimizer applies runs under autocast as a frozen one.",
     remove_when="with the frozen half models' autocast",
     wrapper=f"{_PKG}.frozen_half:note_prepared_optimizer",
 )
@@ -187,6 +188,18 @@ FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [AUTOCAST, LAYER_NORM_FP32, GROUP_NORM_FP32, CAT_AS_ON_CUDA, STACK_AS_ON_CUDA, GRAD_SCALER,
-            ACCELERATOR_FP16_CPU, BF16_NUMPY, ADAMW_INIT, LUMINA2_FREQS_CIS,
-            FROZEN_HALF_DIFFUSERS, FROZEN_HALF_TRANSFORMERS, FROZEN_HALF_PREPARED_OPTIMIZERS]
+    return [
+        AUTOCAST,
+        LAYER_NORM_FP32,
+        GROUP_NORM_FP32,
+        CAT_AS_ON_CUDA,
+        STACK_AS_ON_CUDA,
+        GRAD_SCALER,
+        ACCELERATOR_FP16_CPU,
+        BF16_NUMPY,
+        ADAMW_INIT,
+        LUMINA2_FREQS_CIS,
+        FROZEN_HALF_DIFFUSERS,
+        FROZEN_HALF_TRANSFORMERS,
+        FROZEN_HALF_PREPARED_OPTIMIZERS,
+    ]

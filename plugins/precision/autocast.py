@@ -3,6 +3,7 @@ package's patches): autocast("cuda") without CUDA runs on the active backend's d
 the requested dtype, where stock torch disables it and the script silently trains in fp32; on cpu, the
 calls where CPU's autocast op lists stop a half model that CUDA's and NPU's run (norms with half weights
 beside other activations, cat/stack of another half dtype) run as those run them."""
+
 from __future__ import annotations
 
 import logging
@@ -43,16 +44,25 @@ def autocast_init(wrapped, instance, args, kwargs):
     if supported is not None and dtype not in supported:
         # e.g. bf16 on a 910A: torch would disable autocast with a generic warning; say what happens
         if _once(("autocast-unsupported", target, dtype)):
-            log.warning("accel-npu: torch.autocast('cuda', dtype=%s): this %s has no %s autocast (supported: %s; "
-                        "an Ascend 910A has no bf16), so autocast is off and the forward runs in float32. "
-                        "dtype=torch.float16 gives mixed precision here.", _name(dtype), target, _name(dtype),
-                        ", ".join(_name(d) for d in supported))
+            log.warning(
+                "accel-npu: torch.autocast('cuda', dtype=%s): this %s has no %s autocast (supported: %s; "
+                "an Ascend 910A has no bf16), so autocast is off and the forward runs in float32. "
+                "dtype=torch.float16 gives mixed precision here.",
+                _name(dtype),
+                target,
+                _name(dtype),
+                ", ".join(_name(d) for d in supported),
+            )
         kwargs["enabled"] = False
         return wrapped(target, dtype, *rest, **kwargs)
     if _once(("autocast", target, dtype)):
-        log.warning("accel-npu: torch.autocast('cuda', dtype=%s) runs as torch.autocast(%r, dtype=%s) "
-                    "(no CUDA here; stock torch would disable autocast and run fp32)",
-                    str(dtype).replace("torch.", ""), target, str(dtype).replace("torch.", ""))
+        log.warning(
+            "accel-npu: torch.autocast('cuda', dtype=%s) runs as torch.autocast(%r, dtype=%s) "
+            "(no CUDA here; stock torch would disable autocast and run fp32)",
+            str(dtype).replace("torch.", ""),
+            target,
+            str(dtype).replace("torch.", ""),
+        )
     return wrapped(target, dtype, *rest, **kwargs)
 
 
@@ -82,8 +92,14 @@ def norm_in_fp32(wrapped, instance, args, kwargs):
 
     x = argument(args, kwargs, 0, "input")
     weight = argument(args, kwargs, 2, "weight")
-    if weight is None or x is None or x.dtype == weight.dtype or weight.dtype not in (torch.float16, torch.bfloat16) \
-            or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+    if (
+        weight is None
+        or x is None
+        or x.dtype == weight.dtype
+        or weight.dtype not in (torch.float16, torch.bfloat16)
+        or x.device.type != "cpu"
+        or not torch.is_autocast_enabled("cpu")
+    ):
         return wrapped(*args, **kwargs)
 
     def fp32(value):
@@ -105,8 +121,9 @@ def concat_as_on_cuda(wrapped, instance, args, kwargs):
     if type(tensors) not in (list, tuple) or not torch.is_autocast_enabled("cpu"):
         return wrapped(*args, **kwargs)
     low = torch.get_autocast_dtype("cpu")
-    if not any(isinstance(t, torch.Tensor) and t.dtype != low and t.dtype in (torch.float16, torch.bfloat16)
-               for t in tensors):
+    if not any(
+        isinstance(t, torch.Tensor) and t.dtype != low and t.dtype in (torch.float16, torch.bfloat16) for t in tensors
+    ):
         return wrapped(*args, **kwargs)
     with torch.autocast("cpu", enabled=False):
         return wrapped(*args, **kwargs)

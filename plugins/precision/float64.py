@@ -6,6 +6,7 @@ RoPE / sinusoidal tables in float32 on "npu" devices (``maybe_adjust_dtype_for_d
 The wrappers here cover the paths that guard only "mps": each hands the device the float32 /
 complex64 tensor diffusers gives an mps device, computed from the float64 table on the host.
 """
+
 from __future__ import annotations
 
 from accel_npu.backend import current_backend

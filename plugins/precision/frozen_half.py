@@ -30,6 +30,7 @@ frozen_towers plugin, ``accel_npu._torch.zero.live_engines``) says which paramet
 engine is not known counts as holding every parameter. Models never cast that way carry no hook; fp32
 models run as before.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,11 +45,11 @@ log = logging.getLogger("accel_npu")
 
 _first = FirstTime()
 #: models carrying the hooks: {model: (pre-hook handle, forward-hook handle)}
-_hooked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: per thread, the autocast contexts entered by the pre-hook: [(model, context)]
 _entered = threading.local()
 #: the optimizers accelerator.prepare returned, alive (accelerate's AcceleratedOptimizer and subclasses)
-_prepared: "weakref.WeakSet" = weakref.WeakSet()
+_prepared: weakref.WeakSet = weakref.WeakSet()
 
 
 def _half_dtype_requested(args, kwargs):
@@ -126,7 +127,8 @@ def held_parameter_ids():
         # DeepSpeed's ZeRO / bf16 / fp16 optimizers replace param_groups' parameters by flat fp32 partitions
         # (deepspeed/runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__): its engine says which
         if type(inner).__module__.split(".", 1)[0] == "deepspeed" and not any(
-                getattr(e, "optimizer", None) is inner for e in engines):
+            getattr(e, "optimizer", None) is inner for e in engines
+        ):
             return None
         held.update(id(p) for group in getattr(inner, "param_groups", ()) for p in group["params"])
     return held
@@ -164,12 +166,21 @@ def _before_forward(model, args, kwargs):
         site = user_frame()
         where = f"{site[0]}:{site[1]}" if site else "the script"
         half = str(dtype).removeprefix("torch.")
-        what = (f"{half} {type(model).__name__}, whose parameters no prepared optimizer holds (its gradients are "
-                f"never applied)" if trainable else f"frozen {half} {type(model).__name__} (no parameter requires grad)")
-        log.warning("accel-npu: %s passes float32 %s to the %s, outside any engine or autocast: its forward runs "
-                    "under torch.autocast(%s), as accelerate runs a prepared model with mixed precision; stock stops "
-                    "at the first matmul that meets them.", where,
-                    ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""), what, half)
+        what = (
+            f"{half} {type(model).__name__}, whose parameters no prepared optimizer holds (its gradients are "
+            f"never applied)"
+            if trainable
+            else f"frozen {half} {type(model).__name__} (no parameter requires grad)"
+        )
+        log.warning(
+            "accel-npu: %s passes float32 %s to the %s, outside any engine or autocast: its forward runs "
+            "under torch.autocast(%s), as accelerate runs a prepared model with mixed precision; stock stops "
+            "at the first matmul that meets them.",
+            where,
+            ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""),
+            what,
+            half,
+        )
     context = torch.autocast(device_type, dtype=dtype)
     context.__enter__()
     stack[-1] = (model, context)

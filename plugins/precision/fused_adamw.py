@@ -1,6 +1,7 @@
 """The wrapper of ``AdamW.__init__`` (named by path in this package's patches): ``fused=True`` falls back
 to foreach where torch / torch_npu has no fused kernel for a parameter's device or dtype; on the npu
 backend AdamW defaults to torch_npu's fused kernel, and a GradScaler unscales the gradients itself."""
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,21 @@ def _fused_kernel_rejects(p, decoupled: bool) -> str | None:
         try:
             t = [torch.zeros(1, dtype=p.dtype, device=p.device) for _ in range(4)]
             step = torch.zeros((), dtype=torch.float32, device=p.device)
-            kernel([t[0]], [t[1]], [t[2]], [t[3]], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
-                   weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+            kernel(
+                [t[0]],
+                [t[1]],
+                [t[2]],
+                [t[3]],
+                [],
+                [step],
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                weight_decay=0.0,
+                eps=1e-8,
+                amsgrad=False,
+                maximize=False,
+            )
             _probe_cache[key] = None
         except Exception as exc:  # noqa: BLE001 - any rejection means "use foreach"
             _probe_cache[key] = f"{p.dtype} on {p.device.type}: {type(exc).__name__}: {str(exc)[:200]}"
@@ -43,8 +57,12 @@ def _fused_kernel_rejects(p, decoupled: bool) -> str | None:
 
 def _fall_back_to_foreach(optimizer_name: str, why: str) -> None:
     if _once(("fused-fallback", optimizer_name, why)):
-        warnings.warn(f"accel-npu: {optimizer_name}(fused=True) is not supported here ({why}); "
-                      "using the foreach implementation instead.", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"accel-npu: {optimizer_name}(fused=True) is not supported here ({why}); "
+            "using the foreach implementation instead.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def adamw_init(wrapped, instance, args, kwargs):

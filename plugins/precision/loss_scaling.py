@@ -1,6 +1,7 @@
 """Wrappers that keep fp16 loss scaling where CUDA is absent (named by path in this package's patches):
 a "cuda" ``GradScaler`` scales on the device autocast("cuda") runs on, and accelerate's
 ``mixed_precision: fp16`` on the cpu backend runs autocast fp16 with a scaler, as on npu."""
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,11 @@ def grad_scaler_init(wrapped, instance, args, kwargs):
     if target == "cuda":  # forced cuda backend without CUDA: torch disables the scaler, as stock
         return wrapped(device, *rest, **kwargs)
     if _once(("grad-scaler", target)):
-        log.warning("accel-npu: GradScaler('cuda') scales on %r, the device autocast('cuda') runs on "
-                    "(no CUDA here; stock torch would disable loss scaling)", target)
+        log.warning(
+            "accel-npu: GradScaler('cuda') scales on %r, the device autocast('cuda') runs on "
+            "(no CUDA here; stock torch would disable loss scaling)",
+            target,
+        )
     return wrapped(target, *rest, **kwargs)
 
 
@@ -35,9 +39,13 @@ def accelerator_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
     from accelerate.utils import DistributedType
 
-    if (instance.state.mixed_precision != "fp16" or instance.native_amp or instance.device.type != "cpu"
-            or instance.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
-            or cuda_available()):
+    if (
+        instance.state.mixed_precision != "fp16"
+        or instance.native_amp
+        or instance.device.type != "cpu"
+        or instance.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        or cuda_available()
+    ):
         return
     from accel_npu.backend import current_backend
 
@@ -50,8 +58,13 @@ def accelerator_init(wrapped, instance, args, kwargs):
     # device being cpu: its "cuda" scalers scale on cpu through GRAD_SCALER
     kwargs = instance.scaler_handler.to_kwargs() if instance.scaler_handler is not None else {}
     instance.native_amp = True
-    instance.scaler = (get_fsdp2_grad_scaler(device="cpu", **kwargs) if instance.is_fsdp2
-                       else get_grad_scaler(instance.distributed_type, **kwargs))
+    instance.scaler = (
+        get_fsdp2_grad_scaler(device="cpu", **kwargs)
+        if instance.is_fsdp2
+        else get_grad_scaler(instance.distributed_type, **kwargs)
+    )
     if _once("accelerate-fp16-cpu"):
-        log.warning("accel-npu: mixed_precision fp16 runs on the cpu backend (autocast fp16 with loss "
-                    "scaling, as on npu); stock accelerate runs fp32 on cpu")
+        log.warning(
+            "accel-npu: mixed_precision fp16 runs on the cpu backend (autocast fp16 with loss "
+            "scaling, as on npu); stock accelerate runs fp32 on cpu"
+        )

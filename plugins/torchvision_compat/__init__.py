@@ -18,6 +18,7 @@ matching torchvision the registrations pass straight through.
 This module declares the patch; ``fake_impls.py`` holds the wrapper of ``register_fake``, ``mismatch.py``
 the diagnosis (what torchvision was built for, the wheel that pairs).
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -32,7 +33,7 @@ FAKE_IMPL_OF_MISSING_OPS = Patch(
     target="torch.library:register_fake",
     supports="torch>=2.5.1,<2.16",
     reason="A torchvision wheel built for another torch dies on import: 'operator torchvision::nms does "
-           "not exist' (pytorch/vision#9085); its fake impls are skipped.",
+    "not exist' (pytorch/vision#9085); its fake impls are skipped.",
     remove_when="torchvision/_meta_registrations.py guards register_fake with extension._has_ops()",
     wrapper=f"{_PKG}.fake_impls:skip_fake_impl_of_missing_torchvision_op",
 )

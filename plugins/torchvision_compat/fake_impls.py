@@ -1,6 +1,7 @@
 """The wrapper of ``torch.library.register_fake`` (named by path in this package's patch): while
 torchvision's C++ operators are missing, the fake impls its ``_meta_registrations.py`` registers for
 them are skipped (there is no operator to attach them to), with one warning naming the mismatch."""
+
 from __future__ import annotations
 
 from accel_npu.patching import argument
@@ -11,7 +12,7 @@ _NAMESPACE = "torchvision::"
 def _operator_exists(qualname: str) -> bool:
     import torch
 
-    name = qualname[len(_NAMESPACE):].split(".", 1)[0]
+    name = qualname[len(_NAMESPACE) :].split(".", 1)[0]
     return hasattr(torch.ops.torchvision, name)
 
 

@@ -3,6 +3,7 @@
 Read only once torchvision's C++ library has failed to load (``torchvision.extension._has_ops()``
 is False), i.e. on the path that used to end in "operator torchvision::nms does not exist".
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -102,9 +103,11 @@ def describe() -> str:
         install = f"pip install --no-deps torchvision=={wanted} --index-url {CPU_INDEX}"
     else:
         install = f"pip install --no-deps torchvision=={wanted} (the build for CUDA {torch.version.cuda})"
-    return (f"{what}: its C++ operators did not load ({_load_error()}). torchvision.transforms, "
-            f"datasets and models work; torchvision.ops (nms, roi_align, ...) and torchvision.io's "
-            f"image codecs raise. Install the wheel made for this torch: {install}")
+    return (
+        f"{what}: its C++ operators did not load ({_load_error()}). torchvision.transforms, "
+        f"datasets and models work; torchvision.ops (nms, roi_align, ...) and torchvision.io's "
+        f"image codecs raise. Install the wheel made for this torch: {install}"
+    )
 
 
 def warn_once() -> None:

@@ -14,6 +14,7 @@ other value is passed as it was.
 
 This module declares the patch; ``hparams.py`` holds the wrapper.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -28,7 +29,7 @@ TENSORBOARD_HPARAMS = Patch(
     target="accelerate.tracking:TensorBoardTracker.store_init_configuration",
     supports="accelerate>=1.10.1,<1.17",
     reason="init_trackers(config=vars(args)) with a list/dict value raises in torch's add_hparams "
-           "(accelerate #3727); TensorBoard records its str(), hparams.yml the value.",
+    "(accelerate #3727); TensorBoard records its str(), hparams.yml the value.",
     remove_when="accelerate's TensorBoardTracker or torch's hparams accept (or stringify) non-scalar values",
     wrapper=f"{_PKG}.hparams:store_init_configuration",
 )

@@ -6,6 +6,7 @@ duration of the call the tracker's writer gets an ``add_hparams`` of its own (an
 after) that hands torch the values it refuses as their ``str()``; the dict itself is not changed, so
 hparams.yml keeps the real values. A call whose values torch takes as they are runs untouched.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,12 @@ def store_init_configuration(wrapped, instance, args, kwargs):
     odd = [k for k, v in values.items() if not _recordable(v)]
     if not odd:
         return wrapped(*args, **kwargs)
-    log.warning("accel-npu: TensorBoard's hparams take int, float, str, bool or tensors (torch/utils/tensorboard/"
-                "summary.py hparams raises ValueError for others); init_trackers' config has %s: recorded there as "
-                "str(); accelerate's hparams.yml keeps the values.",
-                ", ".join(f"{k} ({type(values[k]).__name__})" for k in odd))
+    log.warning(
+        "accel-npu: TensorBoard's hparams take int, float, str, bool or tensors (torch/utils/tensorboard/"
+        "summary.py hparams raises ValueError for others); init_trackers' config has %s: recorded there as "
+        "str(); accelerate's hparams.yml keeps the values.",
+        ", ".join(f"{k} ({type(values[k]).__name__})" for k in odd),
+    )
     refused = set(odd)
     original = writer.add_hparams
 

@@ -7,6 +7,7 @@ with "CUDA not enabled. Requested context GPU(i)". When CUDA is absent the reade
 
 This module declares the patches; ``readers.py`` holds the wrappers.
 """
+
 from __future__ import annotations
 
 from accel_npu.hookspecs import hookimpl
@@ -15,8 +16,11 @@ from accel_npu.patching import Patch
 # The wrappers live beside this module (readers.py), named by path in `wrapper=`.
 _PKG = "accel_npu.plugins.video"
 
-_REASON = ("decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. Requested context "
-           "GPU(i)'); decodes on decord.cpu(0) instead.")
+_REASON = (
+    "decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. Requested context "
+    "GPU(i)'); decodes on decord.cpu(0) instead."
+)
+
 
 def _ctx_patch(module: str, cls: str) -> Patch:
     return Patch(

@@ -1,5 +1,6 @@
 """Wrappers of decord's readers' ``__init__`` (named by path in this package's patches, one per class):
 a GPU ``ctx`` becomes ``decord.cpu(0)`` where CUDA is absent."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,9 @@ def _cpu_ctx_for(ctx, what: str):
     import decord
 
     if _once(what):
-        log.warning("accel-npu: decord.%s(ctx=%r) decodes on decord.cpu(0): no CUDA here (decord has no "
-                    "NPU decoder)", what, ctx)
+        log.warning(
+            "accel-npu: decord.%s(ctx=%r) decodes on decord.cpu(0): no CUDA here (decord has no NPU decoder)", what, ctx
+        )
     return decord.cpu(0)
 
 

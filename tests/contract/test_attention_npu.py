@@ -12,6 +12,7 @@ UNet2DConditionModel and FluxTransformer2DModel; a tiny Llama loaded with
 The stand-in has no NPU kernels (with torch_npu installed diffusers' GEGLU calls torch_npu.npu_geglu),
 so no forward runs here; tests/test_attention_flags.py compares outputs on the cpu backend.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -26,16 +27,23 @@ pytestmark = pytest.mark.contract
 
 
 def _probe(work, site, **env):
-    return subprocess.run([sys.executable, str(SCRIPTS / "attention_flags.py"), str(work), "--no-forward"],
-                          env=env_with(site, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **env), capture_output=True, text=True, timeout=600, cwd="/")
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "attention_flags.py"), str(work), "--no-forward"],
+        env=env_with(site, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+    )
 
 
 @pytest.mark.slow
 def test_npu_flags_run_torch_npu_attention_and_stock_raises(tmp_path):
     site = make_site(tmp_path)
     (tmp_path / "ours").mkdir(), (tmp_path / "stock").mkdir()
-    ours, stock = run_concurrently(lambda: _probe(tmp_path / "ours", site),
-                                   lambda: _probe(tmp_path / "stock", site, ACCEL_NPU_DISABLE="1"))
+    ours, stock = run_concurrently(
+        lambda: _probe(tmp_path / "ours", site), lambda: _probe(tmp_path / "stock", site, ACCEL_NPU_DISABLE="1")
+    )
     (r,), (s,) = results(ours) or [None], results(stock) or [None]
     assert r is not None, explain(ours)
     assert s is not None, explain(stock)

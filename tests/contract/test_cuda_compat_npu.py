@@ -6,6 +6,7 @@ Ascend/pytorch master 9e73e708a), "cuda[:N]" -> "npu[:N]", Backend("nccl") -> "h
 transfer_to_npu's ``_wrapper_hccl`` does). The probe records which torch.npu functions were called.
 And with torch_npu's own transfer_to_npu imported before or after accel-npu's façade, the two agree.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,15 +47,22 @@ TRANSFER = "import torch_npu.contrib.transfer_to_npu"
 @pytest.mark.parametrize("order", ["facade only", "transfer_to_npu first", "transfer_to_npu after"])
 def test_cuda_routes_to_torch_npu(tmp_path, order):
     site = make_site(tmp_path)
-    code = ROUTES.format(before=TRANSFER if order == "transfer_to_npu first" else "",
-                         after=TRANSFER if order == "transfer_to_npu after" else "")
+    code = ROUTES.format(
+        before=TRANSFER if order == "transfer_to_npu first" else "",
+        after=TRANSFER if order == "transfer_to_npu after" else "",
+    )
     proc = py(code, env_with(site))
     (r,) = results(proc) or [None]
     assert r is not None, proc.stderr[-3000:]
     assert r["available"] is True and r["count"] == 8, r
     assert r["current"] == 0  # the stand-in's torch.npu.current_device
-    assert r["calls"][:5] == [["set_device", [3]], ["current_device", []], ["synchronize", []], ["empty_cache", []],
-                              ["memory_allocated", []]], r
+    assert r["calls"][:5] == [
+        ["set_device", [3]],
+        ["current_device", []],
+        ["synchronize", []],
+        ["empty_cache", []],
+        ["memory_allocated", []],
+    ], r
     assert r["autocast"] == "npu" and r["nccl"] == "hccl"
     assert r["remap"] == ["npu", "npu:1", "npu:2", "npu:5", "cpu"]
     # on an Ascend box accel-npu activates inside `import torch` (torch_npu is installed), so transfer_to_npu
@@ -65,9 +73,11 @@ def test_cuda_routes_to_torch_npu(tmp_path, order):
 @pytest.mark.slow
 def test_stock_npu_cuda_calls(tmp_path):
     site = make_site(tmp_path)
-    code = ("import json, torch, torch_npu, torch.distributed as dist\n"
-            "print('RESULT ' + json.dumps({'available': torch.cuda.is_available(), 'count': torch.cuda.device_count(),"
-            " 'nccl': str(dist.Backend('nccl'))}))")
+    code = (
+        "import json, torch, torch_npu, torch.distributed as dist\n"
+        "print('RESULT ' + json.dumps({'available': torch.cuda.is_available(), 'count': torch.cuda.device_count(),"
+        " 'nccl': str(dist.Backend('nccl'))}))"
+    )
     (r,) = results(py(code, env_with(site, ACCEL_NPU_DISABLE="1")))
     assert r == {"available": False, "count": 0, "nccl": "nccl"}
 
@@ -104,8 +114,11 @@ def test_torch_internals_see_torch_answers_on_npu_while_the_script_sees_the_npus
     site = make_site(tmp_path)
     (ours,) = results(py(INTERNAL, env_with(site, LOCAL_RANK="0")))
     (stock,) = results(py(INTERNAL, env_with(site, ACCEL_NPU_DISABLE="1")))
-    assert ours["script"] == {"torch.cuda.is_available()": "True", "torch.cuda.device_count()": "8",
-                              "torch.cuda.get_device_name()": "'Ascend910B1'"}, ours
+    assert ours["script"] == {
+        "torch.cuda.is_available()": "True",
+        "torch.cuda.device_count()": "8",
+        "torch.cuda.get_device_name()": "'Ascend910B1'",
+    }, ours
     assert ours["torch"] == stock["torch"] == stock["script"], (ours, stock)
     assert ours["torch"]["torch.cuda.is_available()"] == "False"
     assert ours["cuda_interface"] == stock["cuda_interface"] == "CudaInterface"

@@ -15,6 +15,7 @@ process whose backend is npu (the stand-in torch_npu), under a TorchDispatchMode
 dtype of every tensor every op produces. The stand-in has no NPU tensors, so what the forward
 would put on the device is what it computes here. Stock is ``ACCEL_NPU_DISABLE=1``.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -7,6 +7,7 @@ defaults, torch/torch_npu pairing, libraries on the loader path, mx_driving
 patcher) and 2's NPU half (AdamW fused by default, no grad_scale/found_inf into the fused step).
 Stock = ACCEL_NPU_DISABLE=1.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ TORCH_BASE = torch.__version__.split("+")[0]
 TORCH_LIB = str(Path(torch.__file__).parent / "lib")
 
 
-def make_site(tmp_path: Path, version: str = f"{TORCH_BASE}.post1", mx: str | None = None,
-              autoload: bool = False) -> Path:
+def make_site(
+    tmp_path: Path, version: str = f"{TORCH_BASE}.post1", mx: str | None = None, autoload: bool = False
+) -> Path:
     """A site directory holding the stand-in torch_npu (at ``version``) and optionally mx_driving;
     ``autoload``: with torch_npu's ``torch.backends`` entry point, as the real wheel has (setup.py)."""
     site = tmp_path / "site"
@@ -56,13 +58,18 @@ def py(code: str, env: dict) -> subprocess.CompletedProcess:
     """``code`` as a training script on an Ascend machine: the CUDA façade family answers as in a launched rank
     (opted in: a plain process leaves it off, tests/test_stock_paths.py)."""
     env = {"ACCEL_NPU_CUDA_FACADE": "1", **env}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
-                          cwd="/")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd="/")
 
 
 def npu_report(env: dict) -> dict:
-    proc = subprocess.run([str(BIN / "accel-npu"), "env", "--json", "--no-import"], env=env, capture_output=True, text=True,
-                          timeout=180, cwd="/")
+    proc = subprocess.run(
+        [str(BIN / "accel-npu"), "env", "--json", "--no-import"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -87,27 +94,34 @@ def test_too_many_processes_refused_before_any_worker(tmp_path):
     # --gpu_ids narrows the devices after the launcher counted 8: still refused (issue 13 item 9)
     narrowed = accelerate_launch(["--gpu_ids", "0,1", *args], env=env_with(site))
     assert narrowed.returncode != 0 and not results(narrowed), explain(narrowed)
-    assert "4 processes requested but only 2 NPU(s) are visible (ASCEND_RT_VISIBLE_DEVICES=0,1)" in \
-        narrowed.stdout + narrowed.stderr, explain(narrowed)
+    assert (
+        "4 processes requested but only 2 NPU(s) are visible (ASCEND_RT_VISIBLE_DEVICES=0,1)"
+        in narrowed.stdout + narrowed.stderr
+    ), explain(narrowed)
 
     stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1", **extra))
     # stock accelerate starts all 4 ranks on 2 devices (HCCL fails much later on real hardware)
     assert stock.returncode == 0, explain(stock)
     recs = results(stock)
     assert [r["rank"] for r in recs] == [0, 1, 2, 3]
-    assert all(r["env"]["TASK_QUEUE_ENABLE"] is None for r in recs)   # stock: no Ascend defaults
-    assert all(r["env"]["TORCH_HCCL_ENABLE_MONITORING"] is None and r["env"]["HCCL_DESYNC_DEBUG"] is None
-               for r in recs)
+    assert all(r["env"]["TASK_QUEUE_ENABLE"] is None for r in recs)  # stock: no Ascend defaults
+    assert all(r["env"]["TORCH_HCCL_ENABLE_MONITORING"] is None and r["env"]["HCCL_DESYNC_DEBUG"] is None for r in recs)
     assert all(r["torch_npu"] for r in recs)
 
 
 @pytest.mark.slow
 def test_worker_environment_defaults_user_values_win(tmp_path):
     site = make_site(tmp_path)
-    proc = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                              str(SCRIPTS / "print_worker_env.py")],
-                             env=env_with(site, HCCL_EXEC_TIMEOUT="99", ASCEND_RT_VISIBLE_DEVICES="0,1",
-                                          TORCH_HCCL_DESYNC_DEBUG="0", TORCH_HCCL_TRACE_BUFFER_SIZE="50"))
+    proc = accelerate_launch(
+        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")],
+        env=env_with(
+            site,
+            HCCL_EXEC_TIMEOUT="99",
+            ASCEND_RT_VISIBLE_DEVICES="0,1",
+            TORCH_HCCL_DESYNC_DEBUG="0",
+            TORCH_HCCL_TRACE_BUFFER_SIZE="50",
+        ),
+    )
     assert proc.returncode == 0, explain(proc)
     recs = results(proc)
     assert len(recs) == 2
@@ -116,8 +130,8 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
         assert r["env"]["CPU_AFFINITY_CONF"] == "1"
         assert r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200"
-        assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"          # the user's value wins
-        assert r["env"]["DEEPSPEED_TIMEOUT"] == "30"          # DeepSpeed's 10 min would kill jobs at 600 s
+        assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"  # the user's value wins
+        assert r["env"]["DEEPSPEED_TIMEOUT"] == "30"  # DeepSpeed's 10 min would kill jobs at 600 s
         assert r["env"]["DS_ACCELERATOR"] == "npu"
         # hang diagnosis: torch_npu's watchdog, desync report, heartbeat monitor and flight recorder
         # (issue 13 item 4); a user value for either name of a renamed switch leaves both alone
@@ -156,8 +170,9 @@ def test_npu_config_without_torch_npu_refuses_the_launch(tmp_path):
     """launch_configs/npu_zero2.yaml on a machine without torch_npu: refused, not trained on the CPU."""
     from ..launch_utils import REPO
 
-    proc = accelerate_launch(["--config_file", str(REPO / "launch_configs" / "npu_zero2.yaml"),
-                              str(SCRIPTS / "print_worker_env.py")])
+    proc = accelerate_launch(
+        ["--config_file", str(REPO / "launch_configs" / "npu_zero2.yaml"), str(SCRIPTS / "print_worker_env.py")]
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not results(proc), explain(proc)
     assert "npu_zero2.yaml was written for the npu backend, but torch_npu is not installed here" in out
@@ -174,9 +189,11 @@ def test_decord_fix_holds_with_transfer_to_npu_imported(tmp_path):
 
     site = make_site(tmp_path)
     clip = write_raw_avi(tmp_path / "clip.avi", make_frames())
-    code = ("import torch, torch_npu\nimport torch_npu.contrib.transfer_to_npu\nimport decord\n"
-            f"reader = decord.VideoReader({clip!r}, ctx=decord.gpu(0))\n"
-            "print('RESULT', torch.cuda.is_available(), len(reader), int(reader[3].asnumpy().sum()))")
+    code = (
+        "import torch, torch_npu\nimport torch_npu.contrib.transfer_to_npu\nimport decord\n"
+        f"reader = decord.VideoReader({clip!r}, ctx=decord.gpu(0))\n"
+        "print('RESULT', torch.cuda.is_available(), len(reader), int(reader[3].asnumpy().sum()))"
+    )
     ours = py(code, env_with(site))
     assert ours.returncode == 0, explain(ours)
     expected = int(np.asarray(make_frames()[3], dtype=np.int64).sum())
@@ -191,10 +208,12 @@ def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
     npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it
     changes. Witness: the options the stand-in's `_npu_setOption` received."""
     site = make_site(tmp_path)
-    code = ("import torch, torch_npu\n"
-            "try:\n    torch.npu.config.allow_internal_format\n    readable = True\n"
-            "except AttributeError:\n    readable = False\n"
-            "print('RESULT', readable, torch_npu._C.options_set)")
+    code = (
+        "import torch, torch_npu\n"
+        "try:\n    torch.npu.config.allow_internal_format\n    readable = True\n"
+        "except AttributeError:\n    readable = False\n"
+        "print('RESULT', readable, torch_npu._C.options_set)"
+    )
     proc = py(code, env_with(site))
     assert proc.returncode == 0, explain(proc)
     assert "RESULT False []" in proc.stdout, explain(proc)
@@ -211,25 +230,33 @@ def test_torch_torch_npu_pairing_mismatch_is_one_clear_error(tmp_path):
     assert quiet.returncode == 0
     assert quiet.stderr.count("are not a pair") == 1 and "pip install 'torch==2.7.1'" in quiet.stderr, quiet.stderr
     # still an ImportError for code that probes `try: import torch_npu`
-    ours = py("import torch\ntry:\n import torch_npu\nexcept ImportError as e:\n print('caught', type(e).__name__)\n raise",
-              env_with(site))
+    ours = py(
+        "import torch\ntry:\n import torch_npu\nexcept ImportError as e:\n print('caught', type(e).__name__)\n raise",
+        env_with(site),
+    )
     assert ours.returncode != 0 and "caught NpuEnvironmentError" in ours.stdout, ours.stderr[-2000:]
     line = last_line(ours)
-    assert line.startswith("accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded"), line
+    assert line.startswith(
+        "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded"
+    ), line
     assert f"torch {torch.__version__} and torch_npu 2.7.1.post2 are not a pair" in line
     assert "Fix: pip install 'torch==2.7.1'" in line
 
     npu = npu_report(env_with(site))["sections"]["NPU"]
-    assert npu["torch/torch_npu pairing"].startswith("PROBLEM: torch ") and "pip install 'torch==2.7.1'" in npu[
-        "torch/torch_npu pairing"]
+    assert (
+        npu["torch/torch_npu pairing"].startswith("PROBLEM: torch ")
+        and "pip install 'torch==2.7.1'" in npu["torch/torch_npu pairing"]
+    )
     assert "undefined symbol" in npu["import torch_npu"]
 
 
 @pytest.mark.slow
 def test_broken_torch_npu_refuses_launch_before_workers(tmp_path):
     site = make_site(tmp_path, version="2.7.1.post2")
-    proc = accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                              str(SCRIPTS / "print_worker_env.py")], env=env_with(site))
+    proc = accelerate_launch(
+        ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")],
+        env=env_with(site),
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not results(proc)
     assert "LaunchError: accel-npu: torch_npu cannot be loaded" in out and "Traceback" not in out, explain(proc)
@@ -254,8 +281,9 @@ def test_missing_libraries_on_loader_path(tmp_path):
     assert fix in npu["import torch_npu"]
 
     # the printed fix is exact: with it applied torch_npu loads (the report imports it)
-    npu = npu_report(env_with(site, STANDIN_REQUIRE_LD_LIBRARY_PATH="1",
-                              LD_LIBRARY_PATH=f"{TORCH_LIB}:{site / 'torch_npu' / 'lib'}"))["sections"]["NPU"]
+    npu = npu_report(
+        env_with(site, STANDIN_REQUIRE_LD_LIBRARY_PATH="1", LD_LIBRARY_PATH=f"{TORCH_LIB}:{site / 'torch_npu' / 'lib'}")
+    )["sections"]["NPU"]
     assert npu["torch/torch_npu pairing"].startswith("ok") and npu["devices"] == 8 and "import torch_npu" not in npu
     assert npu["libtorch_npu.so"].endswith("(on LD_LIBRARY_PATH)")
 
@@ -280,13 +308,15 @@ def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
 
 #: prints the ``torch.backends`` entry points in the order torch is about to call them (what
 #: torch/__init__.py ``_import_device_backends`` iterates), then imports torch
-ORDER_THEN_IMPORT_TORCH = ("from importlib.metadata import entry_points; "
-                           "print('ORDER', [e.name for e in entry_points(group='torch.backends')], flush=True); "
-                           "import torch")
+ORDER_THEN_IMPORT_TORCH = (
+    "from importlib.metadata import entry_points; "
+    "print('ORDER', [e.name for e in entry_points(group='torch.backends')], flush=True); "
+    "import torch"
+)
 
 
 def backend_entry_points(proc) -> list[str]:
-    return eval(next(l for l in proc.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER "):])
+    return eval(next(l for l in proc.stdout.splitlines() if l.startswith("ORDER"))[len("ORDER ") :])
 
 
 @pytest.mark.slow
@@ -299,15 +329,21 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     cann = dict(STANDIN_MISSING_CANN_LIB="libhccl.so", ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
 
     def diagnosis(proc) -> str:
-        lines = [line for line in proc.stderr.splitlines() if line.startswith(
-            "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded")]
+        lines = [
+            line
+            for line in proc.stderr.splitlines()
+            if line.startswith(
+                "accel_npu.plugins.devices.npu.diagnostics.NpuEnvironmentError: accel-npu: torch_npu cannot be loaded"
+            )
+        ]
         assert len(lines) == 1 and "libhccl.so is part of CANN" in lines[0], proc.stderr[-3000:]
         assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in lines[0]
         return lines[0]
 
     def stock_shows_torch_and_torch_npu_only(stock):
-        assert stock.returncode != 0 and last_line(stock).startswith("RuntimeError: Failed to load the backend "
-                                                                     "extension: torch_npu"), stock.stderr[-2000:]
+        assert stock.returncode != 0 and last_line(stock).startswith(
+            "RuntimeError: Failed to load the backend extension: torch_npu"
+        ), stock.stderr[-2000:]
         assert "ImportError: libhccl.so: cannot open shared object file" in stock.stderr
         assert "accel-npu" not in stock.stderr and "accel_npu" not in stock.stderr, stock.stderr[-2000:]
 
@@ -326,16 +362,20 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     # found the other way round (torch_npu first on sys.path, through PYTHONPATH): its entry point
     # runs, and fails, before accel-npu's. The startup hook (accel_npu_startup.pth, which every install
     # shape puts in site-packages: tests/test_install_shapes.py) diagnoses the import in a bare `python`
-    assert "_accel_npu_startup" in sys.modules, ("accel_npu_startup.pth did not run in this interpreter: an "
-                                                 "install from before setup.py wrote it? pip install -e . again")
+    assert "_accel_npu_startup" in sys.modules, (
+        "accel_npu_startup.pth did not run in this interpreter: an "
+        "install from before setup.py wrote it? pip install -e . again"
+    )
     bare = py(ORDER_THEN_IMPORT_TORCH, first)
     assert backend_entry_points(bare)[0] == "torch_npu", bare.stdout
-    assert bare.returncode != 0 and last_line(bare).startswith("RuntimeError: Failed to load the backend "
-                                                               "extension: torch_npu"), bare.stderr[-3000:]
+    assert bare.returncode != 0 and last_line(bare).startswith(
+        "RuntimeError: Failed to load the backend extension: torch_npu"
+    ), bare.stderr[-3000:]
     diagnosis(bare)
     # accel-npu's own command says it as one line
-    proc = subprocess.run([str(BIN / "accel-npu"), "env", "--no-import"], env=first, capture_output=True, text=True,
-                          timeout=180, cwd="/")
+    proc = subprocess.run(
+        [str(BIN / "accel-npu"), "env", "--no-import"], env=first, capture_output=True, text=True, timeout=180, cwd="/"
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: accel-npu: torch_npu cannot be loaded (ImportError: libhccl.so"), proc.stderr
     assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in proc.stderr.splitlines()[0]
@@ -359,16 +399,18 @@ def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imp
     script's `import transformers`; importing mx_driving.patcher brings transfer_to_npu (issue 13 item 5)."""
     site = make_site(tmp_path, mx="v2")
     ours = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1")))[0]
-    assert ours["calls"] == ["default_patcher.add(TransformersNPU)",
-                             "default_patcher.apply() [transformers imported before: False]"], ours
-    assert ours["rms_norm_from"] == "mx_driving.patcher.transformers_patch", ours   # TransformersNPU applied
-    assert ours["cuda"] is True                       # transfer_to_npu came with mx_driving.patcher (torch.cuda -> torch.npu)
+    assert ours["calls"] == [
+        "default_patcher.add(TransformersNPU)",
+        "default_patcher.apply() [transformers imported before: False]",
+    ], ours
+    assert ours["rms_norm_from"] == "mx_driving.patcher.transformers_patch", ours  # TransformersNPU applied
+    assert ours["cuda"] is True  # transfer_to_npu came with mx_driving.patcher (torch.cuda -> torch.npu)
     assert ours["transformers_spec_loader"] != "_AlreadyImported", ours  # transformers ran once, its spec intact
-    off = results(py(MX_PROBE, env_with(site)))[0]    # off unless ACCEL_NPU_MX_DRIVING=1
+    off = results(py(MX_PROBE, env_with(site)))[0]  # off unless ACCEL_NPU_MX_DRIVING=1
     stock = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1", ACCEL_NPU_DISABLE="1")))[0]
     for other in (off, stock):
         assert other["calls"] == [] and other["rms_norm_from"] == "transformers.models.qwen3.modeling_qwen3", other
-        assert other["cuda"] is False, other          # no transfer_to_npu
+        assert other["cuda"] is False, other  # no transfer_to_npu
 
 
 @pytest.mark.slow
@@ -376,13 +418,18 @@ def test_mx_driving_patcher_1_0_builder(tmp_path):
     """patcher 1.0 (DrivingSDK branch_v7.2.RC1 .. branch_v26.0.0): default_patcher_builder.build().__enter__(),
     whose __enter__ imports transfer_to_npu; no TransformersNPU exists there, and `accel-npu env` says so."""
     site = make_site(tmp_path, mx="v1")
-    ours = py("import torch, torch_npu, mx_driving; print('CALLS', mx_driving.CALLS)",
-              env_with(site, ACCEL_NPU_MX_DRIVING="1"))
-    assert ("CALLS ['default_patcher_builder.build().__enter__()', 'transfer_to_npu', 'patch index -> torch', "
-            "'patch batch_matmul -> torch']") in ours.stdout, explain(ours)
+    ours = py(
+        "import torch, torch_npu, mx_driving; print('CALLS', mx_driving.CALLS)",
+        env_with(site, ACCEL_NPU_MX_DRIVING="1"),
+    )
+    assert (
+        "CALLS ['default_patcher_builder.build().__enter__()', 'transfer_to_npu', 'patch index -> torch', "
+        "'patch batch_matmul -> torch']"
+    ) in ours.stdout, explain(ours)
     status = npu_report(env_with(site, ACCEL_NPU_MX_DRIVING="1"))["sections"]["NPU"]["mx_driving"]
-    assert status == ("applied: mx_driving.patcher.default_patcher_builder.build().__enter__() "
-                      "(patcher 1.0: no TransformersNPU)"), status
+    assert status == (
+        "applied: mx_driving.patcher.default_patcher_builder.build().__enter__() (patcher 1.0: no TransformersNPU)"
+    ), status
 
 
 # -- item 2, NPU half ------------------------------------------------------------------------------
@@ -410,8 +457,8 @@ def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step
     site = make_site(tmp_path)
     ours = results(py(ADAMW_PROBE, env_with(site)))[0]
     stock = results(py(ADAMW_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]
-    assert ours["autocast"] == ["npu", "torch.bfloat16", True]      # item 1 on the npu backend
-    assert stock["autocast"] == ["cuda", "torch.bfloat16", False]    # stock: disabled
+    assert ours["autocast"] == ["npu", "torch.bfloat16", True]  # item 1 on the npu backend
+    assert stock["autocast"] == ["cuda", "torch.bfloat16", False]  # stock: disabled
     assert ours["fused"] is True and ours["scaling_into_step"] is False
     assert stock["fused"] is None and stock["scaling_into_step"] is False
     # the scaler unscaled the gradient itself: an AdamW step moves each weight by ~lr
@@ -457,26 +504,43 @@ def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
     from ..test_selftest import check_lines, selftest
 
     site = make_site(tmp_path)
-    proc = selftest(env_with(site, ASCEND_RT_VISIBLE_DEVICES="0", STANDIN_NPU_SOC="Ascend910A",
-                             ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest"), timeout_s=150)
+    proc = selftest(
+        env_with(
+            site,
+            ASCEND_RT_VISIBLE_DEVICES="0",
+            STANDIN_NPU_SOC="Ascend910A",
+            ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest",
+        ),
+        timeout_s=150,
+    )
     lines = check_lines(proc.stdout)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.startswith("accel-npu self-test: backend npu (npu, hccl, 1 device(s))"), proc.stdout
     assert lines["CANN libraries"].startswith("failed: OSError: cannot load libascendcl.so"), lines
     assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in lines["CANN libraries"], lines
     assert lines["import torch_npu"] == f"ok (torch_npu {TORCH_BASE}.post1)", lines
-    assert lines["CANN / SoC / bf16"] == ("ok (CANN 8.2.RC1, SoC Ascend910A, bf16 NOT supported (autocast bf16 runs "
-                                          "float32, AdamW uses foreach))"), lines
+    assert lines["CANN / SoC / bf16"] == (
+        "ok (CANN 8.2.RC1, SoC Ascend910A, bf16 NOT supported (autocast bf16 runs float32, AdamW uses foreach))"
+    ), lines
     assert lines["visible devices"] == "ok (torch.npu.device_count() = 1 (ASCEND_RT_VISIBLE_DEVICES=0))", lines
     assert lines["mx_driving"] == "skipped: ACCEL_NPU_MX_DRIVING is not 1", lines
-    assert lines["matmul"].startswith("failed:"), lines       # the stand-in has no NPU kernels
+    assert lines["matmul"].startswith("failed:"), lines  # the stand-in has no NPU kernels
     # the launch went through accel-npu's launcher (its worker defaults), though torch_npu, imported by this
     # process, left TORCH_DEVICE_BACKEND_AUTOLOAD=0 in its environment
-    assert lines["launch (torchrun)"] == "ok (1 rank(s); DS_ACCELERATOR=npu, DEEPSPEED_TIMEOUT=30, HCCL_EXEC_TIMEOUT=1800)"
-    assert lines["ZeRO-2 step"].startswith("failed: 1-rank torchrun exited with status 1 before reporting: rank 0 "
-                                           "failed:"), lines  # DeepSpeed needs more of torch.npu than the stand-in has
-    assert proc.stdout.rstrip().splitlines()[-1].startswith(f"{sum(not s.startswith('failed') for s in lines.values())}"
-                                                            f" of {len(lines)} checks did not fail; FAILED: CANN libraries")
+    assert (
+        lines["launch (torchrun)"] == "ok (1 rank(s); DS_ACCELERATOR=npu, DEEPSPEED_TIMEOUT=30, HCCL_EXEC_TIMEOUT=1800)"
+    )
+    assert lines["ZeRO-2 step"].startswith(
+        "failed: 1-rank torchrun exited with status 1 before reporting: rank 0 failed:"
+    ), lines  # DeepSpeed needs more of torch.npu than the stand-in has
+    assert (
+        proc.stdout.rstrip()
+        .splitlines()[-1]
+        .startswith(
+            f"{sum(not s.startswith('failed') for s in lines.values())}"
+            f" of {len(lines)} checks did not fail; FAILED: CANN libraries"
+        )
+    )
 
 
 # -- device visibility read as torch_npu reads it -------------------------------------------------
@@ -489,12 +553,19 @@ def test_visible_devices_are_counted_as_the_standin_torch_npu_counts_them(tmp_pa
     by value, on an 8-NPU machine."""
     from accel_npu.plugins.devices.npu.visibility import visible_devices
 
-    code = ("import json, os, sys, torch, torch_npu\nout = {}\nfor v in json.loads(sys.argv[1]):\n"
-            "    os.environ['ASCEND_RT_VISIBLE_DEVICES'] = v\n    out[v] = torch.npu.device_count()\n"
-            "print('RESULT ' + json.dumps(out))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(VISIBILITY_VALUES)],
-                          env=env_with(make_site(tmp_path), ACCEL_NPU_DISABLE="1"), capture_output=True, text=True,
-                          timeout=180, cwd="/")
+    code = (
+        "import json, os, sys, torch, torch_npu\nout = {}\nfor v in json.loads(sys.argv[1]):\n"
+        "    os.environ['ASCEND_RT_VISIBLE_DEVICES'] = v\n    out[v] = torch.npu.device_count()\n"
+        "print('RESULT ' + json.dumps(out))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(VISIBILITY_VALUES)],
+        env=env_with(make_site(tmp_path), ACCEL_NPU_DISABLE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     standin = json.loads(proc.stdout.split("RESULT ", 1)[1])
     ours = {v: visible_devices(v, 8).count for v in VISIBILITY_VALUES}
@@ -506,11 +577,19 @@ def test_visible_devices_are_counted_as_the_standin_torch_npu_counts_them(tmp_pa
 @pytest.mark.parametrize("gpu_ids,standin_count,fix", [("3,1", 0, "1,3"), ("0, 1", 1, "0,1")])
 def test_gpu_ids_torch_npu_reads_differently_are_refused_before_any_worker(gpu_ids, standin_count, fix, tmp_path):
     site = make_site(tmp_path)
-    args = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--gpu_ids", gpu_ids,
-            str(SCRIPTS / "print_worker_env.py")]
+    args = [
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--gpu_ids",
+        gpu_ids,
+        str(SCRIPTS / "print_worker_env.py"),
+    ]
     ours = accelerate_launch(args, env=env_with(site))
     out = ours.stdout + ours.stderr
-    assert ours.returncode != 0 and not results(ours), explain(ours)   # no worker started
+    assert ours.returncode != 0 and not results(ours), explain(ours)  # no worker started
     assert "Traceback" not in out and "ASCEND_RT_VISIBLE_DEVICES" in out and f"--gpu_ids {fix}" in out, explain(ours)
     stock = accelerate_launch(args, env=env_with(site, ACCEL_NPU_DISABLE="1"))
     # stock starts both workers, which torch_npu gives fewer NPUs than processes
@@ -540,26 +619,40 @@ def test_desync_debug_is_left_off_and_a_busy_hccl_port_range_is_avoided(tmp_path
 def test_an_npu_used_in_a_forked_dataloader_worker_is_explained_after_the_traceback(tmp_path):
     site = make_site(tmp_path)
     script = str(SCRIPTS / "npu_forked_worker.py")
-    ours = subprocess.run([sys.executable, script], env=env_with(site), capture_output=True, text=True,
-                          timeout=180, cwd="/")
-    stock = subprocess.run([sys.executable, script], env=env_with(site, ACCEL_NPU_DISABLE="1"), capture_output=True,
-                           text=True, timeout=180, cwd="/")
+    ours = subprocess.run(
+        [sys.executable, script], env=env_with(site), capture_output=True, text=True, timeout=180, cwd="/"
+    )
+    stock = subprocess.run(
+        [sys.executable, script],
+        env=env_with(site, ACCEL_NPU_DISABLE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd="/",
+    )
     for proc in (ours, stock):  # the stand-in's torch_npu refused in the worker; the DataLoader re-raised it
         assert proc.returncode == 1 and "Cannot re-initialize NPU in forked subprocess" in proc.stderr, proc.stderr
-    assert "multiprocessing_context=\"spawn\"" in last_line(ours), ours.stderr[-2000:]
+    assert 'multiprocessing_context="spawn"' in last_line(ours), ours.stderr[-2000:]
     assert "accel-npu" not in stock.stderr
 
 
-@pytest.mark.parametrize("message,names", [
-    # vllm-ascend #405: HcclGetRootInfo with port 60000 held by another job
-    ("createHCCLComm: HCCL function error: HcclGetRootInfo(&hcclID), error code is 11\nEJ0003: Failed to bind the IP "
-     "port. Reason: The IP address and port have been bound already.\nhost nic listen start failed, port[60000]",
-     "HCCL_IF_BASE_PORT=60032"),
-    ("Communication_Error_Bind_IP_Port(EI0019)", "HCCL_IF_BASE_PORT="),
-    # csrc/core/npu/NPUGraph.cpp capture_begin (v7.1.0.2 .. master)
-    ("Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export TASK_QUEUE_ENABLE=1/0.",
-     "TASK_QUEUE_ENABLE=1"),
-])
+@pytest.mark.parametrize(
+    "message,names",
+    [
+        # vllm-ascend #405: HcclGetRootInfo with port 60000 held by another job
+        (
+            "createHCCLComm: HCCL function error: HcclGetRootInfo(&hcclID), error code is 11\nEJ0003: Failed to bind the IP "
+            "port. Reason: The IP address and port have been bound already.\nhost nic listen start failed, port[60000]",
+            "HCCL_IF_BASE_PORT=60032",
+        ),
+        ("Communication_Error_Bind_IP_Port(EI0019)", "HCCL_IF_BASE_PORT="),
+        # csrc/core/npu/NPUGraph.cpp capture_begin (v7.1.0.2 .. master)
+        (
+            "Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export TASK_QUEUE_ENABLE=1/0.",
+            "TASK_QUEUE_ENABLE=1",
+        ),
+    ],
+)
 def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, monkeypatch):
     from accel_npu.plugins.explain_errors.excepthook import explanations
 
@@ -572,9 +665,11 @@ def test_hccl_port_clash_and_graph_capture_errors_are_explained(message, names, 
     assert explanations(RuntimeError("a bug in the script")) == []
 
 
-PARTIAL_STATE_PROBE = ("import json, os\nfrom accelerate import PartialState\nstate = PartialState()\n"
-                       "print('RESULT ' + json.dumps({'rank': state.process_index, 'backend': state.backend, "
-                       "'device': str(state.device)}), flush=True)")
+PARTIAL_STATE_PROBE = (
+    "import json, os\nfrom accelerate import PartialState\nstate = PartialState()\n"
+    "print('RESULT ' + json.dumps({'rank': state.process_index, 'backend': state.backend, "
+    "'device': str(state.device)}), flush=True)"
+)
 
 
 @pytest.mark.slow
@@ -585,8 +680,17 @@ def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_
     with the variable's name and the fix, before any process group (no rendezvous, so no hang), unless
     ACCEL_NPU_BACKEND=cpu says the CPU is meant. Stock never names the cause."""
     site = make_site(tmp_path)
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--no-python", "env", "ASCEND_RT_VISIBLE_DEVICES=1,0",
-           sys.executable, "-c", PARTIAL_STATE_PROBE]
+    cmd = [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--no-python",
+        "env",
+        "ASCEND_RT_VISIBLE_DEVICES=1,0",
+        sys.executable,
+        "-c",
+        PARTIAL_STATE_PROBE,
+    ]
 
     def run(**extra):
         return subprocess.run(cmd, env=env_with(site, **extra), capture_output=True, text=True, timeout=240, cwd="/")
@@ -598,11 +702,15 @@ def test_a_rank_without_a_usable_npu_refuses_instead_of_training_on_the_cpu(tmp_
     assert refusals and all(
         "has no usable NPU, and a rank of a launched job does not fall back to the CPU" in line
         and "ASCEND_RT_VISIBLE_DEVICES=1,0: the ids are not in ascending order" in line
-        and "ASCEND_RT_VISIBLE_DEVICES=0,1" in line for line in refusals), explain(ours)
+        and "ASCEND_RT_VISIBLE_DEVICES=0,1" in line
+        for line in refusals
+    ), explain(ours)
     on_purpose = run(ACCEL_NPU_BACKEND="cpu")
     recs = results(on_purpose)
     assert on_purpose.returncode == 0 and [(r["rank"], r["backend"], r["device"].split(":")[0]) for r in recs] == [
-        (0, "gloo", "cpu"), (1, "gloo", "cpu")], explain(on_purpose)
+        (0, "gloo", "cpu"),
+        (1, "gloo", "cpu"),
+    ], explain(on_purpose)
     stock = run(ACCEL_NPU_DISABLE="1")
     assert "ASCEND_RT_VISIBLE_DEVICES" not in stock.stdout + stock.stderr, explain(stock)
 
@@ -620,34 +728,53 @@ def test_two_machines_check_their_hccl_interface_before_any_worker_starts(tmp_pa
     site = make_site(tmp_path)
 
     def machine(rank: int, port: int, **extra):
-        args = ["--multi_gpu", "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
-                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-                str(SCRIPTS / "print_worker_env.py")]
+        args = [
+            "--multi_gpu",
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--num_processes",
+            "2",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            str(SCRIPTS / "print_worker_env.py"),
+        ]
         return lambda: accelerate_launch(args, env=env_with(site, ASCEND_RT_VISIBLE_DEVICES="0", **extra), timeout=240)
 
     good, stock = free_port(), free_port()
     main, other, bad_name, bad_ip = run_concurrently(
-        machine(0, good, HCCL_IF_IP="127.0.0.1"), machine(1, good, HCCL_SOCKET_IFNAME="lo"),
-        machine(1, free_port(), HCCL_SOCKET_IFNAME="=enp61s0f0"), machine(1, free_port(), HCCL_IF_IP="203.0.113.7"))
+        machine(0, good, HCCL_IF_IP="127.0.0.1"),
+        machine(1, good, HCCL_SOCKET_IFNAME="lo"),
+        machine(1, free_port(), HCCL_SOCKET_IFNAME="=enp61s0f0"),
+        machine(1, free_port(), HCCL_IF_IP="203.0.113.7"),
+    )
     for proc in (main, other):
         assert proc.returncode == 0, explain(proc)
     recs = results(main) + results(other)
     assert sorted(r["rank"] for r in recs) == [0, 1], explain(main) + explain(other)
-    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200" for r in recs), recs   # the default for 2 ranks
+    assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] == "1200" for r in recs), recs  # the default for 2 ranks
 
     for proc, value in ((bad_name, "HCCL_SOCKET_IFNAME==enp61s0f0"), (bad_ip, "HCCL_IF_IP=203.0.113.7")):
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and not results(proc) and "Traceback" not in out, explain(proc)
-        assert "LaunchError: accel-npu: machine rank 1 of 2 refuses to start its workers: " + value in out, explain(proc)
-        assert "it has: lo 127.0.0.1" in out, explain(proc)       # what this machine has
+        assert "LaunchError: accel-npu: machine rank 1 of 2 refuses to start its workers: " + value in out, explain(
+            proc
+        )
+        assert "it has: lo 127.0.0.1" in out, explain(proc)  # what this machine has
     assert "no interface on this machine matches that exact name" in bad_name.stderr + bad_name.stdout
     assert "is not an address of this machine" in bad_ip.stderr + bad_ip.stdout
 
     stock_main, stock_other = run_concurrently(
         machine(0, stock, ACCEL_NPU_DISABLE="1", HCCL_IF_IP="203.0.113.7"),
-        machine(1, stock, ACCEL_NPU_DISABLE="1", HCCL_SOCKET_IFNAME="=enp61s0f0"))
+        machine(1, stock, ACCEL_NPU_DISABLE="1", HCCL_SOCKET_IFNAME="=enp61s0f0"),
+    )
     stock_recs = results(stock_main) + results(stock_other)
     assert sorted(r["rank"] for r in stock_recs) == [0, 1], explain(stock_main) + explain(stock_other)
-    assert {r["env"]["HCCL_IF_IP"] or r["env"]["HCCL_SOCKET_IFNAME"] for r in stock_recs} == {"203.0.113.7",
-                                                                                              "=enp61s0f0"}
+    assert {r["env"]["HCCL_IF_IP"] or r["env"]["HCCL_SOCKET_IFNAME"] for r in stock_recs} == {
+        "203.0.113.7",
+        "=enp61s0f0",
+    }
     assert all(r["env"]["HCCL_CONNECT_TIMEOUT"] is None for r in stock_recs)

@@ -12,6 +12,7 @@ the same weights under the default SDPA attention. Usage: attention_flags.py WOR
 (--no-forward: build and switch only; the torch_npu stand-in has no kernels, and with torch_npu installed
 diffusers' GEGLU calls torch_npu.npu_geglu, transformers' flash attention torch_npu.npu_fusion_attention).
 """
+
 import copy
 import json
 import os
@@ -54,10 +55,18 @@ if out["script_sees_xformers"]:
     out["xformers_has_ops"] = attempt("xformers_ops", lambda: __import__("xformers.ops") and True)
 
 torch.manual_seed(0)
-unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                            block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                            attention_head_dim=8, norm_num_groups=8)
+unet = UNet2DConditionModel(
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=8,
+)
 reference = copy.deepcopy(unet)
 out["unet_processors_before"] = sorted({type(p).__name__ for p in unet.attn_processors.values()})
 out["unet_enabled"] = attempt("unet_enable", lambda: unet.enable_xformers_memory_efficient_attention() or True)
@@ -69,9 +78,17 @@ if forward:
     out["unet_max_abs_diff_vs_sdpa"] = float((ours - sdpa).abs().max())
 
 torch.manual_seed(0)
-flux = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                              num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                              axes_dims_rope=[4, 4, 8])
+flux = FluxTransformer2DModel(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    axes_dims_rope=[4, 4, 8],
+)
 out["flux_enabled"] = attempt("flux_enable", lambda: flux.enable_xformers_memory_efficient_attention() or True)
 out["flux_backends"] = sorted({str(getattr(p, "_attention_backend", None)) for p in flux.attn_processors.values()})
 
@@ -81,9 +98,17 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 folder = os.path.join(work, "llama")
 if not os.path.isdir(folder):
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-                     ).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(folder)
 llama = attempt("llama_fa2", lambda: LlamaForCausalLM.from_pretrained(folder, attn_implementation="flash_attention_2"))
 if llama is not None:
     out["llama_attn_implementation"] = llama.config._attn_implementation

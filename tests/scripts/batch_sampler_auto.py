@@ -2,6 +2,7 @@
 under a DeepSpeed config whose micro batch size is "auto"; first an IterableDataset that yields
 whole batches (no batch size anywhere), prepared in a call of its own: nothing in that call needs the
 value, so it is prepared and the config's "auto" is left for the model's call."""
+
 import json
 
 import torch
@@ -35,9 +36,18 @@ for (x,) in loader:
     optimizer.step()
     optimizer.zero_grad()
     shapes.append(list(x.shape))
-print("RESULT " + json.dumps({
-    "rank": accelerator.process_index, "whole_batches": whole_batches, "after_whole_batches": after_whole_batches,
-    "shapes": shapes,
-    "engine_micro_batch": model.train_micro_batch_size_per_gpu(), "engine_train_batch": model.train_batch_size(),
-}), flush=True)
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "rank": accelerator.process_index,
+            "whole_batches": whole_batches,
+            "after_whole_batches": after_whole_batches,
+            "shapes": shapes,
+            "engine_micro_batch": model.train_micro_batch_size_per_gpu(),
+            "engine_train_batch": model.train_batch_size(),
+        }
+    ),
+    flush=True,
+)
 accelerator.end_training()

@@ -7,6 +7,7 @@
 
 Prints RESULT {shape, device, compiled (the model's type), graphs (dynamo's unique graphs), losses, weights}.
 """
+
 import json
 import sys
 
@@ -44,5 +45,16 @@ for _ in range(2):
 from torch._dynamo.utils import counters  # noqa: E402
 
 weights = [p.detach().cpu().double().sum().item() for p in model.parameters()]
-print("RESULT " + json.dumps({"shape": shape, "device": device, "compiled": type(model).__name__,
-                              "graphs": counters["stats"]["unique_graphs"], "losses": losses, "weights": weights}))
+print(
+    "RESULT "
+    + json.dumps(
+        {
+            "shape": shape,
+            "device": device,
+            "compiled": type(model).__name__,
+            "graphs": counters["stats"]["unique_graphs"],
+            "losses": losses,
+            "weights": weights,
+        }
+    )
+)

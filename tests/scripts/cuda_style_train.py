@@ -7,6 +7,7 @@ whose bf16 predictions go through ``.cpu().numpy()`` for a metric, then training
 Prints ``RESULT {json}`` per rank at the end.
 Usage: cuda_style_train.py [--steps N] [--eval-after K]
 """
+
 import argparse
 import json
 import os
@@ -71,13 +72,23 @@ def main():
         if step + 1 == a.eval_after:
             model.eval()
             metric = evaluate(model, data[:8], target[:8])
-    rec = {"rank": accelerator.process_index, "num_processes": accelerator.num_processes,
-           "distributed_type": str(accelerator.distributed_type), "losses": losses,
-           "activation_dtypes": activation_dtypes, "eval_metric": metric[0], "eval_pred_dtype": metric[1],
-           "eval_numpy_dtype": metric[2], "param_dtype": str(next(model.parameters()).dtype),
-           "ds_bf16": (accelerator.state.deepspeed_plugin.deepspeed_config.get("bf16")
-                       if accelerator.state.deepspeed_plugin else None),
-           "world_size": os.environ.get("WORLD_SIZE")}
+    rec = {
+        "rank": accelerator.process_index,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "losses": losses,
+        "activation_dtypes": activation_dtypes,
+        "eval_metric": metric[0],
+        "eval_pred_dtype": metric[1],
+        "eval_numpy_dtype": metric[2],
+        "param_dtype": str(next(model.parameters()).dtype),
+        "ds_bf16": (
+            accelerator.state.deepspeed_plugin.deepspeed_config.get("bf16")
+            if accelerator.state.deepspeed_plugin
+            else None
+        ),
+        "world_size": os.environ.get("WORLD_SIZE"),
+    }
     print("RESULT " + json.dumps(rec), flush=True)
 
 

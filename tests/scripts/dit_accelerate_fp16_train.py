@@ -5,15 +5,15 @@ accelerate.utils.get_grad_scaler) and checkpointed with ``save_state`` on every 
 Usage: dit_accelerate_fp16_train.py --results-dir DIR [--steps N]
 Prints ``RESULT {json}`` per rank at the end.
 """
+
 import argparse
 import json
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader, TensorDataset
-
 from dit_ddp_cuda_train import TinyDiT
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def main(args):
@@ -22,8 +22,12 @@ def main(args):
     model = TinyDiT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0)
     data = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(TensorDataset(data), batch_size=args.global_batch_size // accelerator.num_processes,
-                        shuffle=True, drop_last=True)
+    loader = DataLoader(
+        TensorDataset(data),
+        batch_size=args.global_batch_size // accelerator.num_processes,
+        shuffle=True,
+        drop_last=True,
+    )
     inner = []  # what the last layer computes in (accelerate hands the loss back in fp32 either way)
     model.out.register_forward_hook(lambda module, inputs, output: inner.append(str(output.dtype)))
     model, opt, loader = accelerator.prepare(model, opt, loader)
@@ -44,11 +48,16 @@ def main(args):
                 break
     accelerator.save_state(args.results_dir)
     scaler = accelerator.scaler
-    rec = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
-           "distributed_type": str(accelerator.distributed_type), "autocast_dtype": inner[-1],
-           "scaler": None if scaler is None else type(scaler).__module__ + "." + type(scaler).__name__,
-           "scaler_enabled": scaler is not None and scaler.is_enabled(),
-           "scale": None if scaler is None else scaler.get_scale(), "losses": losses}
+    rec = {
+        "rank": accelerator.process_index,
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "autocast_dtype": inner[-1],
+        "scaler": None if scaler is None else type(scaler).__module__ + "." + type(scaler).__name__,
+        "scaler_enabled": scaler is not None and scaler.is_enabled(),
+        "scale": None if scaler is None else scaler.get_scale(),
+        "losses": losses,
+    }
     print("RESULT " + json.dumps(rec), flush=True)
     accelerator.end_training()
 

@@ -5,6 +5,7 @@ checks: exactly what runs on a GPU box.
 Usage: dit_ddp_cuda_train.py --results-dir DIR [--steps N]
 Prints ``RESULT {json}`` per rank at the end.
 """
+
 import argparse
 import json
 import os
@@ -53,10 +54,18 @@ def main(args):
     g = torch.Generator().manual_seed(0)
     data = torch.randn(256, 16, generator=g)
     dataset = TensorDataset(data)
-    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=rank, shuffle=True,
-                                 seed=args.global_seed)
-    loader = DataLoader(dataset, batch_size=args.global_batch_size // dist.get_world_size(), shuffle=False,
-                        sampler=sampler, num_workers=0, pin_memory=True, drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=dist.get_world_size(), rank=rank, shuffle=True, seed=args.global_seed
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=args.global_batch_size // dist.get_world_size(),
+        shuffle=False,
+        sampler=sampler,
+        num_workers=0,
+        pin_memory=True,
+        drop_last=True,
+    )
 
     model.train()
     losses, step_ms = [], []
@@ -91,17 +100,30 @@ def main(args):
     torch.cuda.empty_cache()
     checkpoint_path = None
     if rank == 0:
-        checkpoint = {"model": model.module.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
-                      "args": vars(args)}
+        checkpoint = {
+            "model": model.module.state_dict(),
+            "opt": opt.state_dict(),
+            "scaler": scaler.state_dict(),
+            "args": vars(args),
+        }
         os.makedirs(args.results_dir, exist_ok=True)
         checkpoint_path = f"{args.results_dir}/{train_steps:07d}.pt"
         torch.save(checkpoint, checkpoint_path)
     dist.barrier()
-    rec = {"rank": rank, "world_size": dist.get_world_size(), "backend": str(dist.get_backend()),
-           "device": str(next(model.parameters()).device), "autocast_dtype": str(pred.dtype),
-           "scaler_enabled": scaler.is_enabled(), "scale": scaler.get_scale(), "losses": losses,
-           "step_ms": step_ms, "peak_memory": peak, "checkpoint": checkpoint_path,
-           "seconds": time() - start_time}
+    rec = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "backend": str(dist.get_backend()),
+        "device": str(next(model.parameters()).device),
+        "autocast_dtype": str(pred.dtype),
+        "scaler_enabled": scaler.is_enabled(),
+        "scale": scaler.get_scale(),
+        "losses": losses,
+        "step_ms": step_ms,
+        "peak_memory": peak,
+        "checkpoint": checkpoint_path,
+        "seconds": time() - start_time,
+    }
     print("RESULT " + json.dumps(rec), flush=True)
     dist.destroy_process_group()
 

@@ -10,13 +10,13 @@ Prints ``RESULT {json}`` with, per scaler spelling and optimizer: whether the sc
 its scale after each step, the fraction of gradients that are exactly zero and the gradients'
 relative error against fp32 at step 1, and the parameters' relative error after the last step.
 """
-import copy
+
 import json
 import warnings
 
 import torch
 
-TINY = 2.0 ** -24
+TINY = 2.0**-24
 STEPS = 3
 
 SCALERS = {

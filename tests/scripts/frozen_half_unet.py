@@ -6,6 +6,7 @@ usage: frozen_half_unet.py OUT.pt   -- writes {"error": str | None, "output": te
 "by_hand_cast"}: the script's call, then two references computed by hand (torch.autocast around the call; the
 inputs cast to bf16 by hand).
 """
+
 import sys
 
 import torch
@@ -15,11 +16,22 @@ from diffusers import UNet2DConditionModel
 def main(out: str) -> None:
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
-        block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-        addition_time_embed_dim=8, transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=6 * 8 + 32,
-        cross_attention_dim=64, norm_num_groups=8)
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 1),
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=8,
+    )
     unet.requires_grad_(False)
     unet.to("cpu", dtype=torch.bfloat16)
 
@@ -30,8 +42,9 @@ def main(out: str) -> None:
     added = {"text_embeds": torch.randn(2, 32), "time_ids": torch.tensor([[8.0, 8, 0, 0, 8, 8]] * 2)}
 
     def call(embeds):
-        return unet(noisy_latents, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added,
-                    return_dict=False)[0]
+        return unet(noisy_latents, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False)[
+            0
+        ]
 
     result = {"error": None, "output": None}
     try:

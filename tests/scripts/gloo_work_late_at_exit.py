@@ -14,6 +14,7 @@ Made deterministic with two stand-ins for timing:
 Prints ``RESULT rank=N attempts=K`` when the script body ends and ``CALLBACK_DONE rank=N`` when
 the late callback finished. Launch it with torchrun (stock accelerate starts one CPU process).
 """
+
 import atexit
 import os
 import sys
@@ -66,7 +67,8 @@ for attempt in range(20):
     ran_inline.clear()
     kept[attempt] = threading.Event()
     dist.all_reduce(torch.ones(4), group=group, async_op=True).get_future().then(
-        lambda fut, attempt=attempt: _late_callback(fut, attempt))
+        lambda fut, attempt=attempt: _late_callback(fut, attempt)
+    )
     attached = torch.tensor([0.0 if ran_inline else 1.0])
     dist.all_reduce(attached, op=dist.ReduceOp.MIN)
     kept[attempt].chosen = attached.item() == 1.0

@@ -10,6 +10,7 @@ usage: group_at_teardown.py MODE_RANK0,MODE_RANK1 — each rank, after one all_r
   raise         ends with an unhandled exception, once the other rank has reported (the launcher ends
                 every rank when one fails: the other's report would race its SIGTERM)
 """
+
 import atexit
 import os
 import sys
@@ -33,8 +34,10 @@ def _gloo_worker_threads() -> int:
 
 def _report():
     # Registered before Accelerator() exists, so it runs after every handler registered later.
-    sys.stdout.write(f"GROUP_AT_TEARDOWN rank={os.environ['RANK']} open={dist.is_initialized()} "
-                     f"gloo_threads={_gloo_worker_threads()}\n")
+    sys.stdout.write(
+        f"GROUP_AT_TEARDOWN rank={os.environ['RANK']} open={dist.is_initialized()} "
+        f"gloo_threads={_gloo_worker_threads()}\n"
+    )
     sys.stdout.flush()
     _reported(os.environ["RANK"]).touch()
 
@@ -58,7 +61,9 @@ if mode == "end_training":
     accelerator.end_training()
 elif mode == "raise":
     deadline = time.monotonic() + 120
-    while not all(_reported(str(r)).exists() for r in range(accelerator.num_processes) if r != accelerator.process_index) \
-            and time.monotonic() < deadline:
+    while (
+        not all(_reported(str(r)).exists() for r in range(accelerator.num_processes) if r != accelerator.process_index)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     raise RuntimeError("the script failed after training")

@@ -9,6 +9,7 @@ daemon thread that comes back from C++ after Python started finalizing is ended 
 (noexcept) calls ``std::terminate``: "terminate called without an active exception", SIGABRT.
 Prints ``inside`` once the watchdog is in the call. Never part of a training run.
 """
+
 import datetime
 import sys
 import threading

@@ -3,6 +3,7 @@ documented way: inside ``zero3_init_context_manager(enable=False)``. No accel_np
 
 Usage: load_frozen_towers.py LLAMA_CKPT   (an fp32 checkpoint; the DeepSpeed config is bf16)
 """
+
 import json
 import sys
 

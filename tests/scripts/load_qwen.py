@@ -2,6 +2,7 @@
 
 No accel_npu import: this is an unchanged user script. Usage: load_qwen.py CKPT [--num-layers N]
 """
+
 import argparse
 import json
 import os
@@ -19,9 +20,13 @@ def main():
     t = time.time()
     kw = {"num_layers": a.num_layers} if a.num_layers else {}
     model = QwenImageTransformer2DModel.from_pretrained(a.path, **kw)
-    rec = {"rank": int(os.environ.get("RANK", "0")), "blocks": len(model.transformer_blocks),
-           "dtype": str(next(model.parameters()).dtype), "seconds": round(time.time() - t, 2),
-           "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+    rec = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "blocks": len(model.transformer_blocks),
+        "dtype": str(next(model.parameters()).dtype),
+        "seconds": round(time.time() - t, 2),
+        "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
     print("RESULT " + json.dumps(rec), flush=True)
 
 

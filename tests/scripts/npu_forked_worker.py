@@ -1,5 +1,6 @@
 """The parent uses the NPU, then a DataLoader worker (started with fork, Linux's default) uses it too:
 torch_npu refuses in the worker, and the DataLoader re-raises that in the parent."""
+
 import torch
 import torch_npu  # noqa: F401
 from torch.utils.data import DataLoader, Dataset

@@ -9,6 +9,7 @@ After each epoch every rank gathers the weights (``get_state_dict``, the witness
 Prints ``RESULT {json}`` from rank 0: its forward outputs, the outputs of the same forward computed with plain
 torch from the gathered weights, and the final gathered weights.
 """
+
 import json
 import sys
 
@@ -41,13 +42,23 @@ for epoch in range(3):
         net = accelerator.unwrap_model(model)
         with torch.no_grad():
             outputs = [net(probe * (i + 1)) for i in range(2)]  # two sampling steps
-        expected = [F.linear(F.relu(F.linear(probe * (i + 1), state["0.weight"], state["0.bias"])),
-                             state["2.weight"], state["2.bias"]) for i in range(2)]
-        forwards.append({"epoch": epoch, "outputs": [o.tolist() for o in outputs],
-                         "expected": [e.tolist() for e in expected]})
+        expected = [
+            F.linear(
+                F.relu(F.linear(probe * (i + 1), state["0.weight"], state["0.bias"])),
+                state["2.weight"],
+                state["2.bias"],
+            )
+            for i in range(2)
+        ]
+        forwards.append(
+            {"epoch": epoch, "outputs": [o.tolist() for o in outputs], "expected": [e.tolist() for e in expected]}
+        )
 accelerator.wait_for_everyone()  # rank 1 serves rank 0's last forwards here (train_unconditional.py: end_training)
 state = accelerator.get_state_dict(model)  # whole on rank 0 (ZeRO-3: accelerate gathers it there)
 if accelerator.is_main_process:
-    print("RESULT " + json.dumps({"forwards": forwards,
-                                  "final": {k: v.float().flatten().tolist() for k, v in state.items()}}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps({"forwards": forwards, "final": {k: v.float().flatten().tolist() for k, v in state.items()}}),
+        flush=True,
+    )
 accelerator.end_training()

@@ -17,6 +17,7 @@ each save are written to OUT_DIR/reference_{ckpt,final}.pt (torch.save) for the 
 Prints ``RESULT {json}`` from the main process: the exception it got, or "saved" with the sum of
 every parameter (gathered on every rank afterwards, the documented way) to compare with the file.
 """
+
 import json
 import os
 import sys
@@ -32,8 +33,17 @@ set_seed(0)  # python, numpy and torch: the checkpoint's RNG states compare acro
 if mode == "save_model":
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 6)))
 else:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -56,9 +66,14 @@ if mode == "save_state_midstep" and accelerator.is_main_process:
     started = time.monotonic()
     try:
         accelerator.save_state(out_dir)
-    except Exception as exc:  # noqa: BLE001 - reported, then re-raised
-        print("RESULT " + json.dumps({"rank": 0, "error": type(exc).__name__, "message": str(exc),
-                                      "seconds": time.monotonic() - started}), flush=True)
+    except Exception as exc:  # reported, then re-raised
+        print(
+            "RESULT "
+            + json.dumps(
+                {"rank": 0, "error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - started}
+            ),
+            flush=True,
+        )
         raise
 accelerator.backward(loss)
 optimizer.step()
@@ -100,7 +115,8 @@ if mode == "save_model":  # train_llada2.py's saves: rank 0 alone after wait_for
         torch.save(state, os.path.join(out_dir, "reference_final.pt"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(os.path.join(out_dir, "final"),
-                                                        save_function=accelerator.save, max_shard_size="20KB")
+        accelerator.unwrap_model(model).save_pretrained(
+            os.path.join(out_dir, "final"), save_function=accelerator.save, max_shard_size="20KB"
+        )
 if accelerator.is_main_process:
     print("RESULT " + json.dumps({"rank": 0, **outcome}), flush=True)

@@ -5,6 +5,7 @@ group through Accelerator(), all-reduces its rank, and prints ``RESULT {json}``:
 the sum torch.distributed computed, where ``accel_npu`` and each built-in plugin module were imported
 from (read off sys.modules), and whether Accelerator.save_state is wrapped.
 """
+
 import json
 import sys
 
@@ -16,8 +17,11 @@ accelerator = Accelerator()
 total = torch.tensor([float(accelerator.process_index)])
 if torch.distributed.is_initialized():
     torch.distributed.all_reduce(total)
-modules = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())
-           if name == "accel_npu" or name.startswith("accel_npu.plugins")}
+modules = {
+    name: getattr(module, "__file__", None)
+    for name, module in list(sys.modules.items())
+    if name == "accel_npu" or name.startswith("accel_npu.plugins")
+}
 rec = {
     "rank": accelerator.process_index,
     "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,

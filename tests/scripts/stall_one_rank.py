@@ -9,6 +9,7 @@
 
 Rank 0 prints `RESULT {"rank": 0, "entering": ...}` just before the collective it will wait in.
 """
+
 import argparse
 import json
 import os
@@ -67,8 +68,11 @@ def sum_asynchronously(value):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--plain", action="store_true",
-                   help="gloo without accelerate/DeepSpeed, an async all_gather_single (all_reduce before torch 2.13)")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="gloo without accelerate/DeepSpeed, an async all_gather_single (all_reduce before torch 2.13)",
+    )
     p.add_argument("--stall", type=float, default=600.0, help="seconds rank 1 sleeps before the collective")
     a = p.parse_args()
     if a.plain:
@@ -81,8 +85,10 @@ def main():
         time.sleep(a.stall)
     else:
         entering = ASYNC_COLLECTIVE if a.plain else "all_reduce"
-        print("RESULT " + json.dumps({"rank": rank, "pid": os.getpid(), "entering": entering, "at": time.time()}),
-              flush=True)
+        print(
+            "RESULT " + json.dumps({"rank": rank, "pid": os.getpid(), "entering": entering, "at": time.time()}),
+            flush=True,
+        )
     total = sum_asynchronously(1.0) if a.plain else sum_losses(loss)
     print("RESULT " + json.dumps({"rank": rank, "total": total.tolist()}), flush=True)
 

@@ -11,6 +11,7 @@ hub tokenizer ``hf-internal-testing/tiny-random-t5`` is replaced by tiny_sd3_flu
 tokenizer and a T5 encoder of d_model 32 (the transformer's text_embed_dim). Videos are uncompressed
 AVIs (tiny_video.py) that decord reads. Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,11 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from tiny_sd3_flux import T5, t5_tokenizer  # noqa: E402
-from tiny_video import write_raw_avi  # noqa: E402
+import numpy as np
+import torch
+from tiny_sd3_flux import T5, t5_tokenizer
+from tiny_video import write_raw_avi
 
 SIZE = 16  # pixels the t2v script resizes to (--height/--width): latent 2 after three spatial downsamplings
 # written 32×32: decord 0.6.0 returns garbled frames (shape (16, 16, 6)) for a 16-pixel-wide AVI; the
@@ -32,21 +32,42 @@ SIZE = 16  # pixels the t2v script resizes to (--height/--width): latent 2 after
 VIDEO_SIZE = 32
 FRAMES = 9  # 4k + 1 frames: latent 3 after temporal compression 4
 MAX_TEXT = 16  # the transformer's max_text_seq_length (the scripts pad prompts to it)
-TRANSFORMER = dict(time_embed_dim=2, text_embed_dim=32, num_layers=1, sample_width=2, sample_height=2,
-                   sample_frames=FRAMES, patch_size=2, temporal_compression_ratio=4, max_text_seq_length=MAX_TEXT)
+TRANSFORMER = dict(
+    time_embed_dim=2,
+    text_embed_dim=32,
+    num_layers=1,
+    sample_width=2,
+    sample_height=2,
+    sample_frames=FRAMES,
+    patch_size=2,
+    temporal_compression_ratio=4,
+    max_text_seq_length=MAX_TEXT,
+)
 KINDS = {  # test_cogvideox.py / test_cogvideox_image2video.py
     "t2v": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4),
-    "i2v": dict(num_attention_heads=2, attention_head_dim=16, in_channels=8, out_channels=4,
-                use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True,
-                sample_width=VIDEO_SIZE // 8, sample_height=VIDEO_SIZE // 8),
+    "i2v": dict(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=8,
+        out_channels=4,
+        use_rotary_positional_embeddings=True,
+        use_learned_positional_embeddings=True,
+        sample_width=VIDEO_SIZE // 8,
+        sample_height=VIDEO_SIZE // 8,
+    ),
 }
 PROMPTS = ["a red square", "a blue circle", "a green square", "the red dog"]
 
 
 def pipeline(kind: str, folder: str):
     """CogVideoXPipeline (t2v) / CogVideoXImageToVideoPipeline (i2v) ``save_pretrained`` to ``folder``."""
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDPMScheduler, CogVideoXImageToVideoPipeline, \
-        CogVideoXPipeline, CogVideoXTransformer3DModel
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDPMScheduler,
+        CogVideoXImageToVideoPipeline,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
     from transformers import T5Config, T5EncoderModel
 
     tokenizer = t5_tokenizer(os.path.join(folder, "tokenizer"))
@@ -54,15 +75,27 @@ def pipeline(kind: str, folder: str):
     transformer = CogVideoXTransformer3DModel(**{**TRANSFORMER, **KINDS[kind]})
     torch.manual_seed(0)
     blocks = 4
-    vae = AutoencoderKLCogVideoX(in_channels=3, out_channels=3, down_block_types=("CogVideoXDownBlock3D",) * blocks,
-                                 up_block_types=("CogVideoXUpBlock3D",) * blocks, block_out_channels=(8,) * blocks,
-                                 latent_channels=4, layers_per_block=1, norm_num_groups=2,
-                                 temporal_compression_ratio=4)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * blocks,
+        up_block_types=("CogVideoXUpBlock3D",) * blocks,
+        block_out_channels=(8,) * blocks,
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    )
     torch.manual_seed(0)
     text_encoder = T5EncoderModel(T5Config(vocab_size=len(tokenizer), **T5))
     cls = CogVideoXPipeline if kind == "t2v" else CogVideoXImageToVideoPipeline
-    pipe = cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-               scheduler=CogVideoXDPMScheduler())
+    pipe = cls(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=CogVideoXDPMScheduler(),
+    )
     pipe.save_pretrained(folder)
     return pipe
 

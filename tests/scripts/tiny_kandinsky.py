@@ -16,6 +16,7 @@ a 32x32 CLIP image encoder and a 16-token tokenizer for speed.
 DATA_DIR: tiny_sd.py's imagefolder dataset ("image" and "text" columns; --train_data_dir).
 Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sd import write_dataset, write_tokenizer  # noqa: E402
+from tiny_sd import write_dataset, write_tokenizer
 
 EMBED = 32  # text_embedder_hidden_size of diffusers' tests: CLIP projection = prior embedding = UNet image_embeds
 MAX_LENGTH = 16  # tokens; PriorTransformer.num_embeddings must equal it
@@ -32,37 +33,89 @@ MAX_LENGTH = 16  # tokens; PriorTransformer.num_embeddings must equal it
 def prior_pipeline(folder: str, seed: int = 0):
     import torch
     from diffusers import KandinskyV22PriorPipeline, PriorTransformer, UnCLIPScheduler
-    from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModelWithProjection, CLIPVisionConfig,
-                              CLIPVisionModelWithProjection)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPVisionConfig,
+        CLIPVisionModelWithProjection,
+    )
 
     tokenizer, vocab_size = write_tokenizer(os.path.join(folder, "tokenizer"), max_length=MAX_LENGTH)
     torch.manual_seed(seed)
-    prior = PriorTransformer(num_attention_heads=2, attention_head_dim=12, embedding_dim=EMBED, num_layers=1,
-                             num_embeddings=MAX_LENGTH)
+    prior = PriorTransformer(
+        num_attention_heads=2, attention_head_dim=12, embedding_dim=EMBED, num_layers=1, num_embeddings=MAX_LENGTH
+    )
     prior.clip_std = torch.nn.Parameter(torch.ones(prior.clip_std.shape))
-    image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
-        hidden_size=EMBED, image_size=32, projection_dim=EMBED, intermediate_size=37, num_attention_heads=4,
-        num_channels=3, num_hidden_layers=2, patch_size=8))
-    text_encoder = CLIPTextModelWithProjection(CLIPTextConfig(
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=EMBED, projection_dim=EMBED,
-        intermediate_size=37, layer_norm_eps=1e-05, num_attention_heads=4, num_hidden_layers=2,
-        vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH))
+    image_encoder = CLIPVisionModelWithProjection(
+        CLIPVisionConfig(
+            hidden_size=EMBED,
+            image_size=32,
+            projection_dim=EMBED,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_channels=3,
+            num_hidden_layers=2,
+            patch_size=8,
+        )
+    )
+    text_encoder = CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            hidden_size=EMBED,
+            projection_dim=EMBED,
+            intermediate_size=37,
+            layer_norm_eps=1e-05,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=vocab_size,
+            max_position_embeddings=MAX_LENGTH,
+        )
+    )
     image_processor = CLIPImageProcessor(
-        crop_size=32, do_center_crop=True, do_normalize=True, do_resize=True,
-        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
-        resample=3, size=32)
-    scheduler = UnCLIPScheduler(variance_type="fixed_small_log", prediction_type="sample", num_train_timesteps=1000,
-                                clip_sample=True, clip_sample_range=10.0)
-    pipe = KandinskyV22PriorPipeline(prior=prior, image_encoder=image_encoder, text_encoder=text_encoder,
-                                     tokenizer=tokenizer, scheduler=scheduler, image_processor=image_processor)
+        crop_size=32,
+        do_center_crop=True,
+        do_normalize=True,
+        do_resize=True,
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+        resample=3,
+        size=32,
+    )
+    scheduler = UnCLIPScheduler(
+        variance_type="fixed_small_log",
+        prediction_type="sample",
+        num_train_timesteps=1000,
+        clip_sample=True,
+        clip_sample_range=10.0,
+    )
+    pipe = KandinskyV22PriorPipeline(
+        prior=prior,
+        image_encoder=image_encoder,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=scheduler,
+        image_processor=image_processor,
+    )
     pipe.save_pretrained(folder)
     return pipe
 
 
-MOVQ = dict(block_out_channels=[32, 64], down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"],
-            in_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=8, norm_type="spatial",
-            num_vq_embeddings=12, out_channels=3, up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"],
-            vq_embed_dim=4)
+MOVQ = dict(
+    block_out_channels=[32, 64],
+    down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"],
+    in_channels=3,
+    latent_channels=4,
+    layers_per_block=1,
+    norm_num_groups=8,
+    norm_type="spatial",
+    num_vq_embeddings=12,
+    out_channels=3,
+    up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"],
+    vq_embed_dim=4,
+)
 
 
 def decoder_pipeline(folder: str, prior_folder: str, seed: int = 0):
@@ -71,16 +124,33 @@ def decoder_pipeline(folder: str, prior_folder: str, seed: int = 0):
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        in_channels=4, out_channels=8, addition_embed_type="image",
+        in_channels=4,
+        out_channels=8,
+        addition_embed_type="image",
         down_block_types=("ResnetDownsampleBlock2D", "SimpleCrossAttnDownBlock2D"),
         up_block_types=("SimpleCrossAttnUpBlock2D", "ResnetUpsampleBlock2D"),
-        mid_block_type="UNetMidBlock2DSimpleCrossAttn", block_out_channels=(32, 64), layers_per_block=1,
-        encoder_hid_dim=EMBED, encoder_hid_dim_type="image_proj", cross_attention_dim=32, attention_head_dim=4,
-        resnet_time_scale_shift="scale_shift", class_embed_type=None)
+        mid_block_type="UNetMidBlock2DSimpleCrossAttn",
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        encoder_hid_dim=EMBED,
+        encoder_hid_dim_type="image_proj",
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        resnet_time_scale_shift="scale_shift",
+        class_embed_type=None,
+    )
     movq = VQModel(**MOVQ)
-    scheduler = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=0.00085, beta_end=0.012,
-                              clip_sample=False, set_alpha_to_one=False, steps_offset=1, prediction_type="epsilon",
-                              thresholding=False)
+    scheduler = DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_schedule="linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type="epsilon",
+        thresholding=False,
+    )
     pipe = KandinskyV22Pipeline(unet=unet, scheduler=scheduler, movq=movq)
     pipe.save_pretrained(folder)
     with open(os.path.join(folder, "README.md"), "w") as f:
@@ -129,8 +199,9 @@ def vqgan(folder: str, seed: int = 0) -> None:
     torch.manual_seed(seed)
     VQModel(**MOVQ).save_pretrained(os.path.join(folder, "model"))
     with open(os.path.join(folder, "discriminator.json"), "w") as f:
-        json.dump({"_class_name": "Discriminator", "in_channels": 3, "cond_channels": 0, "hidden_channels": 64,
-                   "depth": 4}, f)
+        json.dump(
+            {"_class_name": "Discriminator", "in_channels": 3, "cond_channels": 0, "hidden_channels": 64, "depth": 4}, f
+        )
     backbone = timm.create_model(TIMM_BACKBONE, pretrained=False)
     repo = os.path.join(folder, "hub", "models--" + TIMM_HUB_ID.replace("/", "--"))
     snapshot = os.path.join(repo, "snapshots", "0" * 40)
@@ -138,8 +209,9 @@ def vqgan(folder: str, seed: int = 0) -> None:
     os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
     with open(os.path.join(repo, "refs", "main"), "w") as f:
         f.write("0" * 40)
-    save_file({k: v.contiguous() for k, v in backbone.state_dict().items()},
-              os.path.join(snapshot, "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in backbone.state_dict().items()}, os.path.join(snapshot, "model.safetensors")
+    )
     write_dataset(os.path.join(folder, "data"))
 
 

@@ -8,6 +8,7 @@ StableDiffusionPipeline.save_pretrained); DATA_DIR gets a few 32x32 PNGs and met
 "text" column (datasets' imagefolder: --train_data_dir, --caption_column text); --resolution 16.
 Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def write_tokenizer(directory: str, max_length: int = 16):
         json.dump(vocab, f)
     with open(os.path.join(directory, "merges.txt"), "w") as f:
         f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    tok = CLIPTokenizer(os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"),
-                        model_max_length=max_length)
+    tok = CLIPTokenizer(
+        os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"), model_max_length=max_length
+    )
     tok.save_pretrained(directory)
     return tok, len(vocab)
 
@@ -53,12 +55,28 @@ def build(model_dir: str, seed: int = 0):
     tokenizer, vocab_size = write_tokenizer(tok_dir)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        block_out_channels=(16,), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8, time_embedding_dim=32)
-    vae = AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4, sample_size=16)
+        block_out_channels=(16,),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+        time_embedding_dim=32,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8),
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        norm_num_groups=4,
+        sample_size=16,
+    )
     return save_pipeline(model_dir, tokenizer, vocab_size, unet, vae)
 
 
@@ -68,14 +86,31 @@ def save_pipeline(model_dir: str, tokenizer, vocab_size: int, unet, vae):
     from diffusers import DDPMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=tokenizer.model_max_length, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-        projection_dim=32))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=tokenizer.model_max_length,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            projection_dim=32,
+        )
+    )
     scheduler = DDPMScheduler(num_train_timesteps=100, beta_schedule="linear", clip_sample=False)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(model_dir)
     return pipe
 

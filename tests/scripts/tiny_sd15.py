@@ -6,6 +6,7 @@ tiny_sd_family.build (its x8 VAE: --resolution 32 gives 4x4 latents).
 usage: python tiny_sd15.py WORK_DIR   (writes all of them under WORK_DIR)
 Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import io
@@ -15,12 +16,19 @@ import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sd_family import CAPTIONS, _images, image_pair_dataset  # noqa: E402
+from tiny_sd_family import CAPTIONS, _images, image_pair_dataset
 
 # diffusers v0.40.0 tests/pipelines/ddpm/test_ddpm.py dummy_uncond_unet
-UNCOND_UNET = dict(block_out_channels=(4, 8), layers_per_block=1, norm_num_groups=4, sample_size=16, in_channels=3,
-                   out_channels=3, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                   up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+UNCOND_UNET = dict(
+    block_out_channels=(4, 8),
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=16,
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+    up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+)
 
 
 def write_pix2pix_dataset(folder: str, n: int = 4, size: int = 32) -> None:

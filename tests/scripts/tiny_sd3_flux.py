@@ -9,6 +9,7 @@ CLIP hidden 32, T5 d_model 32, one-block VAE (no downsampling). The T5 tokenizer
 model, no hub); the CLIP tokenizers are tiny_sd's byte-level BPE, with model_max_length 77 because both
 scripts tokenize CLIP prompts with ``max_length=77``. Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,21 +17,51 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-from tiny_models import dreambooth_images  # noqa: E402,F401  (re-exported for the tests)
-from tiny_models import transformers_major  # noqa: E402
-from tiny_sd import WORDS, write_tokenizer  # noqa: E402
+import torch
+from tiny_models import (
+    dreambooth_images,  # re-exported for the tests
+    transformers_major,
+)
+from tiny_sd import WORDS, write_tokenizer
 
 CLIP_LENGTH = 77  # the scripts' hard-coded CLIP max_length
-TEXT = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=CLIP_LENGTH, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-            hidden_act="gelu", projection_dim=32)
-T5 = dict(d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-VAE = dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-           norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
-           scaling_factor=1.5035, down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
+TEXT = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=CLIP_LENGTH,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=1,
+    hidden_act="gelu",
+    projection_dim=32,
+)
+T5 = dict(
+    d_model=32,
+    d_kv=8,
+    d_ff=37,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+VAE = dict(
+    sample_size=32,
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(4,),
+    layers_per_block=1,
+    norm_num_groups=1,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.0609,
+    scaling_factor=1.5035,
+    down_block_types=("DownEncoderBlock2D",),
+    up_block_types=("UpDecoderBlock2D",),
+)
 
 
 def _unigram(pieces):
@@ -41,8 +72,9 @@ def _unigram(pieces):
     tk = Tokenizer(models.Unigram(pieces, unk_id=2))
     tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
     tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tk.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                      special_tokens=[("</s>", 1)])
+    tk.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
     return tk
 
 
@@ -54,8 +86,9 @@ def t5_tokenizer(directory: str):
     pieces += [("\u2581" + w, -1.0) for w in WORDS + ["sks", "photo"] if ("\u2581" + w, -1.0) not in pieces]
     pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"]
     if transformers_major() < 5:  # 4.x builds a fast tokenizer from files or a tokenizers object only
-        tok = T5TokenizerFast(tokenizer_object=_unigram(pieces), extra_ids=0, eos_token="</s>", unk_token="<unk>",
-                              pad_token="<pad>")
+        tok = T5TokenizerFast(
+            tokenizer_object=_unigram(pieces), extra_ids=0, eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+        )
     else:
         tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
     tok.save_pretrained(directory)
@@ -88,18 +121,32 @@ def sd3_pipeline(folder: str, num_layers: int = 1):
     blocks and loads the transformer's first 12 into them, which must all be full joint blocks (the
     transformer's last block is ``context_pre_only``, with other shapes), as in SD3's 24.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
-        StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextModelWithProjection
 
     parts = _encoders(folder, [CLIPTextModelWithProjection, CLIPTextModelWithProjection])
     torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=num_layers,
-                                        attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
-                                        joint_attention_dim=32, pooled_projection_dim=64, out_channels=4)
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=1,
+        in_channels=4,
+        num_layers=num_layers,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+    )
     vae = AutoencoderKL(latent_channels=4, **VAE)
-    pipe = StableDiffusion3Pipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
-                                    **parts)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(), **parts
+    )
     pipe.save_pretrained(folder)
     return pipe
 
@@ -111,12 +158,19 @@ def flux_pipeline(folder: str):
 
     parts = _encoders(folder, [CLIPTextModel])
     torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                         pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
     vae = AutoencoderKL(latent_channels=1, **VAE)
-    pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
-                        **parts)
+    pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(), **parts)
     pipe.save_pretrained(folder)
     return pipe
 

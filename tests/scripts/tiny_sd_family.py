@@ -13,6 +13,7 @@ CONTROLNET_DATA_DIR: a parquet file with image / text / conditioning_image colum
   in its default order.
 Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sd import save_pipeline, write_tokenizer  # noqa: E402
+from tiny_sd import save_pipeline, write_tokenizer
 
 CAPTIONS = ["a red square", "a blue circle", "a photo of the dog", "a green cat"]
 
@@ -33,12 +34,27 @@ def build(model_dir: str, seed: int = 0, max_length: int = 16):
     tokenizer, vocab_size = write_tokenizer(os.path.join(model_dir, "tokenizer"), max_length)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        block_out_channels=(16,), layers_per_block=1, sample_size=4, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)  # default time embedding: from_unet copies it
-    vae = AutoencoderKL(block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        norm_num_groups=4, sample_size=32)
+        block_out_channels=(16,),
+        layers_per_block=1,
+        sample_size=4,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )  # default time embedding: from_unet copies it
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8),
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        norm_num_groups=4,
+        sample_size=32,
+    )
     return save_pipeline(model_dir, tokenizer, vocab_size, unet, vae)
 
 
@@ -56,8 +72,9 @@ def write_instance_images(folder: str, n: int = 4, size: int = 32) -> None:
         image.save(os.path.join(folder, f"img{i}.png"))
 
 
-def image_pair_dataset(folder: str, columns: tuple[str, str, str], n: int = 4, size: int = 32,
-                       seeds: tuple[int, int] = (2, 3)) -> None:
+def image_pair_dataset(
+    folder: str, columns: tuple[str, str, str], n: int = 4, size: int = 32, seeds: tuple[int, int] = (2, 3)
+) -> None:
     """``folder/train.parquet``: an image column, a caption column and a second image column (a ControlNet's
     conditioning image, InstructPix2Pix's edited image), read by the scripts' ``load_dataset(<folder>)``."""
     import datasets
@@ -65,9 +82,14 @@ def image_pair_dataset(folder: str, columns: tuple[str, str, str], n: int = 4, s
     first, text, second = columns
     os.makedirs(folder, exist_ok=True)
     features = datasets.Features({first: datasets.Image(), text: datasets.Value("string"), second: datasets.Image()})
-    data = datasets.Dataset.from_dict({first: _images(n, size, seed=seeds[0]),
-                                       text: [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
-                                       second: _images(n, size, seed=seeds[1])}, features=features)
+    data = datasets.Dataset.from_dict(
+        {
+            first: _images(n, size, seed=seeds[0]),
+            text: [CAPTIONS[i % len(CAPTIONS)] for i in range(n)],
+            second: _images(n, size, seed=seeds[1]),
+        },
+        features=features,
+    )
     data.to_parquet(os.path.join(folder, "train.parquet"))
 
 

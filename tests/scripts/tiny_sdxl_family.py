@@ -19,6 +19,7 @@ DATA_DIR gets, side by side:
                    scripts' MIN_SIZE 700, else their WebdatasetFilter drops every sample)
 Never imports accel_npu.
 """
+
 from __future__ import annotations
 
 import io
@@ -29,8 +30,8 @@ import tarfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_sana_sdxl import sdxl_pipeline  # noqa: E402
-from tiny_sd_family import CAPTIONS, _images, write_controlnet_dataset, write_instance_images  # noqa: E402
+from tiny_sana_sdxl import sdxl_pipeline
+from tiny_sd_family import CAPTIONS, _images, write_controlnet_dataset, write_instance_images
 
 SIZE = 32  # --resolution 32
 
@@ -49,10 +50,16 @@ def build_lcm(model_dir: str) -> None:
 def build_adapter(model_dir: str) -> None:
     """SDXL's block widths and layout (DownBlock2D, two CrossAttnDownBlock2D) with one layer per block,
     small attention and a 64-wide text context."""
-    sdxl_pipeline(model_dir, vae_blocks=4, block_out_channels=(320, 640, 1280),
-                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-                  attention_head_dim=(2, 4, 8), transformer_layers_per_block=(1, 1, 1), norm_num_groups=32)
+    sdxl_pipeline(
+        model_dir,
+        vae_blocks=4,
+        block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4, 8),
+        transformer_layers_per_block=(1, 1, 1),
+        norm_num_groups=32,
+    )
 
 
 def write_text_images(folder: str, n: int = 8) -> None:
@@ -71,8 +78,16 @@ def write_pix2pix_dataset(folder: str, n: int = 4) -> None:
         for i in range(n):
             inputs[i].save(os.path.join(folder, f"in{i}.png"))
             edited[i].save(os.path.join(folder, f"out{i}.png"))
-            f.write(json.dumps({"input_image_file_name": f"in{i}.png", "edited_image_file_name": f"out{i}.png",
-                                "edit_prompt": CAPTIONS[i % len(CAPTIONS)]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "input_image_file_name": f"in{i}.png",
+                        "edited_image_file_name": f"out{i}.png",
+                        "edit_prompt": CAPTIONS[i % len(CAPTIONS)],
+                    }
+                )
+                + "\n"
+            )
 
 
 def write_shards(folder: str, shards: int = 2, per_shard: int = 4) -> None:
@@ -85,8 +100,11 @@ def write_shards(folder: str, shards: int = 2, per_shard: int = 4) -> None:
                 buf = io.BytesIO()
                 images[i].save(buf, format="PNG")
                 meta = json.dumps({"width": 1024, "height": 1024, "pwatermark": 0.0}).encode()
-                for ext, data in (("png", buf.getvalue()), ("txt", CAPTIONS[i % len(CAPTIONS)].encode()),
-                                  ("json", meta)):
+                for ext, data in (
+                    ("png", buf.getvalue()),
+                    ("txt", CAPTIONS[i % len(CAPTIONS)].encode()),
+                    ("json", meta),
+                ):
                     info = tarfile.TarInfo(f"{i:06d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))

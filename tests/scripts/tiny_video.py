@@ -1,5 +1,6 @@
 """Tiny uncompressed AVI videos that decord (0.6.0, ffmpeg inside) decodes bit-exactly: no encoder needed.
 Never imports accel_npu."""
+
 from __future__ import annotations
 
 import struct
@@ -23,15 +24,20 @@ def write_raw_avi(path, frames, fps=10, audio=None, rate=8000):
 
     n = len(frames)
     per_frame = rate // fps
-    pcm = [] if audio is None else [audio[i * per_frame:(i + 1) * per_frame].astype("<i2").tobytes() for i in range(n)]
+    pcm = (
+        [] if audio is None else [audio[i * per_frame : (i + 1) * per_frame].astype("<i2").tobytes() for i in range(n)]
+    )
     streams = 1 if audio is None else 2
     avih = struct.pack("<14I", int(1e6 / fps), size * fps, 0, 0x10, n, 0, streams, size, w, h, 0, 0, 0, 0)
     strh = b"vids" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 1, fps, 0, n, size, -1, 0, 0, 0, w, h)
     strf = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 24, 0, size, 0, 0, 0, 0)
     strls = lst(b"strl", chunk(b"strh", strh) + chunk(b"strf", strf))
     if audio is not None:
-        astrh = b"auds" + b"\0\0\0\0" + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 2, 2 * rate, 0, n * per_frame,
-                                                    2 * per_frame, -1, 2, 0, 0, 0, 0)
+        astrh = (
+            b"auds"
+            + b"\0\0\0\0"
+            + struct.pack("<IHHIIIIIIiI4h", 0, 0, 0, 0, 2, 2 * rate, 0, n * per_frame, 2 * per_frame, -1, 2, 0, 0, 0, 0)
+        )
         astrf = struct.pack("<HHIIHH", 1, 1, rate, 2 * rate, 2, 16)  # PCM, mono, 16 bit
         strls += lst(b"strl", chunk(b"strh", astrh) + chunk(b"strf", astrf))
     hdrl = lst(b"hdrl", chunk(b"avih", avih) + strls)

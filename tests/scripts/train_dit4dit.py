@@ -10,6 +10,7 @@ Usage: train_dit4dit.py --pretrained DIR --steps N [--save-at K --save-dir D] [-
        [--kill-in-save K] [--final-save D] [--gathered FILE] [--save-model D]
        [--towers-out FILE] [--rank0-get-state-dict]
 """
+
 import argparse
 import json
 import os
@@ -40,8 +41,9 @@ class DiT4DiT(torch.nn.Module):
             text = self.text_encoder(input_ids).last_hidden_state
         dtype = next(self.transformer.parameters()).dtype
         noisy = (1 - t.view(-1, 1, 1, 1, 1)) * latents + t.view(-1, 1, 1, 1, 1) * noise
-        pred = self.transformer(hidden_states=noisy.to(dtype), timestep=t.to(dtype),
-                                encoder_hidden_states=text.to(dtype)).sample
+        pred = self.transformer(
+            hidden_states=noisy.to(dtype), timestep=t.to(dtype), encoder_hidden_states=text.to(dtype)
+        ).sample
         return torch.nn.functional.mse_loss(pred.float(), (noise - latents).float())
 
 
@@ -88,10 +90,12 @@ def main():
 
     saves = {"n": 0}
     if a.kill_in_save is not None:
+
         def maybe_die(models, weights, output_dir):
             if saves["n"] == a.kill_in_save and rank == 1:
                 emit(kind="dying", rank=rank, output_dir=output_dir)
                 os.kill(os.getpid(), signal.SIGKILL)
+
         accelerator.register_save_state_pre_hook(maybe_die)
 
     if a.resume:
@@ -100,8 +104,12 @@ def main():
     model.train()
     for step in range(a.start_step + 1, a.start_step + a.steps + 1):
         video, ids, noise, t = batch_for(step, rank)
-        loss = model(video.to(accelerator.device), ids.to(accelerator.device), noise.to(accelerator.device),
-                     t.to(accelerator.device))
+        loss = model(
+            video.to(accelerator.device),
+            ids.to(accelerator.device),
+            noise.to(accelerator.device),
+            t.to(accelerator.device),
+        )
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -124,12 +132,17 @@ def main():
         "tower_grads": sum(q.grad is not None for q in tower_params),
         "tower_requires_grad": sum(q.requires_grad for q in tower_params),
         "transformer_dtype": str(next(net.transformer.parameters()).dtype),
-        "eval_reaches_towers": eval_reaches, "train_reaches_towers": train_reaches,
+        "eval_reaches_towers": eval_reaches,
+        "train_reaches_towers": train_reaches,
     }
     if a.towers_out and rank == 0:
-        torch.save({"vae": {k: v.detach().cpu().clone() for k, v in net.vae.state_dict().items()},
-                    "text_encoder": {k: v.detach().cpu().clone() for k, v in net.text_encoder.state_dict().items()}},
-                   a.towers_out)
+        torch.save(
+            {
+                "vae": {k: v.detach().cpu().clone() for k, v in net.vae.state_dict().items()},
+                "text_encoder": {k: v.detach().cpu().clone() for k, v in net.text_encoder.state_dict().items()},
+            },
+            a.towers_out,
+        )
     if a.final_save:
         accelerator.save_state(a.final_save)
     if a.gathered:
@@ -147,11 +160,21 @@ def main():
             t0 = time.time()
             try:
                 sd = accelerator.get_state_dict(model)
-                emit(kind="rank0_gsd", rank=rank, ok=True, seconds=time.time() - t0,
-                     sums={k: v.float().sum().item() for k, v in sd.items()})
+                emit(
+                    kind="rank0_gsd",
+                    rank=rank,
+                    ok=True,
+                    seconds=time.time() - t0,
+                    sums={k: v.float().sum().item() for k, v in sd.items()},
+                )
             except Exception as exc:
-                emit(kind="rank0_gsd", rank=rank, ok=False, seconds=time.time() - t0,
-                     error=f"{type(exc).__name__}: {exc}")
+                emit(
+                    kind="rank0_gsd",
+                    rank=rank,
+                    ok=False,
+                    seconds=time.time() - t0,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
                 raise
         accelerator.wait_for_everyone()
     accelerator.wait_for_everyone()

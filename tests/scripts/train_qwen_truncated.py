@@ -5,6 +5,7 @@ slicing, trains with Accelerate on a fixed global batch (split across ranks) and
 gathered loss of every step.
 Usage: train_qwen_truncated.py CKPT --steps N [--batch 4] [--keep 2]
 """
+
 import argparse
 import json
 import os
@@ -27,8 +28,10 @@ def main():
     a = p.parse_args()
 
     # the same global batch whatever the rank count; the last block's text stream is unused
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True),
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    accelerator = Accelerator(
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
     set_seed(0)
     # observe, not change: which shard files this rank opens to load the DiT (a file may be opened
     # twice, once by a read-ahead thread: the count is of distinct files)
@@ -62,7 +65,10 @@ def main():
         read[0] += sum(t.numel() * t.element_size() for t in tensors.values())
         return tensors
 
-    safetensors.safe_open = lambda path, *args, **kw: (opened.append(path), CountingHandle(real_open(path, *args, **kw)))[1]
+    safetensors.safe_open = lambda path, *args, **kw: (
+        opened.append(path),
+        CountingHandle(real_open(path, *args, **kw)),
+    )[1]
     safetensors.torch.load_file = counting_load_file
     model = QwenImageTransformer2DModel.from_pretrained(a.path)
     safetensors.safe_open, safetensors.torch.load_file = real_open, real_load_file
@@ -100,9 +106,14 @@ def main():
         b = x0.shape[0]
         x0, txt, eps, tt = (v.to(dtype) for v in (x0, txt, eps, tt))
         xt = (1 - tt[:, None, None]) * x0 + tt[:, None, None] * eps
-        pred = model(hidden_states=xt, encoder_hidden_states=txt,
-                     encoder_hidden_states_mask=torch.ones(b, txt.shape[1], dtype=torch.long),
-                     timestep=tt, img_shapes=[[(1, h, w)]] * b, return_dict=False)[0]
+        pred = model(
+            hidden_states=xt,
+            encoder_hidden_states=txt,
+            encoder_hidden_states_mask=torch.ones(b, txt.shape[1], dtype=torch.long),
+            timestep=tt,
+            img_shapes=[[(1, h, w)]] * b,
+            return_dict=False,
+        )[0]
         target = pred.new_tensor(0) + (eps - x0)[..., : pred.shape[-1]]
         loss = torch.nn.functional.mse_loss(pred.float(), target.float())
         accelerator.backward(loss)
@@ -113,17 +124,32 @@ def main():
     if vae is not None:
         vae = accelerator.unwrap_model(model).vae if a.vae_child else vae
         with torch.no_grad():
-            img = vae.decode(torch.randn(1, vae.config.latent_channels, 4, 4,
-                                         generator=torch.Generator().manual_seed(3))).sample
-        decoded = {"sum": img.double().sum().item(), "abs": img.double().abs().sum().item(),
-                   "dtype": str(next(vae.parameters()).dtype)}
+            img = vae.decode(
+                torch.randn(1, vae.config.latent_channels, 4, 4, generator=torch.Generator().manual_seed(3))
+            ).sample
+        decoded = {
+            "sum": img.double().sum().item(),
+            "abs": img.double().abs().sum().item(),
+            "dtype": str(next(vae.parameters()).dtype),
+        }
     if accelerator.is_main_process:
         for i in range(9, len(losses), 10):
             print(f"Step {i + 1}: loss={losses[i]:.4f}")
-    rec = {"rank": accelerator.process_index, "world": accelerator.num_processes, "losses": losses,
-           "blocks": len(accelerator.unwrap_model(model).transformer_blocks), "before": before,
-           "pid": os.getpid(), "partitioned": partitioned, "held": held, "whole": whole, "params": len(loaded),
-           "decoded": decoded, "shards_opened": len(set(opened)), "bytes_read": read[0]}
+    rec = {
+        "rank": accelerator.process_index,
+        "world": accelerator.num_processes,
+        "losses": losses,
+        "blocks": len(accelerator.unwrap_model(model).transformer_blocks),
+        "before": before,
+        "pid": os.getpid(),
+        "partitioned": partitioned,
+        "held": held,
+        "whole": whole,
+        "params": len(loaded),
+        "decoded": decoded,
+        "shards_opened": len(set(opened)),
+        "bytes_read": read[0],
+    }
     print("RESULT " + json.dumps(rec), flush=True)
 
 

@@ -5,6 +5,7 @@ Prints one `RESULT {json}` line per rank at the end: world, rank, losses, a para
   --save_at K DIR    save_state(DIR) after step K (0-based)
   --resume DIR --start K   load_state(DIR) and continue at step K (same batches as an unbroken run)
 """
+
 import argparse
 import json
 import sys
@@ -63,10 +64,16 @@ def main():
     checksum = None
     if accelerator.distributed_type.value != "DEEPSPEED":  # ZeRO-3 params are partitioned
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    rec = {"num_processes": accelerator.num_processes, "rank": accelerator.process_index,
-           "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
-           "losses": losses, "first_inputs": first_inputs, "checksum": checksum,
-           "param_type": type(next(model.parameters())).__name__}
+    rec = {
+        "num_processes": accelerator.num_processes,
+        "rank": accelerator.process_index,
+        "distributed_type": accelerator.distributed_type.value,
+        "device": str(accelerator.device),
+        "losses": losses,
+        "first_inputs": first_inputs,
+        "checksum": checksum,
+        "param_type": type(next(model.parameters())).__name__,
+    }
     # One write call per line keeps the two ranks' lines from interleaving on the shared pipe.
     sys.stdout.write("RESULT " + json.dumps(rec) + "\n")
     sys.stdout.flush()

@@ -1,10 +1,11 @@
 """train_tiny.py, but importing a torch_npu-like module (autoload off) before torch."""
+
 import os
 import runpy
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import import_autoload_off_first  # noqa: E402,F401
+import import_autoload_off_first  # noqa: F401
 
 sys.argv[0] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_tiny.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -9,6 +9,7 @@ from DeepSpeed's partition (``param.ds_tensor``), and compares that slice of the
 reads the engine's parameters (`if accelerator.process_index == 0`) and reports the exception it gets.
 Prints ``RESULT {json}`` per rank.
 """
+
 import copy
 import json
 import os
@@ -57,8 +58,8 @@ for step, (x, y) in enumerate(batches, start=1):
     update_ema(target.parameters(), model.parameters(), rate)
     with torch.no_grad():
         for ref, t, (start, count, part) in zip(reference, target.parameters(), my_slices()):
-            ref[start:start + count].mul_(rate).add_(part[:count], alpha=1 - rate)
-            equal &= count > 0 and torch.equal(t.reshape(-1)[start:start + count], ref[start:start + count])
+            ref[start : start + count].mul_(rate).add_(part[:count], alpha=1 - rate)
+            equal &= count > 0 and torch.equal(t.reshape(-1)[start : start + count], ref[start : start + count])
     moved &= not any(torch.equal(t, b) for t, b in zip(target.parameters(), before))
     steps = step
     if accelerator.is_main_process:
@@ -74,8 +75,9 @@ if rank == 0:
         print([tuple(p.shape) for p in model.parameters()])
         outcome["asymmetric"] = None
     except Exception as exc:  # noqa: BLE001 - reported
-        outcome.update(asymmetric=type(exc).__name__, asymmetric_message=str(exc),
-                       asymmetric_seconds=time.monotonic() - started)
+        outcome.update(
+            asymmetric=type(exc).__name__, asymmetric_message=str(exc), asymmetric_seconds=time.monotonic() - started
+        )
 print("RESULT " + json.dumps(outcome), flush=True)
 accelerator.wait_for_everyone()
 accelerator.end_training()

@@ -3,6 +3,7 @@
 Plain DeepSpeed, one process (run with RANK/WORLD_SIZE/MASTER_* set), no accel_npu import.
 Prints ``RESULT {json}`` when all steps ran.
 """
+
 import json
 
 import deepspeed
@@ -26,9 +27,13 @@ def evaluate(engine, x):
 
 def main():
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, _, _, _ = deepspeed.initialize(model=Net(), model_parameters=None, config=config)
     x = torch.randn(4, 8)
     y = x.sum(dim=1, keepdim=True)

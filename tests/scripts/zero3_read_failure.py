@@ -4,6 +4,7 @@ Fault injection: once accel-npu has validated the checkpoint, rank 0 truncates o
 it is about to read (as a disk or a concurrent writer would). Every rank must fail with a clear
 LoadError, none may hang in the broadcast. Usage (torchrun): zero3_read_failure.py CKPT_COPY
 """
+
 import json
 import os
 import sys
@@ -19,8 +20,12 @@ from accel_npu.errors import LoadError
 
 def main():
     path = sys.argv[1]
-    ds = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
-          "gradient_accumulation_steps": 1}
+    ds = {
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+    }
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds, zero3_init_flag=True))
     validate = loading.validate
 

@@ -5,6 +5,7 @@ Why: a script that imports torch_npu before torch runs with TORCH_DEVICE_BACKEND
 run there. This file registers a post-import hook on ``torch`` instead, which works whatever
 the autoload setting. It imports nothing heavy, then chains to any other sitecustomize.
 """
+
 import os
 import sys
 

@@ -2,6 +2,7 @@
 unchanged ``accelerate launch`` runs the first time. Interactive like ``accelerate config``, or
 ``--non-interactive`` with a flag per question. See docs/config.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ def _apply_flags(args, s) -> set[str]:
         value = getattr(args, dest, None)
         if value is None:
             continue
-        if name in ("frozen_modules", "load_slots", "truncate", "hccl_socket_ifname") and \
-                str(value).lower() in ("auto", "none"):
+        if name in ("frozen_modules", "load_slots", "truncate", "hccl_socket_ifname") and str(value).lower() in (
+            "auto",
+            "none",
+        ):
             value = ""
         setattr(s, name, value)
         given.add(name)
@@ -75,24 +78,28 @@ def _apply_flags(args, s) -> set[str]:
 
 def run(args) -> int:
     from accel_npu.cli.config import settings as wizard
-    from accel_npu.errors import ConfigError
     from accel_npu.cli.config.prompts import Aborted, Prompter, interview
+    from accel_npu.errors import ConfigError
 
     out = sys.stdout
     target = Path(args.config_file).expanduser() if args.config_file else wizard.default_config_file()
     is_default = not args.config_file
     if target.suffix.lower() not in (".yaml", ".yml"):
-        raise ConfigError(f"--config_file {target}: accel-npu writes an accelerate YAML; use a name ending in "
-                          f".yaml (the DeepSpeed JSON and the launch settings are written beside it). "
-                          f"Nothing was written.")
+        raise ConfigError(
+            f"--config_file {target}: accel-npu writes an accelerate YAML; use a name ending in "
+            f".yaml (the DeepSpeed JSON and the launch settings are written beside it). "
+            f"Nothing was written."
+        )
     machine = wizard.detect_machine()
     base, template = _base_settings(args, machine)
     given = _apply_flags(args, base)
     interactive = not args.non_interactive
     prompter = Prompter(out)
     if interactive:
-        prompter.say("accel-npu config: an accelerate config that `accelerate launch` runs as is, "
-                     "a DeepSpeed JSON beside it for ZeRO,")
+        prompter.say(
+            "accel-npu config: an accelerate config that `accelerate launch` runs as is, "
+            "a DeepSpeed JSON beside it for ZeRO,"
+        )
         prompter.say("and the launch settings accel-npu applies to the training processes.")
         if template:
             prompter.say(f"Starting from {template}.")
@@ -103,8 +110,12 @@ def run(args) -> int:
             return 130
     else:
         settings = base
-        if settings.backend == "npu" and settings.num_machines > 1 and not settings.hccl_socket_ifname \
-                and "hccl_socket_ifname" not in given:
+        if (
+            settings.backend == "npu"
+            and settings.num_machines > 1
+            and not settings.hccl_socket_ifname
+            and "hccl_socket_ifname" not in given
+        ):
             settings.hccl_socket_ifname = wizard.suggested_socket_ifname(settings.main_process_ip)
     wizard.validate(settings, machine)
 
@@ -128,7 +139,8 @@ def run(args) -> int:
             raise ConfigError(
                 f"these files exist and differ from the new config:\n{listing}\n"
                 f"Pass --yes to replace them (each is first copied to <file>.bak), or choose another "
-                f"--config_file. Nothing was written.")
+                f"--config_file. Nothing was written."
+            )
         prompter.say(f"These files exist:\n{listing}")
         try:
             ok = prompter.confirm("Replace them (each is first copied to <file>.bak)?", False)
@@ -145,7 +157,9 @@ def run(args) -> int:
         prompter.say("This is accelerate's default config file: a plain `accelerate launch` uses it.")
     prompter.say(f"Launch with: {launch}")
     if settings.num_machines > 1:
-        prompter.say(f"On the other machines: the same files, with --machine_rank N (N = 1..{settings.num_machines - 1}).")
+        prompter.say(
+            f"On the other machines: the same files, with --machine_rank N (N = 1..{settings.num_machines - 1})."
+        )
     return 0
 
 
@@ -153,35 +167,56 @@ def add_parser(subparsers) -> None:
     from accel_npu.cli.config import settings as wizard
 
     p = subparsers.add_parser(
-        "config", help="write an accelerate + DeepSpeed config (interactive wizard, or --non-interactive)",
+        "config",
+        help="write an accelerate + DeepSpeed config (interactive wizard, or --non-interactive)",
         description="Write an accelerate YAML, a DeepSpeed JSON beside it (ZeRO only) and the launch "
-                    "settings accel-npu applies to training processes. Without --non-interactive, asks "
-                    "each question not given as a flag (Enter accepts the default shown).",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "settings accel-npu applies to training processes. Without --non-interactive, asks "
+        "each question not given as a flag (Enter accepts the default shown).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("where and how")
-    g.add_argument("--config_file", "--config-file", dest="config_file", metavar="PATH",
-                   help="accelerate YAML to write (default: accelerate's default config file, "
-                        "which a plain `accelerate launch` reads)")
-    g.add_argument("--from", dest="from_template", metavar="NAME",
-                   help="start from a launch_configs/ template (e.g. zero3, npu_zero2, cpu_zero3, "
-                        "multinode) or an existing accelerate YAML")
+    g.add_argument(
+        "--config_file",
+        "--config-file",
+        dest="config_file",
+        metavar="PATH",
+        help="accelerate YAML to write (default: accelerate's default config file, "
+        "which a plain `accelerate launch` reads)",
+    )
+    g.add_argument(
+        "--from",
+        dest="from_template",
+        metavar="NAME",
+        help="start from a launch_configs/ template (e.g. zero3, npu_zero2, cpu_zero3, "
+        "multinode) or an existing accelerate YAML",
+    )
     g.add_argument("--non-interactive", action="store_true", help="ask nothing: flags and defaults only")
     g.add_argument("--yes", "-y", action="store_true", help="replace existing files without asking (backups kept)")
     g.add_argument("--dry-run", action="store_true", help="print what would be written; write nothing")
-    g.add_argument("--relative-paths", action="store_true",
-                   help="write deepspeed_config_file relative to the YAML (accel-npu resolves it at launch)")
+    g.add_argument(
+        "--relative-paths",
+        action="store_true",
+        help="write deepspeed_config_file relative to the YAML (accel-npu resolves it at launch)",
+    )
     q = p.add_argument_group("answers (each replaces one question)")
     q.add_argument("--backend", choices=wizard.BACKENDS, help="device backend (default: detected)")
     q.add_argument("--num-machines", type=int, help="machines training together (default 1)")
     q.add_argument("--machine-rank", type=int, help="rank of this machine (multi-node)")
     q.add_argument("--main-process-ip", help="address of machine rank 0 (multi-node)")
     q.add_argument("--main-process-port", type=int, help="port on machine rank 0 (default 29500)")
-    q.add_argument("--num-processes", type=int,
-                   help="processes on EACH machine, one per device (the YAML's num_processes is the total)")
+    q.add_argument(
+        "--num-processes",
+        type=int,
+        help="processes on EACH machine, one per device (the YAML's num_processes is the total)",
+    )
     q.add_argument("--strategy", choices=wizard.STRATEGIES, help="ddp, zero2 (default) or zero3")
     q.add_argument("--offload", choices=wizard.OFFLOADS, help="ZeRO CPU offload: none, optimizer, all (ZeRO-3)")
-    q.add_argument("--zero3-init", action=argparse.BooleanOptionalAction, default=None,
-                   help="ZeRO-3: build models under deepspeed.zero.Init (default on)")
+    q.add_argument(
+        "--zero3-init",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ZeRO-3: build models under deepspeed.zero.Init (default on)",
+    )
     q.add_argument("--mixed-precision", choices=wizard.PRECISIONS, help="bf16 (default), fp16 or no")
     q.add_argument("--micro-batch-size", help="train_micro_batch_size_per_gpu (default auto)")
     q.add_argument("--gradient-accumulation-steps", help="gradient accumulation steps (default auto)")
@@ -190,11 +225,15 @@ def add_parser(subparsers) -> None:
     q.add_argument("--cpu-affinity-conf", help="NPU: CPU_AFFINITY_CONF (default 1)")
     q.add_argument("--hccl-connect-timeout", help="NPU: HCCL_CONNECT_TIMEOUT seconds (default 1200)")
     q.add_argument("--hccl-exec-timeout", help="NPU: HCCL_EXEC_TIMEOUT seconds (default 1800)")
-    q.add_argument("--hccl-socket-ifname",
-                   help="NPU, more than one machine: HCCL_SOCKET_IFNAME, the host interface(s) HCCL reaches the other "
-                        "machines by: name prefixes (eth,enp), =exact names, ^excluded (default: the letters of this "
-                        "machine's interface towards the main machine; none: HCCL picks)")
-    q.add_argument("--frozen-modules", help="ACCEL_NPU_FROZEN_MODULES: child names kept out of DeepSpeed (default auto)")
+    q.add_argument(
+        "--hccl-socket-ifname",
+        help="NPU, more than one machine: HCCL_SOCKET_IFNAME, the host interface(s) HCCL reaches the other "
+        "machines by: name prefixes (eth,enp), =exact names, ^excluded (default: the letters of this "
+        "machine's interface towards the main machine; none: HCCL picks)",
+    )
+    q.add_argument(
+        "--frozen-modules", help="ACCEL_NPU_FROZEN_MODULES: child names kept out of DeepSpeed (default auto)"
+    )
     q.add_argument("--load-slots", help="ACCEL_NPU_LOAD_SLOTS: ranks per machine loading at once (default auto)")
     q.add_argument("--truncate", help="ACCEL_NPU_TRUNCATE: Class:layers pairs (default none)")
     p.set_defaults(func=run)

@@ -4,15 +4,16 @@ Every question shows its default in [brackets] (detected on this machine, or tak
 template); Enter accepts it. Choices take their number or their name. A question whose answer
 was given as a flag is not asked. Invalid answers are explained and asked again.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from accel_npu.cli.config import settings as wizard
-from accel_npu.errors import ConfigError
 from accel_npu.cli.config.settings import Machine, Settings
+from accel_npu.errors import ConfigError
 
 
 class Aborted(Exception):
@@ -146,17 +147,21 @@ _PRECISION_TEXT = {
 def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) -> Settings:
     """Ask every question not answered by a flag; returns the answers (not yet validated as a whole)."""
     s = replace(base, npu_env=dict(base.npu_env))
-    found = (f"{machine.device_count} {wizard.device_word(machine.backend)}(s) visible"
-             if machine.backend != "cpu" else "no accelerator found")
+    found = (
+        f"{machine.device_count} {wizard.device_word(machine.backend)}(s) visible"
+        if machine.backend != "cpu"
+        else "no accelerator found"
+    )
     p.say(f"This machine: backend {machine.backend} ({found}).")
     p.say("Press Enter to accept the value in [brackets]; choices take a number or a name.")
     p.say()
 
     if "backend" not in given:
-        chosen = p.choose("Which device backend will you train on?",
-                          [(b, _BACKEND_TEXT[b] + ("  <- detected" if b == machine.backend else ""))
-                           for b in wizard.BACKENDS],
-                          s.backend)
+        chosen = p.choose(
+            "Which device backend will you train on?",
+            [(b, _BACKEND_TEXT[b] + ("  <- detected" if b == machine.backend else "")) for b in wizard.BACKENDS],
+            s.backend,
+        )
         if chosen != s.backend:
             d = wizard.default_settings(machine, chosen)
             s.backend, s.processes_per_machine, s.npu_env = chosen, d.processes_per_machine, d.npu_env
@@ -166,21 +171,31 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
                 s.offload = "none"
 
     if "num_machines" not in given:
-        s.num_machines = p.ask("How many machines (nodes) will train together?", s.num_machines,
-                               _int_between(1, None, "the number of machines"))
+        s.num_machines = p.ask(
+            "How many machines (nodes) will train together?",
+            s.num_machines,
+            _int_between(1, None, "the number of machines"),
+        )
     if s.num_machines > 1:
         if "machine_rank" not in given:
-            s.machine_rank = p.ask(f"Rank of THIS machine (0 = the main machine, up to {s.num_machines - 1})?",
-                                   s.machine_rank, _int_between(0, s.num_machines - 1, "the machine rank"))
+            s.machine_rank = p.ask(
+                f"Rank of THIS machine (0 = the main machine, up to {s.num_machines - 1})?",
+                s.machine_rank,
+                _int_between(0, s.num_machines - 1, "the machine rank"),
+            )
         if "main_process_ip" not in given:
             s.main_process_ip = p.ask("IP address of the main machine (rank 0)?", s.main_process_ip, str)
         if "main_process_port" not in given:
-            s.main_process_port = p.ask("Port on the main machine?", s.main_process_port,
-                                        _int_between(1, 65535, "the port"))
+            s.main_process_port = p.ask(
+                "Port on the main machine?", s.main_process_port, _int_between(1, 65535, "the port")
+            )
         if s.backend == "npu" and "hccl_socket_ifname" not in given:
             default = s.hccl_socket_ifname or wizard.suggested_socket_ifname(s.main_process_ip) or "none"
-            s.hccl_socket_ifname = p.ask(f"HCCL_SOCKET_IFNAME ({wizard.HCCL_SOCKET_IFNAME_TEXT}; none = HCCL "
-                                         "picks)?", default, _checked(wizard.check_socket_ifname))
+            s.hccl_socket_ifname = p.ask(
+                f"HCCL_SOCKET_IFNAME ({wizard.HCCL_SOCKET_IFNAME_TEXT}; none = HCCL picks)?",
+                default,
+                _checked(wizard.check_socket_ifname),
+            )
 
     if "processes_per_machine" not in given:
         limit = wizard.device_limit(s.backend, machine)
@@ -193,7 +208,8 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
         s.processes_per_machine = p.ask(
             f"How many training processes on each machine? ({note})",
             min(s.processes_per_machine, limit) if limit else s.processes_per_machine,
-            _int_between(1, limit, "the number of processes" + (" (one per visible device)" if limit else "")))
+            _int_between(1, limit, "the number of processes" + (" (one per visible device)" if limit else "")),
+        )
 
     total = s.num_processes
     if "strategy" not in given:
@@ -201,9 +217,11 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             p.say("One process in total: no data parallelism and no ZeRO (ZeRO shards across processes).")
             s.strategy = "ddp"
         else:
-            s.strategy = p.choose("How should the processes share the training state?",
-                                  [(k, _STRATEGY_TEXT[k]) for k in wizard.STRATEGIES],
-                                  s.strategy if s.strategy in wizard.STRATEGIES else "zero2")
+            s.strategy = p.choose(
+                "How should the processes share the training state?",
+                [(k, _STRATEGY_TEXT[k]) for k in wizard.STRATEGIES],
+                s.strategy if s.strategy in wizard.STRATEGIES else "zero2",
+            )
     if not s.uses_deepspeed:
         s.offload = "none"
     elif "offload" not in given:
@@ -211,45 +229,65 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             s.offload = "none"
         else:
             offers = ["none", "optimizer"] + (["all"] if s.strategy == "zero3" else [])
-            s.offload = p.choose("Offload to host (CPU) memory?", [(k, _OFFLOAD_TEXT[k]) for k in offers],
-                                 s.offload if s.offload in offers else "none")
+            s.offload = p.choose(
+                "Offload to host (CPU) memory?",
+                [(k, _OFFLOAD_TEXT[k]) for k in offers],
+                s.offload if s.offload in offers else "none",
+            )
     if s.strategy == "zero3" and "zero3_init" not in given:
-        s.zero3_init = p.confirm("ZeRO-3: build models under deepspeed.zero.Init (each rank materializes "
-                                 "only its shard)?", s.zero3_init)
+        s.zero3_init = p.confirm(
+            "ZeRO-3: build models under deepspeed.zero.Init (each rank materializes only its shard)?", s.zero3_init
+        )
 
     if "mixed_precision" not in given:
         choices = wizard.precision_choices(s.backend, machine)
         default = s.mixed_precision if s.mixed_precision in choices else choices[0]
         where = "the DeepSpeed JSON" if s.uses_deepspeed else "the accelerate YAML"
-        s.mixed_precision = p.choose(f"Mixed precision? (declared once, in {where})",
-                                     [(k, _PRECISION_TEXT[k]) for k in choices], default)
+        s.mixed_precision = p.choose(
+            f"Mixed precision? (declared once, in {where})", [(k, _PRECISION_TEXT[k]) for k in choices], default
+        )
 
     if s.uses_deepspeed and "micro_batch_size" not in given:
-        s.micro_batch_size = p.ask("Micro batch size per device (auto = the batch size of your DataLoader)?",
-                                   s.micro_batch_size, _auto_int("the micro batch size"))
+        s.micro_batch_size = p.ask(
+            "Micro batch size per device (auto = the batch size of your DataLoader)?",
+            s.micro_batch_size,
+            _auto_int("the micro batch size"),
+        )
     if "gradient_accumulation_steps" not in given:
         s.gradient_accumulation_steps = p.ask(
             "Gradient accumulation steps (auto = what your script passes to Accelerator)?",
-            s.gradient_accumulation_steps, _auto_int("gradient accumulation steps"))
+            s.gradient_accumulation_steps,
+            _auto_int("gradient accumulation steps"),
+        )
 
     if s.backend == "npu" and "npu_env" not in given:
         current = ", ".join(f"{k}={v}" for k, v in s.npu_env.items())
         if not p.confirm(f"Use these Ascend runtime settings? {current}", True):
             for name, meaning in wizard.NPU_TUNING:
-                s.npu_env[name] = p.ask(f"{name} ({meaning})?", s.npu_env.get(name, ""),
-                                        _checked(lambda v, n=name: wizard.check_npu_env(n, v), keep_words=True))
+                s.npu_env[name] = p.ask(
+                    f"{name} ({meaning})?",
+                    s.npu_env.get(name, ""),
+                    _checked(lambda v, n=name: wizard.check_npu_env(n, v), keep_words=True),
+                )
 
     if s.uses_deepspeed and "frozen_modules" not in given:
         s.frozen_modules = p.ask(
             "Frozen sub-models (VAE, text encoder) kept out of DeepSpeed: 'auto' detects children "
             "whose parameters are all frozen, or list child names (e.g. vae,text_encoder)?",
-            s.frozen_modules or "auto", _checked(wizard.check_frozen))
+            s.frozen_modules or "auto",
+            _checked(wizard.check_frozen),
+        )
     if "load_slots" not in given:
-        s.load_slots = p.ask("How many ranks per machine may load model weights at the same time "
-                             "(auto = from free host memory)?", s.load_slots or "auto",
-                             _checked(lambda v: wizard.check_auto_int(v or "auto", "load slots")))
+        s.load_slots = p.ask(
+            "How many ranks per machine may load model weights at the same time (auto = from free host memory)?",
+            s.load_slots or "auto",
+            _checked(lambda v: wizard.check_auto_int(v or "auto", "load slots")),
+        )
     if "truncate" not in given:
-        s.truncate = p.ask("Truncate models while loading: Class:layers pairs, e.g. "
-                           "QwenImageTransformer2DModel:2 (none = load every layer)?",
-                           s.truncate or "none", _checked(wizard.check_truncate))
+        s.truncate = p.ask(
+            "Truncate models while loading: Class:layers pairs, e.g. "
+            "QwenImageTransformer2DModel:2 (none = load every layer)?",
+            s.truncate or "none",
+            _checked(wizard.check_truncate),
+        )
     return s

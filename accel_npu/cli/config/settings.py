@@ -14,6 +14,7 @@ The three files live side by side (``<stem>.yaml``, ``<stem>.deepspeed.json``,
 This module is the single source of the tuned values: launch_configs/ is generated from it
 (tests/test_config_launch_configs.py checks that the shipped files are up to date).
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,10 @@ ACCEL_NPU_SETTINGS = (
 )
 
 #: what the wizard writes for HCCL across machines (npu, more than one machine)
-HCCL_SOCKET_IFNAME_TEXT = ("host interface(s) HCCL reaches the other machines by: name prefixes (eth,enp), "
-                           "=exact names, ^excluded (CANN's syntax)")
+HCCL_SOCKET_IFNAME_TEXT = (
+    "host interface(s) HCCL reaches the other machines by: name prefixes (eth,enp), "
+    "=exact names, ^excluded (CANN's syntax)"
+)
 
 ENV_COMMENTS = dict(NPU_TUNING + ACCEL_NPU_SETTINGS)
 ENV_COMMENTS["HCCL_SOCKET_IFNAME"] = HCCL_SOCKET_IFNAME_TEXT
@@ -69,8 +72,7 @@ def npu_tuning_defaults(num_machines: int = 1, num_processes: int = 1) -> dict[s
     npu = Backend(name="npu", device_type="npu", dist_backend="hccl", ds_accelerator="npu")
     nodes = Nodes(count=num_machines, world_size=num_processes)
     defaults: dict[str, str] = {}
-    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes,
-                                                                 launching=False):
+    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes, launching=False):
         for key, value in (result or {}).items():
             defaults.setdefault(key, str(value))
     return {name: defaults[name] for name, _ in NPU_TUNING if name in defaults}
@@ -94,18 +96,26 @@ def tuned_zero(stage: int, backend: str) -> dict[str, Any]:
         "allgather_bucket_size": bucket,
     }
     if stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": bucket,
-            "stage3_param_persistence_threshold": 1_000_000,
-            "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_max_reuse_distance": 1_000_000_000,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        })
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": bucket,
+                "stage3_param_persistence_threshold": 1_000_000,
+                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_max_reuse_distance": 1_000_000_000,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
     return zero
 
 
-_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-         "hysteresis": 2, "min_loss_scale": 1}
+_FP16 = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 
 
 @dataclass
@@ -174,8 +184,9 @@ def detect_machine() -> Machine:
         note = f"ASCEND_RT_VISIBLE_DEVICES={os.environ.get('ASCEND_RT_VISIBLE_DEVICES', '<unset>')}"
     elif backend.name == "cuda":
         note = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
-    return Machine(backend=backend.name, device_count=backend.device_count, bf16_supported=bf16,
-                   visible_devices_note=note)
+    return Machine(
+        backend=backend.name, device_count=backend.device_count, bf16_supported=bf16, visible_devices_note=note
+    )
 
 
 def device_word(backend: str) -> str:
@@ -234,8 +245,10 @@ def check_truncate(value: str) -> str | None:
         return None
     bad = [p for p in value.split(",") if not _TRUNCATE_RE.match(p)]
     if bad:
-        return (f"truncation {value!r} is not a comma-separated list of Class:layers pairs "
-                f"(e.g. QwenImageTransformer2DModel:2); bad part: {bad[0]!r}")
+        return (
+            f"truncation {value!r} is not a comma-separated list of Class:layers pairs "
+            f"(e.g. QwenImageTransformer2DModel:2); bad part: {bad[0]!r}"
+        )
     return None
 
 
@@ -288,12 +301,16 @@ def check_socket_ifname(value: str) -> str | None:
     if not value:
         return None
     if not parse_socket_ifname(value)[2]:
-        return (f"--hccl-socket-ifname {value!r} names no interface: give name prefixes separated by commas "
-                f"(eth,enp), '=' before exact names (=eth0), '^' to exclude")
+        return (
+            f"--hccl-socket-ifname {value!r} names no interface: give name prefixes separated by commas "
+            f"(eth,enp), '=' before exact names (=eth0), '^' to exclude"
+        )
     names = interface_names()
     if not usable_interfaces(value, names):
-        return (f"--hccl-socket-ifname {value} matches no interface of this machine (it has: {', '.join(names)}); "
-                f"give a prefix every machine's interface starts with")
+        return (
+            f"--hccl-socket-ifname {value} matches no interface of this machine (it has: {', '.join(names)}); "
+            f"give a prefix every machine's interface starts with"
+        )
     return None
 
 
@@ -310,9 +327,11 @@ def problems(s: Settings, machine: Machine) -> list[str]:
     if s.mixed_precision not in PRECISIONS:
         out.append(f"mixed precision {s.mixed_precision!r} is not one of {', '.join(PRECISIONS)}")
     elif s.mixed_precision not in precision_choices(s.backend, machine):
-        why = ("the cpu backend has no fp16 training (torch's and DeepSpeed's CPU paths); "
-               "use --mixed-precision bf16 or no" if s.backend == "cpu"
-               else "this GPU has no bf16 support; use --mixed-precision fp16 or no")
+        why = (
+            "the cpu backend has no fp16 training (torch's and DeepSpeed's CPU paths); use --mixed-precision bf16 or no"
+            if s.backend == "cpu"
+            else "this GPU has no bf16 support; use --mixed-precision fp16 or no"
+        )
         out.append(f"--mixed-precision {s.mixed_precision} on {s.backend}: {why}")
     if s.num_machines < 1:
         out.append(f"--num-machines must be >= 1 (got {s.num_machines})")
@@ -324,19 +343,25 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             f"--num-processes {s.processes_per_machine} but only {limit} {device_word(s.backend)}(s) are visible "
             f"on this machine ({machine.visible_devices_note}): use one process per device, "
             f"--num-processes {limit} or fewer (extra ranks would share a device; HCCL fails later "
-            f"with 'rank N assigned to same device')")
+            f"with 'rank N assigned to same device')"
+        )
     if s.uses_deepspeed and s.num_processes < 2:
-        out.append(f"--strategy {s.strategy} needs at least 2 processes in total (got {s.num_processes}): "
-                   f"ZeRO shards across processes; use --strategy ddp for a single process")
+        out.append(
+            f"--strategy {s.strategy} needs at least 2 processes in total (got {s.num_processes}): "
+            f"ZeRO shards across processes; use --strategy ddp for a single process"
+        )
     if s.offload != "none":
         if not s.uses_deepspeed:
             out.append(f"--offload {s.offload} needs --strategy zero2 or zero3 (DDP has nothing to offload)")
         elif s.backend == "cpu":
-            out.append(f"--offload {s.offload} on the cpu backend: everything is in host memory already; "
-                       f"use --offload none")
+            out.append(
+                f"--offload {s.offload} on the cpu backend: everything is in host memory already; use --offload none"
+            )
         elif s.offload == "all" and s.strategy != "zero3":
-            out.append("--offload all (optimizer and parameters) needs --strategy zero3; "
-                       "ZeRO-2 can offload the optimizer only (--offload optimizer)")
+            out.append(
+                "--offload all (optimizer and parameters) needs --strategy zero3; "
+                "ZeRO-2 can offload the optimizer only (--offload optimizer)"
+            )
     if s.num_machines > 1:
         if not s.main_process_ip:
             out.append("--main-process-ip is required with more than one machine (the address of machine rank 0)")
@@ -344,8 +369,10 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             out.append(f"--machine-rank {s.machine_rank} must be between 0 and {s.num_machines - 1}")
         if not 1 <= s.main_process_port <= 65535:
             out.append(f"--main-process-port {s.main_process_port} is not a TCP port")
-    for value, what in ((s.micro_batch_size, "--micro-batch-size"),
-                        (s.gradient_accumulation_steps, "--gradient-accumulation-steps")):
+    for value, what in (
+        (s.micro_batch_size, "--micro-batch-size"),
+        (s.gradient_accumulation_steps, "--gradient-accumulation-steps"),
+    ):
         msg = check_auto_int(value, what)
         if msg:
             out.append(msg)
@@ -497,10 +524,14 @@ def _comment_lines(text: str) -> list[str]:
 
 
 def title_of(s: Settings) -> str:
-    what = {"ddp": "DDP" if s.num_processes > 1 else "single process", "zero2": "DeepSpeed ZeRO-2",
-            "zero3": "DeepSpeed ZeRO-3"}[s.strategy]
-    where = (f"{s.num_machines} machines x {s.processes_per_machine}" if s.num_machines > 1
-             else f"{s.processes_per_machine}")
+    what = {
+        "ddp": "DDP" if s.num_processes > 1 else "single process",
+        "zero2": "DeepSpeed ZeRO-2",
+        "zero3": "DeepSpeed ZeRO-3",
+    }[s.strategy]
+    where = (
+        f"{s.num_machines} machines x {s.processes_per_machine}" if s.num_machines > 1 else f"{s.processes_per_machine}"
+    )
     off = {"none": "", "optimizer": ", optimizer offloaded to CPU", "all": ", optimizer+parameters offloaded to CPU"}
     return f"{what}, {s.mixed_precision}, {where} {s.backend} process(es){off[s.offload]}"
 
@@ -508,10 +539,14 @@ def title_of(s: Settings) -> str:
 def render_accelerate_yaml(s: Settings, deepspeed_file: str | None, header: str = "") -> str:
     cfg = accelerate_dict(s, deepspeed_file)
     lines = _comment_lines(header) if header else []
-    lines += [f"# accelerate config: {title_of(s)}.",
-              "# Written by `accel-npu config`; `accelerate launch --config_file THIS train.py` runs it."]
+    lines += [
+        f"# accelerate config: {title_of(s)}.",
+        "# Written by `accel-npu config`; `accelerate launch --config_file THIS train.py` runs it.",
+    ]
     if s.uses_deepspeed:
-        lines.append("# Precision is declared once, in the DeepSpeed JSON (accelerate refuses mixed_precision beside it).")
+        lines.append(
+            "# Precision is declared once, in the DeepSpeed JSON (accelerate refuses mixed_precision beside it)."
+        )
     lines.append("# Environment of the training processes: the .accel-npu.yaml file beside this one.")
     width = 32
     for key, value in cfg.items():
@@ -606,8 +641,10 @@ def resolve_template(name: str, backend: str) -> Path:
     for candidate in (name, f"{prefix}_{name}", f"{prefix}_{name}_zero3"):
         if candidate in names:
             return templates_dir() / f"{candidate}.yaml"
-    raise ConfigError(f"--from {name!r}: no such template or file. Templates: {', '.join(names)} "
-                      f"(or zero2, zero3, multinode for this backend), or a path to an accelerate YAML.")
+    raise ConfigError(
+        f"--from {name!r}: no such template or file. Templates: {', '.join(names)} "
+        f"(or zero2, zero3, multinode for this backend), or a path to an accelerate YAML."
+    )
 
 
 def settings_from_files(config_file: Path, machine: Machine) -> Settings:
@@ -624,8 +661,11 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     if sidecar.is_file():
         side = yaml.safe_load(sidecar.read_text()) or {}
     dist = cfg.get("distributed_type", "NO")
-    backend = side.get("backend") or {"MULTI_NPU": "npu", "MULTI_GPU": "cuda", "MULTI_CPU": "cpu"}.get(dist) \
+    backend = (
+        side.get("backend")
+        or {"MULTI_NPU": "npu", "MULTI_GPU": "cuda", "MULTI_CPU": "cpu"}.get(dist)
         or ("cpu" if cfg.get("use_cpu") else machine.backend)
+    )
     s = default_settings(machine, backend)
     s.num_machines = int(cfg.get("num_machines", 1))
     total = int(cfg.get("num_processes", s.processes_per_machine))
@@ -655,7 +695,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
         zero = ds.get("zero_optimization") or {}
         s.strategy = {2: "zero2", 3: "zero3"}.get(int(zero.get("stage", 2)), "zero2")
         s.zero3_init = bool(dsc.get("zero3_init_flag", True))
-        s.offload = ("all" if "offload_param" in zero else "optimizer" if "offload_optimizer" in zero else "none")
+        s.offload = "all" if "offload_param" in zero else "optimizer" if "offload_optimizer" in zero else "none"
         if (ds.get("fp16") or {}).get("enabled"):
             s.mixed_precision = "fp16"
         elif (ds.get("bf16") or {}).get("enabled"):
@@ -709,8 +749,18 @@ def write_files(files: dict[Path, str]) -> list[tuple[Path, Path | None]]:
 
 
 __all__ = [
-    "Settings", "Machine", "detect_machine", "default_settings", "problems", "validate", "render",
-    "settings_from_files", "resolve_template", "default_config_file", "write_files", "template_files",
+    "Settings",
+    "Machine",
+    "detect_machine",
+    "default_settings",
+    "problems",
+    "validate",
+    "render",
+    "settings_from_files",
+    "resolve_template",
+    "default_config_file",
+    "write_files",
+    "template_files",
     "write_templates",
 ]
 
@@ -723,16 +773,18 @@ _DS_NOTES_2 = """\
   train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps "auto":
     taken from your script (DataLoader batch size, Accelerator(gradient_accumulation_steps=...))
   bf16 enabled: precision is declared there only (accelerate refuses mixed_precision beside it)"""
-_DS_NOTES_3 = _DS_NOTES_2 + """
+_DS_NOTES_3 = (
+    _DS_NOTES_2
+    + """
   stage3_prefetch_bucket_size {bucket}: parameters fetched ahead per step
   stage3_param_persistence_threshold 1e6: tensors under 1M elements (norms, biases) stay whole on
     every rank: far fewer all-gathers
   stage3_max_live_parameters, stage3_max_reuse_distance 1e9: a wide prefetch window, fewer re-gathers
   stage3_gather_16bit_weights_on_model_save true: accelerator.save_model / get_state_dict can
     export a bf16 copy (a collective: call it on every rank)"""
+)
 
-_NPU_BUCKET = ("5e8", "large buckets suit 910B's HCCS links (~56 GB/s); lower to 1e8 if HCCL "
-                      "times out")
+_NPU_BUCKET = ("5e8", "large buckets suit 910B's HCCS links (~56 GB/s); lower to 1e8 if HCCL times out")
 _CPU_BUCKET_WHY = ("5e7", "smaller than the NPU files' 5e8 so the buckets fit a laptop's memory")
 
 TEMPLATES: dict[str, tuple[Settings, str]] = {
@@ -740,36 +792,55 @@ TEMPLATES: dict[str, tuple[Settings, str]] = {
         Settings(backend="npu", processes_per_machine=8, strategy="zero2", mixed_precision="bf16"),
         "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-2, bf16.\n"
         "ZeRO-2 shards optimizer states and gradients; parameters stay whole: the least intrusive ZeRO,\n"
-        "fastest per step, for debugging and quick runs.\n" + _DS_NOTES_2),
+        "fastest per step, for debugging and quick runs.\n" + _DS_NOTES_2,
+    ),
     "npu_zero3": (
         Settings(backend="npu", processes_per_machine=8, strategy="zero3", mixed_precision="bf16"),
         "Ascend NPU: one machine, 8 NPUs, DeepSpeed ZeRO-3, bf16.\n"
-        "ZeRO-3 shards parameters too: larger models and batches per NPU.\n"
-        + _DS_NOTES_3),
+        "ZeRO-3 shards parameters too: larger models and batches per NPU.\n" + _DS_NOTES_3,
+    ),
     "npu_multinode_zero3": (
-        Settings(backend="npu", num_machines=2, processes_per_machine=8, main_process_ip="10.0.0.1",
-                 main_process_port=29500, strategy="zero3", mixed_precision="bf16"),
+        Settings(
+            backend="npu",
+            num_machines=2,
+            processes_per_machine=8,
+            main_process_ip="10.0.0.1",
+            main_process_port=29500,
+            strategy="zero3",
+            mixed_precision="bf16",
+        ),
         "Ascend NPU: TEMPLATE for 2 machines x 8 NPUs, DeepSpeed ZeRO-3, bf16.\n"
         "EDIT main_process_ip (machine rank 0's address) and num_machines / num_processes (total).\n"
         "Run on every machine: accelerate launch --config_file THIS --machine_rank N train.py\n"
-        "(N = 0 on the main machine). Same files, same paths on all machines.\n" + _DS_NOTES_3),
+        "(N = 0 on the main machine). Same files, same paths on all machines.\n" + _DS_NOTES_3,
+    ),
     "cpu_zero2": (
         Settings(backend="cpu", processes_per_machine=2, strategy="zero2", mixed_precision="bf16"),
         "CPU debugging twin of npu_zero2: 2 CPU ranks over gloo, DeepSpeed ZeRO-2, bf16. Runs on any\n"
         "laptop: debug the distributed path of a training script before it reaches the NPUs.\n"
-        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_2),
+        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_2,
+    ),
     "cpu_zero3": (
         Settings(backend="cpu", processes_per_machine=2, strategy="zero3", mixed_precision="bf16"),
         "CPU debugging twin of npu_zero3: 2 CPU ranks over gloo, DeepSpeed ZeRO-3, bf16. Runs on any\n"
         "laptop: debug the distributed path of a training script before it reaches the NPUs.\n"
-        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_3),
+        "  accelerate launch --config_file THIS train.py\n" + _DS_NOTES_3,
+    ),
     "cpu_multinode_zero3": (
-        Settings(backend="cpu", num_machines=2, processes_per_machine=1, main_process_ip="127.0.0.1",
-                 main_process_port=29500, strategy="zero3", mixed_precision="bf16"),
+        Settings(
+            backend="cpu",
+            num_machines=2,
+            processes_per_machine=1,
+            main_process_ip="127.0.0.1",
+            main_process_port=29500,
+            strategy="zero3",
+            mixed_precision="bf16",
+        ),
         "CPU debugging twin of npu_multinode_zero3: two 'machines' on this one, 1 CPU rank each,\n"
         "DeepSpeed ZeRO-3, bf16. Start both (two terminals):\n"
         "  accelerate launch --config_file THIS --machine_rank 0 train.py\n"
-        "  accelerate launch --config_file THIS --machine_rank 1 train.py\n" + _DS_NOTES_3),
+        "  accelerate launch --config_file THIS --machine_rank 1 train.py\n" + _DS_NOTES_3,
+    ),
 }
 
 

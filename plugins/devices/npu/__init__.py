@@ -4,6 +4,7 @@ activation (import diagnostics, mx_driving), the NPU section of ``accel-npu env`
 A thin layer: every call into torch_npu goes through :class:`contract.TorchNpu`, and that list is
 the contract written down in docs/npu-contract.md; :mod:`diagnostics` explains failed imports.
 """
+
 from __future__ import annotations
 
 import glob
@@ -22,11 +23,16 @@ from accel_npu.errors import LaunchError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.plugins.devices.npu import multinode
 from accel_npu.plugins.devices.npu.contract import MxDriving, TorchNpu
+from accel_npu.plugins.devices.npu.diagnostics import (
+    NpuEnvironmentError,
+    cann_set_env,
+    diagnose_import_error,
+    install_import_diagnostics,
+    library_status,
+    pairing_problem,
+)
 from accel_npu.plugins.devices.npu.multinode import connect_timeout_for
 from accel_npu.plugins.devices.npu.visibility import suggested_value, visible_devices
-from accel_npu.plugins.devices.npu.diagnostics import (NpuEnvironmentError, cann_set_env, diagnose_import_error,
-                                                      install_import_diagnostics, library_status,
-                                                      pairing_problem)
 
 log = logging.getLogger("accel_npu")
 
@@ -42,13 +48,15 @@ def no_device_reason(env) -> str:
     seen = visible_devices(value, -1)
     if value is not None and seen.count == 0:
         fix = suggested_value(value, -1)
-        return (f"ASCEND_RT_VISIBLE_DEVICES={value}: {seen.why} (torch_npu/npu/__init__.py "
-                f"_parse_visible_devices). " + (f"List the ids ascending: ASCEND_RT_VISIBLE_DEVICES={fix}" if fix
-                                                else "Unset it or list device ids"))
+        return f"ASCEND_RT_VISIBLE_DEVICES={value}: {seen.why} (torch_npu/npu/__init__.py _parse_visible_devices). " + (
+            f"List the ids ascending: ASCEND_RT_VISIBLE_DEVICES={fix}" if fix else "Unset it or list device ids"
+        )
     if not glob.glob("/dev/davinci[0-9]*"):
-        return ("there are no /dev/davinci* device nodes: this container was started without the NPUs "
-                "(docker run --device=/dev/davinci0 ... --device=/dev/davinci_manager --device=/dev/devmm_svm "
-                "--device=/dev/hisi_hdc, or your cluster's NPU device plugin)")
+        return (
+            "there are no /dev/davinci* device nodes: this container was started without the NPUs "
+            "(docker run --device=/dev/davinci0 ... --device=/dev/davinci_manager --device=/dev/devmm_svm "
+            "--device=/dev/hisi_hdc, or your cluster's NPU device plugin)"
+        )
     if not os.path.isdir("/usr/local/Ascend/driver"):
         return "the Ascend driver is not installed (/usr/local/Ascend/driver is missing): install the NPU driver"
     return "torch.npu.is_available() is False (check `npu-smi info` and the driver/firmware versions)"
@@ -88,8 +96,15 @@ def accel_npu_select_backend(env):
     except Exception as exc:  # a broken torch_npu install is reported by `accel-npu env`
         log.warning("accel-npu: torch_npu is installed but unusable: %s", exc)
         return None
-    return Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=count,
-                   ds_accelerator="npu", plugin="npu", device_name=TorchNpu.soc_name)
+    return Backend(
+        name="npu",
+        device_type="npu",
+        dist_backend="hccl",
+        device_count=count,
+        ds_accelerator="npu",
+        plugin="npu",
+        device_name=TorchNpu.soc_name,
+    )
 
 
 #: Ascend defaults for launched workers; user values win.
@@ -129,8 +144,9 @@ NPU_LAUNCH_DEFAULTS = {
 def worker_defaults(env, nodes: Nodes = SINGLE) -> dict[str, str]:
     """The npu workers' defaults (the launcher then keeps every value ``env`` already sets);
     HCCL_CONNECT_TIMEOUT grows with the job past ~8K processes (multinode.connect_timeout_for)."""
-    return dict(NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu",
-                HCCL_CONNECT_TIMEOUT=str(connect_timeout_for(nodes.world_size)))
+    return dict(
+        NPU_LAUNCH_DEFAULTS, DS_ACCELERATOR="npu", HCCL_CONNECT_TIMEOUT=str(connect_timeout_for(nodes.world_size))
+    )
 
 
 #: HCCL listens on HCCL_IF_BASE_PORT .. +15 of the host NIC (CANN's HCCL environment variables:
@@ -157,12 +173,15 @@ def free_hccl_base_port(env) -> str | None:
     on this node (another job listens there); None when the default is free or the user chose."""
     if "HCCL_IF_BASE_PORT" in env or _ports_free(HCCL_DEFAULT_BASE_PORT):
         return None
-    for base in range(HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE, 65536 - HCCL_PORTS_PER_NODE,
-                      HCCL_PORTS_PER_NODE):
+    for base in range(HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE, 65536 - HCCL_PORTS_PER_NODE, HCCL_PORTS_PER_NODE):
         if _ports_free(base):
-            log.warning("accel-npu: HCCL's default ports %d-%d are in use on this node (another job?); this job "
-                        "uses HCCL_IF_BASE_PORT=%d", HCCL_DEFAULT_BASE_PORT,
-                        HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE - 1, base)
+            log.warning(
+                "accel-npu: HCCL's default ports %d-%d are in use on this node (another job?); this job "
+                "uses HCCL_IF_BASE_PORT=%d",
+                HCCL_DEFAULT_BASE_PORT,
+                HCCL_DEFAULT_BASE_PORT + HCCL_PORTS_PER_NODE - 1,
+                base,
+            )
             return str(base)
     return None
 
@@ -192,21 +211,27 @@ def accel_npu_explain_error(error):
     text = _error_text(error)
     if "Cannot re-initialize NPU in forked subprocess" in text:
         # torch_npu/npu/__init__.py _lazy_init: a process forked after the parent touched the NPU
-        return ("a process started with fork (a DataLoader worker, most likely) used the NPU the parent had "
-                "already initialised, which fork cannot carry over. Create the DataLoader with "
-                "multiprocessing_context=\"spawn\" (or call torch.multiprocessing.set_start_method(\"spawn\") "
-                "first), and keep NPU work out of Dataset.__getitem__.")
+        return (
+            "a process started with fork (a DataLoader worker, most likely) used the NPU the parent had "
+            "already initialised, which fork cannot carry over. Create the DataLoader with "
+            'multiprocessing_context="spawn" (or call torch.multiprocessing.set_start_method("spawn") '
+            "first), and keep NPU work out of Dataset.__getitem__."
+        )
     if "TASK_QUEUE_ENABLE = 2 during NPU graph capture" in text:
         # NPUGraph.cpp capture_begin TORCH_CHECK (v7.1.0.2 .. master)
-        return ("TASK_QUEUE_ENABLE=2 cannot capture NPU graphs (torch.compile mode=\"reduce-overhead\", torchair, "
-                "NPUGraph); accel-npu launches workers with 2, faster for eager training, unless you set it. Launch "
-                "with TASK_QUEUE_ENABLE=1 in the environment: accel-npu keeps any value you set.")
+        return (
+            'TASK_QUEUE_ENABLE=2 cannot capture NPU graphs (torch.compile mode="reduce-overhead", torchair, '
+            "NPUGraph); accel-npu launches workers with 2, faster for eager training, unless you set it. Launch "
+            "with TASK_QUEUE_ENABLE=1 in the environment: accel-npu keeps any value you set."
+        )
     if any(code in text for code in ("EJ0003", "EI0019")) or "Failed to bind the IP port" in text:
         port = os.environ.get("HCCL_IF_BASE_PORT", str(HCCL_DEFAULT_BASE_PORT))
-        return (f"HCCL could not listen on its ports (HCCL_IF_BASE_PORT={port} .. +{HCCL_PORTS_PER_NODE - 1}): "
-                "another job on this node holds them. Give this job its own range, e.g. HCCL_IF_BASE_PORT="
-                f"{int(port) + 2 * HCCL_PORTS_PER_NODE if port.isdigit() else 60100}; launched with accel-npu "
-                "and HCCL_IF_BASE_PORT unset, a free range is chosen when the default one is busy.")
+        return (
+            f"HCCL could not listen on its ports (HCCL_IF_BASE_PORT={port} .. +{HCCL_PORTS_PER_NODE - 1}): "
+            "another job on this node holds them. Give this job its own range, e.g. HCCL_IF_BASE_PORT="
+            f"{int(port) + 2 * HCCL_PORTS_PER_NODE if port.isdigit() else 60100}; launched with accel-npu "
+            "and HCCL_IF_BASE_PORT unset, a free range is chosen when the default one is busy."
+        )
     return None
 
 
@@ -233,15 +258,19 @@ def accel_npu_check_launch(backend, num_processes, env, nodes):
     if _broken and environment.forced_backend(env) in (None, "npu"):
         raise LaunchError(_broken)
     if _no_device and environment.forced_backend(env) in (None, "npu"):
-        raise LaunchError(f"accel-npu: torch_npu is installed but no NPU is usable: {_no_device}. To train on "
-                          "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu.")
+        raise LaunchError(
+            f"accel-npu: torch_npu is installed but no NPU is usable: {_no_device}. To train on "
+            "the CPU on purpose, set ACCEL_NPU_BACKEND=cpu."
+        )
     if backend.name != "npu":
         return
     problems = multinode_problems(env, nodes)
     if problems:
         # HCCL would fail only at its first communicator, after every machine loaded the model
-        raise LaunchError(f"accel-npu: machine rank {nodes.rank if nodes.rank is not None else '?'} of "
-                          f"{nodes.count} refuses to start its workers: " + "; ".join(problems) + ".")
+        raise LaunchError(
+            f"accel-npu: machine rank {nodes.rank if nodes.rank is not None else '?'} of "
+            f"{nodes.count} refuses to start its workers: " + "; ".join(problems) + "."
+        )
     # accelerate wraps extra ranks onto the same device, and HCCL then fails much later. `env` is the
     # workers' environment (accelerate has applied --gpu_ids to ASCEND_RT_VISIBLE_DEVICES by now),
     # read as torch_npu in each worker will read it.
@@ -253,15 +282,24 @@ def accel_npu_check_launch(backend, num_processes, env, nodes):
         raise LaunchError(
             f"accel-npu: the workers would see no NPU: ASCEND_RT_VISIBLE_DEVICES={value}: {seen.why} "
             f"(torch_npu/npu/__init__.py _parse_visible_devices). "
-            + (f"Use ASCEND_RT_VISIBLE_DEVICES={fix} (accelerate launch: --gpu_ids {fix})." if fix else
-               "Unset it, or list device ids separated by commas."))
+            + (
+                f"Use ASCEND_RT_VISIBLE_DEVICES={fix} (accelerate launch: --gpu_ids {fix})."
+                if fix
+                else "Unset it, or list device ids separated by commas."
+            )
+        )
     if seen.count and num_processes > seen.count:
         raise LaunchError(
             f"accel-npu: {num_processes} processes requested but only {seen.count} NPU(s) are "
             f"visible (ASCEND_RT_VISIBLE_DEVICES={value if value is not None else '<unset>'})"
-            + (f": {seen.why}" if seen.why else "") + f". Use --num_processes {seen.count} (one process per NPU)"
-            + (f", or ASCEND_RT_VISIBLE_DEVICES={fix} (--gpu_ids {fix}) if you meant those devices."
-               if seen.why and fix else "."))
+            + (f": {seen.why}" if seen.why else "")
+            + f". Use --num_processes {seen.count} (one process per NPU)"
+            + (
+                f", or ASCEND_RT_VISIBLE_DEVICES={fix} (--gpu_ids {fix}) if you meant those devices."
+                if seen.why and fix
+                else "."
+            )
+        )
 
 
 # -- mx_driving ----------------------------------------------------------------------------------
@@ -270,8 +308,7 @@ _mx_state: dict = {"status": "not requested"}
 _MX_PENDING = "pending: applied when torch_npu is imported, or before the first of {} is"
 #: libraries mx_driving's patcher must come before (DrivingSDK docs/zh/features/patcher.md: apply()
 #: before any other import; TransformersNPU patches transformers' Qwen3 modules)
-_MX_BEFORE = ("transformers", "accelerate", "diffusers", "deepspeed", "peft", "mmcv", "mmdet", "mmdet3d",
-              "mmengine")
+_MX_BEFORE = ("transformers", "accelerate", "diffusers", "deepspeed", "peft", "mmcv", "mmdet", "mmdet3d", "mmengine")
 
 
 def _torch_initializing() -> bool:
@@ -320,8 +357,13 @@ class _ApplyMxDrivingFirst(importlib.abc.MetaPathFinder):
     _busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
-        if (path is not None or fullname not in _MX_BEFORE or getattr(self._busy, "on", False)
-                or not _mx_state["status"].startswith("pending") or _torch_initializing()):
+        if (
+            path is not None
+            or fullname not in _MX_BEFORE
+            or getattr(self._busy, "on", False)
+            or not _mx_state["status"].startswith("pending")
+            or _torch_initializing()
+        ):
             return None
         self._busy.on = True
         try:
@@ -377,25 +419,38 @@ def accel_npu_env_report(backend):
         info["torch_npu"] = TorchNpu.version()
         info["devices"] = TorchNpu.device_count()
     except Exception as exc:  # noqa: BLE001
-        info["import torch_npu"] = f"PROBLEM: {exc if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)}"
+        info["import torch_npu"] = (
+            f"PROBLEM: {exc if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)}"
+        )
     exec_timeout = os.environ.get("HCCL_EXEC_TIMEOUT", NPU_LAUNCH_DEFAULTS["HCCL_EXEC_TIMEOUT"])
     ds_minutes = os.environ.get("DEEPSPEED_TIMEOUT", NPU_LAUNCH_DEFAULTS["DEEPSPEED_TIMEOUT"])
     info["HCCL_EXEC_TIMEOUT (workers)"] = f"{exec_timeout} s (CANN's own default: 1836 s)"
-    info["process-group timeout (DeepSpeed, DEEPSPEED_TIMEOUT)"] = (
-        f"{ds_minutes} min" + (": torch_npu raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s"
-                               if ds_minutes.strip() == "30" else ""))
+    info["process-group timeout (DeepSpeed, DEEPSPEED_TIMEOUT)"] = f"{ds_minutes} min" + (
+        ": torch_npu raises the watchdog to HCCL_EXEC_TIMEOUT + 1800 s" if ds_minutes.strip() == "30" else ""
+    )
     workers = {**worker_defaults(os.environ), **os.environ}
     torch_npu_default = {"HCCL_ASYNC_ERROR_HANDLING": "1", "HCCL_DESYNC_DEBUG": "0"}
     info["hang diagnosis (workers)"] = ", ".join(
-        f"{name}={workers[name]}" if name in workers else
-        f"{name}=<unset> (torch_npu: {torch_npu_default.get(name, 'off')})"
-        for name in ("HCCL_ASYNC_ERROR_HANDLING", "HCCL_DESYNC_DEBUG", "TORCH_HCCL_ENABLE_MONITORING",
-                     "TORCH_HCCL_TRACE_BUFFER_SIZE", "TORCH_HCCL_DUMP_ON_TIMEOUT"))
+        f"{name}={workers[name]}"
+        if name in workers
+        else f"{name}=<unset> (torch_npu: {torch_npu_default.get(name, 'off')})"
+        for name in (
+            "HCCL_ASYNC_ERROR_HANDLING",
+            "HCCL_DESYNC_DEBUG",
+            "TORCH_HCCL_ENABLE_MONITORING",
+            "TORCH_HCCL_TRACE_BUFFER_SIZE",
+            "TORCH_HCCL_DUMP_ON_TIMEOUT",
+        )
+    )
     info["ASCEND_HOME_PATH"] = os.environ.get("ASCEND_HOME_PATH", "<unset>")
     info["ASCEND_RT_VISIBLE_DEVICES"] = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "<unset>")
-    info["mx_driving"] = ("not installed" if not MxDriving.installed() else
-                          _mx_state["status"] if environment.flag("ACCEL_NPU_MX_DRIVING") else
-                          "installed; patcher off (ACCEL_NPU_MX_DRIVING=1 enables it)")
+    info["mx_driving"] = (
+        "not installed"
+        if not MxDriving.installed()
+        else _mx_state["status"]
+        if environment.flag("ACCEL_NPU_MX_DRIVING")
+        else "installed; patcher off (ACCEL_NPU_MX_DRIVING=1 enables it)"
+    )
     return ("NPU", info)
 
 
@@ -423,10 +478,14 @@ def check_cann_libraries() -> str:
             missing.append(name)
             first_error = first_error or str(exc)
     if missing:
-        driver = (" (libascend_hal.so is the NPU driver's: /usr/local/Ascend/driver/lib64/driver belongs on "
-                  "LD_LIBRARY_PATH)" if "libascend_hal.so" in missing else "")
-        raise OSError(f"cannot load {', '.join(missing)} ({first_error}). Fix: source "
-                      f"{cann_set_env(os.environ)}{driver}")
+        driver = (
+            " (libascend_hal.so is the NPU driver's: /usr/local/Ascend/driver/lib64/driver belongs on LD_LIBRARY_PATH)"
+            if "libascend_hal.so" in missing
+            else ""
+        )
+        raise OSError(
+            f"cannot load {', '.join(missing)} ({first_error}). Fix: source {cann_set_env(os.environ)}{driver}"
+        )
     return ", ".join(CANN_LIBRARIES) + " load"
 
 
@@ -438,9 +497,11 @@ def check_import_torch_npu() -> str:
 
 
 def check_soc() -> str:
-    return (f"CANN {TorchNpu.cann_version() or 'version unknown'}, SoC {TorchNpu.soc_name()}, bf16 "
-            + ("supported" if TorchNpu.is_bf16_supported() else "NOT supported (autocast bf16 runs float32, "
-                                                                 "AdamW uses foreach)"))
+    return f"CANN {TorchNpu.cann_version() or 'version unknown'}, SoC {TorchNpu.soc_name()}, bf16 " + (
+        "supported"
+        if TorchNpu.is_bf16_supported()
+        else "NOT supported (autocast bf16 runs float32, AdamW uses foreach)"
+    )
 
 
 def check_visible_devices() -> str:
@@ -451,11 +512,14 @@ def check_visible_devices() -> str:
     listed = len([d for d in (visible or "").split(",") if d.strip()])
     if visible is not None and count != listed:
         seen = visible_devices(visible, TorchNpu.raw_device_count())
-        raise RuntimeError(f"torch.npu.device_count() is {count} but ASCEND_RT_VISIBLE_DEVICES={visible} lists "
-                           f"{listed}: {seen.why or 'ids past the machine count are dropped'} "
-                           "(torch_npu/npu/__init__.py _device_count_ascend_hal)")
-    return f"torch.npu.device_count() = {count}" + (f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else
-                                                    " (ASCEND_RT_VISIBLE_DEVICES unset)")
+        raise RuntimeError(
+            f"torch.npu.device_count() is {count} but ASCEND_RT_VISIBLE_DEVICES={visible} lists "
+            f"{listed}: {seen.why or 'ids past the machine count are dropped'} "
+            "(torch_npu/npu/__init__.py _device_count_ascend_hal)"
+        )
+    return f"torch.npu.device_count() = {count}" + (
+        f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else " (ASCEND_RT_VISIBLE_DEVICES unset)"
+    )
 
 
 def check_mx_driving() -> str:
@@ -475,6 +539,10 @@ def accel_npu_selftest_checks(backend):
     if backend.name != "npu":
         return None
     here = __name__
-    return [("CANN libraries", f"{here}:check_cann_libraries"), ("import torch_npu", f"{here}:check_import_torch_npu"),
-            ("CANN / SoC / bf16", f"{here}:check_soc"), ("visible devices", f"{here}:check_visible_devices"),
-            ("mx_driving", f"{here}:check_mx_driving")]
+    return [
+        ("CANN libraries", f"{here}:check_cann_libraries"),
+        ("import torch_npu", f"{here}:check_import_torch_npu"),
+        ("CANN / SoC / bf16", f"{here}:check_soc"),
+        ("visible devices", f"{here}:check_visible_devices"),
+        ("mx_driving", f"{here}:check_mx_driving"),
+    ]

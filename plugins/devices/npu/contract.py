@@ -2,6 +2,7 @@
 
 Tests exercise it against stand-ins that only the tests install (tests/contract/).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,7 +19,7 @@ class TorchNpu:
 
     @staticmethod
     def module():
-        import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+        import torch_npu  # registers the "npu" device with torch
 
         return torch_npu
 
@@ -131,14 +132,21 @@ class MxDriving:
             if transformers_npu is not None:
                 patcher.add(transformers_npu)
             patcher.apply()
-            return ("mx_driving.patcher.default_patcher" + (".add(TransformersNPU)" if transformers_npu else "")
-                    + ".apply()" + ("" if transformers_npu else " (this mx_driving has no TransformersNPU)"),
-                    patcher)
+            return (
+                "mx_driving.patcher.default_patcher"
+                + (".add(TransformersNPU)" if transformers_npu else "")
+                + ".apply()"
+                + ("" if transformers_npu else " (this mx_driving has no TransformersNPU)"),
+                patcher,
+            )
         builder = getattr(module, "default_patcher_builder", None)
         if builder is None:
-            raise ImportError("mx_driving.patcher has neither default_patcher (patcher 2.0) nor "
-                              "default_patcher_builder (patcher 1.0)")
+            raise ImportError(
+                "mx_driving.patcher has neither default_patcher (patcher 2.0) nor default_patcher_builder (patcher 1.0)"
+            )
         patcher = builder.build()
         patcher.__enter__()
-        return ("mx_driving.patcher.default_patcher_builder.build().__enter__() (patcher 1.0: no TransformersNPU)",
-                patcher)
+        return (
+            "mx_driving.patcher.default_patcher_builder.build().__enter__() (patcher 1.0: no TransformersNPU)",
+            patcher,
+        )

@@ -1,4 +1,5 @@
 """Why torch_npu cannot load here, and the exact fix: pairing, loader path, import errors."""
+
 from __future__ import annotations
 
 import importlib.abc
@@ -40,18 +41,24 @@ def pairing_problem() -> str | None:
         return None
     want = ".".join(map(str, npu_base))
     have = ".".join(map(str, torch_base))
-    return (f"torch {torch_v} and torch_npu {npu} are not a pair: torch_npu {npu} is built for torch {want} "
-            f"(a mismatch ends in 'libtorch_npu.so: undefined symbol'). Fix: pip install 'torch=={want}' "
-            f"(or install the torch_npu {have}.postN release that matches torch {torch_v}).")
+    return (
+        f"torch {torch_v} and torch_npu {npu} are not a pair: torch_npu {npu} is built for torch {want} "
+        f"(a mismatch ends in 'libtorch_npu.so: undefined symbol'). Fix: pip install 'torch=={want}' "
+        f"(or install the torch_npu {have}.postN release that matches torch {torch_v})."
+    )
 
 
 def library_dirs() -> dict[str, str | None]:
     """Where libc10.so (torch) and libtorch_npu.so (torch_npu) live, without importing torch_npu."""
     torch_spec = importlib.util.find_spec("torch")
-    torch_dir = list(torch_spec.submodule_search_locations)[0] if torch_spec and torch_spec.submodule_search_locations else None
+    torch_dir = (
+        list(torch_spec.submodule_search_locations)[0] if torch_spec and torch_spec.submodule_search_locations else None
+    )
     npu_dir = TorchNpu.package_dir()
-    return {"libc10.so": os.path.join(torch_dir, "lib") if torch_dir else None,
-            "libtorch_npu.so": os.path.join(npu_dir, "lib") if npu_dir else None}
+    return {
+        "libc10.so": os.path.join(torch_dir, "lib") if torch_dir else None,
+        "libtorch_npu.so": os.path.join(npu_dir, "lib") if npu_dir else None,
+    }
 
 
 def _on_loader_path(directory: str, env) -> bool:
@@ -84,22 +91,34 @@ def diagnose_import_error(exc: BaseException, env=os.environ) -> str:
     parts = [f"accel-npu: torch_npu cannot be loaded ({text})."]
     pairing = pairing_problem()
     if "undefined symbol" in text or pairing:
-        parts.append(pairing or "torch_npu was built for another torch: reinstall the torch_npu release "
-                                "matching your torch (same base version, e.g. 2.7.1 with 2.7.1.postN).")
+        parts.append(
+            pairing
+            or "torch_npu was built for another torch: reinstall the torch_npu release "
+            "matching your torch (same base version, e.g. 2.7.1 with 2.7.1.postN)."
+        )
     missing_lib = _missing_library(text)
     if missing_lib is not None and not _is_torch_library(missing_lib):
         # a CANN library (libhccl, libascendcl, ...): the toolkit's environment script is the fix, not
         # LD_LIBRARY_PATH by hand (torch_npu _init/core/module_loader.py `_check_npu_import` says the same)
-        parts.append(f"{missing_lib} is part of CANN, whose environment is not set up in this shell. Fix: "
-                     f"source {cann_set_env(env)} (in the shell that launches training; with a container, in its "
-                     "entrypoint)" + (". libascend_hal.so comes with the NPU driver: check /usr/local/Ascend/driver"
-                                      if missing_lib.startswith("libascend_hal") else "") + ".")
+        parts.append(
+            f"{missing_lib} is part of CANN, whose environment is not set up in this shell. Fix: "
+            f"source {cann_set_env(env)} (in the shell that launches training; with a container, in its "
+            "entrypoint)"
+            + (
+                ". libascend_hal.so comes with the NPU driver: check /usr/local/Ascend/driver"
+                if missing_lib.startswith("libascend_hal")
+                else ""
+            )
+            + "."
+        )
     elif "cannot open shared object file" in text or ("libc10.so" in text and "undefined symbol" not in text):
         status = library_status(env)
         missing = [f"{n}: {v}" for n, v in status.items() if "not on" in v or "MISSING" in v]
-        parts.append("The dynamic loader cannot find torch's/torch_npu's libraries"
-                     + (f" ({'; '.join(missing)})" if missing else "")
-                     + f". Fix: {library_fix(env)}.")
+        parts.append(
+            "The dynamic loader cannot find torch's/torch_npu's libraries"
+            + (f" ({'; '.join(missing)})" if missing else "")
+            + f". Fix: {library_fix(env)}."
+        )
     if len(parts) == 1:
         parts.append("Check the CANN toolkit (ASCEND_HOME_PATH, source set_env.sh) and `accel-npu env`.")
     return " ".join(parts)

@@ -8,6 +8,7 @@ any interface whose name starts with eth or enp), "=" before the list for exact 
 HCCL_IF_IP wins over it. Prefixes are how one value serves machines whose interfaces are named
 differently (enp189s0f0 here, enp61s0f0 there).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -52,24 +53,33 @@ def socket_ifname_problem(value: str, addresses: dict[str, list[str]]) -> str | 
     names = list(addresses)
     exclude, exact, items = parse_socket_ifname(value)
     if not items:
-        return (f"HCCL_SOCKET_IFNAME={value!r} names no interface. Give interface-name prefixes separated by "
-                "commas (eth,enp), '=' before exact names (=eth0), '^' to exclude (CANN's HCCL_SOCKET_IFNAME)")
+        return (
+            f"HCCL_SOCKET_IFNAME={value!r} names no interface. Give interface-name prefixes separated by "
+            "commas (eth,enp), '=' before exact names (=eth0), '^' to exclude (CANN's HCCL_SOCKET_IFNAME)"
+        )
     if usable_interfaces(value, names):
         return None
     have = ", ".join(f"{name} {'/'.join(addresses[name])}" if addresses[name] else name for name in names) or "none"
     if exclude:
-        return (f"HCCL_SOCKET_IFNAME={value} excludes every interface of this machine ({have}). Name the one "
-                "that reaches the other machines instead, as a prefix every machine's interface starts with")
+        return (
+            f"HCCL_SOCKET_IFNAME={value} excludes every interface of this machine ({have}). Name the one "
+            "that reaches the other machines instead, as a prefix every machine's interface starts with"
+        )
     # interfaces that can carry traffic to another machine: an address, not the loopback
     own = [name for name in names if addresses[name] and name != "lo"]
     hint = _prefix_hint(items, own)
     if hint:
-        fix = (f"interface names differ between machines: a prefix matches them all, e.g. HCCL_SOCKET_IFNAME={hint} "
-               f"({', '.join(n for n in own if n.startswith(hint))} here)")
+        fix = (
+            f"interface names differ between machines: a prefix matches them all, e.g. HCCL_SOCKET_IFNAME={hint} "
+            f"({', '.join(n for n in own if n.startswith(hint))} here)"
+        )
     else:
         stem = re.match(r"[A-Za-z]+", own[0]).group(0) if own and re.match(r"[A-Za-z]+", own[0]) else None
-        fix = (f"name this machine's interface, as a prefix every machine's starts with (e.g. "
-               f"HCCL_SOCKET_IFNAME={stem})" if stem else "name one of this machine's interfaces")
+        fix = (
+            f"name this machine's interface, as a prefix every machine's starts with (e.g. HCCL_SOCKET_IFNAME={stem})"
+            if stem
+            else "name one of this machine's interfaces"
+        )
     kind = "exact name" if exact else "prefix"
     return f"HCCL_SOCKET_IFNAME={value}: no interface on this machine matches that {kind} (it has: {have}); {fix}"
 
@@ -84,6 +94,8 @@ def if_ip_problem(value: str, addresses: dict[str, list[str]], is_local) -> str 
     if is_local(value.strip()):
         return None
     have = "; ".join(f"{name} {', '.join(found)}" for name, found in addresses.items() if found) or "none found"
-    return (f"HCCL_IF_IP={value} is not an address of this machine (it has: {have}). HCCL_IF_IP differs on every "
-            "machine: set it in each machine's own environment, not in a config all machines share, or use "
-            "HCCL_SOCKET_IFNAME (an interface-name prefix) instead")
+    return (
+        f"HCCL_IF_IP={value} is not an address of this machine (it has: {have}). HCCL_IF_IP differs on every "
+        "machine: set it in each machine's own environment, not in a config all machines share, or use "
+        "HCCL_SOCKET_IFNAME (an interface-name prefix) instead"
+    )

@@ -8,6 +8,7 @@ torch_npu reads it (torch_npu/npu/__init__.py ``_parse_visible_devices`` and
 - ids must be strictly ascending, else the process sees 0 devices ("3,1");
 - the first id at or past the driver's count ends the list ("0,9" on 8 NPUs is one device).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ def parse_visible_devices(value: str | None) -> list[int] | None:
 
 @dataclass(frozen=True)
 class Visibility:
-    count: int            # devices the process sees
-    why: str              # why fewer than listed, or "" when the list is read as written
+    count: int  # devices the process sees
+    why: str  # why fewer than listed, or "" when the list is read as written
 
 
 def visible_devices(value: str | None, raw_count: int) -> Visibility:
@@ -50,14 +51,18 @@ def visible_devices(value: str | None, raw_count: int) -> Visibility:
     why = ""
     if len(ids) < len(listed):
         stop = next((i for i, c in enumerate(value) if not (c.isdigit() or c == ",")), None)
-        why = (f"torch_npu stops reading at {value[stop]!r} (position {stop}), so only {ids} count"
-               if stop is not None else f"torch_npu stops reading at the empty item, so only {ids} count")
+        why = (
+            f"torch_npu stops reading at {value[stop]!r} (position {stop}), so only {ids} count"
+            if stop is not None
+            else f"torch_npu stops reading at the empty item, so only {ids} count"
+        )
     for index, device in enumerate(ids):
         if index and device <= ids[index - 1]:
             return Visibility(0, "the ids are not in ascending order, and torch_npu then sees no device")
         if raw_count > 0 and device >= raw_count:
-            return Visibility(index, f"id {device} is past this machine's {raw_count} NPU(s), and torch_npu ends "
-                                     f"the list there")
+            return Visibility(
+                index, f"id {device} is past this machine's {raw_count} NPU(s), and torch_npu ends the list there"
+            )
     return Visibility(len(ids), why)
 
 

@@ -14,12 +14,14 @@ files, once: what stock diffusers returns. Pipeline components and loads inside
 ``zero3_init_context_manager(enable=False)`` always read. ``fsdp_cpu_ram_efficient_loading:
 false`` in the launch config turns all of this off, as it does for transformers.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from accel_npu._torch import markers
 from accel_npu._torch.dist import rank_and_world
@@ -32,7 +34,9 @@ log = logging.getLogger("accel_npu")
 
 def efficient_loading_requested() -> bool:
     """accelerate's FSDP with ``cpu_ram_efficient_loading`` (its launcher or FullyShardedDataParallelPlugin set these)."""
-    return truthy(os.environ.get("ACCELERATE_USE_FSDP", "")) and truthy(os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", ""))
+    return truthy(os.environ.get("ACCELERATE_USE_FSDP", "")) and truthy(
+        os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
+    )
 
 
 def world_size() -> int:
@@ -60,8 +64,12 @@ def place(job) -> float:
     dtypes = {k: convert(k, torch.empty(0, dtype=job.model_sd[k].dtype)).dtype for k in job.kept if k in params}
     left_bytes = materialize_empty(job.model, dtypes)
     seconds = time.perf_counter() - started
-    log.info("accel-npu: %s: %.1f MB of parameters left for FSDP to fill from rank 0 "
-             "(fsdp_cpu_ram_efficient_loading); this rank read no weights.", job.cls.__name__, left_bytes / 2**20)
+    log.info(
+        "accel-npu: %s: %.1f MB of parameters left for FSDP to fill from rank 0 "
+        "(fsdp_cpu_ram_efficient_loading); this rank read no weights.",
+        job.cls.__name__,
+        left_bytes / 2**20,
+    )
     attach_fill(job.model, job.load_whole)
     return seconds
 
@@ -91,6 +99,7 @@ def _managed_by_fsdp(module) -> bool:
 
 def attach_fill(model, load_whole: Callable[[], Any]) -> None:
     """Fill ``model`` from its files on its first forward unless FSDP manages it by then."""
+
     def fill() -> None:
         with outside_zero_init():  # a frozen load: reads on every rank
             fresh = load_whole()
@@ -104,9 +113,11 @@ def attach_fill(model, load_whole: Callable[[], Any]) -> None:
     def first_call(module) -> None:
         if _managed_by_fsdp(model) or _managed_by_fsdp(module) or getattr(model, markers.FILL, None) is None:
             return  # FSDP's prepare broadcast rank 0's weights into it
-        log.info("accel-npu: %s was left for FSDP to fill from rank 0 (fsdp_cpu_ram_efficient_loading) but is "
-                 "called outside FSDP; reading its weights from its files now (what stock diffusers returns).",
-                 type(model).__name__)
+        log.info(
+            "accel-npu: %s was left for FSDP to fill from rank 0 (fsdp_cpu_ram_efficient_loading) but is "
+            "called outside FSDP; reading its weights from its files now (what stock diffusers returns).",
+            type(model).__name__,
+        )
         fill()
 
     object.__setattr__(model, markers.FILL, fill)
@@ -171,7 +182,8 @@ def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = Fa
             if name not in full_sd:  # accelerate 1.15's check, before any collective
                 raise KeyError(
                     f"Parameter '{name}' found in sharded model state dict but missing from full state dict. "
-                    f"Full state dict has {len(full_sd)} keys, sharded has {len(meta_sharded_sd)} keys.")
+                    f"Full state dict has {len(full_sd)} keys, sharded has {len(meta_sharded_sd)} keys."
+                )
     source = dict(full_sd)  # the only reference left: each entry is freed as it is scattered
     full_sd.clear()
     owners = _owning_slots(model, meta_sharded_sd)
@@ -188,8 +200,11 @@ def stream_into_shards(accelerator, model, full_sd: dict, cpu_offload: bool = Fa
             source.pop(name, None)
             # distribute_tensor reads only rank 0's data (it scatters from rank 0) and returns fresh
             # shards; a Replicate placement returns its input itself, so that one gets its own tensor
-            full = (receive.view(sharded_param.size(), sharded_param.dtype, mesh.device_type) if only_shards
-                    else torch.empty(sharded_param.size(), device=mesh.device_type, dtype=sharded_param.dtype))
+            full = (
+                receive.view(sharded_param.size(), sharded_param.dtype, mesh.device_type)
+                if only_shards
+                else torch.empty(sharded_param.size(), device=mesh.device_type, dtype=sharded_param.dtype)
+            )
         processed += sharded_param.numel() * sharded_param.element_size()
         sharded = distribute_tensor(full, mesh, sharded_param.placements)
         to_contiguous, casting_dtype = _infer_parameter_dtype(model, name, full)

@@ -1,4 +1,5 @@
 """Read on this rank: within a load slot (at most K ranks of a node at once), cast in threads."""
+
 from __future__ import annotations
 
 import logging
@@ -22,14 +23,19 @@ def place(job, early=None) -> float:
     with load_slot(budget, what=f"{job.cls.__name__} from {job.folder}", slots=slots):
         bar = progress_bar(job.nbytes, job.desc, len(job.needed_files))
         try:
-            job.load_into_meta(LazyTensors(job.ckpt, job.kept, progress=bar, convert=job.cast(), threads=threads,
-                                          prefetch=early))
+            job.load_into_meta(
+                LazyTensors(job.ckpt, job.kept, progress=bar, convert=job.cast(), threads=threads, prefetch=early)
+            )
         finally:
             if bar is not None:
                 bar.close()
         seconds = time.perf_counter() - started
     if fsdp.rank0_reads_for_all():
-        log.warning("accel-npu: %s read on rank 0 only (fsdp_cpu_ram_efficient_loading): the other %d rank(s) "
-                    "read nothing; accelerator.prepare gives them rank 0's weights (a model used without "
-                    "prepare reads its files on its first call).", job.cls.__name__, fsdp.world_size() - 1)
+        log.warning(
+            "accel-npu: %s read on rank 0 only (fsdp_cpu_ram_efficient_loading): the other %d rank(s) "
+            "read nothing; accelerator.prepare gives them rank 0's weights (a model used without "
+            "prepare reads its files on its first call).",
+            job.cls.__name__,
+            fsdp.world_size() - 1,
+        )
     return seconds

@@ -21,13 +21,15 @@ files on its first forward — what stock diffusers would have returned — with
 hidden at ``accelerator.prepare`` are rebuilt the same way (plugins/frozen_towers).
 ``ACCEL_NPU_ZERO3_INIT=0`` turns all of this off.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from accel_npu import environment
 from accel_npu._torch import markers
@@ -37,9 +39,9 @@ from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.packing import pack_by_budget
 from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned, on_first_forward, outside_zero_init, param_slots
 from accel_npu.errors import LoadError
+from accel_npu.patching import argument
 from accel_npu.plugins.loading.frozen import zero3_init_flag_off
 from accel_npu.plugins.loading.lazy import LazyTensors, progress_bar
-from accel_npu.patching import argument
 
 log = logging.getLogger("accel_npu")
 
@@ -163,10 +165,13 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
         if failure is not None:
             if isinstance(failure, LoadError):
                 raise failure
-            raise LoadError(f"accel-npu: reading the checkpoint into ZeRO-3 partitions failed on rank 0: "
-                            f"{failure}") from failure
-        raise LoadError("accel-npu: rank 0 failed to read the checkpoint while loading it into ZeRO-3 "
-                        "partitions (its log names the file and key); nothing was loaded on this rank either.")
+            raise LoadError(
+                f"accel-npu: reading the checkpoint into ZeRO-3 partitions failed on rank 0: {failure}"
+            ) from failure
+        raise LoadError(
+            "accel-npu: rank 0 failed to read the checkpoint while loading it into ZeRO-3 "
+            "partitions (its log names the file and key); nothing was loaded on this rank either."
+        )
     return {"dtype": dtype, "groups": len(groups), "bytes_read": lazy.read}  # LazyTensors counts what it read
 
 
@@ -182,10 +187,17 @@ def place(job, ds_config: dict) -> float:
     done = load_partitioned(job.model, LazyTensors(job.ckpt, param_keys, progress=bar), ds_config, progress=bar)
     seconds = time.perf_counter() - started
     if rank0:
-        log.warning("accel-npu: %s loaded into ZeRO-3 partitions (zero3_init_flag, %s) over %d ranks: rank 0 "
-                    "read %.1f MB once in %.2f s and broadcast it in %d group(s); each rank keeps 1/%d.",
-                    job.cls.__name__, str(done["dtype"]).replace("torch.", ""), dist.get_world_size(),
-                    done["bytes_read"] / 2**20, seconds, done["groups"], dist.get_world_size())
+        log.warning(
+            "accel-npu: %s loaded into ZeRO-3 partitions (zero3_init_flag, %s) over %d ranks: rank 0 "
+            "read %.1f MB once in %.2f s and broadcast it in %d group(s); each rank keeps 1/%d.",
+            job.cls.__name__,
+            str(done["dtype"]).replace("torch.", ""),
+            dist.get_world_size(),
+            done["bytes_read"] / 2**20,
+            seconds,
+            done["groups"],
+            dist.get_world_size(),
+        )
     attach_rebuild(job.model, job.load_whole)
     object.__setattr__(job.model, markers.SOURCE, job.folder)
     return seconds
@@ -289,6 +301,7 @@ def unguard_parameter_reads(model) -> None:
 def _guarded_class(cls):
     guarded = _GUARDED.get(cls)
     if guarded is None:
+
         def __getattr__(self, name):
             value = cls.__getattr__(self, name)
             if hasattr(value, "ds_id") and name in self.__dict__.get("_parameters", ()):
@@ -296,8 +309,11 @@ def _guarded_class(cls):
                 value = cls.__getattr__(self, name)
             return value
 
-        guarded = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
-                                              "__qualname__": cls.__qualname__})
+        guarded = type(
+            cls.__name__,
+            (cls,),
+            {"__getattr__": __getattr__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
         _GUARDED[cls] = guarded
     return guarded
 
@@ -327,7 +343,10 @@ def made_whole_outside_engine(model, module, use: str, what: str = "diffusers") 
         "DeepSpeed engine; rebuilding it whole from its files (what stock %s returns, with the script's "
         "casts since). Load frozen models inside "
         "`accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False)` to skip this.",
-        type(model).__name__, use, what)
+        type(model).__name__,
+        use,
+        what,
+    )
     rebuild()
 
 
@@ -370,8 +389,11 @@ def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
         try:
             type(fresh)._apply(fresh, fn)
         except Exception as exc:  # a custom function: the files' dtype, the partition's device
-            log.warning("accel-npu: replaying a cast of %s on its whole copy failed (%s); it keeps the dtype of "
-                        "its files", type(model).__name__, exc)
+            log.warning(
+                "accel-npu: replaying a cast of %s on its whole copy failed (%s); it keeps the dtype of its files",
+                type(model).__name__,
+                exc,
+            )
     fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
     for pid, entries in param_slots(model).items():
         module, attr, name = entries[0]

@@ -1,4 +1,5 @@
 """A third-party plugin: one patch through the public API, one env report section."""
+
 from accel_npu import hookimpl
 from accel_npu.patching import Patch
 

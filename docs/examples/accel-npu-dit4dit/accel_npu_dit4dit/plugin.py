@@ -2,6 +2,7 @@
 
 Top level: stdlib and accel_npu only (this module is imported inside ``import torch``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,9 +27,13 @@ def _truncate_to_action_horizon(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # already aligned: pass straight through
     if not _told:
         _told = True
-        log.warning("accel-npu-dit4dit: eval_action_model got %d-step actions/action_mask for a %d-step "
-                    "prediction; truncating to action_horizon=%d as the training path does (pitfall 7.6)",
-                    actions.shape[1], horizon, horizon)
+        log.warning(
+            "accel-npu-dit4dit: eval_action_model got %d-step actions/action_mask for a %d-step "
+            "prediction; truncating to action_horizon=%d as the training path does (pitfall 7.6)",
+            actions.shape[1],
+            horizon,
+            horizon,
+        )
     bound.update(actions=actions[:, :horizon], action_mask=mask[:, :horizon])
     return wrapped(**bound)
 
@@ -37,7 +42,7 @@ EVAL_ACTION_HORIZON = Patch(
     target="dit4dit_mini.evaluation:eval_action_model",
     supports="accel-npu-dit4dit>=0.1,<0.2",
     reason="DiT4DiT pitfall 7.6: eval feeds obs_horizon (16) actions/action_mask against "
-           "action_horizon (8) predictions -> 'The size of tensor a (16) must match the size of tensor b (8)'",
+    "action_horizon (8) predictions -> 'The size of tensor a (16) must match the size of tensor b (8)'",
     remove_when="the repo truncates to action_horizon in eval_action_model itself",
     wrapper=_truncate_to_action_horizon,
 )
@@ -62,7 +67,10 @@ def accel_npu_launch_env(backend, env):
 def accel_npu_env_report(backend):
     from importlib.metadata import version
 
-    return ("DiT4DiT (accel-npu-dit4dit)", {
-        "version": version("accel-npu-dit4dit"),
-        "eval_action_model": EVAL_ACTION_HORIZON.status,
-    })
+    return (
+        "DiT4DiT (accel-npu-dit4dit)",
+        {
+            "version": version("accel-npu-dit4dit"),
+            "eval_action_model": EVAL_ACTION_HORIZON.status,
+        },
+    )

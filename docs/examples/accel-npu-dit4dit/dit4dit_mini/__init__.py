@@ -3,6 +3,7 @@
 Like the real repo it imports torch at package import, so accel-npu is active before any of its
 modules is imported.
 """
+
 import torch  # noqa: F401
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 The dataset yields obs_horizon=16 steps, the action head predicts action_horizon=8.
 """
+
 import torch
 
 from dit4dit_mini.evaluation import eval_action_model

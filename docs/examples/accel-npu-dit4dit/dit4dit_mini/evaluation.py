@@ -6,6 +6,7 @@ with ``RuntimeError: The size of tensor a (16) must match the size of tensor b (
 non-singleton dimension 1`` (field report 001, pitfall 7.6). The code here is left exactly as
 the repo has it: the fix lives in the plugin (accel_npu_dit4dit.plugin).
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,4 +4,5 @@ Mirrors the module paths and behaviour accel-npu relies on of Ascend/DrivingSDK 
 (also branch_v7.2.RC1 .. branch_v7.3.0): ``mx_driving.patcher.default_patcher_builder``, no
 TransformersNPU anywhere. ``CALLS`` records what was called.
 """
+
 CALLS = []

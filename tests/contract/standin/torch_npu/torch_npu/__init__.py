@@ -15,6 +15,7 @@ It models exactly the parts of torch_npu's behaviour that accel-npu's contract
     OSError "libc10.so: cannot open shared object file: No such file or directory"
   (the real failure comes from the dynamic loader; here the package raises the same message).
 """
+
 import importlib.metadata
 import os
 import types
@@ -47,8 +48,10 @@ if os.environ.get("STANDIN_MISSING_CANN_LIB"):
     # library the loader cannot find (CANN's set_env.sh not sourced), with the hint torch_npu appends
     # for libhccl.so without ASCEND_OPP_PATH.
     _lib = os.environ["STANDIN_MISSING_CANN_LIB"]
-    raise ImportError(f"{_lib}: cannot open shared object file: No such file or directory. Please check that the "
-                      "cann package is installed. Please run 'source set_env.sh' in the CANN installation path.")
+    raise ImportError(
+        f"{_lib}: cannot open shared object file: No such file or directory. Please check that the "
+        "cann package is installed. Please run 'source set_env.sh' in the CANN installation path."
+    )
 if os.environ.get("STANDIN_REQUIRE_LD_LIBRARY_PATH") == "1":
     entries = [os.path.realpath(p) for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p]
     if os.path.realpath(_LIB) not in entries:
@@ -129,14 +132,38 @@ npu.config = _npuConfig()
 # The SoC here: STANDIN_NPU_SOC (default Ascend910B1). torch_npu/npu/autocast_utils.py
 # `get_amp_supported_dtype` lists bf16 only when supported (master 9e73e708a, mirrored below, adds float32
 # to both lists; v7.2.0-pytorch2.7.1 returns [float16, bfloat16] / [float16]).
-_SOC_VERSION = {"Ascend910PremiumA": 100, "Ascend910ProA": 101, "Ascend910A": 102, "Ascend910ProB": 103,
-                "Ascend910B": 104, "Ascend310P1": 200, "Ascend310P2": 201, "Ascend310P3": 202, "Ascend310P4": 203,
-                "Ascend310P5": 204, "Ascend310P7": 205, "Ascend910B1": 220, "Ascend910B2": 221, "Ascend910B2C": 222,
-                "Ascend910B3": 223, "Ascend910B4": 224, "Ascend910B4-1": 225, "Ascend310B1": 240, "Ascend310B2": 241,
-                "Ascend310B3": 242, "Ascend310B4": 243, "Ascend910_9391": 250, "Ascend910_9392": 251,
-                "Ascend910_9381": 252, "Ascend910_9382": 253, "Ascend910_9372": 254, "Ascend910_9362": 255}
-npu.is_bf16_supported = lambda including_emulation=False: _SOC_VERSION.get(
-    os.environ.get("STANDIN_NPU_SOC", "Ascend910B1"), -1) >= _SOC_VERSION["Ascend910B1"]
+_SOC_VERSION = {
+    "Ascend910PremiumA": 100,
+    "Ascend910ProA": 101,
+    "Ascend910A": 102,
+    "Ascend910ProB": 103,
+    "Ascend910B": 104,
+    "Ascend310P1": 200,
+    "Ascend310P2": 201,
+    "Ascend310P3": 202,
+    "Ascend310P4": 203,
+    "Ascend310P5": 204,
+    "Ascend310P7": 205,
+    "Ascend910B1": 220,
+    "Ascend910B2": 221,
+    "Ascend910B2C": 222,
+    "Ascend910B3": 223,
+    "Ascend910B4": 224,
+    "Ascend910B4-1": 225,
+    "Ascend310B1": 240,
+    "Ascend310B2": 241,
+    "Ascend310B3": 242,
+    "Ascend310B4": 243,
+    "Ascend910_9391": 250,
+    "Ascend910_9392": 251,
+    "Ascend910_9381": 252,
+    "Ascend910_9382": 253,
+    "Ascend910_9372": 254,
+    "Ascend910_9362": 255,
+}
+npu.is_bf16_supported = lambda including_emulation=False: (
+    _SOC_VERSION.get(os.environ.get("STANDIN_NPU_SOC", "Ascend910B1"), -1) >= _SOC_VERSION["Ascend910B1"]
+)
 # Mirrors torch_npu/npu/__init__.py `get_device_name` (the SoC name from the runtime, e.g. Ascend910B1)
 # and torch_npu/npu/utils.py `get_cann_version` (v7.1.0.2-pytorch2.6.0 and later); here STANDIN_NPU_SOC
 # and STANDIN_CANN_VERSION.
@@ -144,8 +171,9 @@ npu.get_device_name = lambda device_name=None: os.environ.get("STANDIN_NPU_SOC",
 npu.utils = types.ModuleType("torch_npu.npu.utils")
 npu.utils.get_cann_version = lambda module="CANN": os.environ.get("STANDIN_CANN_VERSION", "8.2.RC1")
 npu.utils.is_bf16_supported = None  # set below
-npu.get_amp_supported_dtype = lambda: ([torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported()
-                                       else [torch.float16, torch.float32])
+npu.get_amp_supported_dtype = lambda: (
+    [torch.float16, torch.bfloat16, torch.float32] if npu.is_bf16_supported() else [torch.float16, torch.float32]
+)
 # Mirrors torch_npu/npu/__init__.py `_lazy_init` and `_after_fork` (master 9e73e708a; v7.1.0.2-pytorch2.6.0
 # has the same): the first NPU call initialises the device in this process; a child that
 # multiprocessing forks after that (a DataLoader worker) is marked bad (registered with
@@ -160,8 +188,10 @@ def _lazy_init():
     if _initialized:
         return
     if _is_internal_in_bad_fork:
-        raise RuntimeError("Cannot re-initialize NPU in forked subprocess. To use NPU with "
-                           "multiprocessing, you must use the 'spawn' start method")
+        raise RuntimeError(
+            "Cannot re-initialize NPU in forked subprocess. To use NPU with "
+            "multiprocessing, you must use the 'spawn' start method"
+        )
     _initialized, _original_pid = True, os.getpid()
 
 
@@ -222,6 +252,7 @@ npu.Event = type("Event", (_NeedsDevice,), {"__module__": "torch_npu.npu.streams
 def _kernel(name):
     def kernel(*args, **kwargs):
         raise RuntimeError(f"stand-in torch_npu: {name} needs an NPU")
+
     kernel.__name__ = name
     return kernel
 

@@ -6,6 +6,7 @@ torch, torch_npu and ``torch_npu.contrib.transfer_to_npu`` and sets
 ``torch.npu.config.allow_internal_format`` — then ``apply()``, which calls each ``Patch.func(module,
 options)`` once.
 """
+
 import importlib
 
 import mx_driving

@@ -7,6 +7,7 @@ TransformersNPU, which users add (docs/zh/features/patcher.md, table of predefin
 TransformersNPU ❌ in default_patcher); ``default_patcher_builder`` is the 1.0 API kept in
 ``legacy.py``.
 """
+
 try:
     import torch  # noqa: F401
 except ImportError:
@@ -21,8 +22,8 @@ else:
     except ImportError:
         pass
 
-from mx_driving.patcher.patcher import Patcher  # noqa: E402
-from mx_driving.patcher.transformers_patch import TransformersNPU  # noqa: E402
+from mx_driving.patcher.patcher import Patcher
+from mx_driving.patcher.transformers_patch import TransformersNPU
 
 default_patcher = Patcher()
 

@@ -1,6 +1,7 @@
 """STAND-IN for mx_driving/patcher/legacy.py (Ascend/DrivingSDK master e667017e): the 1.0
 ``default_patcher_builder.build()`` returns a ``_LegacyPatcher`` whose ``__enter__`` applies a
 new-API Patcher holding the default patch classes."""
+
 import mx_driving
 from mx_driving.patcher.patcher import Patcher
 

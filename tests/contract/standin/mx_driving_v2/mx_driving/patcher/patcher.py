@@ -5,6 +5,7 @@ Mirrored: ``add(*patch_classes)`` returns the patcher; ``apply()`` sets
 collects every added class's ``patches()`` in insertion order and applies each; a second
 ``apply()`` only warns ("Patches already applied"); ``__enter__`` is ``apply()``.
 """
+
 import sys
 
 import mx_driving
@@ -24,7 +25,9 @@ class Patcher:
         if self._applied:
             return self
         # stand-in bookkeeping, the witness for "applied before the script imported transformers"
-        mx_driving.CALLS.append(f"default_patcher.apply() [transformers imported before: {'transformers' in sys.modules}]")
+        mx_driving.CALLS.append(
+            f"default_patcher.apply() [transformers imported before: {'transformers' in sys.modules}]"
+        )
         try:
             import torch
             import torch_npu  # noqa: F401

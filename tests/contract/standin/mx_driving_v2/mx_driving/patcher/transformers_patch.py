@@ -7,6 +7,7 @@ exists, replaces ``Qwen3RMSNorm.forward`` and ``apply_rotary_pos_emb`` (upstream
 replacements compute the same thing in torch and are told apart by their module). Qwen3-VL and
 flash-attention parts (transformers >= 4.57 / 4.51-4.52 only) are not modelled.
 """
+
 import importlib
 
 
@@ -41,5 +42,7 @@ class TransformersNPU:
             qwen3 = importlib.import_module("transformers.models.qwen3.modeling_qwen3")
         except ImportError:
             return []
-        return [(qwen3.Qwen3RMSNorm, "forward", qwen3_rms_norm_forward),
-                (qwen3, "apply_rotary_pos_emb", qwen3_apply_rotary_pos_emb)]
+        return [
+            (qwen3.Qwen3RMSNorm, "forward", qwen3_rms_norm_forward),
+            (qwen3, "apply_rotary_pos_emb", qwen3_apply_rotary_pos_emb),
+        ]

@@ -8,6 +8,7 @@ Mirrors torch_npu/contrib/transfer_to_npu.py (Ascend/pytorch master 9e73e708a):
   becomes "npu".
 The rest (tensor/module ``.cuda()``, distributed backend names, profiler) is not modelled.
 """
+
 import functools
 
 import torch
