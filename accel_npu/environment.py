@@ -31,7 +31,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ACCEL_NPU_DISABLED_PATCHES",
         "",
-        "Comma-separated patch targets (module:Qual.name, as `accel-npu env` lists them) left unapplied: that function runs stock.",
+        "Comma-separated patch targets (module:Qual.name, as `accel-npu env` lists them) left unapplied: that "
+        "function runs stock.",
     ),
     EnvVar("ACCEL_NPU_TRACE", "0", "1: log every hook call and every patch application to stderr."),
     EnvVar("ACCEL_NPU_BACKEND", "", "Force a device backend (npu, cuda, cpu) instead of detecting one."),
@@ -51,17 +52,20 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ACCEL_NPU_LOAD_THREADS",
         "",
-        "Threads one rank uses to read and cast weights (default: this node's cores / ranks loading at once, at most 4).",
+        "Threads one rank uses to read and cast weights (default: this node's cores / ranks loading at once, at most "
+        "4).",
     ),
     EnvVar(
         "ACCEL_NPU_ZERO3_INIT",
         "1",
-        "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of straight into partitions read once by rank 0.",
+        "0: under ZeRO-3 with zero3_init_flag, load diffusers models whole per rank as stock does, instead of "
+        "straight into partitions read once by rank 0.",
     ),
     EnvVar(
         "ACCEL_NPU_FROZEN_MODULES",
         "",
-        "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen children that are models, e.g. from_pretrained).",
+        "Comma-separated (dotted) child names kept out of DeepSpeed; 'none': off (default: auto-detect frozen "
+        "children that are models, e.g. from_pretrained).",
     ),
     EnvVar(
         "ACCEL_NPU_COLLECTIVE_TIMEOUT",
@@ -71,17 +75,20 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ACCEL_NPU_HANG_TIMEOUT",
         "",
-        "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive are named and the job fails; 0: off (default: just under the process-group timeout).",
+        "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive "
+        "are named and the job fails; 0: off (default: just under the process-group timeout).",
     ),
     EnvVar(
         "ACCEL_NPU_DEEPSPEED_SHM_OP",
         "0",
-        "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, before step 1); it serves only inference_all_reduce, never ZeRO training.",
+        "1: on CPU, let DeepSpeed JIT-build its shared-memory all-reduce op (needs g++; built once per machine, "
+        "before step 1); it serves only inference_all_reduce, never ZeRO training.",
     ),
     EnvVar(
         "ACCEL_NPU_CUDA_FACADE",
         "auto",
-        'Where "cuda" stands for the active device (the torch.cuda façade, autocast("cuda"), a "cuda" GradScaler, the xformers/flash-attention flags): auto = launched ranks only, 1 = also plain processes, 0 = nowhere.',
+        'Where "cuda" stands for the active device (the torch.cuda façade, autocast("cuda"), a "cuda" GradScaler, the '
+        "xformers/flash-attention flags): auto = launched ranks only, 1 = also plain processes, 0 = nowhere.",
     ),
     EnvVar("ACCEL_NPU_MX_DRIVING", "0", "1: enable mx_driving's patcher when mx_driving is installed (NPU)."),
 )

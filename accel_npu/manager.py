@@ -108,7 +108,7 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         try:
             plugin = loader()
             self.register(plugin, name=name)
-        except Exception as exc:  # a broken plugin must never break training
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must never break training
             log.warning(
                 "accel-npu: plugin %r (%s) failed to load and is skipped: %s: %s",
                 name,
@@ -153,7 +153,7 @@ class AccelNpuPluginManager(pluggy.PluginManager):
 
         try:
             eps = entry_points(group=ENTRY_POINT_GROUP)
-        except Exception as exc:  # broken metadata of some unrelated dist
+        except Exception as exc:  # noqa: BLE001 - broken metadata of some unrelated dist
             log.warning("accel-npu: could not read entry points: %s", exc)
             return
         for ep in eps:

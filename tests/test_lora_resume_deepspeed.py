@@ -91,7 +91,7 @@ def _lcm_hooks(accelerator, unet):
             lora_state_dict = get_peft_model_state_dict(unet_, adapter_name="default")
             StableDiffusionPipeline.save_lora_weights(os.path.join(output_dir, "unet_lora"), lora_state_dict)
             unet_.save_pretrained(output_dir)
-            for _, model in enumerate(models):
+            for _, _model in enumerate(models):
                 weights.pop()
 
     def load_model_hook(models, input_dir):

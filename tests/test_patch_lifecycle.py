@@ -146,7 +146,7 @@ def test_patch_lifecycle(lifecycle, module, order):
 
 
 def test_every_declared_patch_says_why_and_when_it_goes():
-    for plugin, patch in DECLARED:
+    for _plugin, patch in DECLARED:
         assert patch.reason.strip() and patch.remove_when.strip() and patch.supports.strip(), patch.target
         # the installed version of every targeted library is one the patch declares it supports, or one it
         # declares stock correct (the defect came later)
@@ -161,7 +161,7 @@ REASON_LIMIT = 160  # one line of `accel-npu env`
 
 def test_every_reason_is_one_short_line_citing_no_internal_tracker():
     too_long, internal = [], []
-    for plugin, patch in DECLARED:
+    for _plugin, patch in DECLARED:
         for field in ("reason", "remove_when"):
             text = getattr(patch, field)
             if len(text) > REASON_LIMIT or "\n" in text:

@@ -101,7 +101,7 @@ def _store_and_world():
         from torch.distributed import distributed_c10d
 
         return distributed_c10d._get_default_store(), world, rank
-    except Exception:  # no store we can use: no guard (never worse than stock)
+    except Exception:  # noqa: BLE001 - no store we can use: no guard (never worse than stock)
         return None, 1, 0
 
 
@@ -138,7 +138,7 @@ def rendezvous(
             try:
                 store.wait([f"{key}/state"], timedelta(seconds=max(0.0, deadline - time.monotonic())))
                 outcome = _state(store, key)
-            except Exception:  # the store's timeout error (its type differs between torch versions)
+            except Exception:  # noqa: BLE001 - the store's timeout error (its type differs between torch versions)
                 outcome = _finish(store, base, generation, "aborted")
         if outcome == "done":
             return
@@ -187,7 +187,7 @@ def all_ranks_agree(flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
-    except Exception:  # pragma: no cover - never let bookkeeping break prepare
+    except Exception:  # noqa: BLE001 - never let bookkeeping break prepare
         return flag
 
 

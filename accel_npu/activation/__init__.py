@@ -63,7 +63,7 @@ def _activate() -> None:
         try:
             for patch in impl.function() or ():
                 ledger.register(patch, plugin=impl.plugin_name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - one plugin's broken declaration must not hide the others'
             registration_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
             log.warning("accel-npu: plugin %r failed to declare its patches and is skipped: %s", impl.plugin_name, exc)
     unknown = environment.disabled_patches() - {p.target for p in ledger.patches}

@@ -9,7 +9,8 @@ for the distributed ones. Both run at the same time; each check prints one line
 Checks come from two places: the active backend's plugin (``accel_npu_selftest_checks``: CANN
 libraries, ``import torch_npu``, SoC and bf16, visible devices, ...) and the device checks below,
 which are the same on every backend (matmul, autocast("cuda"), AdamW fused vs foreach, GradScaler,
-accelerate's fp16 scaler, bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the subprocess:
+accelerate's fp16 scaler, bf16 ``.numpy()``). A check is a ``"module:function"`` called with no arguments in the
+subprocess:
 it returns a one-line detail, raises :class:`CheckSkipped`, or raises anything else (failed).
 """
 

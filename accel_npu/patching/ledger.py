@@ -97,7 +97,7 @@ class PatchLedger:
         parent, attribute, original = target
         try:
             wrapper = patch.wrapper
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a wrapper path that does not import: the patch fails, training goes on stock
             with self._lock:
                 patch.status = f"failed: {type(exc).__name__}: {exc}"
             log.warning("accel-npu: could not apply %s: %s", patch.target, patch.status)
@@ -110,7 +110,7 @@ class PatchLedger:
                 wrapped = wrapt.FunctionWrapper(original, wrapper)
                 setattr(parent, attribute, wrapped)
                 torchscript.wrapper_installed(original, wrapped)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a target that cannot be wrapped: recorded as failed, left stock
                 patch.status = f"failed: {type(exc).__name__}: {exc}"
                 log.warning("accel-npu: could not apply %s: %s", patch.target, patch.status)
                 return
@@ -149,7 +149,7 @@ class PatchLedger:
             return None
         try:
             off = patch.scope_problem()
-        except Exception as exc:  # e.g. an unreadable ACCEL_NPU_CUDA_FACADE: named once, never raised
+        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable ACCEL_NPU_CUDA_FACADE: named once, never raised
             patch.status = f"failed: {type(exc).__name__}: {exc}"
             if patch.status not in self._scope_errors:
                 self._scope_errors.add(patch.status)
@@ -161,7 +161,7 @@ class PatchLedger:
             return None
         try:
             parent, attribute, original = wrapt.resolve_path(module, patch.qualname)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - wrapt raises whatever the attribute lookup raises: skipped with the reason
             patch.status = f"skipped: {patch.qualname} not found in {patch.module} ({exc})"
             self._trace(patch)
             return None

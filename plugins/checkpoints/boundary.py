@@ -591,8 +591,8 @@ def _called_by_the_script() -> bool:
 
 def _at_exit() -> None:
     """At exit, while the process group is up (atexit, and first thing in a plugin's own close of the group):
-    the end of the script is a clean point. A rank that finishes while rank 0 saves alone serves it, then says it read the
-    release; rank 0, which hosts the store, waits for that (at most _EXIT_WAIT_S) before leaving.
+    the end of the script is a clean point. A rank that finishes while rank 0 saves alone serves it, then says it read
+    the release; rank 0, which hosts the store, waits for that (at most _EXIT_WAIT_S) before leaving.
     Skipped after an uncaught exception."""
     if _at_exit in _dist.before_group_close:
         _dist.before_group_close.remove(_at_exit)  # runs once

@@ -102,7 +102,7 @@ def is_fsdp(accelerator) -> bool:
 def zero_stage(accelerator) -> int:
     try:
         return int(accelerator.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
-    except Exception:
+    except Exception:  # noqa: BLE001 - a config accelerate cannot read: treated as no ZeRO, as stock
         return 0
 
 
@@ -114,14 +114,14 @@ def _library_of(module) -> str | None:
 
         if isinstance(module, ModelMixin):
             return "diffusers"
-    except Exception:
+    except Exception:  # noqa: BLE001 - a diffusers that fails to import is not the model's library
         pass
     try:
         from transformers import PreTrainedModel
 
         if isinstance(module, PreTrainedModel):
             return "transformers"
-    except Exception:
+    except Exception:  # noqa: BLE001 - a transformers that fails to import is not the model's library
         pass
     return None
 
@@ -155,7 +155,7 @@ def record_components(model, directory: str) -> dict:
             try:
                 _save_component_config(module, lib, os.path.join(base, name or "_root"))
                 entry["config"] = os.path.join(COMPONENTS_DIR, name or "_root", "config.json")
-            except Exception as exc:  # a config we cannot write must not fail the save
+            except Exception as exc:  # noqa: BLE001 - a config we cannot write must not fail the save
                 log.warning("accel-npu: could not record the config of %s: %s", name or "the model", exc)
         comps[name] = entry
     os.makedirs(base, exist_ok=True)
@@ -328,10 +328,10 @@ def load_hooks_see_models(accelerator):
                     for model in prepared:
                         stack.enter_context(_zero3_loadable(model))
                     return hook(prepared, input_dir)
-            except Exception as given_models:
+            except Exception as given_models:  # noqa: BLE001 - the hook may expect the models it was given: tried next
                 try:
                     result = hook(models, input_dir)
-                except Exception:
+                except Exception:  # noqa: BLE001 - the first error is the one that says what is wrong
                     raise given_models from None
                 code = getattr(hook, "__code__", None)
                 where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""

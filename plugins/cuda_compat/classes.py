@@ -1,6 +1,6 @@
 """Wrappers of ``torch.cuda``'s classes (named by path in this package's patches): ``Event`` and
-``Stream`` built for the active device (torch.npu's on npu, the host's in ``facade.py`` on cpu) for the user's code (torch
-and installed libraries get torch's own classes), and the ``torch.cuda.device`` context manager."""
+``Stream`` built for the active device (torch.npu's on npu, the host's in ``facade.py`` on cpu) for the user's code
+(torch and installed libraries get torch's own classes), and the ``torch.cuda.device`` context manager."""
 
 from __future__ import annotations
 

@@ -518,7 +518,10 @@ class Watchdog(threading.Thread):
             where = "; ".join(f"in {n} #{s} of group {_group_info(g)[0]} for {now - t:.1f} s" for n, g, s, t in inside)
         elif calls.last:
             n, g, s = calls.last
-            where = f"in no collective; the last, {n} #{s} of group {_group_info(g)[0]}, returned {now - calls.changed_at:.1f} s ago"
+            where = (
+                f"in no collective; the last, {n} #{s} of group {_group_info(g)[0]}, "
+                f"returned {now - calls.changed_at:.1f} s ago"
+            )
         else:
             where = "in no collective, and has called none yet"
         return (

@@ -53,7 +53,7 @@ def set_deepspeed_weakref(wrapped, instance, args, kwargs):
     if dschf is not None:
         try:
             object.__setattr__(dschf, ZERO3_INIT_FLAG, bool(getattr(instance, "zero3_init_flag", True)))
-        except Exception:  # an object that takes no attributes: transformers decides, as stock
+        except Exception:  # noqa: BLE001 - an object that takes no attributes: transformers decides, as stock
             pass
     return result
 

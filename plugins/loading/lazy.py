@@ -262,7 +262,7 @@ class LazyTensors:
                 return got.result() if pool is not None else got
             try:
                 tensor = got.result()
-            except Exception:  # the prefetch could not cast it: read it here (and report what is wrong)
+            except Exception:  # noqa: BLE001 - the prefetch could not cast it: read it here (and report what is wrong)
                 return read_here(name, k)
             if self.convert is not None and self.convert(k, tensor) is not tensor:
                 return read_here(name, k)  # the dtype was guessed wrong

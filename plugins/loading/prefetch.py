@@ -152,7 +152,7 @@ class Prefetch:
                 pieces.cast(first)
             while not self._stop and pieces.cast_next():
                 pass
-        except BaseException as exc:  # a thread that ends must not leave a future the placement waits on
+        except BaseException as exc:  # noqa: BLE001 - a thread that ends must not leave a future the placement waits on
             pieces.abandon(exc)
 
     def model_built(self) -> None:
@@ -228,7 +228,7 @@ class _Pieces:
                     copy_prefaulted(dst, src)
             else:  # while it constructs (Python holding the GIL), the GIL once a piece
                 torch._foreach_copy_([dst for _, dst, _ in piece], [src for _, _, src in piece])
-        except Exception as exc:  # e.g. out of memory: the placement reads these tensors itself
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the placement reads these tensors itself
             self._fail([k for k, _, _ in piece], exc)
             return
         with self._lock:
@@ -267,7 +267,7 @@ class _Pieces:
                 try:
                     src = self.shards.get(name, k).view(-1)
                     out = torch.empty(self.ckpt.headers[name][k][1], dtype=target, device="cpu")
-                except Exception as exc:  # the placement reads it again and reports what is wrong
+                except Exception as exc:  # noqa: BLE001 - the placement reads it again and reports what is wrong
                     self._fail([k], exc, locked=True)
                     self._next += 1
                     continue

@@ -93,7 +93,8 @@ def _from_pretrained(wrapped, cls, args, kwargs):
     if missing:
         raise LoadError(
             f"accel-npu: {path} has no tensor for {len(missing)} weight(s) of {cls.__name__} built with "
-            f"{depth_asked[0]}={depth_asked[1]}: {truncation.short_list(missing)}. The checkpoint has fewer layers: ask "
+            f"{depth_asked[0]}={depth_asked[1]}: {truncation.short_list(missing)}. The checkpoint has fewer layers: "
+            "ask "
             "for at most as many as its config.json says (transformers would initialize them randomly)."
         )
     unexpected = list(info.get("unexpected_keys") or [])
@@ -119,7 +120,7 @@ def _under_zero_init() -> bool:
     ds = sys.modules.get("transformers.integrations.deepspeed")
     try:
         return bool(ds is not None and ds.is_deepspeed_zero3_enabled())
-    except Exception:
+    except Exception:  # noqa: BLE001 - an unknown transformers: load as stock would
         return False
 
 

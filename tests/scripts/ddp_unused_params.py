@@ -22,7 +22,7 @@ world, rank = accelerator.num_processes, accelerator.process_index
 batch, h, w, text = 4, 4, 4, 5
 generator = torch.Generator().manual_seed(1)
 losses = []
-for step in range(args.steps):
+for _step in range(args.steps):
     x = torch.randn(batch, h * w, 16, generator=generator)
     encoder = torch.randn(batch, text, 32, generator=generator)
     target = torch.randn(batch, h * w, 16, generator=generator)

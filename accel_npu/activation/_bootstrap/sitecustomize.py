@@ -21,7 +21,7 @@ def _chain_to_next_sitecustomize():
         importlib.import_module("sitecustomize")
     except ImportError:
         pass
-    except Exception as exc:  # someone else's sitecustomize; report, don't die
+    except Exception as exc:  # noqa: BLE001 - someone else's sitecustomize; report, don't die
         sys.stderr.write(f"accel-npu: chained sitecustomize failed: {exc!r}\n")
     finally:
         sys.path[:] = saved

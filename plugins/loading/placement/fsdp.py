@@ -33,7 +33,8 @@ log = logging.getLogger("accel_npu")
 
 
 def efficient_loading_requested() -> bool:
-    """accelerate's FSDP with ``cpu_ram_efficient_loading`` (its launcher or FullyShardedDataParallelPlugin set these)."""
+    """accelerate's FSDP with ``cpu_ram_efficient_loading`` (its launcher or FullyShardedDataParallelPlugin set "
+    "these)."""
     return truthy(os.environ.get("ACCELERATE_USE_FSDP", "")) and truthy(
         os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "")
     )

@@ -60,9 +60,9 @@ def zero3_config() -> dict | None:
     """The DeepSpeed config when a load should go straight into ZeRO-3 partitions, else None.
 
     That is: transformers' HfDeepSpeedConfig weakref says ZeRO-3 and accelerate's ``zero3_init_flag``
-    is not false (accelerate sets the weakref for every ZeRO-3 config), the load is not a frozen tower's (``zero3_init_context_manager
-    (enable=False)``, pipeline components), ``ACCEL_NPU_ZERO3_INIT`` is not off, the process
-    group is up, and parameters are partitioned over the whole world (not MiCS).
+    is not false (accelerate sets the weakref for every ZeRO-3 config), the load is not a frozen tower's
+    (``zero3_init_context_manager(enable=False)``, pipeline components), ``ACCEL_NPU_ZERO3_INIT`` is not off, the
+    process group is up, and parameters are partitioned over the whole world (not MiCS).
     """
     if in_frozen_load() or not switched_on() or zero3_init_flag_off():
         return None
@@ -71,7 +71,7 @@ def zero3_config() -> dict | None:
         if ds is None or not ds.is_deepspeed_zero3_enabled():
             return None
         config = ds.deepspeed_config()
-    except Exception:  # an unknown transformers: load as stock would
+    except Exception:  # noqa: BLE001 - an unknown transformers: load as stock would
         return None
     if not isinstance(config, dict):
         return None
@@ -142,7 +142,7 @@ def load_partitioned(model, lazy, ds_config: dict, progress=None) -> dict:
                             raise RuntimeError(f"read {name!r} where {key!r} was expected")
                         whole.copy_(tensor)
                         del tensor
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - kept and raised after every rank left the collective
                         failure = exc
                 param = torch.nn.Parameter(whole, requires_grad=meta.requires_grad)
                 for module, attr, _name in entries:
@@ -206,7 +206,8 @@ def place(job, ds_config: dict) -> float:
 # ------------------------------------------------------------------------------------------------
 # a partitioned model used without a DeepSpeed engine
 # ------------------------------------------------------------------------------------------------
-#: instance attribute: the ``_apply`` functions (``.to(dtype)``, ``.half()``, ...) called on the model since it was loaded
+#: instance attribute: the ``_apply`` functions (``.to(dtype)``, ``.half()``, ...) called on the model since it was
+#: loaded
 CASTS = "_accel_npu_casts"
 
 
@@ -388,14 +389,14 @@ def rebuild_whole(model, load_whole: Callable[[], Any]) -> None:
     for fn in model.__dict__.get(CASTS, ()):
         try:
             type(fresh)._apply(fresh, fn)
-        except Exception as exc:  # a custom function: the files' dtype, the partition's device
+        except Exception as exc:  # noqa: BLE001 - a custom function: the files' dtype, the partition's device
             log.warning(
                 "accel-npu: replaying a cast of %s on its whole copy failed (%s); it keeps the dtype of its files",
                 type(model).__name__,
                 exc,
             )
     fresh_params = dict(fresh.named_parameters(remove_duplicate=False))
-    for pid, entries in param_slots(model).items():
+    for _pid, entries in param_slots(model).items():
         module, attr, name = entries[0]
         old = module._parameters[attr]
         if not hasattr(old, "ds_id"):
