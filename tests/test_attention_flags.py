@@ -87,7 +87,7 @@ def test_passes_through_where_cuda_is_available(monkeypatch):
     from accel_npu.plugins.attention import diffusers, target, transformers
 
     monkeypatch.setattr(target, "cuda_available", lambda: True)
-    stock = lambda *args, **kwargs: ("stock", args, kwargs)  # noqa: E731
+    stock = lambda *args, **kwargs: ("stock", args, kwargs)  # noqa: E731 - a stand-in for the wrapped function, one expression
     assert diffusers.is_xformers_available(lambda: False, None, (), {}) is False
     assert diffusers.attention_set_xformers(stock, object(), (True,), {}) == ("stock", (True,), {})
     assert diffusers.attention_module_set_xformers(stock, object(), (True,), {}) == ("stock", (True,), {})

@@ -97,7 +97,7 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypa
 def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
     planned, unplanned = f"`{compat.SPECS[0].name}`", "`no_such_script.py`"
-    not_run = lambda script: [script, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]  # noqa: E731
+    not_run = lambda script: [script, "F", "all", "–", "not run: no tiny builder", "", "", "", "c", "d"]  # noqa: E731 - a row builder, one expression
     (tmp_path / "compatibility.md").write_text(
         "\n".join("| " + " | ".join(not_run(s)) + " |" for s in (planned, unplanned)) + "\n"
     )

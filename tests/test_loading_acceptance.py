@@ -253,7 +253,7 @@ def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen
         return accelerate_launch(args, timeout=600)
 
     # stock diffusers ignores the setting: rank 1 reads the checkpoint too
-    stock_launch = lambda: accelerate_launch(  # noqa: E731
+    stock_launch = lambda: accelerate_launch(  # noqa: E731 - the launch both halves share, called once each
         ["--config_file", str(configs[True]), str(SCRIPTS / "train_qwen_truncated.py"), str(deep_qwen), "--steps", "1"],
         env=base_env(ACCEL_NPU_DISABLED_PATCHES=DIFFUSERS_FROM_PRETRAINED),
         timeout=600,

@@ -292,7 +292,7 @@ def run_selftest(out=None, timeout: float = DEFAULT_TIMEOUT_S) -> int:
 
     activation.activate(strict=False)
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - imported for its effect: the torch.backends entry points run
     except RuntimeError as exc:  # a torch.backends entry point failed (torch_npu without CANN, ...)
         why = exc.__cause__ if exc.__cause__ is not None else exc
         print(f"  import torch  failed: {why} ({exc})", file=out, flush=True)

@@ -403,7 +403,7 @@ def main(argv=None):
     model = FlowMatchingDiT(args.model_type, transformer, vae, text_encoder)
     # under ZeRO-3 (zero3_init_flag) parameters are partitioned from from_pretrained on, as in
     # transformers' Trainer: count their full size (ds_numel), not this rank's empty placeholder
-    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - one expression, read where it is used
     n_train = sum(numel(p) for p in model.parameters() if p.requires_grad)
     n_frozen = sum(numel(p) for p in model.parameters() if not p.requires_grad)
 

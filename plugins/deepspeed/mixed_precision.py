@@ -26,7 +26,7 @@ def _accelerate_config_path(args) -> str:
         from accelerate.commands.config.config_args import default_config_file
 
         return str(default_config_file)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - only names the file in a message
         return "the accelerate config"
 
 

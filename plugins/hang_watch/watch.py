@@ -255,11 +255,11 @@ def _group_info(key) -> tuple[str, list[int]]:
         return "?", []
     try:
         name = c10d._world.pg_names.get(pg) or "?"
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - private torch state: only a label in the report
         name = "?"
     try:
         ranks = list(c10d.get_process_group_ranks(pg))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a group being torn down: only a label in the report
         ranks = []
     return name, ranks
 
@@ -297,7 +297,7 @@ class Watchdog(threading.Thread):
             return store
         try:
             store.set_timeout(timedelta(seconds=self.answer_wait + 5))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a store without timeouts keeps its own
             pass
         return store
 
@@ -336,7 +336,7 @@ class Watchdog(threading.Thread):
             try:
                 self.store.set_timeout(timedelta(seconds=2))  # never hold up the process's exit
                 self.store.set(_exited_key(self.calls.rank), "1")
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - at exit: the store may be gone with rank 0
                 pass
 
     # -- the loop ----------------------------------------------------------------------------
@@ -572,6 +572,6 @@ def _exit() -> None:
     The launcher (torchrun, accelerate launch) then stops the other ranks."""
     try:
         sys.stdout.flush()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - stdout may be closed; the exit must still happen
         pass
     os._exit(EXIT_STATUS)

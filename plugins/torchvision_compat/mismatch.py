@@ -53,7 +53,7 @@ def _torchvision_version() -> str:
         from torchvision.version import __version__
 
         return str(__version__)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a broken torchvision: the next way to read its version
         try:
             return importlib.metadata.version("torchvision")
         except importlib.metadata.PackageNotFoundError:
@@ -70,7 +70,7 @@ def _load_error() -> str:
         ctypes.CDLL(_get_extension_path("_C"))
     except OSError as exc:
         return str(exc).strip().splitlines()[0]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure to load the extension is the diagnosis
         return f"{type(exc).__name__}: {exc}"
     return "the library loads on its own, but torch.ops.load_library refused it"
 

@@ -34,9 +34,9 @@ def attempt(name, fn):
 
 
 # -- diffusers ----------------------------------------------------------------------------------------
-from diffusers import FluxTransformer2DModel, UNet2DConditionModel  # noqa: E402
-from diffusers.utils.import_utils import is_xformers_available  # noqa: E402
-from packaging import version  # noqa: E402
+from diffusers import FluxTransformer2DModel, UNet2DConditionModel  # noqa: E402 - each library's section imports what it probes
+from diffusers.utils.import_utils import is_xformers_available  # noqa: E402 - each library's section imports what it probes
+from packaging import version  # noqa: E402 - each library's section imports what it probes
 
 out["script_sees_xformers"] = is_xformers_available()
 # the same function asked from a file inside site-packages, as an installed library asks it
@@ -93,7 +93,7 @@ out["flux_enabled"] = attempt("flux_enable", lambda: flux.enable_xformers_memory
 out["flux_backends"] = sorted({str(getattr(p, "_attention_backend", None)) for p in flux.attn_processors.values()})
 
 # -- transformers --------------------------------------------------------------------------------------
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402 - each library's section imports what it probes
 
 folder = os.path.join(work, "llama")
 if not os.path.isdir(folder):

@@ -42,7 +42,7 @@ for _ in range(2):
     optimizer.zero_grad()
     losses.append(loss.item())
 
-from torch._dynamo.utils import counters  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402 - read after the compiled steps ran
 
 weights = [p.detach().cpu().double().sum().item() for p in model.parameters()]
 print(

@@ -49,7 +49,7 @@ def _reported(rank: str) -> Path:
 
 atexit.register(_report)
 
-from accelerate import Accelerator  # noqa: E402
+from accelerate import Accelerator  # noqa: E402 - after the atexit report is registered, so it runs last
 
 accelerator = Accelerator()
 mode = sys.argv[1].split(",")[accelerator.process_index]

@@ -7,4 +7,4 @@ torch runs with every torch.backends entry point (accel-npu's included) switched
 import os
 
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-import torch  # noqa: F401
+import torch  # noqa: F401 - imported for its effect, with autoload off

@@ -2,7 +2,7 @@
 torch_npu refuses in the worker, and the DataLoader re-raises that in the parent."""
 
 import torch
-import torch_npu  # noqa: F401
+import torch_npu  # noqa: F401 - imported for its effect: registers the npu device
 from torch.utils.data import DataLoader, Dataset
 
 torch.npu.synchronize()  # the parent initialises the NPU

@@ -34,8 +34,8 @@ rec = {
     "world_size": os.environ.get("WORLD_SIZE"),
     "env": {k: os.environ.get(k) for k in KEYS},
 }
-import torch  # noqa: E402
-import torch_npu  # noqa: E402
+import torch  # noqa: E402 - after the environment is read, before torch could change it
+import torch_npu  # noqa: E402 - after the environment is read, before torch could change it
 
 rec["torch_npu"] = hasattr(torch, "npu") and torch_npu.__name__ == "torch_npu"
 rec["npu_count"] = torch.npu.device_count()  # as torch_npu counts ASCEND_RT_VISIBLE_DEVICES

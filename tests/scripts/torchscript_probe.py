@@ -20,9 +20,9 @@ if "--break-torchscript-sync" in sys.argv:
     torchscript.wrapper_installed = lambda original, installed: None
 
 import torch  # noqa: E402  (a launched rank activates accel-npu here)
-import torch.distributed  # noqa: E402
-import torch.distributed.launcher.api  # noqa: E402
-import torch.nn.parallel  # noqa: E402
+import torch.distributed  # noqa: E402 - after the probe replaced the hook it watches
+import torch.distributed.launcher.api  # noqa: E402 - after the probe replaced the hook it watches
+import torch.nn.parallel  # noqa: E402 - after the probe replaced the hook it watches
 
 warnings.simplefilter("ignore")
 samples = json.load(open(samples_path))
@@ -61,7 +61,7 @@ def outcome(compile_fn, traced=None):
         out["result"] = (
             value.tolist() if isinstance(value, torch.Tensor) else re.sub(r" at 0x[0-9a-f]+", "", repr(value))
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the outcome is the exception's name
         out["result"] = type(exc).__name__
     return out
 

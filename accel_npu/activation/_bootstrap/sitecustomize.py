@@ -43,7 +43,7 @@ def _arm():
             activate_from_torch()
 
         wrapt.register_post_import_hook(_on_torch, "torch")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a bootstrap must never stop the interpreter starting
         sys.stderr.write(f"accel-npu: bootstrap skipped: {exc!r}\n")
 
 

@@ -4,6 +4,6 @@ Like the real repo it imports torch at package import, so accel-npu is active be
 modules is imported.
 """
 
-import torch  # noqa: F401
+import torch  # noqa: F401 - imported for its effect: accel-npu activates first
 
 __version__ = "0.1.0"

@@ -27,7 +27,7 @@ import types
 ORG_AUTOLOAD = os.getenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after TORCH_DEVICE_BACKEND_AUTOLOAD is set, as upstream
 
 __version__ = importlib.metadata.version("torch_npu")  # upstream: torch_npu/version.py, written at build time
 _LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
@@ -202,7 +202,7 @@ def _after_fork(arg):
         _is_internal_in_bad_fork = True
 
 
-import multiprocessing.util as _mp_util  # noqa: E402
+import multiprocessing.util as _mp_util  # noqa: E402 - kept beside the fork handling it serves, as upstream
 
 _mp_util.register_after_fork(_after_fork, _after_fork)
 npu._lazy_init = _lazy_init
@@ -264,7 +264,7 @@ for _name in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul"):
 torch.utils.rename_privateuse1_backend("npu")
 npu.utils.is_bf16_supported = npu.is_bf16_supported
 torch._register_device_module("npu", npu)
-import sys as _sys  # noqa: E402
+import sys as _sys  # noqa: E402 - kept beside the registration it serves, as upstream
 
 _sys.modules["torch_npu.npu"] = npu
 _sys.modules["torch_npu.npu.utils"] = npu.utils

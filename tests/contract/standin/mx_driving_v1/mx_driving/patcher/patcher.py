@@ -38,8 +38,8 @@ class Patcher:
 
     def transfer_to_npu(self):
         import torch
-        import torch_npu  # noqa: F401
-        from torch_npu.contrib import transfer_to_npu  # noqa: F401
+        import torch_npu  # noqa: F401 - imported for its effect: registers the npu device
+        from torch_npu.contrib import transfer_to_npu  # noqa: F401 - imported for its effect: the monkey-patches
 
         mx_driving.CALLS.append("transfer_to_npu")
         torch.npu.config.allow_internal_format = self.allow_internal_format

@@ -9,16 +9,16 @@ TransformersNPU ❌ in default_patcher); ``default_patcher_builder`` is the 1.0 
 """
 
 try:
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - imported for its effect, as upstream
 except ImportError:
     pass
 try:
-    import torch_npu  # noqa: F401
+    import torch_npu  # noqa: F401 - imported for its effect: registers the npu device
 except ImportError:
     pass
 else:
     try:
-        from torch_npu.contrib import transfer_to_npu  # noqa: F401
+        from torch_npu.contrib import transfer_to_npu  # noqa: F401 - imported for its effect: the monkey-patches
     except ImportError:
         pass
 
@@ -27,6 +27,6 @@ from mx_driving.patcher.transformers_patch import TransformersNPU
 
 default_patcher = Patcher()
 
-from mx_driving.patcher.legacy import default_patcher_builder  # noqa: E402
+from mx_driving.patcher.legacy import default_patcher_builder  # noqa: E402 - after default_patcher exists, which it reads (upstream order)
 
 __all__ = ["Patcher", "default_patcher", "TransformersNPU", "default_patcher_builder"]

@@ -30,7 +30,7 @@ class Patcher:
         )
         try:
             import torch
-            import torch_npu  # noqa: F401
+            import torch_npu  # noqa: F401 - imported for its effect: registers the npu device
 
             torch.npu.config.allow_internal_format = bool(allow_internal_format)
         except (ImportError, AttributeError):
