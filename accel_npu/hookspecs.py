@@ -18,6 +18,7 @@ import pluggy
 if TYPE_CHECKING:  # for annotations only: never imported at run time (backend.py calls these hooks)
     from accel_npu._torch.nodes import Nodes
     from accel_npu.backend import Backend
+    from accel_npu.config_files import WorkerTuning
     from accel_npu.patching import Patch
 
 #: pluggy project name: the markers below and the plugin manager use it
@@ -59,6 +60,19 @@ def accel_npu_launch_env(
     where a command only shows or writes the defaults (``accel-npu config``, ``accel-npu env``):
     then return only what does not depend on this node's state at this moment (a free port) and
     log nothing.
+    """
+
+
+@hookspec(firstresult=True)
+def accel_npu_worker_tuning(backend_name: str) -> WorkerTuning | None:
+    """Return what ``accel-npu config`` offers to tune in the workers' environment on backend
+    ``backend_name``, or None when it is not yours.
+
+    ``backend_name`` is the backend being configured, not necessarily this machine's. The
+    :class:`accel_npu.config_files.WorkerTuning` names the variables the wizard asks about (their
+    proposed values are the backend's ``accel_npu_launch_env`` defaults), checks the answers, and
+    names the host-interface variable written for a job across machines. The first non-None
+    result wins.
     """
 
 

@@ -239,3 +239,62 @@ def test_setup_cfg_lists_every_package():
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
     packages.add("accel_npu.launch_configs")
     assert listed == packages, (sorted(packages - listed), sorted(listed - packages))
+
+
+def positional_reads(source: str) -> list[str]:
+    """``wrapper:args[<int>]`` for each wrapt-style wrapper (nested ones too) that subscripts its ``args``
+    with a number: a parameter read by position alone, which misses the same parameter passed by keyword."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
+        if len(params) != 4 or params[0] != "wrapped":
+            continue
+        for sub in ast.walk(node):
+            if (
+                isinstance(sub, ast.Subscript)
+                and isinstance(sub.value, ast.Name)
+                and sub.value.id == params[2]
+                and isinstance(sub.slice, ast.Constant)
+                and isinstance(sub.slice.value, int)
+            ):
+                found.append(f"{node.name}:{params[2]}[{sub.slice.value}]")
+    return found
+
+
+#: wrappers that may read ``args[<int>]``: where the position is not one named parameter, so
+#: ``accel_npu.patching.argument`` (a parameter by position or keyword) does not apply
+POSITIONAL_READS_ALLOWED = {
+    # Tensor.to / Module.to are overloaded (device, dtype or a tensor first); the device keyword is read
+    # on its own, and the hot path avoids another call
+    "accel_npu.plugins.cuda_compat.tensors": {"to:args[0]"},
+    # Event.__new__ / Stream.__new__: args[0] is the class itself (a staticmethod), never a keyword
+    "accel_npu.plugins.cuda_compat.classes": {"event_new:args[0]", "stream_new:args[0]"},
+}
+
+
+def test_the_positional_read_finder_sees_wrappers_only():
+    source = (
+        "def outer():\n    def wrapper(wrapped, instance, a, kw):\n        return a[1]\n    return wrapper\n"
+        "def w(wrapped, instance, args, kwargs):\n    x = args[1:]\n    return argument(args, kwargs, 0, 'x')\n"
+        "def helper(args):\n    return args[0]\n"
+    )
+    assert positional_reads(source) == ["wrapper:a[1]"]
+
+
+def test_wrappers_read_arguments_by_name_and_position():
+    """A wrapper reads a parameter of the wrapped call with ``accel_npu.patching.argument`` (and replaces it
+    with ``with_argument``), which finds it however the caller passed it."""
+    offenders, unused = {}, {}
+    for name, path in MODULES.items():
+        if not name.startswith("accel_npu.plugins"):
+            continue
+        reads = set(positional_reads(path.read_text()))
+        allowed = POSITIONAL_READS_ALLOWED.get(name, set())
+        if reads - allowed:
+            offenders[name] = sorted(reads - allowed)
+        if allowed - reads:
+            unused[name] = sorted(allowed - reads)
+    assert not unused, f"allowed positional reads that are gone (drop them from the list): {unused}"
+    assert not offenders, f"args[<int>] in wrappers (use accel_npu.patching.argument / with_argument): {offenders}"

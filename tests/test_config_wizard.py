@@ -235,7 +235,7 @@ def test_wizard_multinode_npu_branches(tmp_path):
     child.sendline("10.0.0.7")
     answer(child, r"Port on the main machine\? \[29500", "")
     # the default: the letters of this machine's interface towards 10.0.0.7 (a prefix, CANN's syntax)
-    from accel_npu.cli.config.settings import suggested_socket_ifname
+    from accel_npu.plugins.devices.npu.worker_tuning import suggested_socket_ifname
 
     answer(
         child,

@@ -65,6 +65,7 @@ def _trigger_all():
     from accel_npu import activation
     from accel_npu.backend import current_backend, reset_backend_cache
     from accel_npu.cli import build_parser
+    from accel_npu.cli.config.settings import worker_tuning
     from accel_npu.cli.env import collect
     from accel_npu.plugins.explain_errors.excepthook import explanations
     from accel_npu.plugins.launch.launcher import prepare_worker_environment
@@ -75,6 +76,7 @@ def _trigger_all():
         "accel_npu_activate": activation._activate,
         "accel_npu_launch_env": lambda: prepare_worker_environment(1, {}),
         "accel_npu_check_launch": lambda: prepare_worker_environment(1, {}),
+        "accel_npu_worker_tuning": lambda: worker_tuning("npu"),
         "accel_npu_env_report": lambda: collect(import_targets=False),
         "accel_npu_add_commands": build_parser,
         "accel_npu_selftest_checks": lambda: __import__("accel_npu.cli.selftest", fromlist=["x"]).checks_for(

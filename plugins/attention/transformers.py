@@ -10,7 +10,7 @@ we leave it to transformers. On cpu the model gets SDPA (eager where the model h
 
 from __future__ import annotations
 
-from accel_npu.patching import argument
+from accel_npu.patching import argument, with_argument
 
 from .target import attention_device, log_once
 
@@ -45,8 +45,5 @@ def check_and_adjust_attn_implementation(wrapped, instance, args, kwargs):
         if replacement == "sdpa"
         else "transformers' eager attention",
     )
-    if args:
-        args = (replacement, *args[1:])
-    else:
-        kwargs["attn_implementation"] = replacement
+    args, kwargs = with_argument(args, kwargs, 0, "attn_implementation", replacement)
     return wrapped(*args, **kwargs)

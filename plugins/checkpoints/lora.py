@@ -242,7 +242,7 @@ def peft_state_dict(wrapped, instance, args, kwargs):
     ``PeftModel.save_pretrained`` clones entries that share a storage (all partitions are empty) before
     its save_file: the answer is remembered, so those clones are written gathered too."""
     model = argument(args, kwargs, 0, "model")
-    if model is None or kwargs.get("state_dict") is not None or len(args) > 1:
+    if model is None or argument(args, kwargs, 1, "state_dict") is not None:
         return wrapped(*args, **kwargs)
     try:
         from accel_npu.plugins.checkpoints import serving
@@ -256,7 +256,8 @@ def peft_state_dict(wrapped, instance, args, kwargs):
     except Exception:  # noqa: BLE001 - not decidable: stock behaviour
         return wrapped(*args, **kwargs)
     # peft's own PeftModel.save_pretrained passes state_dict=None by keyword (peft/peft_model.py)
-    answer = wrapped(*args, **dict(kwargs, state_dict=full))
+    args, kwargs = with_argument(args, kwargs, 1, "state_dict", full)
+    answer = wrapped(*args, **kwargs)
     if isinstance(answer, dict):
         from accel_npu.plugins.checkpoints.partitioned import remember_sources
 

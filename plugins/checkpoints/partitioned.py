@@ -30,6 +30,7 @@ from accel_npu._torch.packing import pack_by_budget
 from accel_npu._torch.safetensors_io import SafetensorsStream
 from accel_npu._torch.zero import whole_shape
 from accel_npu.errors import CheckpointError
+from accel_npu.patching import argument
 from accel_npu.plugins.checkpoints import serving
 
 GROUP_BYTES = 256 * 2**20  # gathered at once: a bound on every rank's extra memory while saving
@@ -228,7 +229,7 @@ def diffusers_save_pretrained(wrapped, instance, args, kwargs):
 def transformers_save_pretrained(wrapped, instance, args, kwargs):
     """``PreTrainedModel.save_pretrained`` of a partitioned model: shards planned by the real sizes,
     written gathered by the patched ``safe_save_file`` alias (see the module docstring)."""
-    if not partitioned(instance) or kwargs.get("state_dict") is not None:
+    if not partitioned(instance) or argument(args, kwargs, 2, "state_dict") is not None:
         return wrapped(*args, **kwargs)
     try:
         bound = inspect.signature(wrapped).bind(*args, **kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from accel_npu._torch.once import FirstTime
+from accel_npu.patching import argument, with_argument
 from accel_npu.plugins.cuda_compat import facade
 
 log = logging.getLogger("accel_npu")
@@ -14,7 +15,8 @@ _once = FirstTime()  # one warning per process and backend
 
 
 def backend_new(wrapped, instance, args, kwargs):
-    name = args[1] if len(args) > 1 else kwargs.get("name")
+    # Backend.__new__(cls, name): a staticmethod, so the wrapper sees cls as its first argument
+    name = argument(args, kwargs, 1, "name")
     if isinstance(name, str) and "nccl" in name.lower() and facade.target() is not None:
         from accel_npu.backend import current_backend
 
@@ -22,6 +24,5 @@ def backend_new(wrapped, instance, args, kwargs):
         if _once(("nccl", backend)):
             log.warning("accel-npu: process-group backend %r runs as %r (no CUDA here)", name, backend)
         # "cuda:nccl,cpu:gloo" and plain "nccl" alike: one backend for the active device
-        args = (args[0], backend, *args[2:]) if len(args) > 1 else args
-        kwargs = {**kwargs, "name": backend} if "name" in kwargs else kwargs
+        args, kwargs = with_argument(args, kwargs, 1, "name", backend)
     return wrapped(*args, **kwargs)

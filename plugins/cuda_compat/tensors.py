@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from accel_npu.patching import argument
+from accel_npu.patching import argument, passed, with_argument
 from accel_npu.plugins.cuda_compat import facade
 
 
@@ -69,10 +69,9 @@ def factory(wrapped, instance, args, kwargs):
 def load(wrapped, instance, args, kwargs):
     if facade.target() is None:
         return wrapped(*args, **kwargs)
-    if len(args) > 1:
-        args = (args[0], _map_location(args[1]), *args[2:])
-    elif "map_location" in kwargs:
-        kwargs["map_location"] = _map_location(kwargs["map_location"])
+    if passed(args, kwargs, 1, "map_location"):
+        location = _map_location(argument(args, kwargs, 1, "map_location"))
+        args, kwargs = with_argument(args, kwargs, 1, "map_location", location)
     return wrapped(*args, **kwargs)
 
 

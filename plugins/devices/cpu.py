@@ -23,7 +23,7 @@ from accel_npu._torch import dist as _dist
 from accel_npu.backend import Backend, cpu_fallback_refusal, current_backend, is_distributed_launch
 from accel_npu.errors import NoUsableDeviceError
 from accel_npu.hookspecs import hookimpl
-from accel_npu.patching import Patch
+from accel_npu.patching import Patch, argument
 
 from . import gloo_workers
 
@@ -95,7 +95,7 @@ def _fsdp_on_cpu(wrapped, instance, args, kwargs):
 
     first = not AcceleratorState._shared_state  # later AcceleratorState() calls only re-read it
     wrapped(*args, **kwargs)
-    fsdp_plugin = kwargs.get("fsdp_plugin")
+    fsdp_plugin = argument(args, kwargs, 4, "fsdp_plugin")
     if (
         first
         and fsdp_plugin is not None

@@ -32,6 +32,7 @@ from accel_npu._torch.memory import cyclic_gc_paused, malloc_trim
 from accel_npu._torch.safetensors_io import Checkpoint, nbytes_of, open_checkpoint, validate
 from accel_npu.environment import truthy
 from accel_npu.errors import LoadError
+from accel_npu.patching import argument
 from accel_npu.plugins.loading import prefetch, truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.job import LoadJob
@@ -74,13 +75,10 @@ def plan_load(cls, args, kwargs) -> _Plan | None:
     """How to take this call over, or None when it must go to stock."""
     import torch
 
-    kwargs = dict(kwargs)
-    if args:
-        if len(args) > 1:
-            return None
-        path = args[0]
-    else:
-        path = kwargs.pop("pretrained_model_name_or_path", None)
+    if len(args) > 1:
+        return None  # more than from_pretrained(pretrained_model_name_or_path, **kwargs) takes: stock's error
+    path = argument(args, kwargs, 0, "pretrained_model_name_or_path")
+    kwargs = {k: v for k, v in kwargs.items() if k != "pretrained_model_name_or_path"}
     if not isinstance(path, (str, os.PathLike)):
         return None
     original, path = path, os.fspath(path)

@@ -15,7 +15,7 @@ from accel_npu._torch.memory import malloc_trim
 from accel_npu._torch.safetensors_io import TRANSFORMERS_INDEX, read_index
 from accel_npu._torch.zero import in_frozen_load, is_zero_partitioned
 from accel_npu.errors import LoadError
-from accel_npu.patching import argument
+from accel_npu.patching import argument, with_argument
 from accel_npu.plugins.loading import truncation
 from accel_npu.plugins.loading.frozen import whole_unless_partitioning
 from accel_npu.plugins.loading.placement.zero3 import attach_rebuild
@@ -65,10 +65,7 @@ def _from_pretrained(wrapped, cls, args, kwargs):
     call_args = args
     if view is not None:  # a directory holding only the kept shards and an index of the kept keys
         kwargs.pop("subfolder", None)
-        if args:
-            call_args = (view.dir, *args[1:])
-        else:
-            kwargs["pretrained_model_name_or_path"] = view.dir
+        call_args, kwargs = with_argument(args, kwargs, 0, "pretrained_model_name_or_path", view.dir)
     nbytes = view.kept_bytes if view is not None else _local_checkpoint_bytes(path, kwargs.get("subfolder"))
     if _under_zero_init():  # a collective (rank 0 reads, zero.Init broadcasts): a per-rank slot would deadlock
         nbytes = None

@@ -10,7 +10,7 @@ import logging
 
 from accel_npu._torch.device import cuda_available
 from accel_npu._torch.once import FirstTime
-from accel_npu.patching import argument
+from accel_npu.patching import argument, passed, with_argument
 
 log = logging.getLogger("accel_npu")
 
@@ -18,28 +18,25 @@ _once = FirstTime()  # one warning per process and cause
 
 
 def autocast_init(wrapped, instance, args, kwargs):
-    if args:
-        device_type, rest = args[0], args[1:]
-    elif "device_type" in kwargs:
-        device_type, rest = kwargs.pop("device_type"), ()
-    else:
+    # autocast.__init__(self, device_type, dtype=None, enabled=True, cache_enabled=None)
+    if not passed(args, kwargs, 0, "device_type"):
         return wrapped(*args, **kwargs)
+    device_type = argument(args, kwargs, 0, "device_type")
     if device_type != "cuda" or cuda_available():
-        return wrapped(device_type, *rest, **kwargs)
+        return wrapped(*args, **kwargs)
     import torch
 
     from accel_npu.backend import current_backend
 
     target = current_backend().device_type
     if target == "cuda":  # forced cuda backend without CUDA: nothing sensible to remap to
-        return wrapped(device_type, *rest, **kwargs)
+        return wrapped(*args, **kwargs)
     # keep the dtype CUDA would have used: the explicit one, else CUDA's autocast default (fp16)
-    if rest:
-        dtype, rest = rest[0], rest[1:]
-    else:
-        dtype = kwargs.pop("dtype", None)
+    dtype = argument(args, kwargs, 1, "dtype")
     if dtype is None:
         dtype = torch.get_autocast_dtype("cuda")
+    args, kwargs = with_argument(args, kwargs, 0, "device_type", target)
+    args, kwargs = with_argument(args, kwargs, 1, "dtype", dtype)
     supported = _amp_dtypes(target)
     if supported is not None and dtype not in supported:
         # e.g. bf16 on a 910A: torch would disable autocast with a generic warning; say what happens
@@ -53,8 +50,8 @@ def autocast_init(wrapped, instance, args, kwargs):
                 _name(dtype),
                 ", ".join(_name(d) for d in supported),
             )
-        kwargs["enabled"] = False
-        return wrapped(target, dtype, *rest, **kwargs)
+        args, kwargs = with_argument(args, kwargs, 2, "enabled", False)
+        return wrapped(*args, **kwargs)
     if _once(("autocast", target, dtype)):
         log.warning(
             "accel-npu: torch.autocast('cuda', dtype=%s) runs as torch.autocast(%r, dtype=%s) "
@@ -63,7 +60,7 @@ def autocast_init(wrapped, instance, args, kwargs):
             target,
             str(dtype).replace("torch.", ""),
         )
-    return wrapped(target, dtype, *rest, **kwargs)
+    return wrapped(*args, **kwargs)
 
 
 def _name(dtype) -> str:

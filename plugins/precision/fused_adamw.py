@@ -8,6 +8,7 @@ import logging
 import warnings
 
 from accel_npu._torch.once import FirstTime
+from accel_npu.patching import argument, with_argument
 
 log = logging.getLogger("accel_npu")
 
@@ -74,8 +75,9 @@ def adamw_init(wrapped, instance, args, kwargs):
         kwargs["fused"] = True  # fewer optimizer kernels on Ascend (docs/migrating.md)
         if _once("adamw-default-fused"):
             log.info("accel-npu: AdamW uses torch_npu's fused kernel (fused=True) on npu")
-    if kwargs.get("fused") and args and not isinstance(args[0], (list, tuple)):
-        args = (list(args[0]), *args[1:])  # a generator would be consumed by a retry
+    params = argument(args, kwargs, 0, "params")
+    if kwargs.get("fused") and params is not None and not isinstance(params, (list, tuple)):
+        args, kwargs = with_argument(args, kwargs, 0, "params", list(params))  # a retry would find a generator spent
     try:
         result = wrapped(*args, **kwargs)
     except RuntimeError as exc:

@@ -8,6 +8,7 @@ import logging
 
 from accel_npu._torch.device import cuda_available
 from accel_npu._torch.once import FirstTime
+from accel_npu.patching import argument, with_argument
 
 log = logging.getLogger("accel_npu")
 
@@ -15,24 +16,23 @@ _once = FirstTime()  # one warning per process and cause
 
 
 def grad_scaler_init(wrapped, instance, args, kwargs):
-    if args:
-        device, rest = args[0], args[1:]
-    else:
-        device, rest = kwargs.pop("device", "cuda"), ()
+    # GradScaler.__init__(self, device="cuda", init_scale=2.0**16, ...)
+    device = argument(args, kwargs, 0, "device", "cuda")
     if device != "cuda" or cuda_available():
-        return wrapped(device, *rest, **kwargs)
+        return wrapped(*args, **kwargs)
     from accel_npu.backend import current_backend
 
     target = current_backend().device_type
     if target == "cuda":  # forced cuda backend without CUDA: torch disables the scaler, as stock
-        return wrapped(device, *rest, **kwargs)
+        return wrapped(*args, **kwargs)
     if _once(("grad-scaler", target)):
         log.warning(
             "accel-npu: GradScaler('cuda') scales on %r, the device autocast('cuda') runs on "
             "(no CUDA here; stock torch would disable loss scaling)",
             target,
         )
-    return wrapped(target, *rest, **kwargs)
+    args, kwargs = with_argument(args, kwargs, 0, "device", target)
+    return wrapped(*args, **kwargs)
 
 
 def accelerator_init(wrapped, instance, args, kwargs):

@@ -28,11 +28,12 @@ def _ops_missing_with_warning(op: str) -> bool:
 
 def skip_fake_impl_of_missing_torchvision_op(wrapped, instance, args, kwargs):
     op = argument(args, kwargs, 0, "op")
+    func = argument(args, kwargs, 1, "func")  # positional-only: register_fake(op, func=None, /, ...)
     if isinstance(op, str) and op.startswith(_NAMESPACE) and _ops_missing_with_warning(op):
-        if len(args) > 1 and args[1] is not None:  # register_fake(op, func)
-            return args[1]
+        if func is not None:  # register_fake(op, func)
+            return func
         return lambda func: func  # @register_fake(op): leave the function as it is
-    if len(args) > 1 and args[1] is not None:
+    if func is not None:
         # register_fake(op, func) records the caller's file and line `_stacklevel` frames up; this
         # wrapper is one more frame (the decorator form registers from the caller's own frame).
         kwargs["_stacklevel"] = kwargs.get("_stacklevel", 1) + 1

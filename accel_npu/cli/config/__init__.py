@@ -110,13 +110,15 @@ def run(args) -> int:
             return 130
     else:
         settings = base
+        tuning = wizard.worker_tuning(settings.backend)
         if (
-            settings.backend == "npu"
+            tuning is not None
+            and tuning.interface
             and settings.num_machines > 1
             and not settings.hccl_socket_ifname
             and "hccl_socket_ifname" not in given
         ):
-            settings.hccl_socket_ifname = wizard.suggested_socket_ifname(settings.main_process_ip)
+            settings.hccl_socket_ifname = tuning.suggest_interface(settings.main_process_ip)
     wizard.validate(settings, machine)
 
     files = wizard.render(settings, target, relative_paths=args.relative_paths)

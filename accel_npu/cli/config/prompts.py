@@ -189,12 +189,14 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             s.main_process_port = p.ask(
                 "Port on the main machine?", s.main_process_port, _int_between(1, 65535, "the port")
             )
-        if s.backend == "npu" and "hccl_socket_ifname" not in given:
-            default = s.hccl_socket_ifname or wizard.suggested_socket_ifname(s.main_process_ip) or "none"
+        tuning = wizard.worker_tuning(s.backend)
+        if tuning is not None and tuning.interface and "hccl_socket_ifname" not in given:
+            default = s.hccl_socket_ifname or tuning.suggest_interface(s.main_process_ip) or "none"
+            name, meaning = tuning.interface
             s.hccl_socket_ifname = p.ask(
-                f"HCCL_SOCKET_IFNAME ({wizard.HCCL_SOCKET_IFNAME_TEXT}; none = HCCL picks)?",
+                f"{name} ({meaning}; none = {tuning.interface_unset})?",
                 default,
-                _checked(wizard.check_socket_ifname),
+                _checked(tuning.interface_problem),
             )
 
     if "processes_per_machine" not in given:
@@ -260,14 +262,15 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             _auto_int("gradient accumulation steps"),
         )
 
-    if s.backend == "npu" and "npu_env" not in given:
+    tuning = wizard.worker_tuning(s.backend)
+    if tuning is not None and tuning.variables and "npu_env" not in given:
         current = ", ".join(f"{k}={v}" for k, v in s.npu_env.items())
-        if not p.confirm(f"Use these Ascend runtime settings? {current}", True):
-            for name, meaning in wizard.NPU_TUNING:
+        if not p.confirm(f"Use these {tuning.title}? {current}", True):
+            for name, meaning in tuning.variables:
                 s.npu_env[name] = p.ask(
                     f"{name} ({meaning})?",
                     s.npu_env.get(name, ""),
-                    _checked(lambda v, n=name: wizard.check_npu_env(n, v), keep_words=True),
+                    _checked(lambda v, n=name: tuning.problem(n, v), keep_words=True),
                 )
 
     if s.uses_deepspeed and "frozen_modules" not in given:

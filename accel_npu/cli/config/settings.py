@@ -9,10 +9,12 @@ The three files live side by side (``<stem>.yaml``, ``<stem>.deepspeed.json``,
   ``DeepSpeedPlugin._deepspeed_config_checks`` in accelerate/utils/dataclasses.py);
 - the sidecar holds what accelerate has no key for: the environment of the training processes
   (Ascend tuning, accel-npu's loading switches). accel-npu applies it at ``accelerate launch``
-  (plugins/launch_settings.py); variables already set in the shell win.
+  (plugins/launch/settings.py); variables already set in the shell win.
 
-This module is the single source of the tuned values: launch_configs/ is generated from it
-(tests/test_config_launch_configs.py checks that the shipped files are up to date).
+This module is the single source of the tuned DeepSpeed values: launch_configs/ is generated from it
+(tests/test_config_launch_configs.py checks that the shipped files are up to date). The workers'
+runtime tuning (which variables, their values and checks) comes from the backend's plugin through the
+``accel_npu_worker_tuning`` and ``accel_npu_launch_env`` hooks, so the CLI imports no plugin.
 """
 
 from __future__ import annotations
@@ -26,22 +28,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from accel_npu.config_files import DEEPSPEED_SUFFIX, SIDECAR_SUFFIX
+from accel_npu.config_files import DEEPSPEED_SUFFIX, SIDECAR_SUFFIX, WorkerTuning
 from accel_npu.errors import ConfigError
 
 BACKENDS = ("npu", "cuda", "cpu")
 STRATEGIES = ("ddp", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "all")
 PRECISIONS = ("bf16", "fp16", "no")
-
-#: Ascend runtime settings the wizard offers; defaults are the npu backend's launch defaults.
-NPU_TUNING = (
-    ("TASK_QUEUE_ENABLE", "task queue: 0 off, 1 on, 2 also moves workspace tasks (may raise peak memory)"),
-    ("PYTORCH_NPU_ALLOC_CONF", "NPU caching allocator; expandable_segments:True reduces fragmentation OOMs"),
-    ("CPU_AFFINITY_CONF", "bind each rank to CPU cores: 0 off, 1 coarse (per NUMA node), 2 fine"),
-    ("HCCL_CONNECT_TIMEOUT", "seconds HCCL waits for all ranks to connect"),
-    ("HCCL_EXEC_TIMEOUT", "seconds one HCCL collective may take before the job fails"),
-)
 
 #: accel-npu's own switches the wizard offers (see accel_npu/environment.py).
 ACCEL_NPU_SETTINGS = (
@@ -50,32 +43,48 @@ ACCEL_NPU_SETTINGS = (
     ("ACCEL_NPU_TRUNCATE", "Class:layers pairs: from_pretrained of that class builds and reads only N blocks"),
 )
 
-#: what the wizard writes for HCCL across machines (npu, more than one machine)
-HCCL_SOCKET_IFNAME_TEXT = (
-    "host interface(s) HCCL reaches the other machines by: name prefixes (eth,enp), "
-    "=exact names, ^excluded (CANN's syntax)"
-)
-
-ENV_COMMENTS = dict(NPU_TUNING + ACCEL_NPU_SETTINGS)
-ENV_COMMENTS["HCCL_SOCKET_IFNAME"] = HCCL_SOCKET_IFNAME_TEXT
-ENV_COMMENTS["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "overrides Accelerator(gradient_accumulation_steps=...)"
+#: comments of the sidecar's variables that are not a backend's tuning
+_ENV_COMMENTS = dict(ACCEL_NPU_SETTINGS)
+_ENV_COMMENTS["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = "overrides Accelerator(gradient_accumulation_steps=...)"
 
 
-def npu_tuning_defaults(num_machines: int = 1, num_processes: int = 1) -> dict[str, str]:
-    """The worker defaults the npu backend gives (its ``accel_npu_launch_env`` hook) for the
-    settings the wizard offers, for a job of ``num_processes`` over ``num_machines``: asked through
-    the hook, so the CLI imports no plugin."""
-    from accel_npu._torch.nodes import Nodes
-    from accel_npu.backend import Backend
+def worker_tuning(backend: str) -> WorkerTuning | None:
+    """What the wizard offers to tune in ``backend``'s workers (its plugin's ``accel_npu_worker_tuning``
+    hook); None for a backend without tuning."""
     from accel_npu.manager import get_plugin_manager
 
-    npu = Backend(name="npu", device_type="npu", dist_backend="hccl", ds_accelerator="npu")
+    return get_plugin_manager().hook.accel_npu_worker_tuning(backend_name=backend)
+
+
+def env_comments(backend: str) -> dict[str, str]:
+    """{variable: what it does} for the sidecar written for ``backend``."""
+    tuning = worker_tuning(backend)
+    if tuning is None:
+        return dict(_ENV_COMMENTS)
+    comments = dict(tuning.variables + ACCEL_NPU_SETTINGS)
+    if tuning.interface:
+        comments[tuning.interface[0]] = tuning.interface[1]
+    comments.update(_ENV_COMMENTS)
+    return comments
+
+
+def tuning_defaults(backend: str, num_machines: int = 1, num_processes: int = 1) -> dict[str, str]:
+    """The worker defaults ``backend`` gives (its ``accel_npu_launch_env`` hook) for the variables the
+    wizard offers, for a job of ``num_processes`` over ``num_machines``; {} for a backend without
+    tuning. Asked through hooks, so the CLI imports no plugin."""
+    from accel_npu._torch.nodes import Nodes
+    from accel_npu.manager import get_plugin_manager
+
+    tuning = worker_tuning(backend)
+    if tuning is None:
+        return {}
     nodes = Nodes(count=num_machines, world_size=num_processes)
     defaults: dict[str, str] = {}
-    for result in get_plugin_manager().hook.accel_npu_launch_env(backend=npu, env={}, nodes=nodes, launching=False):
+    hook = get_plugin_manager().hook.accel_npu_launch_env
+    for result in hook(backend=tuning.backend, env={}, nodes=nodes, launching=False):
         for key, value in (result or {}).items():
             defaults.setdefault(key, str(value))
-    return {name: defaults[name] for name, _ in NPU_TUNING if name in defaults}
+    return {name: defaults[name] for name, _ in tuning.variables if name in defaults}
 
 
 # -- tuned DeepSpeed bases -------------------------------------------------------------------------
@@ -219,8 +228,7 @@ def default_settings(machine: Machine, backend: str | None = None) -> Settings:
     backend = backend or machine.backend
     s = Settings(backend=backend, processes_per_machine=default_processes(backend, machine))
     s.mixed_precision = precision_choices(backend, machine)[0]
-    if backend == "npu":
-        s.npu_env = npu_tuning_defaults()
+    s.npu_env = tuning_defaults(backend)
     return s
 
 
@@ -258,59 +266,6 @@ def check_frozen(value: str) -> str | None:
     bad = [p.strip() for p in value.split(",") if not _NAME_RE.match(p.strip())]
     if bad:
         return f"frozen modules {value!r}: {bad[0]!r} is not a child-module name (e.g. vae,text_encoder)"
-    return None
-
-
-_NPU_ENV_RULES = {
-    "TASK_QUEUE_ENABLE": ({"0", "1", "2"}, "0, 1 or 2"),
-    "CPU_AFFINITY_CONF": ({"0", "1", "2"}, "0, 1 or 2"),
-}
-
-
-def check_npu_env(name: str, value: str) -> str | None:
-    value = str(value).strip()
-    if name in _NPU_ENV_RULES:
-        allowed, text = _NPU_ENV_RULES[name]
-        if value not in allowed:
-            return f"{name} must be {text} (got {value!r})"
-    elif name.startswith("HCCL_") and not (value.isdigit() and int(value) > 0):
-        return f"{name} must be a number of seconds > 0 (got {value!r})"
-    elif name == "PYTORCH_NPU_ALLOC_CONF" and value and ":" not in value:
-        return f"PYTORCH_NPU_ALLOC_CONF must look like key:value[,key:value] (got {value!r})"
-    return None
-
-
-def suggested_socket_ifname(main_process_ip: str | None) -> str:
-    """The HCCL_SOCKET_IFNAME to offer: the letters the name of this machine's interface towards the
-    main machine starts with ("enp" for enp189s0f0), a prefix that also matches the other machines'
-    differently numbered interfaces; "" when there is no route to tell."""
-    import re
-
-    from accel_npu._torch.nodes import route_interface
-
-    name = route_interface(main_process_ip) if main_process_ip else None
-    stem = re.match(r"[A-Za-z]+", name or "")
-    return stem.group(0) if stem else ""
-
-
-def check_socket_ifname(value: str) -> str | None:
-    """Why HCCL_SOCKET_IFNAME=``value`` cannot work from this machine (the config is run here too)."""
-    from accel_npu._torch.nodes import interface_names, parse_socket_ifname, usable_interfaces
-
-    value = str(value).strip()
-    if not value:
-        return None
-    if not parse_socket_ifname(value)[2]:
-        return (
-            f"--hccl-socket-ifname {value!r} names no interface: give name prefixes separated by commas "
-            f"(eth,enp), '=' before exact names (=eth0), '^' to exclude"
-        )
-    names = interface_names()
-    if not usable_interfaces(value, names):
-        return (
-            f"--hccl-socket-ifname {value} matches no interface of this machine (it has: {', '.join(names)}); "
-            f"give a prefix every machine's interface starts with"
-        )
     return None
 
 
@@ -381,10 +336,11 @@ def problems(s: Settings, machine: Machine) -> list[str]:
     for msg in (check_truncate(s.truncate), check_frozen(s.frozen_modules)):
         if msg:
             out.append(msg)
-    if s.backend == "npu":
-        out.extend(m for m in (check_npu_env(k, v) for k, v in s.npu_env.items()) if m)
-        if s.num_machines > 1 and check_socket_ifname(s.hccl_socket_ifname):
-            out.append(check_socket_ifname(s.hccl_socket_ifname))
+    tuning = worker_tuning(s.backend)
+    if tuning is not None:
+        out.extend(m for m in (tuning.problem(k, v) for k, v in s.npu_env.items()) if m)
+        if s.num_machines > 1 and tuning.interface_problem(s.hccl_socket_ifname):
+            out.append(tuning.interface_problem(s.hccl_socket_ifname))
     if s.frozen_modules and not s.uses_deepspeed:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     return out
@@ -567,14 +523,18 @@ def render_accelerate_yaml(s: Settings, deepspeed_file: str | None, header: str 
 
 def sidecar_env(s: Settings) -> dict[str, str]:
     variables: dict[str, str] = {}  # written to the sidecar file
-    if s.backend == "npu":
+    tuning = worker_tuning(s.backend)
+    if tuning is not None:
         variables.update({k: str(v) for k, v in s.npu_env.items() if str(v) != ""})
-        single, scaled = npu_tuning_defaults(), npu_tuning_defaults(s.num_machines, s.num_processes)
-        if variables.get("HCCL_CONNECT_TIMEOUT") == single.get("HCCL_CONNECT_TIMEOUT"):
-            # the backend's default, written for this job's size (a sidecar value wins over the launcher's)
-            variables["HCCL_CONNECT_TIMEOUT"] = scaled["HCCL_CONNECT_TIMEOUT"]
-        if s.num_machines > 1 and s.hccl_socket_ifname.strip():
-            variables["HCCL_SOCKET_IFNAME"] = s.hccl_socket_ifname.strip()
+        single = tuning_defaults(s.backend)
+        scaled = tuning_defaults(s.backend, s.num_machines, s.num_processes)
+        for name, default in single.items():
+            if variables.get(name) == default:
+                # the backend's default, written for this job's size (a default may grow with the job):
+                # a sidecar value wins over the launcher's own default
+                variables[name] = scaled[name]
+        if tuning.interface and s.num_machines > 1 and s.hccl_socket_ifname.strip():
+            variables[tuning.interface[0]] = s.hccl_socket_ifname.strip()
     if not s.uses_deepspeed and str(s.gradient_accumulation_steps).lower() != "auto":
         variables["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(int(s.gradient_accumulation_steps))
     if s.frozen_modules:
@@ -599,9 +559,10 @@ def render_sidecar(s: Settings, config_name: str) -> str:
         lines.append("env: {}")
     else:
         lines.append("env:")
+        comments = env_comments(s.backend)
         for key, value in env.items():
             entry = f"  {key}: {_scalar(str(value))}"
-            comment = ENV_COMMENTS.get(key)
+            comment = comments.get(key)
             lines.append(f"{entry.ljust(48)}  # {comment}" if comment else entry)
     return "\n".join(lines) + "\n"
 
@@ -674,8 +635,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     s.main_process_ip = cfg.get("main_process_ip")
     s.main_process_port = int(cfg.get("main_process_port") or 29500)
     sidecar_vars = dict(side.get("env") or {})  # the file's values, not this process's environment
-    if backend == "npu":
-        s.npu_env = {name: str(sidecar_vars.get(name, default)) for name, default in npu_tuning_defaults().items()}
+    s.npu_env = {name: str(sidecar_vars.get(name, default)) for name, default in tuning_defaults(backend).items()}
     s.hccl_socket_ifname = str(sidecar_vars.get("HCCL_SOCKET_IFNAME", ""))
     s.frozen_modules = str(sidecar_vars.get("ACCEL_NPU_FROZEN_MODULES", ""))
     s.load_slots = str(sidecar_vars.get("ACCEL_NPU_LOAD_SLOTS", ""))
@@ -848,7 +808,7 @@ def template_files(directory: Path) -> dict[Path, str]:
     """Every file of launch_configs/ as generated from :data:`TEMPLATES`."""
     out: dict[Path, str] = {}
     for name, (settings, header) in TEMPLATES.items():
-        s = replace(settings, npu_env=npu_tuning_defaults() if settings.backend == "npu" else {})
+        s = replace(settings, npu_env=tuning_defaults(settings.backend))
         bucket, why = _CPU_BUCKET_WHY if s.backend == "cpu" else _NPU_BUCKET
         text = header.format(json=name + DEEPSPEED_SUFFIX, bucket=bucket, bucket_why=why)
         out.update(render(s, Path(directory) / f"{name}.yaml", relative_paths=True, header=text))

@@ -33,6 +33,7 @@ from accel_npu.plugins.devices.npu.diagnostics import (
 )
 from accel_npu.plugins.devices.npu.multinode import connect_timeout_for
 from accel_npu.plugins.devices.npu.visibility import suggested_value, visible_devices
+from accel_npu.plugins.devices.npu.worker_tuning import accel_npu_worker_tuning as accel_npu_worker_tuning
 
 log = logging.getLogger("accel_npu")
 
