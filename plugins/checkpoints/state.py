@@ -210,9 +210,7 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
     automatic = pc.automatic_checkpoint_naming
     # asynchronously, old checkpoints are pruned once the new one is published, never before
     final = (
-        _automatic_target(accelerator, prune=not asynchronous)
-        if automatic
-        else os.path.abspath(os.fspath(output_dir))
+        _automatic_target(accelerator, prune=not asynchronous) if automatic else os.path.abspath(os.fspath(output_dir))
     )
     tmp = partial_dir(final)
     if accelerator.is_main_process:
