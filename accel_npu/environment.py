@@ -73,6 +73,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Seconds a rank-0-only ZeRO-3 gather waits for the other ranks before a clear error.",
     ),
     EnvVar(
+        "ACCEL_NPU_ASYNC_CHECKPOINT",
+        "0",
+        "1: under DeepSpeed, save_state returns once each rank's state is copied to host memory; the files are "
+        "written in the background and the checkpoint is published atomically once every rank's are durable.",
+    ),
+    EnvVar(
         "ACCEL_NPU_HANG_TIMEOUT",
         "",
         "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive "

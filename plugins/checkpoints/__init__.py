@@ -1,13 +1,14 @@
-"""Checkpoints under DeepSpeed: atomic ``save_state``, checked ``load_state``, saves made on rank 0
-alone (diffusers #2606) completed by the other ranks, ZeRO-3 models gathered for a save a group at
-a time, ``accel-npu consolidate``, and a saved LoRA that loads whole whatever its first key. docs/checkpoints.md
-describes each.
+"""Checkpoints under DeepSpeed: atomic (optionally asynchronous) ``save_state``, checked ``load_state``,
+saves made on rank 0 alone (diffusers #2606) completed by the other ranks, ZeRO-3 models gathered for a
+save a group at a time, ``accel-npu consolidate``, and a saved LoRA that loads whole whatever its first
+key. docs/checkpoints.md describes each.
 
 This module declares the plugin: its patches, its command and its ``accel-npu env`` section. The
 wrappers and machinery sit beside it: ``accelerator.py`` (the wrapped Accelerator methods),
-``state.py``, ``streaming.py`` (save_model one shard at a time), ``serving.py`` and ``boundary.py``
-(idle ranks serve rank 0's gathers and save_state), ``partitioned.py``, ``lora.py``, ``adapter_reload.py``
-(a load hook's second LoRA load on resume), ``callsite.py``, ``consolidate.py``, ``files.py``.
+``state.py``, ``background.py`` (asynchronous save_state), ``streaming.py`` (save_model one shard at a
+time), ``serving.py`` and ``boundary.py`` (idle ranks serve rank 0's gathers and save_state),
+``partitioned.py``, ``lora.py``, ``adapter_reload.py`` (a load hook's second LoRA load on resume),
+``callsite.py``, ``consolidate.py``, ``files.py``.
 """
 
 from __future__ import annotations
@@ -226,6 +227,8 @@ def accel_npu_env_report(backend):
         {
             "ACCEL_NPU_COLLECTIVE_TIMEOUT": environment.get("ACCEL_NPU_COLLECTIVE_TIMEOUT") + " s",
             "save_state under DeepSpeed": "atomic (temporary directory, rename, `latest` last)",
+            "ACCEL_NPU_ASYNC_CHECKPOINT": environment.get("ACCEL_NPU_ASYNC_CHECKPOINT")
+            + " (1: files written in the background, published once every rank's are durable)",
             "rank-0-only save_state right after an optimizer step": "served by the other ranks at their next batch",
         },
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.patching import argument, with_argument
-from accel_npu.plugins.checkpoints import boundary, serving
+from accel_npu.plugins.checkpoints import background, boundary, serving
 from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.streaming import streaming_save_model
 
@@ -58,6 +58,7 @@ def _fsdp_save_state(wrapped, instance, args, kwargs):
 def load_state(wrapped, instance, args, kwargs):
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
+    background.wait_for_pending()  # an asynchronous save_state still being written: published (or raised) first
     input_dir = argument(args, kwargs, 0, "input_dir")
     resolved = checkpointing.resolve_load_dir(input_dir, instance)
     if resolved is not None:

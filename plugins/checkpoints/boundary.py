@@ -55,7 +55,7 @@ from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import STEPS_AT_OPTIMIZER_STEP
 from accel_npu.patching.arguments import argument
-from accel_npu.plugins.checkpoints import callsite, serving
+from accel_npu.plugins.checkpoints import background, callsite, serving
 
 log = logging.getLogger("accel_npu")
 
@@ -519,6 +519,8 @@ def _idle_point(name: str, reopens: bool):
             clean_point(name)
         if serving.zero3_multi_rank():
             serving.idle(name)
+        if not reopens:
+            background.wait_for_pending()  # end_training: an asynchronous save_state is published (or raised) first
         result = wrapped(*args, **kwargs)
         if reopens and _w.enabled and not _inside.get() and _called_by_the_script():
             open_window(f"accelerator.{name}()")  # every rank calls it from the same line: the windows stay paired
@@ -598,6 +600,13 @@ def _at_exit() -> None:
         _dist.before_group_close.remove(_at_exit)  # runs once
     if not _w.open or getattr(sys, "last_value", None) is not None:
         return
+    try:
+        _serve_at_exit()
+    finally:
+        background.at_exit()  # a save_state served just now is written before the process leaves
+
+
+def _serve_at_exit() -> None:
     step = _w.step
     try:
         clean_point("the end of the script")

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -23,7 +25,7 @@ from accel_npu._torch import dist
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import models_prepared_together
 from accel_npu.errors import CheckpointError
-from accel_npu.plugins.checkpoints import adapter_reload, callsite
+from accel_npu.plugins.checkpoints import adapter_reload, background, callsite
 from accel_npu.plugins.checkpoints.files import (
     COMPONENTS_DIR,
     MANIFEST,
@@ -165,15 +167,12 @@ def record_components(model, directory: str) -> dict:
 
 # --------------------------------------------------------------------------------------------
 # atomic save_state
-def _automatic_target(accelerator) -> str:
+def _automatic_target(accelerator, prune: bool = True) -> str:
     pc = accelerator.project_configuration
     base = os.path.join(accelerator.project_dir, "checkpoints")
     os.makedirs(base, exist_ok=True)
-    if pc.total_limit is not None and accelerator.is_main_process:
-        folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None), key=_digits)
-        excess = len(folders) + 1 - pc.total_limit
-        for f in folders[: max(0, excess)]:
-            shutil.rmtree(os.path.join(base, f))
+    if prune and pc.total_limit is not None and accelerator.is_main_process:
+        _prune(base, pc.total_limit - 1)  # room for the new one, as stock makes it
     final = os.path.join(base, f"checkpoint_{accelerator.save_iteration}")
     if os.path.exists(final):
         raise ValueError(
@@ -181,6 +180,13 @@ def _automatic_target(accelerator) -> str:
             "manually override `self.save_iteration` with what iteration to start with."
         )
     return final
+
+
+def _prune(base: str, keep: int) -> None:
+    """Remove the oldest checkpoints in ``base`` (by the number in their names) beyond the newest ``keep``."""
+    folders = sorted((f for f in os.listdir(base) if not is_our_temp(f) and _digits(f) is not None), key=_digits)
+    for f in folders[: max(0, len(folders) - keep)]:
+        shutil.rmtree(os.path.join(base, f))
 
 
 def _digits(name: str):
@@ -191,11 +197,21 @@ def _digits(name: str):
 
 
 def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True, **save_model_func_kwargs):
-    """``Accelerator.save_state`` under DeepSpeed, atomically. Called on every rank."""
+    """``Accelerator.save_state`` under DeepSpeed, atomically. Called on every rank.
+
+    With ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` the engines' files are copied to host memory and written in the
+    background (``background.py``); accelerate's own small files (RNG states, schedulers, samplers, custom
+    objects) and the hooks' are written here, as before. Rank 0 publishes once every rank's files are durable;
+    the next checkpoint call waits for that and raises a failure on every rank."""
+    background.wait_for_pending()
     rendezvous("save_state")
+    asynchronous = background.enabled()
     pc = accelerator.project_configuration
     automatic = pc.automatic_checkpoint_naming
-    final = _automatic_target(accelerator) if automatic else os.path.abspath(os.fspath(output_dir))
+    # asynchronously, old checkpoints are pruned once the new one is published, never before
+    final = (
+        _automatic_target(accelerator, prune=not asynchronous) if automatic else os.path.abspath(os.fspath(output_dir))
+    )
     tmp = partial_dir(final)
     if accelerator.is_main_process:
         if os.path.exists(tmp):
@@ -208,39 +224,57 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
     saved_hooks = dict(hooks)
     for handle, hook in saved_hooks.items():
         hooks[handle] = _with_one_weight_per_model(hook)
+    pending = background.begin(tmp, final) if asynchronous else None
     try:
-        wrapped(tmp, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        with background.engines_snapshotting(accelerator._models, pending) if pending else contextlib.nullcontext():
+            wrapped(tmp, safe_serialization=safe_serialization, **save_model_func_kwargs)
+    except BaseException:
+        if pending is not None:
+            background.discard()
+        raise
     finally:
         pc.automatic_checkpoint_naming = automatic
         for handle, hook in saved_hooks.items():
             if handle in hooks:
                 hooks[handle] = hook
-    accelerator.wait_for_everyone()  # every rank's shards are on disk
+    # every rank's shards are on disk (synchronous), or copied to host memory and queued (asynchronous)
+    accelerator.wait_for_everyone()
+    publish = None
     if accelerator.is_main_process:
         tags = [_tag(i) for i in range(len(accelerator._models))]
         if accelerator._models:
             record_components(accelerator.unwrap_model(accelerator._models[0]), tmp)
-        with open(os.path.join(tmp, "latest"), "w") as f:
-            f.write(tags[0] if tags else "")
-        files = {}
-        for dirpath, _, names in os.walk(tmp):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                files[os.path.relpath(path, tmp)] = os.path.getsize(path)
-        write_json(
-            os.path.join(tmp, MANIFEST),
-            {
-                "format": 1,
-                "tags": tags,
-                "world_size": accelerator.num_processes,
-                "zero_stage": zero_stage(accelerator),
-                "files": files,
-            },
+        keep = pc.total_limit if automatic and asynchronous else None
+        publish = functools.partial(
+            _publish, tmp, final, tags, accelerator.num_processes, zero_stage(accelerator), keep
         )
-        fsync_tree(tmp)
-        _swap_into_place(tmp, final)
+    if pending is not None:
+        background.submit(pending, publish)
+        return final
+    if publish is not None:
+        publish()
     accelerator.wait_for_everyone()
     return final
+
+
+def _publish(tmp: str, final: str, tags: list, world_size: int, stage: int, keep: int | None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: ``latest``, the manifest, fsync, the atomic rename;
+    then (``keep``: an asynchronous save with total_limit) the oldest checkpoints beyond ``keep``."""
+    with open(os.path.join(tmp, "latest"), "w") as f:
+        f.write(tags[0] if tags else "")
+    files = {}
+    for dirpath, _, names in os.walk(tmp):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            files[os.path.relpath(path, tmp)] = os.path.getsize(path)
+    write_json(
+        os.path.join(tmp, MANIFEST),
+        {"format": 1, "tags": tags, "world_size": world_size, "zero_stage": stage, "files": files},
+    )
+    fsync_tree(tmp)
+    _swap_into_place(tmp, final)
+    if keep is not None:
+        _prune(os.path.dirname(final), keep)
 
 
 class WeightsSavedByDeepSpeed:

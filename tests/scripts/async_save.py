@@ -1,0 +1,131 @@
+"""save_state written in the background (ACCEL_NPU_ASYNC_CHECKPOINT=1) under DeepSpeed on 2 ranks.
+usage: async_save.py MODE OUT_DIR
+
+The script switches the variable itself between saves (os.environ), so one launch writes both kinds.
+Its test hook: ``torch.save`` called off the main thread (the background writer) is slowed by ``slow``
+seconds, fails on rank 1 while ``fail`` is set, or, while ``kill`` is set, leaves half a file on rank 1 and
+SIGKILLs that rank once its save_state has returned.
+
+MODE main: two steps; save_state synchronously into OUT_DIR/sync, then asynchronously into OUT_DIR/async
+with the writer slowed (is OUT_DIR/async there when save_state returns?); one more step while it is written;
+save_state into OUT_DIR/next (is OUT_DIR/async published when that returns?); load_state(sync) and two steps,
+load_state(async) and the same two steps (their losses); then an asynchronous save_state into OUT_DIR/async
+again that fails on rank 1, and the next save_state (into OUT_DIR/after_failure), whose error every rank reports.
+MODE kill: two steps; save_state synchronously into OUT_DIR/reference and asynchronously into OUT_DIR/ckpt
+(published at the next call); one step; save_state into OUT_DIR/ckpt again, during whose background write
+rank 1 dies.
+MODE resume: load_state(OUT_DIR/ckpt) and two steps, load_state(OUT_DIR/reference) and the same two (losses).
+
+Prints ``RESULT {json}`` from every rank.
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+mode, out_dir = sys.argv[1], sys.argv[2]
+hook = {"slow": 0.0, "fail": False, "kill": False}
+returned = threading.Event()  # the main thread is back from save_state: the write is in the background
+_save = torch.save
+
+
+def save_in_test(obj, f, *args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(hook["slow"])
+        rank = int(os.environ.get("RANK", "0"))
+        if hook["fail"] and rank == 1:
+            raise OSError(28, "No space left on device (injected by the test)")
+        if hook["kill"] and rank == 1:
+            returned.wait(60)
+            _save(obj, f, *args, **kwargs)
+            with open(f, "r+b") as half:
+                half.truncate(os.path.getsize(f) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = save_in_test
+
+accelerator = Accelerator()
+set_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randn(32, 4))
+loader = torch.utils.data.DataLoader(data, batch_size=2)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+batches = list(loader)
+position = [0]
+
+
+def step():
+    x, y = batches[position[0] % len(batches)]
+    position[0] += 1
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def losses_after_load(directory):
+    accelerator.load_state(directory)
+    position[0] = 2
+    return [step() for _ in range(2)]
+
+
+def asynchronous(on: bool):
+    os.environ["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1" if on else "0"
+
+
+def path(name):
+    return os.path.join(out_dir, name)
+
+
+result = {"rank": accelerator.process_index}
+if mode in ("main", "kill"):
+    step(), step()
+    asynchronous(False)
+    accelerator.save_state(path("sync" if mode == "main" else "reference"))
+    asynchronous(True)
+if mode == "main":
+    hook["slow"] = 2.0
+    started = time.monotonic()
+    accelerator.save_state(path("async"))
+    result["returned_s"] = time.monotonic() - started
+    result["published_at_return"] = os.path.isdir(path("async"))
+    step()  # training goes on while the files are written
+    started = time.monotonic()
+    accelerator.save_state(path("next"))
+    result["next_s"] = time.monotonic() - started
+    result["published_when_next_returned"] = os.path.isfile(path("async/accel_npu_checkpoint.json"))
+    hook["slow"] = 0.0
+    result["losses_sync"] = losses_after_load(path("sync"))
+    result["losses_async"] = losses_after_load(path("async"))
+    hook["fail"] = True
+    accelerator.save_state(path("async"))  # fails on rank 1, in the background
+    try:
+        accelerator.save_state(path("after_failure"))
+    except Exception as exc:  # noqa: BLE001 - reported
+        result["error"] = type(exc).__name__
+        result["message"] = str(exc)
+    hook["fail"] = False
+    accelerator.end_training()
+elif mode == "kill":
+    accelerator.save_state(path("ckpt"))
+    step()
+    hook["kill"] = True
+    accelerator.save_state(path("ckpt"))  # rank 1 dies in its background write
+    print("RESULT " + json.dumps(dict(result, returned=True)), flush=True)
+    returned.set()
+    accelerator.end_training()  # rank 0 waits here for rank 1's files, until the launcher stops it
+elif mode == "resume":
+    result["losses_ckpt"] = losses_after_load(path("ckpt"))
+    result["losses_reference"] = losses_after_load(path("reference"))
+print("RESULT " + json.dumps(result), flush=True)

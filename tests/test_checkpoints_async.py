@@ -1,0 +1,351 @@
+"""Asynchronous ``save_state`` under DeepSpeed ZeRO-2 / ZeRO-3 (``ACCEL_NPU_ASYNC_CHECKPOINT=1``,
+plugins/checkpoints/background.py; docs/checkpoints.md § 2c).
+
+In-process, one rank: the host snapshot (independent of the originals, written as torch.save writes them);
+an asynchronous checkpoint equal to the synchronous one, file for file and tensor for tensor; save_state
+returning before its files are written (the writer held) and the next checkpoint call waiting; a failed write
+raised at the next call with the previous checkpoint intact.
+
+Slow, 2 CPU ranks (tests/scripts/async_save.py): the same under ZeRO-2 and ZeRO-3 with the store protocol
+(rank 0 publishes once both ranks' files are durable), a background write failing on rank 1 raised on both
+ranks, a resume from the asynchronous checkpoint training on as a resume from the synchronous one, and rank 1
+killed (SIGKILL) in the middle of its background write: the previous checkpoint intact and a resume from it equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+# --------------------------------------------------------------------------------------------
+# comparing checkpoints
+
+
+def _load(path: Path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def differences(a, b, where: str = "") -> list[str]:
+    """Where two loaded checkpoint objects differ: tensors by dtype, shape and value (torch.equal, NaNs
+    equal), containers by keys, anything else by ==."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape or a.requires_grad != b.requires_grad:
+            return [f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        same = torch.equal(a, b) or (
+            a.is_floating_point() and torch.equal(torch.nan_to_num(a, nan=0.5), torch.nan_to_num(b, nan=0.5))
+        )
+        return [] if same else [f"{where}: values differ"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b) or type(a) is not type(b):
+            return [f"{where}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return [] if np.array_equal(a, b) else [f"{where}: arrays differ"]
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return differences(vars(a), vars(b), f"{where}.{type(a).__name__}")  # e.g. DeepSpeed's loss scaler
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+_OURS = {"accel_npu_checkpoint.json", "latest"}
+
+
+def checkpoint_differences(a: Path, b: Path) -> list[str]:
+    """Every file of two save_state directories compared: the same relative paths and sizes (the manifest's),
+    each .pt / .pkl / .bin file loaded and compared object for object, other files byte for byte."""
+
+    def files(root: Path) -> dict:
+        return {
+            str(p.relative_to(root)): p
+            for p in root.rglob("*")
+            if p.is_file() and "accel_npu_components" not in p.parts
+        }
+
+    fa, fb = files(a), files(b)
+    out = []
+    if set(fa) != set(fb):
+        out.append(f"files: {sorted(set(fa) ^ set(fb))}")
+    for rel in sorted(set(fa) & set(fb)):
+        if rel == "accel_npu_checkpoint.json":
+            ma, mb = json.loads(fa[rel].read_text()), json.loads(fb[rel].read_text())
+            sa, sb = ma.pop("files"), mb.pop("files")
+            if ma != mb:
+                out.append(f"{rel}: {ma} != {mb}")
+            out.extend(
+                f"{rel}: {k}: {sa.get(k)} vs {sb.get(k)} bytes"
+                for k in sorted(set(sa) | set(sb))
+                if sa.get(k) != sb.get(k)
+            )
+        elif rel.endswith((".pt", ".pkl", ".bin")):
+            out.extend(differences(_load(fa[rel]), _load(fb[rel]), rel))
+        elif fa[rel].read_bytes() != fb[rel].read_bytes():
+            out.append(f"{rel}: bytes differ")
+    return out
+
+
+def _tamper_one_tensor(directory: Path) -> str:
+    """Change one element of one tensor in the optimizer-states file (re-saved): what the checker must catch.
+    Returns the tensor's place in the file."""
+    import torch
+
+    path = next(directory.rglob("*optim_states.pt"))
+    state = _load(path)
+
+    def first(obj, where):
+        if isinstance(obj, torch.Tensor) and obj.numel() and obj.is_floating_point():
+            return obj, where
+        children = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+        for key, value in children:
+            found = first(value, f"{where}/{key}" if isinstance(obj, dict) else f"{where}[{key}]")
+            if found:
+                return found
+        return None
+
+    tensor, where = first(state, "")
+    with torch.no_grad():
+        tensor.view(-1)[0] += 1
+    torch.save(state, path)
+    return where
+
+
+# --------------------------------------------------------------------------------------------
+# the snapshot
+
+
+def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they_do(tmp_path):
+    import torch
+
+    from accel_npu.plugins.checkpoints import background
+
+    flat = torch.arange(12, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.ones(3))
+    state = {
+        "views": [flat[:4].view(2, 2), flat[4:]],  # two views of one storage, as ZeRO's flat buffers
+        "param": param,
+        "grad_leaf": torch.zeros(2, requires_grad=True),
+        "ints": torch.tensor([1, 2], dtype=torch.int64),
+        "lists": {"lr": [0.1, 0.2]},
+    }
+    state["views"][0].__dict__["note"] = "kept"  # torch.save writes a tensor's Python attributes too
+    assert background.snapshot_bytes(state) == 12 * 4 + 3 * 4 + 2 * 4 + 2 * 8
+    copy = background.snapshot(state)
+    torch.save(state, tmp_path / "original.pt")
+    # training goes on: the originals change
+    with torch.no_grad():
+        flat.add_(100)
+        param.add_(100)
+    state["lists"]["lr"].append(0.3)
+    torch.save(copy, tmp_path / "copy.pt")
+    assert differences(_load(tmp_path / "original.pt"), _load(tmp_path / "copy.pt")) == []
+    loaded = _load(tmp_path / "copy.pt")
+    # the views still share one storage, as in the original file, and keep their kind and attributes
+    assert loaded["views"][0].untyped_storage().data_ptr() == loaded["views"][1].untyped_storage().data_ptr()
+    assert isinstance(loaded["param"], torch.nn.Parameter) and loaded["grad_leaf"].requires_grad
+    assert loaded["views"][0].note == "kept"
+    # negative: the checker sees the change made to the originals
+    torch.save(state, tmp_path / "changed.pt")
+    found = differences(_load(tmp_path / "changed.pt"), _load(tmp_path / "copy.pt"))
+    assert any("views[0]" in d for d in found) and any("lists/lr" in d for d in found), found
+
+
+# --------------------------------------------------------------------------------------------
+# in-process, one rank
+
+
+@pytest.fixture()
+def trained(monkeypatch, request):
+    """An Accelerator over a tiny MLP under DeepSpeed ZeRO-``request.param`` (one rank), one step taken."""
+    from tests.launch_utils import accelerator_deepspeed_session
+
+    with accelerator_deepspeed_session(monkeypatch):
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, set_seed
+
+        config = {
+            "zero_optimization": {"stage": request.param, "stage3_param_persistence_threshold": 0},
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 1,
+        }
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
+        set_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 2))
+        loader = torch.utils.data.DataLoader(data, batch_size=2)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+        def step():
+            x, y = next(iter(loader))
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        yield accelerator, step
+        from accel_npu.plugins.checkpoints import background
+
+        background.wait_for_pending(raise_failure=False)
+
+
+@pytest.mark.parametrize("trained", [2, 3], indirect=True, ids=["zero2", "zero3"])
+def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_files_are_written(
+    trained, tmp_path, monkeypatch
+):
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, step = trained
+    accelerator.save_state(tmp_path / "sync")
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
+    release = threading.Event()
+    written = []
+    original = background.write_file
+
+    def held_write(save, obj, path, zipfile):
+        assert release.wait(60), "the test never released the writer"
+        original(save, obj, path, zipfile)
+        written.append(os.path.basename(path))
+
+    monkeypatch.setattr(background, "write_file", held_write)
+    accelerator.save_state(tmp_path / "async")
+    # returned with the writer held: nothing of DeepSpeed's written, nothing published
+    assert not (tmp_path / "async").exists() and written == []
+    partial = tmp_path / ".async.accel-npu-partial"
+    assert partial.is_dir() and (partial / "random_states_0.pkl").is_file()  # accelerate's own: synchronous
+    # training goes on while the files are pending: the snapshot holds the state as saved
+    step()
+    waiter = threading.Thread(target=background.wait_for_pending)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive(), "the next checkpoint call must wait for the pending write"
+    release.set()
+    waiter.join(60)
+    assert (tmp_path / "async").is_dir() and not partial.exists() and written
+    assert checkpoint_differences(tmp_path / "sync", tmp_path / "async") == []
+    # negative: one tensor changed in a copy of the synchronous checkpoint is reported
+    import shutil
+
+    shutil.copytree(tmp_path / "sync", tmp_path / "tampered")
+    key = _tamper_one_tensor(tmp_path / "tampered")
+    found = checkpoint_differences(tmp_path / "sync", tmp_path / "tampered")
+    assert len(found) == 1 and key in found[0] and "values differ" in found[0], found
+
+
+@pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
+def test_a_failed_background_write_is_raised_at_the_next_checkpoint_call_and_the_previous_checkpoint_is_intact(
+    trained, tmp_path, monkeypatch
+):
+    from accel_npu.errors import CheckpointError
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, step = trained
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
+    target = tmp_path / "ckpt"
+    accelerator.save_state(target)
+    background.wait_for_pending()
+    before = {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    original = background.write_file
+
+    def failing_write(save, obj, path, zipfile):
+        if "optim_states" in path:
+            raise OSError(28, "No space left on device (injected)")
+        original(save, obj, path, zipfile)
+
+    monkeypatch.setattr(background, "write_file", failing_write)
+    step()
+    accelerator.save_state(target)  # returns: the failure comes from the writer thread
+    with pytest.raises(CheckpointError, match=r"No space left on device \(injected\).*checkpoint that was there"):
+        accelerator.save_state(tmp_path / "next")
+    monkeypatch.setattr(background, "write_file", original)
+    after = {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert after == before
+    assert not (tmp_path / "next").exists()
+    # raised once: the call after it saves
+    accelerator.save_state(tmp_path / "next")
+    background.wait_for_pending()
+    assert (tmp_path / "next" / "accel_npu_checkpoint.json").is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# 2 CPU ranks
+
+
+def _launch(tmp_path: Path, stage: int, mode: str, out: Path):
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, write_deepspeed_config, zero_config
+
+    cfg = write_deepspeed_config(tmp_path / f"zero{stage}", zero_config(stage))
+    return lambda: accelerate_launch(
+        ["--config_file", str(cfg), str(SCRIPTS / "async_save.py"), mode, str(out)], env=base_env(), timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
+    """ZeRO-2 and ZeRO-3, one launch each (tests/scripts/async_save.py main): the asynchronous checkpoint
+    equals the synchronous one file for file and tensor for tensor (both ranks' shards and RNG states); with
+    the writer slowed it is not published when save_state returns and is when the next save_state returns;
+    resuming from either trains on with the same losses; a background write failing on rank 1 is raised at the
+    next save_state on both ranks, and the checkpoint it was overwriting is intact (still equal to the
+    synchronous one). Negative: one changed tensor is reported."""
+    import shutil
+
+    from tests.launch_utils import explain, results, run_concurrently
+
+    outs = {stage: tmp_path / f"out{stage}" for stage in (2, 3)}
+    procs = run_concurrently(*(_launch(tmp_path, stage, "main", out) for stage, out in outs.items()))
+    for (stage, out), proc in zip(outs.items(), procs):
+        assert proc.returncode == 0, explain(proc)
+        ranks = results(proc)
+        assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
+        for r in ranks:
+            assert r["published_at_return"] is False and r["published_when_next_returned"] is True, (stage, r)
+            assert r["losses_sync"] == r["losses_async"], (stage, r)
+            assert r["error"] == "CheckpointError", (stage, r)
+            assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
+            assert "checkpoint that was there before is intact" in r["message"]
+        shards = {p.name for p in (out / "async" / "pytorch_model").iterdir()}
+        assert any("rank_1" in n for n in shards) and (out / "async" / "random_states_1.pkl").is_file(), shards
+        assert checkpoint_differences(out / "sync", out / "async") == [], stage
+        assert not (out / "after_failure").exists()
+        assert "host copy of its state" in proc.stdout + proc.stderr  # the snapshot's size, said once per rank
+    shutil.copytree(outs[3] / "sync", tmp_path / "tampered")
+    where = _tamper_one_tensor(tmp_path / "tampered")
+    found = checkpoint_differences(outs[3] / "sync", tmp_path / "tampered")
+    assert len(found) == 1 and where in found[0] and "values differ" in found[0], found
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_its_background_write_leaves_the_previous_checkpoint_which_resumes_equal(tmp_path):
+    """ZeRO-2 (tests/scripts/async_save.py kill): rank 1 truncates its first file and SIGKILLs itself in
+    the background write of the second save_state into the same directory. The directory still holds the
+    first (published) checkpoint, equal to the synchronous reference saved at the same step; a new launch
+    resuming from it trains on with the reference's losses."""
+    from tests.launch_utils import explain, results
+
+    out = tmp_path / "out"
+    killed = _launch(tmp_path, 2, "kill", out)()
+    assert killed.returncode != 0, explain(killed)
+    # rank 1 died after its save_state returned (rank 0's line may lose the race with the launcher's SIGTERM)
+    assert 1 in [r["rank"] for r in results(killed) if r.get("returned")], explain(killed)
+    assert "exitcode  : -9" in killed.stdout + killed.stderr, explain(killed)
+    assert (out / ".ckpt.accel-npu-partial").is_dir(), "the killed save stays hidden"
+    assert checkpoint_differences(out / "reference", out / "ckpt") == []
+    resumed = _launch(tmp_path, 2, "resume", out)()
+    assert resumed.returncode == 0, explain(resumed)
+    for r in results(resumed):
+        assert r["losses_ckpt"] == r["losses_reference"], r
