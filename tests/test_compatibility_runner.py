@@ -1,4 +1,4 @@
-"""benchmarks/compatibility.py's bookkeeping, without launching anything: which script each error is
+"""tools/compatibility.py's bookkeeping, without launching anything: which script each error is
 blamed on, how a partial run merges into the results file, and that every vendored train_*.py has a
 plan or a row saying why not."""
 
@@ -11,7 +11,7 @@ from tests.launch_utils import REPO, UPSTREAM_EXAMPLES
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks import compatibility as compat
+from tools import compatibility as compat
 
 SCRIPT = UPSTREAM_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
 

@@ -1,5 +1,5 @@
 """diffusers' official ``train_dreambooth_lora_sana.py`` and ``train_dreambooth_lora_sdxl.py`` (v0.40.0),
-run UNCHANGED from the vendored copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
+run UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
 under the shipped cpu_zero2 config and cpu_zero3 with real partitioning (threshold 0). Issue 16.
 
 Fourteen launches in three waves (misuse + stock towers; the fixed scripts' first runs; their resumes +

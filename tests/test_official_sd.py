@@ -1,5 +1,5 @@
 """diffusers v0.40.0's official Stable Diffusion family of examples, run UNCHANGED from the vendored
-copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
+copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
 (issue 16: "more official scripts than these two will be run"):
 
 - ``dreambooth/train_dreambooth_lora.py`` (SD UNet LoRA),

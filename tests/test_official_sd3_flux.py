@@ -1,5 +1,5 @@
 """diffusers v0.40.0's ``train_dreambooth_lora_sd3.py`` and ``train_dreambooth_lora_flux.py``, run
-UNCHANGED from the vendored copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks (issue 16).
+UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks (issue 16).
 
 Tiny pipelines from the real classes (tests/scripts/tiny_sd3_flux.py), 4 DreamBooth PNGs, the shipped
 cpu_zero2 config and cpu_zero3 with ``stage3_param_persistence_threshold: 0`` (zero3_init_flag true, as

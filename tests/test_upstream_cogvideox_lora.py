@@ -1,4 +1,4 @@
-"""diffusers' official CogVideoX LoRA scripts (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in ``tests/upstream/``),
+"""diffusers' official CogVideoX LoRA scripts (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in ``third_party/``),
 unchanged, on 2 CPU ranks under the shipped bf16 ``cpu_zero2`` config (issue 27, item 5's first finding;
 item 4's "video DiT LoRA" CI row).
 

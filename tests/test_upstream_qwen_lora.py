@@ -1,5 +1,5 @@
 """diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored
-in ``tests/upstream/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
+in ``third_party/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
 
 A tiny Qwen-Image pipeline from the real classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage,
 Qwen2.5-VL text encoder, a byte-level Qwen2Tokenizer written locally, FlowMatchEulerDiscreteScheduler)

@@ -1,4 +1,4 @@
-"""diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in tests/upstream/ and run
+"""diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in third_party/ and run
 unchanged) on 2 CPU ranks, under the shipped cpu_zero2 config and a cpu_zero3 variant with real
 partitioning (stage3_param_persistence_threshold 0, as any real-size UNet is). Issues 16 and 23;
 docs/compatibility.md's rows for this script are asserted here.

@@ -1,5 +1,5 @@
 """Tiny pipelines (real classes, random weights, no hub) and their data for diffusers v0.40.0's official
-scripts of the "other image DiTs, video, discrete" family in benchmarks/compatibility.py, plus the
+scripts of the "other image DiTs, video, discrete" family in tools/compatibility.py, plus the
 DiT4DiT-shaped field-report script (tests/scripts/train_dit4dit.py).
 
 Component sizes follow diffusers v0.40.0's own pipeline tests (``get_dummy_components`` of the file named
