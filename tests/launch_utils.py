@@ -233,6 +233,21 @@ def select_zero3_plugin():
     return config, plugin
 
 
+def partitioned(model) -> bool:
+    """Whether DeepSpeed's zero.Init built ``model`` in ZeRO-3 partitions (any parameter holds a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def restore_torch_linear() -> None:
+    """deepspeed.zero.Init swaps F.linear for its memory-efficient version for the rest of the process
+    ("This will persist unless manually reset"): put torch's back so outputs compare bit for bit and later
+    tests see torch's own."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
+
+    torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
+
+
 def shipped_zero_configs(directory: Path) -> dict[str, Path]:
     """The configs the upstream-script tests launch: ``zero2`` = the shipped cpu_zero2 as it is;
     ``zero3_t0`` = the shipped cpu_zero3 (zero3_init_flag true) with stage3_param_persistence_threshold
@@ -356,12 +371,16 @@ def run_concurrently(*calls):
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
-    """The `RESULT {json}` lines printed by test scripts, sorted by rank."""
+    """The `RESULT {json}` records printed by test scripts, sorted by rank; also when two ranks' lines ended
+    up on one line (a record cut short by another rank's print is not a record: skipped)."""
     out = []
+    decoder = json.JSONDecoder()
     for line in (proc.stdout + proc.stderr).splitlines():
-        for part in line.split("RESULT ")[1:]:  # two ranks' prints can share a line
-            obj, _ = json.JSONDecoder().raw_decode(part)
-            out.append(obj)
+        for part in line.split("RESULT ")[1:]:
+            try:
+                out.append(decoder.raw_decode(part)[0])
+            except ValueError:
+                pass
     return sorted(out, key=lambda r: r.get("rank", 0))
 
 

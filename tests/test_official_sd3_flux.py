@@ -27,8 +27,6 @@ from tests.launch_utils import (
     OFFICIAL_MATRIX_REASON,
     SCRIPTS,
     free_port,
-    one_rank_deepspeed_group,
-    select_zero3_plugin,
     shipped_zero_configs,
 )
 from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
@@ -46,22 +44,7 @@ def needs_examples(test):
 # ------------------------------------------------------------------------------------------------
 # in-process: a CLIP text encoder built in ZeRO-3 partitions and called outside the engine
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def one_rank_zero3(monkeypatch):
-    """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected, as
-    ``accelerate launch`` + ``Accelerator()`` leave them before the script loads its text encoders."""
-    with one_rank_deepspeed_group(monkeypatch):
-        _config, plugin = select_zero3_plugin()
-        try:
-            yield
-        finally:
-            import torch
-            from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
-
-            torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
-            del plugin
-
-
+# one_rank_zero3: tests/conftest.py
 def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_a_shape(tmp_path, one_rank_zero3):
     """SD3/Flux scripts load CLIP with ``from_pretrained`` under ZeRO-3 (no disabled-init context), cast it
     and call it outside the engine. CLIPTextEmbeddings.forward reads ``position_embedding.weight.shape[0]``

@@ -28,7 +28,9 @@ from tests.launch_utils import (
     base_env,
     explain,
     one_rank_deepspeed_group,
+    partitioned,
     release_examples_env,
+    restore_torch_linear,
 )
 from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
@@ -95,25 +97,12 @@ def _load_like_the_script(pipe):
     te = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         str(pipe), subfolder="text_encoder", torch_dtype=torch.bfloat16
     )
-    built_partitioned = {"vae": _partitioned(vae), "text_encoder": _partitioned(te)}
-    _plain_linear()
+    built_partitioned = {"vae": partitioned(vae), "text_encoder": partitioned(te)}
+    restore_torch_linear()
     for m in (vae, te):
         m.requires_grad_(False)
         m.to(dtype=torch.bfloat16)
     return vae, te, built_partitioned
-
-
-def _plain_linear() -> None:
-    """deepspeed.zero.Init swaps F.linear for its memory-efficient version for the rest of the process
-    ("This will persist unless manually reset"): put torch's back so outputs compare bit for bit."""
-    import torch
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
-
-    torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
-
-
-def _partitioned(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _run(vae, te):
@@ -165,7 +154,7 @@ def test_zero3_init_flag_false_builds_whole_and_partitioned_towers_keep_the_scri
     for got, want in zip(_run(vae, te), ref):
         assert got.dtype == want.dtype and torch.equal(got, want)
     for m in (vae, te):
-        assert not _partitioned(m)
+        assert not partitioned(m)
         assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
         assert not any(p.requires_grad for p in m.parameters())
     assert not vae.training
