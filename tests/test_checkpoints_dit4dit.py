@@ -1,4 +1,4 @@
-"""Issue 5 acceptance: a DiT4DiT-shaped model trained by an unchanged script under real DeepSpeed,
+"""A DiT4DiT-shaped model trained by an unchanged script under real DeepSpeed,
 2 CPU ranks over gloo, ZeRO-2 and ZeRO-3 bf16.
 
 Model: a small diffusers CosmosTransformer3DModel (trained) + a small frozen fp32 AutoencoderKLWan
@@ -284,8 +284,8 @@ def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, launches, cap
         assert loss == losses_a[key], (key, loss, losses_a[key])  # resume equality, exact
     _assert_towers(run_b, work, work / "towers_z3.pt")
 
-    # rank-0-only get_state_dict while rank 1 waits in wait_for_everyone: rank 1 joins its gathers
-    # (issue 16), and it equals get_state_dict called on every rank (the gathered file)
+    # rank-0-only get_state_dict while rank 1 waits in wait_for_everyone: rank 1 joins its gathers,
+    # and it equals get_state_dict called on every rank (the gathered file)
     import torch as _torch
 
     got = _kind(run_b, "rank0_gsd")

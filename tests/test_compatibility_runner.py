@@ -108,7 +108,7 @@ def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
 
 def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     assert all(s.script.is_file() for s in compat.SPECS)
-    # field reports' own scripts (tests/scripts/) are rows of the table too, beside the official ones
+    # users' own scripts (tests/scripts/) are rows of the table too, beside the official ones
     planned = {s.name for s in compat.SPECS if s.script.is_relative_to(UPSTREAM_EXAMPLES)}
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}

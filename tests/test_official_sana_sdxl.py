@@ -1,6 +1,6 @@
 """diffusers' official ``train_dreambooth_lora_sana.py`` and ``train_dreambooth_lora_sdxl.py`` (v0.40.0),
 run UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
-under the shipped cpu_zero2 config and cpu_zero3 with real partitioning (threshold 0). Issue 16.
+under the shipped cpu_zero2 config and cpu_zero3 with real partitioning (threshold 0).
 
 Fourteen launches in three waves (misuse + stock towers; the fixed scripts' first runs; their resumes +
 stock hooks), asserted in one test: ~730 s of launches, ~16 min with the builders on this 2-core machine
@@ -9,7 +9,7 @@ The two in-process unit tests at the top (the fixes these scripts needed) always
 
 "The fixed script" is the upstream script with the one-line fix accel-npu's misuse error gives (every
 rank calls save_state), written to a temporary directory: unchanged, these scripts call save_state inside
-``if accelerator.is_main_process:`` and cannot checkpoint under DeepSpeed (item 2). Witnesses: DeepSpeed's
+``if accelerator.is_main_process:`` and cannot checkpoint under DeepSpeed. Witnesses: DeepSpeed's
 own zero_to_fp32 of each checkpoint (fp32 master weights), safetensors files opened here, and the
 pipeline's ``load_lora_weights``. Stock halves use ACCEL_NPU_DISABLED_PATCHES, as the upstream tests do.
 """

@@ -1,6 +1,5 @@
 """diffusers v0.40.0's official Stable Diffusion family of examples, run UNCHANGED from the vendored
-copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
-(issue 16: "more official scripts than these two will be run"):
+copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks:
 
 - ``dreambooth/train_dreambooth_lora.py`` (SD UNet LoRA),
 - ``dreambooth/train_dreambooth.py`` (full UNet fine-tune),

@@ -1,5 +1,5 @@
 """diffusers v0.40.0's ``train_dreambooth_lora_sd3.py`` and ``train_dreambooth_lora_flux.py``, run
-UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks (issue 16).
+UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks.
 
 Tiny pipelines from the real classes (tests/scripts/tiny_sd3_flux.py), 4 DreamBooth PNGs, the shipped
 cpu_zero2 config and cpu_zero3 with ``stage3_param_persistence_threshold: 0`` (zero3_init_flag true, as
@@ -142,7 +142,7 @@ def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_wh
 
 
 # ------------------------------------------------------------------------------------------------
-# launched: the scripts unchanged, vendored (issue 16, items 1-3 and 5); RUN_OFFICIAL_MATRIX=1 only
+# launched: the scripts unchanged, vendored: train, checkpoint, resume, save; RUN_OFFICIAL_MATRIX=1 only
 # ------------------------------------------------------------------------------------------------
 PROMPT = "a photo of sks dog"
 STOCK_LOADS = ",".join(
@@ -255,7 +255,7 @@ def work(tmp_path_factory):
 def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lora_that_loads(work):
     """Both configs: train 4 steps (checkpoints 2, 4), resume ``latest`` to 6, final LoRA == DeepSpeed's
     master weights of checkpoint-6 and loads with load_lora_weights. Stock under ZeRO-3: the frozen CLIP
-    text encoders are built partitioned and the first call fails (issue 16's table)."""
+    text encoders are built partitioned and the first call fails (docs/compatibility.md's table)."""
     import torch
 
     root, cfg, env = work

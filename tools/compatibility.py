@@ -109,7 +109,7 @@ OFFICIAL_CLI = {
 
 @dataclass
 class Spec:
-    """How to run one official script (or a field report's script, ``path`` under tests/) on a tiny pipeline."""
+    """How to run one official script (or a user's own script, ``path`` under tests/) on a tiny pipeline."""
 
     path: str  # relative to examples/, or to the repository when it starts with "tests/"
     family: str
@@ -719,11 +719,11 @@ SPECS = [
         cli={"model": ["--model_name_or_path", "{model}"], "resume": None},
         checkpoint=None,
     ),
-    # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
+    # a user's own script (DiT4DiT's shape, not a diffusers script): its flags, one save_state per save dir, the
     # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
     Spec(
         "tests/scripts/train_dit4dit.py",
-        "DiT4DiT (field report)",
+        "DiT4DiT (user script)",
         "dit4dit",
         [],
         "module:train_dit4dit.DiT4DiT:model",
