@@ -1,4 +1,4 @@
-"""The version matrix (issue 40): one nox session per version set.
+"""The version matrix: one nox session per version set.
 
     pip install nox
     nox -l                                   # the sessions

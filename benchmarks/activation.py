@@ -2,7 +2,7 @@
 
 1. `python -c "import torch"`: CPU time (user + system, from wait4) and wall time with accel-npu
    installed vs ACCEL_NPU_DISABLE=1, runs interleaved so drift in machine load hits both alike
-   (issue 15 item 3 goal: CPU-time ratio <= 1.01). A plain process: activation waits for the first
+   (goal: CPU-time ratio <= 1.01). A plain process: activation waits for the first
    import of what accel-npu patches (accel_npu/activation/triggers.py).
 2. The same where accel-npu does activate: `import torch` in a launched rank (LOCAL_RANK set: it
    activates inside `import torch`) and `import torch, accelerate` (it activates at accelerate's import).

@@ -1,4 +1,4 @@
-"""Checkpoint memory under DeepSpeed ZeRO-3 (issue 5), stock and accel-npu side by side in one run.
+"""Checkpoint memory under DeepSpeed ZeRO-3, stock and accel-npu side by side in one run.
 
 Two launches of the same worker (``accelerate launch``, N = 2 CPU ranks, gloo, ZeRO-3 bf16): stock
 (``ACCEL_NPU_DISABLE=1``) and accel-npu. Memory is rank 0's RssAnon above its value just before the

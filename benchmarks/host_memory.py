@@ -1,11 +1,11 @@
-"""Host memory of loading a deep DiT and keeping 2 blocks (issue 4). Prints a table.
+"""Host memory of loading a deep DiT and keeping 2 blocks. Prints a table.
 
 Checkpoint: the real ``QwenImageTransformer2DModel`` class, all 60 blocks, width reduced to 1024
 (8 heads x 128) so the bf16 checkpoint is ~4.5 GB, 9 shards + index like the real one. Built once,
 shard by shard (never all in RAM), into ``~/.cache/accel-npu-bench/qwen-image-60x1024`` (outside git).
 
 Cases (each launched with ``torchrun --nproc_per_node N``, N = 1, 2, 3):
-  (a) stock, the field report's pattern: ``from_pretrained(path)`` without torch_dtype, keep 2 blocks
+  (a) stock, the OOM pattern: ``from_pretrained(path)`` without torch_dtype, keep 2 blocks
   (b) stock ``from_pretrained(path, num_layers=2)``
   (c) (a) unchanged, with accel-npu and ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:2``
   (d) (b) with accel-npu
@@ -19,7 +19,7 @@ environment, then ``from_pretrained(path, torch_dtype=bfloat16)`` and ``accelera
   (g) every rank reads the whole checkpoint, as stock diffusers does (accel-npu's loading plugin
       blocked; the cpu plugin still runs FSDP on gloo ranks)
   (h) accel-npu: rank 0 reads, the other ranks get rank 0's weights at prepare
-  (i), (j): (g), (h) without torch_dtype (fp32 models, the field report's call)
+  (i), (j): (g), (h) without torch_dtype (fp32 models, the unchanged script's call)
   (k) (j) without the ``prepare`` patch (``ACCEL_NPU_DISABLED_PATCHES=`` accelerate's
       ``fsdp2_load_full_state_dict``): rank 0 keeps its whole model until every shard is built
   Peaks include ``prepare`` (accelerate broadcasts rank 0's weights into the shards there).
@@ -110,7 +110,7 @@ elif mode in ("raw", "raw_fp32"):          # the yardstick: safe_open read of th
     print("RESULT " + json.dumps({"rank": 0, "seconds": secs, "params": 0,
                                   "param_bytes": sum(x.numel() * x.element_size() for x in got)}), flush=True)
     sys.exit(0)
-elif mode == "full_then_slice":            # the field report's pattern
+elif mode == "full_then_slice":            # the OOM pattern: load whole, then slice
     model = QwenImageTransformer2DModel.from_pretrained(path)
     model.transformer_blocks = model.transformer_blocks[:2]
 else:                                      # "num_layers"

@@ -1,5 +1,5 @@
 """Load throughput, end to end: the wall time of the whole ``from_pretrained`` call vs a raw
-``safe_open`` read of the same bytes with the same number of threads (issue 4, issue 14 item 6, issue 26).
+``safe_open`` read of the same bytes with the same number of threads.
 
 The checkpoint is ``benchmarks/host_memory.py``'s (60-block QwenImage, 9 shards; built once into
 the cache). The loaded model keeps the first ``--keep`` blocks (2: a truncated load, 60: the whole
@@ -13,7 +13,7 @@ with ``--threads`` T:
           then the shard files closed (their munmap is part of a read; from_pretrained pays it inside
           the call). ``get_tensor`` alone returns a view of the file's mmap (safetensors >= 0.8): clone
           is the copy into fresh memory a read means.
-  accel   accel-npu, the field report's call: ``from_pretrained(path)`` with
+  accel   accel-npu, the unchanged script's call: ``from_pretrained(path)`` with
           ``ACCEL_NPU_TRUNCATE=QwenImageTransformer2DModel:<keep>``, ``ACCEL_NPU_LOAD_THREADS=T``
   stock   ``ACCEL_NPU_DISABLE=1``, ``from_pretrained(path, num_layers=<keep>)`` (stock's way to the same
           model; it has no reader threads of its own, so torch gets T threads)
@@ -24,7 +24,7 @@ The table's anon / file columns say where those bytes live: the process's own me
 pages it maps (shared by every rank that maps the same file).
 
 "no cast" loads with ``torch_dtype=torch.bfloat16`` (as stored); "cast" loads without torch_dtype
-(fp32, twice the bytes written: the field report's call). Page cache: "warm" (the files read once
+(fp32, twice the bytes written: the unchanged script's call). Page cache: "warm" (the files read once
 before); "cold": ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every shard file before every run (this job's
 files only, unmapped then: the whole machine's cache is left alone for the jobs sharing it). Every run
 follows the same untimed predecessor (``PREDECESSOR``: the cell's fp32 bytes written into fresh memory,

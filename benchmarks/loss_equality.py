@@ -1,4 +1,4 @@
-"""Field report 000's expectation, full variant: 2-rank DDP vs 1 rank, 100 steps (issue 4).
+"""2 ranks train with the loss of 1 rank, full variant: 2-rank DDP vs 1 rank, 100 steps.
 
 A Qwen-Image-shaped DiT (real QwenImageTransformer2DModel, reduced width), 6-block bf16
 checkpoint; the unchanged script (tests/scripts/train_qwen_truncated.py) loads it without
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     diff = sum(abs(x - y) for x, y in zip(one, two)) / len(one)
     print(f"mean |loss2 - loss1| over {a.steps} steps = {diff:.2e} (goal < 5e-3)")
     report.text(
-        f"The field-report DiT (6-block bf16 QwenImage checkpoint, 2 kept via "
+        f"The scaled-down Qwen-Image DiT (6-block bf16 QwenImage checkpoint, 2 kept via "
         f"ACCEL_NPU_TRUNCATE, loaded without torch_dtype), {a.steps} steps, CPU (gloo). "
         f"Mean |loss(2 ranks) - loss(1 rank)| over {a.steps} steps = {diff:.1e} (goal < 5e-3)."
     )

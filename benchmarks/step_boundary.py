@@ -1,4 +1,4 @@
-"""Per-step cost of the step-boundary cooperation (issue 23 item 4: <= 1 % of a step, no extra
+"""Per-step cost of the step-boundary cooperation (goal: <= 1 % of a step, no extra
 collective), with the feature on and switched off, interleaved in one run.
 
 The feature: after each optimizer step rank 0 appends ``release`` to the process group's store
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         f"rank, AdamW, LambdaLR, a never-firing `if accelerator.is_main_process: save_state` block. Per launch "
         f"and rank: median wall time of steps {WARMUP + 1}-{a.steps}. {a.runs} launches per side, alternating. "
         f"Off: `ACCEL_NPU_DISABLED_PATCHES={FEATURE}`. Same loss on both sides ({on[0][0]['loss']:.6g}). "
-        f"Goal (issue 23 item 4): ≤ 1 % of a step; no extra collective (the feature uses the store only)."
+        f"Goal: ≤ 1 % of a step; no extra collective (the feature uses the store only)."
     )
     report.table(
         ["per step", "feature off", "feature on", "cost (difference of medians)", "% of step", "per-pair difference"],

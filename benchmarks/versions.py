@@ -1,4 +1,4 @@
-"""The version matrix's helpers (issue 40): the `accel-npu env` check, the results row, the table.
+"""The version matrix's helpers: the `accel-npu env` check, the results row, the table.
 
 The matrix itself is ``noxfile.py`` at the repository root (one nox session per version set, each a
 fresh venv with a non-editable install); this module is what its sessions call, standard library
@@ -272,7 +272,7 @@ def render() -> None:
     latest = latest_rows()
     newest = max(latest.values(), key=lambda r: r["date"]) if latest else None
     lines = [
-        "# Version matrix (issue 40)",
+        "# Version matrix",
         "",
         "Reproduce: `nox -s <session>` (noxfile.py; `nox -l` lists the sessions; `nox -s <session> -- quick`",
         'skips the official scripts). Each row: a fresh venv, torch first, then `pip install ".[test]"`',

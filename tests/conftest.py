@@ -26,6 +26,22 @@ def fresh_pm(monkeypatch):
     reset_backend_cache()
 
 
+@pytest.fixture
+def one_rank_zero3(monkeypatch):
+    """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected, as
+    ``accelerate launch`` + ``Accelerator()`` leave them before a script loads its models. Yields (config, plugin),
+    the plugin held until the test ends (transformers keeps a weak reference); torch's F.linear is put back after."""
+    from tests.launch_utils import one_rank_deepspeed_group, restore_torch_linear, select_zero3_plugin
+
+    with one_rank_deepspeed_group(monkeypatch):
+        config_and_plugin = select_zero3_plugin()
+        try:
+            yield config_and_plugin
+        finally:
+            restore_torch_linear()
+            del config_and_plugin
+
+
 # -- the fast loop: a plain `pytest` runs the in-process tests; tests that start processes are marked slow ----
 def pytest_addoption(parser):
     parser.addoption(

@@ -18,8 +18,10 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-# diffusers v0.40.0's training scripts, vendored byte for byte (tests/upstream/README.md)
-UPSTREAM_EXAMPLES = REPO / "tests" / "upstream" / "diffusers-v0.40.0" / "examples"
+# upstream files vendored byte for byte (third_party/README.md)
+THIRD_PARTY = REPO / "third_party"
+# diffusers v0.40.0's training scripts
+UPSTREAM_EXAMPLES = THIRD_PARTY / "diffusers-v0.40.0" / "examples"
 
 
 # the installed diffusers' release: which official scripts its users run, and how they launch (below)
@@ -33,8 +35,8 @@ def _examples_of_installed_diffusers() -> Path:
     v0.35.2's (the lower set), vendored for the version matrix."""
     for release, folder in (("0.40.0", UPSTREAM_EXAMPLES.parent.name), ("0.39.0", "diffusers-v0.39.0")):
         if INSTALLED_DIFFUSERS >= Version(release):
-            return REPO / "tests" / "upstream" / folder / "examples"
-    return REPO / "tests" / "upstream" / "diffusers-v0.35.2" / "examples"  # the declared lower bound's
+            return THIRD_PARTY / folder / "examples"
+    return THIRD_PARTY / "diffusers-v0.35.2" / "examples"  # the declared lower bound's
 
 
 # the official scripts of the installed diffusers' release (the ones the version matrix's "official" check runs)
@@ -68,11 +70,11 @@ def source_tree(dest: Path) -> Path:
 # the official scripts the tests run: the vendored copies, or a checkout's examples/ named by DIFFUSERS_EXAMPLES_DIR
 OFFICIAL_EXAMPLES = Path(os.environ.get("DIFFUSERS_EXAMPLES_DIR") or UPSTREAM_EXAMPLES)
 # CI runs one official script per distinct shape; RUN_OFFICIAL_MATRIX=1 runs the tests/test_official_*.py
-# launches beyond that subset too (minutes each; benchmarks/compatibility.py runs the whole matrix)
+# launches beyond that subset too (minutes each; tools/compatibility.py runs the whole matrix)
 OFFICIAL_MATRIX = os.environ.get("RUN_OFFICIAL_MATRIX", "") == "1"
 OFFICIAL_MATRIX_REASON = (
     "beyond CI's subset of official scripts (one per shape): set RUN_OFFICIAL_MATRIX=1 to run "
-    "these launches, or run benchmarks/compatibility.py"
+    "these launches, or run tools/compatibility.py"
 )
 
 
@@ -231,6 +233,21 @@ def select_zero3_plugin():
     return config, plugin
 
 
+def partitioned(model) -> bool:
+    """Whether DeepSpeed's zero.Init built ``model`` in ZeRO-3 partitions (any parameter holds a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def restore_torch_linear() -> None:
+    """deepspeed.zero.Init swaps F.linear for its memory-efficient version for the rest of the process
+    ("This will persist unless manually reset"): put torch's back so outputs compare bit for bit and later
+    tests see torch's own."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
+
+    torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
+
+
 def shipped_zero_configs(directory: Path) -> dict[str, Path]:
     """The configs the upstream-script tests launch: ``zero2`` = the shipped cpu_zero2 as it is;
     ``zero3_t0`` = the shipped cpu_zero3 (zero3_init_flag true) with stage3_param_persistence_threshold
@@ -354,12 +371,16 @@ def run_concurrently(*calls):
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
-    """The `RESULT {json}` lines printed by test scripts, sorted by rank."""
+    """The `RESULT {json}` records printed by test scripts, sorted by rank; also when two ranks' lines ended
+    up on one line (a record cut short by another rank's print is not a record: skipped)."""
     out = []
+    decoder = json.JSONDecoder()
     for line in (proc.stdout + proc.stderr).splitlines():
-        for part in line.split("RESULT ")[1:]:  # two ranks' prints can share a line
-            obj, _ = json.JSONDecoder().raw_decode(part)
-            out.append(obj)
+        for part in line.split("RESULT ")[1:]:
+            try:
+                out.append(decoder.raw_decode(part)[0])
+            except ValueError:
+                pass
     return sorted(out, key=lambda r: r.get("rank", 0))
 
 

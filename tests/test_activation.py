@@ -62,7 +62,7 @@ def test_import_torch_alone_waits_for_the_patched_stack_except_in_a_launched_ran
     """`import torch` in a process that uses nothing accel-npu patches (a compile worker, a quick
     `python -c`) loads no plugin, not even pluggy or wrapt; the first trigger import (here accelerate)
     activates, before its body runs, and the torch patches come with it. A launched rank (LOCAL_RANK)
-    activates inside `import torch`, as on an Ascend machine (issue 15 item 3)."""
+    activates inside `import torch`, as on an Ascend machine."""
     proc = subprocess.run(
         [sys.executable, "-c", DEFERRED], env=base_env(**environ), capture_output=True, text=True, timeout=120, cwd="/"
     )
@@ -321,7 +321,7 @@ print("RESULT " + json.dumps({"active": accel_npu.is_active(),
 
 @pytest.mark.slow
 def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
-    """Issue 15 item 3: where `import torch` activates (here a launched rank), only the plugins'
+    """Where `import torch` activates (here a launched rank), only the plugins'
     declarations load; the machinery named by path in `wrapper=` waits until its target library is
     imported."""
     proc = subprocess.run(

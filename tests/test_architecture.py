@@ -298,3 +298,20 @@ def test_wrappers_read_arguments_by_name_and_position():
             unused[name] = sorted(allowed - reads)
     assert not unused, f"allowed positional reads that are gone (drop them from the list): {unused}"
     assert not offenders, f"args[<int>] in wrappers (use accel_npu.patching.argument / with_argument): {offenders}"
+
+
+def test_vendored_upstream_files_live_in_third_party_only():
+    """Upstream files vendored byte for byte (a folder with a SHA256SUMS) sit under the top-level third_party/,
+    which ruff (pyproject.toml extend-exclude) and duplicate-code tools skip; benchmarks/ holds measurements only
+    (the compatibility runner is tools/compatibility.py)."""
+    skip = {"third_party", "build", "dist", "tmp", "out", "outputs"}
+    outside = [
+        path.relative_to(REPO).as_posix()
+        for top in REPO.iterdir()
+        if top.is_dir() and not top.name.startswith(".") and top.name not in skip
+        for path in top.rglob("SHA256SUMS")
+    ]
+    assert not outside, outside
+    assert list((REPO / "third_party").glob("*/SHA256SUMS"))
+    assert '"third_party"' in (REPO / "pyproject.toml").read_text().split("extend-exclude", 1)[1].splitlines()[0]
+    assert not (REPO / "benchmarks" / "compatibility.py").exists() and (REPO / "tools" / "compatibility.py").is_file()

@@ -1,4 +1,4 @@
-""" "train_micro_batch_size_per_gpu": "auto" with a DataLoader built on a batch_sampler (issue 16 item 4).
+""" "train_micro_batch_size_per_gpu": "auto" with a DataLoader built on a batch_sampler.
 
 Stock accelerate reads the "auto" from ``DataLoader.batch_size`` only, which is None for a loader
 built with ``batch_sampler=`` (diffusers' train_dreambooth_lora_qwen_image.py and its bucketing

@@ -1,4 +1,4 @@
-"""Issue 5 acceptance: a DiT4DiT-shaped model trained by an unchanged script under real DeepSpeed,
+"""A DiT4DiT-shaped model trained by an unchanged script under real DeepSpeed,
 2 CPU ranks over gloo, ZeRO-2 and ZeRO-3 bf16.
 
 Model: a small diffusers CosmosTransformer3DModel (trained) + a small frozen fp32 AutoencoderKLWan
@@ -25,12 +25,21 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, write_deepspeed_config, zero_config
+from tests.launch_utils import (
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    explain,
+    results,
+    write_deepspeed_config,
+    zero_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,40 +48,13 @@ TIMEOUT_S = 5  # ACCEL_NPU_COLLECTIVE_TIMEOUT for the rank-0-only get_state_dict
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """Tiny pretrained components on disk, like a diffusers model repo (transformer/, vae/, text_encoder/)."""
-    import torch
-    from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
-    from transformers import T5Config, T5EncoderModel
+    """Tiny pretrained components on disk, like a diffusers model repo (transformer/, vae/, text_encoder/):
+    tests/scripts/tiny_dits.py's dit4dit, the folder tools/compatibility.py's DiT4DiT rows train too."""
+    sys.path.insert(0, str(SCRIPTS))
+    import tiny_dits
 
     root = tmp_path_factory.mktemp("dit4dit")
-    pre = root / "pretrained"
-    torch.manual_seed(0)
-    CosmosTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=2,
-        mlp_ratio=2.0,
-        text_embed_dim=16,
-        adaln_lora_dim=4,
-        max_size=(4, 16, 16),
-        patch_size=(1, 2, 2),
-        concat_padding_mask=False,
-        extra_pos_embed_type="learnable",
-    ).save_pretrained(pre / "transformer")
-    AutoencoderKLWan(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False],
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
-    ).save_pretrained(pre / "vae")
-    T5EncoderModel(
-        T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
-    ).save_pretrained(pre / "text_encoder")
+    tiny_dits.dit4dit(str(root / "pretrained"))
     return root
 
 
@@ -174,21 +156,8 @@ def launches(work):
         }
 
 
-def _results(proc) -> list[dict]:
-    """Every `RESULT {json}` record, also when two ranks' lines ended up on one line."""
-    out = []
-    decoder = json.JSONDecoder()
-    for line in (proc.stdout + proc.stderr).splitlines():
-        for piece in line.split("RESULT ")[1:]:
-            try:
-                out.append(decoder.raw_decode(piece)[0])
-            except ValueError:
-                pass
-    return sorted(out, key=lambda r: r.get("rank", 0))
-
-
 def _kind(proc, kind):
-    return [r for r in _results(proc) if r.get("kind") == kind]
+    return [r for r in results(proc) if r.get("kind") == kind]
 
 
 def _files(directory) -> dict:
@@ -315,8 +284,8 @@ def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, launches, cap
         assert loss == losses_a[key], (key, loss, losses_a[key])  # resume equality, exact
     _assert_towers(run_b, work, work / "towers_z3.pt")
 
-    # rank-0-only get_state_dict while rank 1 waits in wait_for_everyone: rank 1 joins its gathers
-    # (issue 16), and it equals get_state_dict called on every rank (the gathered file)
+    # rank-0-only get_state_dict while rank 1 waits in wait_for_everyone: rank 1 joins its gathers,
+    # and it equals get_state_dict called on every rank (the gathered file)
     import torch as _torch
 
     got = _kind(run_b, "rank0_gsd")

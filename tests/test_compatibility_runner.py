@@ -1,4 +1,4 @@
-"""benchmarks/compatibility.py's bookkeeping, without launching anything: which script each error is
+"""tools/compatibility.py's bookkeeping, without launching anything: which script each error is
 blamed on, how a partial run merges into the results file, and that every vendored train_*.py has a
 plan or a row saying why not."""
 
@@ -11,7 +11,7 @@ from tests.launch_utils import REPO, UPSTREAM_EXAMPLES
 
 sys.path.insert(0, str(REPO))
 
-from benchmarks import compatibility as compat
+from tools import compatibility as compat
 
 SCRIPT = UPSTREAM_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
 
@@ -108,7 +108,7 @@ def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
 
 def test_every_vendored_torch_script_has_a_plan_or_a_row_saying_why_not():
     assert all(s.script.is_file() for s in compat.SPECS)
-    # field reports' own scripts (tests/scripts/) are rows of the table too, beside the official ones
+    # users' own scripts (tests/scripts/) are rows of the table too, beside the official ones
     planned = {s.name for s in compat.SPECS if s.script.is_relative_to(UPSTREAM_EXAMPLES)}
     not_run = {key[0].strip("`") for key in compat.not_run_rows(["c", "d"])}
     every = {p.name for p in UPSTREAM_EXAMPLES.rglob("train_*.py")}

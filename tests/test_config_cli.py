@@ -93,7 +93,9 @@ def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_p
     ]
     cfg = yaml.safe_load(zero3.read_text())
     assert cfg["distributed_type"] == "DEEPSPEED" and cfg["num_processes"] == 2
-    assert "mixed_precision" not in cfg  # declared once: in the DeepSpeed JSON (pitfall 7.10)
+    assert (
+        "mixed_precision" not in cfg
+    )  # declared once: in the DeepSpeed JSON, so accelerate does not warn it is ignored
     ds = json.loads((zero3.parent / "accelerate.deepspeed.json").read_text())
     assert ds["bf16"] == {"enabled": True} and "fp16" not in ds
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 8
@@ -280,7 +282,7 @@ def test_invalid_combination_is_one_clear_error_and_nothing_written(tmp_path, ar
 
 def test_more_processes_than_visible_devices_is_refused():
     # The device count comes from the backend plugin (tests/contract exercises torch_npu's side);
-    # here the rule itself, on a machine with 8 visible NPUs (pitfall 7.1).
+    # here the rule itself, on a machine with 8 visible NPUs: more processes than devices are refused.
     from accel_npu.cli.config import settings as wizard
 
     machine = wizard.Machine(backend="npu", device_count=8, visible_devices_note="ASCEND_RT_VISIBLE_DEVICES=<unset>")

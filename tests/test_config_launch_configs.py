@@ -103,7 +103,7 @@ def test_every_variant_passes_accelerates_and_deepspeeds_own_parsers():
         assert r["accelerate_mixed_precision"] == "no" and "mixed_precision" not in r["ds_fields"], r  # 7.10
         assert r["ds_file"] == f"{name}.deepspeed.json"
         bucket = 500_000_000 if name.startswith("npu") else 50_000_000
-        assert r["reduce_bucket_size"] == bucket, r  # field report 001, section 4: 5e8 on Ascend
+        assert r["reduce_bucket_size"] == bucket, r  # 5e8 on Ascend: the bucket size NPU DeepSpeed users run
         if "zero3" in name:
             assert r["zero_stage"] == 3 and r["persistence_threshold"] == 1_000_000 and r["gather_16bit_on_save"], r
         else:

@@ -1,4 +1,4 @@
-"""Plain DDP on a DiT with structurally unused parameters (issue 15 item 4).
+"""Plain DDP on a DiT with structurally unused parameters.
 
 QwenImageTransformer2DModel's last block computes a text stream nothing reads. Stock DDP (the
 default find_unused_parameters=False) dies at step 2; with accel-npu it trains unchanged, and two

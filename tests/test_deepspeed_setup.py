@@ -1,4 +1,4 @@
-"""Issue 3 items 3, 4, 7: mixed_precision vs DeepSpeed JSON, launch-side DeepSpeed file wins over a
+"""mixed_precision vs DeepSpeed JSON, launch-side DeepSpeed file wins over a
 hard-coded DeepSpeedPlugin(hf_ds_config=...), ZeRO-3 + @torch.inference_mode() eval.
 
 In-process tests build real accelerate DeepSpeedPlugin objects (no distributed state needed) and
@@ -48,12 +48,12 @@ def _ds_file(tmp_path, name, bf16=None, fp16=None, stage=2):
     return str(path)
 
 
-# -- item 3: the resolution rule -----------------------------------------------------------------------
+# -- mixed_precision vs the DeepSpeed file: the resolution rule -----------------------------------------
 @pytest.mark.parametrize(
     "acc,ds,effective",
     [
         ("bf16", {"bf16": {"enabled": True}}, "bf16"),
-        ("no", {"bf16": {"enabled": True}}, "bf16"),  # field report's manual fix, now unnecessary
+        ("no", {"bf16": {"enabled": True}}, "bf16"),  # the hand edit users made, now unnecessary
         ("bf16", {"bf16": {"enabled": "auto"}}, "bf16"),  # file defers to accelerate
         ("fp16", {}, "fp16"),
         ("bf16", {"bf16": {"enabled": False}}, "no"),  # the file decides
@@ -74,7 +74,7 @@ def test_real_contradiction_is_one_error_naming_both():
     assert file_precision({"fp16": {"enabled": "true"}}) == "fp16"
 
 
-# -- item 3 in a worker: accelerate's own checks, stock beside ours -------------------------------------
+# -- the same rule in a worker: accelerate's own checks, stock beside ours ------------------------------
 def test_mixed_precision_beside_deepspeed_config_file(tmp_path, monkeypatch, caplog):
     from accelerate.utils import DeepSpeedPlugin
 
@@ -115,7 +115,7 @@ def test_set_mixed_precision_file_off_wins_and_says_so(tmp_path, caplog):
     assert any("mixed precision = no" in r.getMessage() and "ds.json" in r.getMessage() for r in caplog.records)
 
 
-# -- item 4: a script's hard-coded hf_ds_config vs the launch config's file -----------------------------
+# -- a script's hard-coded hf_ds_config vs the launch config's file -------------------------------------
 def test_launch_deepspeed_file_wins_over_hard_coded_path(tmp_path, monkeypatch, caplog):
     from accelerate.utils import DeepSpeedPlugin
 
@@ -155,7 +155,7 @@ def test_contradiction_refused_in_launcher_before_workers(tmp_path):
 
 @pytest.mark.slow
 def test_zero3_inference_mode_eval_between_steps(tmp_path):
-    """Pitfall 7.8 with plain DeepSpeed under torchrun, 2 CPU ranks."""
+    """An @torch.inference_mode() eval between ZeRO-3 steps, plain DeepSpeed under torchrun, 2 CPU ranks."""
 
     def run(**extra):
         return torchrun_launch([str(SCRIPTS / "zero3_inference_eval.py")], env=base_env(DS_ACCELERATOR="cpu", **extra))

@@ -209,7 +209,7 @@ def test_no_benchmark_figure_outside_a_figures_block():
     for doc in DOCS:
         text = BLOCK.sub("", doc.read_text())
         for line in text.splitlines():
-            if re.search(r"benchmarks/\w+\.(py|md)", line) and figures(line):
+            if re.search(r"(benchmarks/\w+|tools/compatibility)\.(py|md)", line) and figures(line):
                 bad.append(f"{doc.name}: {line.strip()[:120]}")
     assert not bad, "benchmark figures outside a `<!-- figures: benchmarks/results/X.md -->` block:\n" + "\n".join(bad)
 
@@ -220,7 +220,7 @@ def _matrix_rows(text: str) -> set[str]:
 
 
 def test_compatibility_doc_quotes_every_matrix_row_as_run():
-    """docs/compatibility.md quotes benchmarks/compatibility.py's rows verbatim, every one that was run,
+    """docs/compatibility.md quotes tools/compatibility.py's rows verbatim, every one that was run,
     and counts the scripts not run as the results file lists them."""
     results = (REPO / "benchmarks" / "results" / "compatibility.md").read_text()
     blocks = [

@@ -74,7 +74,7 @@ def test_fix_applies_to_the_repos_unchanged_eval_code(site):
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert fixed.stdout.strip() == "eval action mse: 0.0123"
     assert "truncating to action_horizon=8 as the training path does (pitfall 7.6)" in fixed.stderr
-    # Stock: the same command without accel-npu fails the way field report 001 describes.
+    # Stock: the same command without accel-npu fails with the eval path's shape mismatch.
     stock = run(site, [sys.executable, "-m", "dit4dit_mini"], ACCEL_NPU_DISABLE="1")
     assert stock.returncode != 0 and STOCK_ERROR in stock.stderr
 

@@ -37,7 +37,7 @@ def test_script_is_a_plain_cuda_style_script():
         "ACCEL_NPU",
     ):
         assert not re.search(device_branch, body), device_branch
-    # ... and it is CUDA-written: the very lines the field report had to edit are there.
+    # ... and it is CUDA-written: the very lines a port to NPU by hand would edit are there.
     assert 'torch.autocast("cuda", dtype=torch.bfloat16)' in source
     assert "fused=True" in source and "@torch.inference_mode()" in source and "pred.cpu().numpy()" in source
     assert "accelerator.save_state(" in source and "accelerator.load_state(" in source

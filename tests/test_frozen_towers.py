@@ -1,7 +1,7 @@
 """Frozen towers kept out of the DeepSpeed engine: selection and hiding, in-process (no DeepSpeed).
 
 The real 2-rank ZeRO-2/ZeRO-3 runs are in tests/test_checkpoints_dit4dit.py (one launch proves
-item 1 and the checkpoint items together)."""
+the frozen towers and the checkpoints together)."""
 
 import copy
 

@@ -1,4 +1,4 @@
-"""Hang diagnosis (issue 13 item 4, pitfall 7.12): one rank stalls before a collective.
+"""Hang diagnosis: one rank stalls before a collective.
 
 With accel-npu the job fails within ACCEL_NPU_HANG_TIMEOUT (+ a bounded report), every rank that
 can prints its Python stacks, and one line names the rank that did not arrive. Stock, the same

@@ -1,4 +1,4 @@
-"""Issue 4: truncation before reading, bad input, correct meta-init (parity with stock).
+"""Loading: truncation before reading, bad input, correct meta-init (parity with stock).
 
 Tiny models from the real diffusers / transformers classes, random weights, saved locally.
 "Stock" is the unwrapped original from the patch ledger, called in this same process.
@@ -48,7 +48,7 @@ def _save(model, path: Path, dtype=None, shard="60KB"):
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
     return {
-        # the field report's situation: a bf16 checkpoint of a deeper DiT, sharded with an index
+        # the OOM case: a bf16 checkpoint of a deeper DiT, sharded with an index
         "qwen": _save(tm.randomize(tm.qwen()), root / "qwen", torch.bfloat16),
         "wan": _save(tm.randomize(tm.wan()), root / "wan"),
         "cosmos": _save(tm.randomize(tm.cosmos()), root / "cosmos", shard="10GB"),  # single file
@@ -275,7 +275,7 @@ def test_accel_npu_truncate_env_makes_script_slicing_a_noop(ckpts, monkeypatch):
     model = QWEN_CLS.from_pretrained(ckpts["qwen"])  # the script asks for the whole model
     assert len(model.transformer_blocks) == 2
     blocks = list(model.transformer_blocks)
-    model.transformer_blocks = model.transformer_blocks[:2]  # the field report's own slicing
+    model.transformer_blocks = model.transformer_blocks[:2]  # the slicing users write after loading
     assert list(model.transformer_blocks) == blocks  # same modules: a no-op
     ref = stock(DIFFUSERS_TARGET, QWEN_CLS)(str(ckpts["qwen"]), num_layers=2)
     assert_identical(model, ref)

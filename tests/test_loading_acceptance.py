@@ -1,4 +1,4 @@
-"""Issue 4 acceptance: real `accelerate launch` processes on CPU (tiny real models, no hub)."""
+"""Loading, end to end: real `accelerate launch` processes on CPU (tiny real models, no hub)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def deep_qwen(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_ranks_train_with_the_loss_of_one_rank(deep_qwen):
-    """Field report 000's expectation, quick variant (benchmarks/loss_equality.py runs 100 steps):
+    """2 ranks train with the loss of 1 rank, quick variant (benchmarks/loss_equality.py runs 100 steps):
     the unchanged script loads the whole model without torch_dtype and slices 2 blocks itself;
     ACCEL_NPU_TRUNCATE makes the load read only those 2 blocks and the slicing a no-op."""
 
@@ -139,7 +139,7 @@ def tiny_vae(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("vae_child", [False, True], ids=["vae-standalone", "vae-held-by-model"])
 def test_zero3_loads_straight_into_partitions_read_once(tmp_path, deep_qwen, tiny_vae, vae_child):
-    """Item 4: under ZeRO-3 with zero3_init_flag, the field report's unchanged script (whole
+    """Under ZeRO-3 with zero3_init_flag, the unchanged script (whole
     model, no torch_dtype) loads each rank's 1/N partition only — rank 0 reads the checkpoint
     once — and trains with exactly the losses of stock diffusers' load (its from_pretrained
     unpatched: ACCEL_NPU_DISABLED_PATCHES), which every rank reads whole. A frozen VAE loaded the
@@ -232,7 +232,7 @@ def _fsdp2_launch_config(directory: Path, efficient: bool) -> Path:
 
 @pytest.mark.slow
 def test_fsdp2_cpu_ram_efficient_loading_reads_on_rank0_only(tmp_path, deep_qwen, tiny_vae):
-    """Item 4 under FSDP: with fsdp_cpu_ram_efficient_loading (accelerate's own setting, which
+    """Partitioned loading under FSDP: with fsdp_cpu_ram_efficient_loading (accelerate's own setting, which
     transformers honours and stock diffusers ignores), the unchanged script's DiT is read by rank 0
     alone (stock: both ranks read) and rank 1 gets rank 0's weights at prepare: losses
     bit-identical to every rank reading.

@@ -1,4 +1,4 @@
-"""Issue 4, staggered materialization: node-local load slots held with OS file locks."""
+"""Staggered materialization: node-local load slots held with OS file locks."""
 
 from __future__ import annotations
 

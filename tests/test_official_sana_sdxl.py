@@ -1,6 +1,6 @@
 """diffusers' official ``train_dreambooth_lora_sana.py`` and ``train_dreambooth_lora_sdxl.py`` (v0.40.0),
-run UNCHANGED from the vendored copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
-under the shipped cpu_zero2 config and cpu_zero3 with real partitioning (threshold 0). Issue 16.
+run UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
+under the shipped cpu_zero2 config and cpu_zero3 with real partitioning (threshold 0).
 
 Fourteen launches in three waves (misuse + stock towers; the fixed scripts' first runs; their resumes +
 stock hooks), asserted in one test: ~730 s of launches, ~16 min with the builders on this 2-core machine
@@ -9,7 +9,7 @@ The two in-process unit tests at the top (the fixes these scripts needed) always
 
 "The fixed script" is the upstream script with the one-line fix accel-npu's misuse error gives (every
 rank calls save_state), written to a temporary directory: unchanged, these scripts call save_state inside
-``if accelerator.is_main_process:`` and cannot checkpoint under DeepSpeed (item 2). Witnesses: DeepSpeed's
+``if accelerator.is_main_process:`` and cannot checkpoint under DeepSpeed. Witnesses: DeepSpeed's
 own zero_to_fp32 of each checkpoint (fp32 master weights), safetensors files opened here, and the
 pipeline's ``load_lora_weights``. Stock halves use ACCEL_NPU_DISABLED_PATCHES, as the upstream tests do.
 """
@@ -254,10 +254,6 @@ def _script(name: str) -> Path:
     return Path(EXAMPLES) / "dreambooth" / SCRIPTS_RUN[name]
 
 
-def _line_of(name: str, text: str, after: int = 0) -> int:
-    return line_of(_script(name), text, after)
-
-
 class Launch(StreamedLaunch):
     """One ``accelerate launch`` of a DreamBooth LoRA script with this file's arguments."""
 
@@ -433,8 +429,8 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
         error_after, ended_after = run.error_seen - run.step_seen[2], run.exited - run.step_seen[2]
         print(f"misuse {name}: error {error_after:.0f} s, every rank ended {ended_after:.0f} s after step 2")
         assert MISUSE_TIMEOUT_S <= error_after < MISUSE_TIMEOUT_S + 30 and ended_after < 60, run.explain()
-        line = _line_of(name, "accelerator.save_state(save_path)")
-        guard = _line_of(name, "if global_step % args.checkpointing_steps == 0:") - 1
+        line = line_of(_script(name), "accelerator.save_state(save_path)")
+        guard = line_of(_script(name), "if global_step % args.checkpointing_steps == 0:") - 1
         assert (
             f"{_script(name)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` "
             f"(line {guard})" in run.output
@@ -498,7 +494,7 @@ def test_official_sana_and_sdxl_dreambooth_lora_scripts(runs):
         for config in ("cpu_zero2", "ZeRO-3, threshold 0"):
             row = rows[(f"`{script}`", config)]
             assert "tests/test_official_sana_sdxl.py" in row and "resumes from `latest`" in row, row
-            assert f"line {_line_of(name, 'accelerator.save_state(save_path)')}" in row, row
+            assert f"line {line_of(_script(name), 'accelerator.save_state(save_path)')}" in row, row
         assert "unexpected save model" in rows[(f"`{script}`", "cpu_zero2")]
         zero3 = rows[(f"`{script}`", "ZeRO-3, threshold 0")]
         assert "partitioned" in zero3 and "error within 60 s" in zero3, zero3

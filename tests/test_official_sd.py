@@ -1,6 +1,5 @@
 """diffusers v0.40.0's official Stable Diffusion family of examples, run UNCHANGED from the vendored
-copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks
-(issue 16: "more official scripts than these two will be run"):
+copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks:
 
 - ``dreambooth/train_dreambooth_lora.py`` (SD UNet LoRA),
 - ``dreambooth/train_dreambooth.py`` (full UNet fine-tune),
@@ -51,10 +50,10 @@ from tests.launch_utils import (
     SCRIPTS,
     base_env,
     free_port,
-    one_rank_deepspeed_group,
-    select_zero3_plugin,
+    partitioned,
     shipped_zero_configs,
 )
+from tests.official_scripts import line_of
 
 EXAMPLES = str(OFFICIAL_EXAMPLES)
 DOC = REPO / "docs" / "compatibility.md"
@@ -117,11 +116,6 @@ def kinds(ci: tuple = CI_KINDS):
 
 def _script(kind: str) -> Path:
     return Path(EXAMPLES) / SCRIPT[kind]
-
-
-def _line_of(kind: str, text: str, after: int = 0) -> int:
-    lines = _script(kind).read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if i > after and line.strip() == text)
 
 
 def _launch(work: Path, kind: str, cfg: Path, out: Path, extra: list[str], env: dict) -> dict:
@@ -256,9 +250,9 @@ def _files(directory: Path, name: str) -> dict:
 def test_rank0_only_save_state_fails_naming_the_line_and_the_fix(runs, kind):
     run = runs[(kind, "misuse")]
     assert run["code"] not in (0, "timeout"), _explain(run)
-    guard_of = _line_of(kind, "if global_step % args.checkpointing_steps == 0:") - 1
+    guard_of = line_of(_script(kind), "if global_step % args.checkpointing_steps == 0:") - 1
     assert _script(kind).read_text().splitlines()[guard_of - 1].strip() == "if accelerator.is_main_process:"
-    line = _line_of(kind, "accelerator.save_state(save_path)", after=guard_of)
+    line = line_of(_script(kind), "accelerator.save_state(save_path)", after=guard_of)
     text = run["output"]
     assert (
         f"{_script(kind)}:{line} calls accelerator.save_state() inside `if accelerator.is_main_process:` "
@@ -390,8 +384,8 @@ def test_compatibility_doc_rows_are_true(runs):
         assert "max_position_embeddings: 0" in z3[2] and "before step 1" in z3[2]
         assert "Starting a new training run" in runs[(kind, "zero3_t0")]["output"]
         if OFFICIAL_MATRIX:
-            guard = _line_of(kind, "if global_step % args.checkpointing_steps == 0:") - 1
-            line = _line_of(kind, "accelerator.save_state(save_path)", after=guard)
+            guard = line_of(_script(kind), "if global_step % args.checkpointing_steps == 0:") - 1
+            line = line_of(_script(kind), "accelerator.save_state(save_path)", after=guard)
             assert runs[(kind, "misuse")]["code"] not in (0, "timeout")
             assert f"naming line {line}" in z3[3] and f"line {guard}" in z3[3], z3
         assert runs[(kind, "zero3_t0")]["code"] == 0 and "loads" in z3[3] and "ZeRO-2" in z3[3]
@@ -402,13 +396,7 @@ def test_compatibility_doc_rows_are_true(runs):
 # ------------------------------------------------------------------------------------------------
 # fast, in-process (no launch, no examples checkout): the fixes the launches above needed
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def one_rank_zero3(monkeypatch):
-    """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected as at launch."""
-    with one_rank_deepspeed_group(monkeypatch):
-        yield select_zero3_plugin()
-
-
+# one_rank_zero3: tests/conftest.py
 @pytest.fixture(scope="module")
 def tiny_sd_model(tmp_path_factory):
     sys.path.insert(0, str(SCRIPTS))
@@ -417,10 +405,6 @@ def tiny_sd_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_sd_family")
     tiny_sd_family.build(str(root / "model"))
     return root / "model"
-
-
-def _partitioned(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def test_partitioned_unet_read_before_prepare_is_whole_fp32_as_stock(tiny_sd_model, one_rank_zero3):
@@ -436,18 +420,18 @@ def test_partitioned_unet_read_before_prepare_is_whole_fp32_as_stock(tiny_sd_mod
         ref = UNet2DConditionModel.from_pretrained(str(tiny_sd_model), subfolder="unet")
         torch.manual_seed(0)  # from_unet initialises the conditioning embedding at random
         ref_controlnet = ControlNetModel.from_unet(ref).state_dict()
-    assert not _partitioned(ref) and ref.dtype == torch.float32
+    assert not partitioned(ref) and ref.dtype == torch.float32
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_sd_model), subfolder="unet")
-    assert _partitioned(unet)  # loaded straight into partitions (zero3_init_flag)
-    assert unet.dtype == torch.float32 and not _partitioned(unet)
+    assert partitioned(unet)  # loaded straight into partitions (zero3_init_flag)
+    assert unet.dtype == torch.float32 and not partitioned(unet)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in unet.state_dict().items())
 
     unet = UNet2DConditionModel.from_pretrained(str(tiny_sd_model), subfolder="unet")
-    assert _partitioned(unet)
+    assert partitioned(unet)
     torch.manual_seed(0)
     controlnet = ControlNetModel.from_unet(unet).state_dict()
-    assert not _partitioned(unet)
+    assert not partitioned(unet)
     assert set(controlnet) == set(ref_controlnet)
     assert all(torch.equal(v, ref_controlnet[k]) for k, v in controlnet.items())
 
@@ -464,7 +448,7 @@ def test_partitioned_parameters_cast_to_fp32_are_saved_in_fp32(tmp_path, one_ran
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         layer = torch.nn.Linear(8, 4)
-    assert _partitioned(layer) and layer.weight.dtype == torch.bfloat16
+    assert partitioned(layer) and layer.weight.dtype == torch.bfloat16
     with deepspeed.zero.GatheredParameters(list(layer.parameters())):
         want = {k: v.detach().clone() for k, v in layer.named_parameters()}
     layer.to(torch.float32)

@@ -1,5 +1,5 @@
 """diffusers v0.40.0's ``train_dreambooth_lora_sd3.py`` and ``train_dreambooth_lora_flux.py``, run
-UNCHANGED from the vendored copies (tests/upstream/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks (issue 16).
+UNCHANGED from the vendored copies (third_party/; ``$DIFFUSERS_EXAMPLES_DIR`` overrides) on 2 CPU ranks.
 
 Tiny pipelines from the real classes (tests/scripts/tiny_sd3_flux.py), 4 DreamBooth PNGs, the shipped
 cpu_zero2 config and cpu_zero3 with ``stage3_param_persistence_threshold: 0`` (zero3_init_flag true, as
@@ -27,8 +27,6 @@ from tests.launch_utils import (
     OFFICIAL_MATRIX_REASON,
     SCRIPTS,
     free_port,
-    one_rank_deepspeed_group,
-    select_zero3_plugin,
     shipped_zero_configs,
 )
 from tests.official_scripts import StreamedLaunch, fixed_copy, line_of, loaded_lora, lora_file, master_lora
@@ -46,22 +44,7 @@ def needs_examples(test):
 # ------------------------------------------------------------------------------------------------
 # in-process: a CLIP text encoder built in ZeRO-3 partitions and called outside the engine
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def one_rank_zero3(monkeypatch):
-    """A 1-rank gloo group and accelerate's ZeRO-3 plugin (zero3_init_flag true) selected, as
-    ``accelerate launch`` + ``Accelerator()`` leave them before the script loads its text encoders."""
-    with one_rank_deepspeed_group(monkeypatch):
-        _config, plugin = select_zero3_plugin()
-        try:
-            yield
-        finally:
-            import torch
-            from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
-
-            torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
-            del plugin
-
-
+# one_rank_zero3: tests/conftest.py
 def test_partitioned_clip_text_encoder_is_made_whole_before_its_embeddings_read_a_shape(tmp_path, one_rank_zero3):
     """SD3/Flux scripts load CLIP with ``from_pretrained`` under ZeRO-3 (no disabled-init context), cast it
     and call it outside the engine. CLIPTextEmbeddings.forward reads ``position_embedding.weight.shape[0]``
@@ -159,7 +142,7 @@ def test_partitioned_model_with_a_lora_adapter_added_since_loading_is_rebuilt_wh
 
 
 # ------------------------------------------------------------------------------------------------
-# launched: the scripts unchanged, vendored (issue 16, items 1-3 and 5); RUN_OFFICIAL_MATRIX=1 only
+# launched: the scripts unchanged, vendored: train, checkpoint, resume, save; RUN_OFFICIAL_MATRIX=1 only
 # ------------------------------------------------------------------------------------------------
 PROMPT = "a photo of sks dog"
 STOCK_LOADS = ",".join(
@@ -272,7 +255,7 @@ def work(tmp_path_factory):
 def test_sd3_dreambooth_lora_unchanged_trains_checkpoints_resumes_and_saves_a_lora_that_loads(work):
     """Both configs: train 4 steps (checkpoints 2, 4), resume ``latest`` to 6, final LoRA == DeepSpeed's
     master weights of checkpoint-6 and loads with load_lora_weights. Stock under ZeRO-3: the frozen CLIP
-    text encoders are built partitioned and the first call fails (issue 16's table)."""
+    text encoders are built partitioned and the first call fails (docs/compatibility.md's table)."""
     import torch
 
     root, cfg, env = work

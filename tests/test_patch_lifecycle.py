@@ -153,7 +153,7 @@ def test_every_declared_patch_says_why_and_when_it_goes():
         assert patch.version_problem() is None or patch.not_needed(), (patch.target, patch.version_problem())
 
 
-# Our own tracker's numbers ("issue 16 item 3", "field report 001 3.1", "pitfall 7.10") mean nothing to
+# Our own tracker's numbers (issue and item numbers, field report sections, pitfall numbers) mean nothing to
 # a reader of `accel-npu env`; they belong in docs/pitfalls.md. Upstream references (`diffusers #2606`) stay.
 INTERNAL_REFERENCE = re.compile(r"[Ii]ssue [0-9]+|field report|[Pp]itfall [0-9]|item [0-9]|stop [0-9]+", re.I)
 REASON_LIMIT = 160  # one line of `accel-npu env`

@@ -1,4 +1,4 @@
-"""Issue 3 items 1, 2, 6 in-process: autocast("cuda") remap, fused AdamW fallback, bf16 .numpy().
+"""In-process: autocast("cuda") remap, fused AdamW fallback, bf16 .numpy().
 
 Each test shows stock behaviour beside ours: `stock()` unpatches the ledger (every original object
 is back, identical) for the duration of the block, then re-arms it.
@@ -175,7 +175,7 @@ def test_cat_under_cpu_autocast_of_its_own_dtype_runs_as_stock():
     assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
 
 
-# -- bf16 .numpy() (pitfall 7.7) --------------------------------------------------------------------
+# -- bf16 .numpy() -----------------------------------------------------------------------------------
 def test_bf16_numpy_returns_float32_with_one_warning():
     t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="bfloat16") as record:
@@ -204,7 +204,7 @@ def test_numpy_other_dtypes_untouched_and_zero_copy():
         torch.zeros(2, dtype=torch.bfloat16, requires_grad=True).numpy()
 
 
-# -- fused AdamW (field report 001, 3.1③) -------------------------------------------------------------
+# -- fused AdamW(fused=True) where torch rejects it --------------------------------------------------
 def _complex_param():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64))

@@ -1,4 +1,4 @@
-"""Issue 3 acceptance: an unchanged CUDA-style script trains end to end on 2 CPU ranks.
+"""Precision, end to end: an unchanged CUDA-style script trains end to end on 2 CPU ranks.
 
 tests/scripts/cuda_style_train.py: torch.autocast("cuda", dtype=torch.bfloat16) in the forward,
 AdamW(fused=True), an eval pass under @torch.inference_mode() after step 2 whose bf16 predictions

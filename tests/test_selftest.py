@@ -1,4 +1,4 @@
-"""`accel-npu env --selftest` on this CPU machine (issue 13 item 11): every check really runs — the
+"""`accel-npu env --selftest` on this CPU machine: every check really runs — the
 device checks on the cpu backend, a 2-rank torchrun through accel-npu's launcher (gloo all_reduce,
 DeepSpeed's cpu accelerator, one ZeRO-2 step) — NPU-only ones say why they are skipped, exit 0.
 The failing case (non-zero exit) runs against the torch_npu stand-in: tests/contract."""

@@ -1,4 +1,4 @@
-"""torchvision beside a torch build its wheel was not made for (issue 16 item 7).
+"""torchvision beside a torch build its wheel was not made for.
 
 The registry's torchvision 0.28.0 (paired with torch 2.13.0) is a CUDA build; beside this CPU
 torch its C++ library cannot load. Stock ``import torchvision`` then dies registering a fake impl

@@ -1,6 +1,6 @@
-"""diffusers' official CogVideoX LoRA scripts (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in ``tests/upstream/``),
-unchanged, on 2 CPU ranks under the shipped bf16 ``cpu_zero2`` config (issue 27, item 5's first finding;
-item 4's "video DiT LoRA" CI row).
+"""diffusers' official CogVideoX LoRA scripts (v0.40.0, or v0.35.2 under an older diffusers:
+``RELEASE_EXAMPLES``; byte for byte, vendored in ``third_party/``), unchanged, on 2 CPU ranks under the
+shipped bf16 ``cpu_zero2`` config (CI's "video DiT LoRA" row).
 
 Both scripts pick ``weight_dtype = torch.float16`` when the DeepSpeed config enables bf16
 (train_cogvideox_lora.py l.1090-1100) and run their frozen T5 and VAE in it, while DeepSpeed casts the

@@ -1,6 +1,6 @@
 """Upstream's own tests pass, fail and skip the same with accel-npu active as stock (ACCEL_NPU_DISABLE=1).
 
-tools/upstream_equivalence.py runs each vendored upstream module (tests/upstream/, one per suite) twice,
+tools/upstream_equivalence.py runs each vendored upstream module (third_party/, one per suite) twice,
 each half a pytest subprocess, and compares the outcomes test by test; a test whose outcome differs, or
 that only one half collected, fails this test by name with both halves' causes. The comparer's own tests
 come first: fed maps that differ it must report them (a checker that cannot fail checks nothing).

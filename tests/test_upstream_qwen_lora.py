@@ -1,5 +1,7 @@
-"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored
-in ``tests/upstream/``), unchanged, on 2 CPU ranks (issue 16: items 1, 5, 6).
+"""diffusers' official ``train_dreambooth_lora_qwen_image.py`` (v0.40.0, or v0.35.2 under an older diffusers:
+``RELEASE_EXAMPLES``; byte for byte, vendored in ``third_party/``), unchanged, on 2 CPU ranks: train,
+checkpoint, resume, final save; text encoders under zero3_init_flag false; ``accel-npu consolidate`` of
+the LoRA checkpoint.
 
 A tiny Qwen-Image pipeline from the real classes (QwenImageTransformer2DModel, AutoencoderKLQwenImage,
 Qwen2.5-VL text encoder, a byte-level Qwen2Tokenizer written locally, FlowMatchEulerDiscreteScheduler)
@@ -28,7 +30,9 @@ from tests.launch_utils import (
     base_env,
     explain,
     one_rank_deepspeed_group,
+    partitioned,
     release_examples_env,
+    restore_torch_linear,
 )
 from tests.official_scripts import loaded_lora, master_lora
 from tests.torchvision_site import with_torchvision
@@ -60,7 +64,7 @@ def qwen_pipe(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------
-# item 5, in-process: zero3_init_flag false builds whole; partitioned towers keep the script's casts
+# zero3_init_flag false, in-process: it builds whole; partitioned towers keep the script's casts
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def one_rank_group(monkeypatch):
@@ -95,25 +99,12 @@ def _load_like_the_script(pipe):
     te = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         str(pipe), subfolder="text_encoder", torch_dtype=torch.bfloat16
     )
-    built_partitioned = {"vae": _partitioned(vae), "text_encoder": _partitioned(te)}
-    _plain_linear()
+    built_partitioned = {"vae": partitioned(vae), "text_encoder": partitioned(te)}
+    restore_torch_linear()
     for m in (vae, te):
         m.requires_grad_(False)
         m.to(dtype=torch.bfloat16)
     return vae, te, built_partitioned
-
-
-def _plain_linear() -> None:
-    """deepspeed.zero.Init swaps F.linear for its memory-efficient version for the rest of the process
-    ("This will persist unless manually reset"): put torch's back so outputs compare bit for bit."""
-    import torch
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ds_init
-
-    torch.nn.functional.linear = getattr(ds_init, "linear_bk", torch.nn.functional.linear)
-
-
-def _partitioned(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _run(vae, te):
@@ -138,7 +129,7 @@ def test_zero3_init_flag_false_builds_whole_and_partitioned_towers_keep_the_scri
     assert ref[0].dtype == ref[1].dtype == torch.bfloat16
 
     # stock, zero3_init_flag false: accelerate still hands transformers its ZeRO-3 config, so the text
-    # encoder is built partitioned and its first call outside the engine fails (issue 16's table)
+    # encoder is built partitioned and its first call outside the engine fails (docs/compatibility.md's table)
     with stock():
         keep = _zero3_plugin(False)
         vae, te, built = _load_like_the_script(pipe)
@@ -165,7 +156,7 @@ def test_zero3_init_flag_false_builds_whole_and_partitioned_towers_keep_the_scri
     for got, want in zip(_run(vae, te), ref):
         assert got.dtype == want.dtype and torch.equal(got, want)
     for m in (vae, te):
-        assert not _partitioned(m)
+        assert not partitioned(m)
         assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
         assert not any(p.requires_grad for p in m.parameters())
     assert not vae.training
@@ -173,7 +164,7 @@ def test_zero3_init_flag_false_builds_whole_and_partitioned_towers_keep_the_scri
 
 
 # ------------------------------------------------------------------------------------------------
-# item 1 (+5 under ZeRO-3 with the flag off), launched: train, checkpoint, resume latest, final save
+# launched: train, checkpoint, resume latest, final save (under ZeRO-3 with zero3_init_flag false)
 # ------------------------------------------------------------------------------------------------
 def _config(tmp, stage: int) -> str:
     """The shipped cpu_zero{stage} config, with real ZeRO-3 partitioning and zero3_init_flag: false."""
@@ -271,12 +262,12 @@ def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_p
         assert torch.equal(v, saved[k].to(v.dtype)), k
     row = _doc_row({2: "cpu_zero2 / npu_zero2", 3: "ZeRO-3, threshold 0, `zero3_init_flag: false`"}[stage])
     assert "trains, checkpoints, resumes from `latest`; the final LoRA loads" in row
-    if stage == 3:  # item 6 on the same checkpoint (every parameter partitioned: the hardest case)
+    if stage == 3:  # consolidate the same checkpoint (every parameter partitioned: the hardest case)
         _check_consolidate(pipe, out / "checkpoint-6", final, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------
-# item 6: accel-npu consolidate of the LoRA checkpoint
+# accel-npu consolidate of the LoRA checkpoint
 # ------------------------------------------------------------------------------------------------
 def _check_consolidate(pipe, ckpt, master, tmp_path):
     """``accel-npu consolidate`` as a user runs it: the adapter loads with load_lora_weights and equals

@@ -1,7 +1,7 @@
-"""diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``; byte for byte, vendored in tests/upstream/ and run
-unchanged) on 2 CPU ranks, under the shipped cpu_zero2 config and a cpu_zero3 variant with real
-partitioning (stage3_param_persistence_threshold 0, as any real-size UNet is). Issues 16 and 23;
-docs/compatibility.md's rows for this script are asserted here.
+"""diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``;
+byte for byte, vendored in third_party/ and run unchanged) on 2 CPU ranks, under the shipped cpu_zero2
+config and a cpu_zero3 variant with real partitioning (stage3_param_persistence_threshold 0, as any
+real-size UNet is): the unchanged script's rank-0-only checkpoints; docs/compatibility.md's rows for this script are asserted here.
 
 The script checkpoints with ``accelerator.save_state`` inside ``if accelerator.is_main_process:``
 right after the optimizer step. Eleven launches in two waves, sharing the CPUs:
@@ -278,7 +278,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3_t0"])
 def test_unchanged_script_checkpoints_what_the_fixed_copy_checkpoints(runs, stage):
-    """Item 1-2 of issue 23: the unchanged script's rank-0-only save_state completes at the step
+    """The unchanged script's rank-0-only save_state completes at the step
     boundary, and each checkpoint equals the fixed copy's, file for file, tensor for tensor."""
     unchanged, fixed = runs[f"unchanged_{stage}"], runs[f"fixed_{stage}"]
     for r in (unchanged, fixed):

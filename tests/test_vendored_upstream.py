@@ -1,12 +1,12 @@
-"""The vendored upstream files (tests/upstream/) are byte for byte what their SHA256SUMS record."""
+"""The vendored upstream files (third_party/) are byte for byte what their SHA256SUMS record."""
 
 from __future__ import annotations
 
 import hashlib
 
-from tests.launch_utils import REPO, UPSTREAM_EXAMPLES
+from tests.launch_utils import THIRD_PARTY, UPSTREAM_EXAMPLES
 
-VENDORED = REPO / "tests" / "upstream"
+VENDORED = THIRD_PARTY
 
 
 def _recorded(folder):

@@ -1,4 +1,4 @@
-"""Issue 3 item 8 (pitfall 7.11): decord readers given decord.gpu(i) decode on the CPU when CUDA is
+"""decord readers given decord.gpu(i) decode on the CPU when CUDA is
 absent. Real decord 0.6.0 on a tiny uncompressed AVI this test writes (no encoder needed)."""
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ SUITES = {
 }
 
 
-#: The CI subset: one upstream module per suite, vendored byte for byte under tests/upstream/ (README there).
-VENDORED = REPO / "tests" / "upstream"
+#: The CI subset: one upstream module per suite, vendored byte for byte under third_party/ (README there).
+VENDORED = REPO / "third_party"
 CI_SUBSET = {
     "diffusers-models": (VENDORED / "diffusers-v0.40.0", "tests/models/transformers/test_models_transformer_flux.py"),
     "diffusers-pipelines": (VENDORED / "diffusers-v0.40.0", "tests/pipelines/kolors/test_kolors.py"),

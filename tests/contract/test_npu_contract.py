@@ -2,9 +2,9 @@
 these tests put on PYTHONPATH of their subprocesses. What is checked is accel-npu's side of the
 contract written down in docs/npu-contract.md, never Ascend itself.
 
-Issue 3 items 5 (too many processes, in the real `accelerate launch`), 9 (worker environment
-defaults, torch/torch_npu pairing, libraries on the loader path, mx_driving
-patcher) and 2's NPU half (AdamW fused by default, no grad_scale/found_inf into the fused step).
+Too many processes (in the real `accelerate launch`), worker environment defaults, torch/torch_npu
+pairing, libraries on the loader path, the mx_driving patcher, and the NPU half of the precision
+fixes (AdamW fused by default, no grad_scale/found_inf into the fused step).
 Stock = ACCEL_NPU_DISABLE=1.
 """
 
@@ -78,7 +78,7 @@ def last_line(proc) -> str:
     return [line for line in proc.stderr.splitlines() if line.strip()][-1]
 
 
-# -- item 5 + item 9 environment: the real launcher -----------------------------------------------------
+# -- process count and worker environment: the real launcher --------------------------------------
 @pytest.mark.slow
 def test_too_many_processes_refused_before_any_worker(tmp_path):
     site = make_site(tmp_path)
@@ -91,7 +91,7 @@ def test_too_many_processes_refused_before_any_worker(tmp_path):
     assert "Use --num_processes 2" in out
     assert not results(ours)  # no worker started
 
-    # --gpu_ids narrows the devices after the launcher counted 8: still refused (issue 13 item 9)
+    # --gpu_ids narrows the devices after the launcher counted 8: still refused
     narrowed = accelerate_launch(["--gpu_ids", "0,1", *args], env=env_with(site))
     assert narrowed.returncode != 0 and not results(narrowed), explain(narrowed)
     assert (
@@ -133,8 +133,8 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
         assert r["env"]["HCCL_EXEC_TIMEOUT"] == "99"  # the user's value wins
         assert r["env"]["DEEPSPEED_TIMEOUT"] == "30"  # DeepSpeed's 10 min would kill jobs at 600 s
         assert r["env"]["DS_ACCELERATOR"] == "npu"
-        # hang diagnosis: torch_npu's watchdog, desync report, heartbeat monitor and flight recorder
-        # (issue 13 item 4); a user value for either name of a renamed switch leaves both alone
+        # hang diagnosis: torch_npu's watchdog, desync report, heartbeat monitor and flight recorder;
+        # a user value for either name of a renamed switch leaves both alone
         # (both watchdog switches stay at torch_npu's defaults: asynchronous error handling is already on)
         assert r["env"]["HCCL_ASYNC_ERROR_HANDLING"] is None and r["env"]["TORCH_HCCL_ASYNC_ERROR_HANDLING"] is None
         assert r["env"]["TORCH_HCCL_DESYNC_DEBUG"] == "0" and r["env"]["HCCL_DESYNC_DEBUG"] is None
@@ -147,7 +147,7 @@ def test_worker_environment_defaults_user_values_win(tmp_path):
 @pytest.mark.parametrize("case", ["no-device-nodes", "visible-ids-descending"])
 def test_torch_npu_without_a_usable_npu_refuses_the_launch(case, tmp_path):
     """torch_npu installed, no usable NPU: stock trains on the CPU without a word; accel-npu refuses
-    with the cause, unless ACCEL_NPU_BACKEND=cpu says the CPU is meant (issue 13 item 2)."""
+    with the cause, unless ACCEL_NPU_BACKEND=cpu says the CPU is meant."""
     site = make_site(tmp_path)
     extra = {"STANDIN_NPU_DEVICE_COUNT": "0"} if case == "no-device-nodes" else {"ASCEND_RT_VISIBLE_DEVICES": "1,0"}
     args = ["--num_processes", "2", "--num_machines", "1", str(SCRIPTS / "print_worker_env.py")]
@@ -219,7 +219,7 @@ def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
     assert "RESULT False []" in proc.stdout, explain(proc)
 
 
-# -- item 9: pairing and libraries ----------------------------------------------------------------
+# -- torch/torch_npu pairing and libraries on the loader path -------------------------------------
 @pytest.mark.slow
 def test_torch_torch_npu_pairing_mismatch_is_one_clear_error(tmp_path):
     site = make_site(tmp_path, version="2.7.1.post2")
@@ -291,7 +291,7 @@ def test_missing_libraries_on_loader_path(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("lib", ["libhccl.so", "libascendcl.so"])
 def test_cann_not_sourced_gets_set_env_not_ld_library_path(lib, tmp_path):
-    """A CANN library missing from the loader path: the fix is CANN's set_env.sh (issue 13 item 1),
+    """A CANN library missing from the loader path: the fix is CANN's set_env.sh,
     found beside ASCEND_TOOLKIT_HOME; torch's own libraries keep the LD_LIBRARY_PATH fix (above).
     Also when the script imports torch_npu before torch: torch_npu turns autoload off while it
     imports torch, so none of accel-npu's entry point runs, and the startup hook diagnoses it (stock,
@@ -324,7 +324,7 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     """torch >= 2.5 imports torch_npu inside `import torch` (its torch.backends entry point) and wraps a
     failure in "Failed to load the backend extension" (torch/__init__.py _import_device_backends).
     Stock: torch's message over torch_npu's ImportError. Ours: accel-npu's diagnosis is that
-    ImportError, one line with CANN's set_env.sh (issue 13 item 1) -- in either entry-point order."""
+    ImportError, one line with CANN's set_env.sh -- in either entry-point order."""
     site = make_site(tmp_path, autoload=True)
     cann = dict(STANDIN_MISSING_CANN_LIB="libhccl.so", ASCEND_TOOLKIT_HOME="/opt/Ascend/ascend-toolkit/latest")
 
@@ -381,7 +381,7 @@ def test_cann_not_sourced_under_torch_backend_autoload(tmp_path):
     assert "Fix: source /opt/Ascend/ascend-toolkit/set_env.sh" in proc.stderr.splitlines()[0]
 
 
-# -- issue 13 item 5: mx_driving patcher (DrivingSDK's real module paths) ---------------------------
+# -- mx_driving patcher (DrivingSDK's real module paths) ------------------------------------------
 MX_PROBE = """
 import torch
 import transformers
@@ -396,7 +396,7 @@ print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': tor
 @pytest.mark.slow
 def test_mx_driving_patcher_2_0_adds_transformers_npu_before_transformers_is_imported(tmp_path):
     """patcher 2.0 (DrivingSDK master): default_patcher.add(TransformersNPU).apply(), before the
-    script's `import transformers`; importing mx_driving.patcher brings transfer_to_npu (issue 13 item 5)."""
+    script's `import transformers`; importing mx_driving.patcher brings transfer_to_npu."""
     site = make_site(tmp_path, mx="v2")
     ours = results(py(MX_PROBE, env_with(site, ACCEL_NPU_MX_DRIVING="1")))[0]
     assert ours["calls"] == [
@@ -432,7 +432,7 @@ def test_mx_driving_patcher_1_0_builder(tmp_path):
     ), status
 
 
-# -- item 2, NPU half ------------------------------------------------------------------------------
+# -- precision, NPU half: autocast remap and fused AdamW ------------------------------------------
 ADAMW_PROBE = """
 import json, torch, torch_npu
 p = torch.nn.Parameter(torch.randn(4))
@@ -457,7 +457,7 @@ def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step
     site = make_site(tmp_path)
     ours = results(py(ADAMW_PROBE, env_with(site)))[0]
     stock = results(py(ADAMW_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]
-    assert ours["autocast"] == ["npu", "torch.bfloat16", True]  # item 1 on the npu backend
+    assert ours["autocast"] == ["npu", "torch.bfloat16", True]  # autocast("cuda") remapped on the npu backend
     assert stock["autocast"] == ["cuda", "torch.bfloat16", False]  # stock: disabled
     assert ours["fused"] is True and ours["scaling_into_step"] is False
     assert stock["fused"] is None and stock["scaling_into_step"] is False
@@ -487,7 +487,7 @@ def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
 @pytest.mark.slow
 def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
     """A 910A has no bf16 (torch.npu.get_amp_supported_dtype() lists only fp16/fp32): autocast('cuda',
-    bf16) is off there, and accel-npu says so once instead of claiming a bf16 remap (issue 13 item 8)."""
+    bf16) is off there, and accel-npu says so once instead of claiming a bf16 remap."""
     site = make_site(tmp_path)
     proc = py(ADAMW_PROBE, env_with(site, STANDIN_NPU_SOC="Ascend910A"))
     ours = results(proc)[0]
@@ -500,7 +500,7 @@ def test_910a_without_bf16_says_autocast_runs_fp32(tmp_path):
 def test_selftest_runs_the_npu_checks_and_fails_without_cann(tmp_path):
     """`accel-npu env --selftest` on the npu backend (the stand-in, a 910A, one visible NPU): the npu
     plugin's checks run against torch_npu; this machine has no CANN libraries and the stand-in no NPU
-    kernels, so those checks fail, each saying why, and the exit status is 1 (issue 13 item 11)."""
+    kernels, so those checks fail, each saying why, and the exit status is 1."""
     from ..test_selftest import check_lines, selftest
 
     site = make_site(tmp_path)

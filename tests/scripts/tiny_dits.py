@@ -1,6 +1,6 @@
 """Tiny pipelines (real classes, random weights, no hub) and their data for diffusers v0.40.0's official
-scripts of the "other image DiTs, video, discrete" family in benchmarks/compatibility.py, plus the
-DiT4DiT-shaped field-report script (tests/scripts/train_dit4dit.py).
+scripts of the "other image DiTs, video, discrete" family in tools/compatibility.py, plus the
+DiT4DiT-shaped user script (tests/scripts/train_dit4dit.py).
 
 Component sizes follow diffusers v0.40.0's own pipeline tests (``get_dummy_components`` of the file named
 at each builder); hub tokenizers are replaced by local ones (tiny_models.py, tiny_sd3_flux.py). Never
@@ -145,10 +145,10 @@ def cosmos25_videos(folder: str, count: int = 2) -> None:
             f.write(f"a robot arm moves block {i}\n")
 
 
-# -- DiT4DiT, the field report's shape (tests/scripts/train_dit4dit.py) -----------------------------------
+# -- DiT4DiT, a user script's shape (tests/scripts/train_dit4dit.py) --------------------------------------
 def dit4dit(folder: str) -> None:
     """train_dit4dit.py's --pretrained folder: transformer/ (Cosmos), vae/ (Wan), text_encoder/ (T5), the
-    sizes of tests/test_checkpoints_dit4dit.py."""
+    folder tests/test_checkpoints_dit4dit.py trains too."""
     from diffusers import AutoencoderKLWan, CosmosTransformer3DModel
     from transformers import T5Config, T5EncoderModel
 

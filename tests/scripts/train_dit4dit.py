@@ -1,4 +1,4 @@
-"""A DiT4DiT-shaped training script, written the way the field report's CUDA code is written.
+"""A DiT4DiT-shaped training script, written the way DiT4DiT's CUDA code is written.
 
 No accel_npu import anywhere. One nn.Module holds a trainable diffusers Cosmos transformer, a
 frozen fp32 Wan VAE and a frozen transformers T5 encoder, all loaded with from_pretrained

@@ -1,4 +1,5 @@
-"""The field report's training pattern, scaled down. No accel_npu import (unchanged user script).
+"""A Qwen-Image DiT training pattern that runs out of host memory stock (load whole, slice blocks), scaled
+down. No accel_npu import (unchanged user script).
 
 Loads the whole QwenImageTransformer2DModel without torch_dtype, keeps the first 2 blocks by
 slicing, trains with Accelerate on a fixed global batch (split across ranks) and prints the

@@ -1,4 +1,4 @@
-"""ZeRO-3 training with an eval pass under @torch.inference_mode() between steps (pitfall 7.8).
+"""ZeRO-3 training with an eval pass under @torch.inference_mode() between steps.
 
 Plain DeepSpeed, one process (run with RANK/WORLD_SIZE/MASTER_* set), no accel_npu import.
 Prints ``RESULT {json}`` when all steps ran.

@@ -38,8 +38,8 @@ def _base(v):
 
 
 # The two load failures below are the dynamic loader's (dlopen of torch_npu/lib/libtorch_npu.so), not
-# torch_npu code: field report 001 2.2 (torch 2.7.0 with torch_npu 2.7.1: undefined symbol) and 7.3
-# (libc10.so not on the loader path); the stand-in raises the same messages from Python.
+# torch_npu code: torch 2.7.0 beside torch_npu 2.7.1 (undefined symbol) and libc10.so not on the loader
+# path, as users met them; the stand-in raises the same messages from Python.
 if _base(__version__) != _base(torch.__version__):
     raise ImportError(f"{_LIB}/libtorch_npu.so: undefined symbol: _ZN3c1021throwNullDataPtrErrorEv")
 if os.environ.get("STANDIN_MISSING_CANN_LIB"):

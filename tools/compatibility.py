@@ -12,7 +12,7 @@ diffusers' own tests) × config:
   FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
   ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs).
 
-it launches the vendored script (tests/upstream/) for ``--steps`` steps with ``--checkpointing_steps``,
+it launches the vendored script (third_party/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, loads the final artifact as a
 user does (``load_lora_weights`` into the pipeline / ``from_pretrained``) and compares it with DeepSpeed's
 own fp32 master weights of the last checkpoint (``zero_to_fp32``; under ``fsdp2`` the checkpoint's model
@@ -26,8 +26,8 @@ Rows are merged into the results file: a partial run (``--only``, ``--family``, 
 its rows and keeps the others with their own commit and date. Scripts not run get a row saying why.
 
 needs: pip install ".[test,matrix]" (setup.cfg: webdataset for the LCM scripts, tensorboard for train_unconditional.py)
-usage: python benchmarks/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [--configs zero2,...]
-       python benchmarks/compatibility.py --list
+usage: python tools/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [--configs zero2,...]
+       python tools/compatibility.py --list
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ OFFICIAL_CLI = {
 
 @dataclass
 class Spec:
-    """How to run one official script (or a field report's script, ``path`` under tests/) on a tiny pipeline."""
+    """How to run one official script (or a user's own script, ``path`` under tests/) on a tiny pipeline."""
 
     path: str  # relative to examples/, or to the repository when it starts with "tests/"
     family: str
@@ -719,11 +719,11 @@ SPECS = [
         cli={"model": ["--model_name_or_path", "{model}"], "resume": None},
         checkpoint=None,
     ),
-    # the field report's own shape (not a diffusers script): its flags, one save_state per save dir, the
+    # a user's own script (DiT4DiT's shape, not a diffusers script): its flags, one save_state per save dir, the
     # artifact accelerate's save_model writes, loaded into the script's DiT4DiT module
     Spec(
         "tests/scripts/train_dit4dit.py",
-        "DiT4DiT (field report)",
+        "DiT4DiT (user script)",
         "dit4dit",
         [],
         "module:train_dit4dit.DiT4DiT:model",
@@ -1416,8 +1416,8 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
         "",
         "Configs: `zero2` = launch_configs/cpu_zero2.yaml (bf16); `zero3_t0` = cpu_zero3.yaml with "
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
-        "those forming the 2 CPU ranks (benchmarks/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
-        "that handle FSDP (benchmarks/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
+        "those forming the 2 CPU ranks (tools/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
+        "that handle FSDP (tools/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
         "SHARDED_STATE_DICT, bf16). ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, "
         "loaded as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last "
         "checkpoint, or under fsdp2 its model folder consolidated by torch's dcp_to_torch_save (or their bf16 "
