@@ -167,6 +167,21 @@ class AccelNpuPluginManager(pluggy.PluginManager):
         self.enable_tracing()
 
 
+def plugin_package(plugin) -> str:
+    """The package a plugin's relative wrapper paths (".module:function") are resolved in: a package
+    plugin's own, a module plugin's parent; "" for a plugin that is no module."""
+    return getattr(plugin, "__package__", None) or ""
+
+
+def declared_patches(impl) -> list:
+    """The patches one ``accel_npu_register_patches`` implementation declares, their wrapper paths
+    resolved in its plugin's package, as the ledger holds them."""
+    patches = list(impl.function() or ())
+    for patch in patches:
+        patch.anchor(plugin_package(impl.plugin))
+    return patches
+
+
 def _builtin_package_problem() -> str | None:
     """Why ``accel_npu.plugins`` cannot be imported here (naming a shadowing copy), or None."""
     try:
