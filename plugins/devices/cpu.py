@@ -36,7 +36,7 @@ def accel_npu_select_backend(env):
     if forced and forced != "cpu":
         return None
     return Backend(
-        name="cpu", device_type="cpu", dist_backend="gloo", device_count=0, ds_accelerator="cpu", plugin="cpu"
+        name="cpu", device_type="cpu", dist_backend="gloo", device_count=0, ds_accelerator="cpu", plugin="devices.cpu"
     )
 
 

@@ -71,6 +71,6 @@ def select_backend(env) -> Backend | None:
         dist_backend="hccl",
         device_count=count,
         ds_accelerator="npu",
-        plugin="npu",
+        plugin="devices.npu",
         device_name=TorchNpu.soc_name,
     )
