@@ -26,7 +26,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ACCEL_NPU_DISABLED_PLUGINS",
         "",
-        "Comma-separated plugin names to block, or '*' for all but the essential ones.",
+        "Comma-separated plugin names to block, or '*' for all but the essential ones; the built-ins' old names "
+        "(npu, cuda, cpu, launcher, launch_settings, deepspeed_setup) are aliases.",
     ),
     EnvVar(
         "ACCEL_NPU_DISABLED_PATCHES",
@@ -165,9 +166,22 @@ def disabled() -> bool:
     return flag("ACCEL_NPU_DISABLE")
 
 
+#: Names the built-in plugins had before their names became their module paths (``devices.npu``):
+#: ACCEL_NPU_DISABLED_PLUGINS still accepts them (docs/environment.md lists them).
+PLUGIN_ALIASES = {
+    "npu": "devices.npu",
+    "cuda": "devices.cuda",
+    "cpu": "devices.cpu",
+    "launcher": "launch.launcher",
+    "launch_settings": "launch.settings",
+    "deepspeed_setup": "deepspeed",
+}
+
+
 def disabled_plugins() -> set[str]:
+    """The plugin names ACCEL_NPU_DISABLED_PLUGINS blocks (an old name as the plugin's name now), or "*"."""
     raw = get("ACCEL_NPU_DISABLED_PLUGINS")
-    return {p.strip() for p in raw.split(",") if p.strip()}
+    return {PLUGIN_ALIASES.get(p.strip(), p.strip()) for p in raw.split(",") if p.strip()}
 
 
 def disabled_patches() -> set[str]:

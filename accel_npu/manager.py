@@ -31,16 +31,18 @@ log = logging.getLogger("accel_npu")
 
 BUILTIN_PACKAGE = "accel_npu.plugins"
 
-#: Built-in plugins: (name, module). Order does not decide backend priority (tryfirst/trylast do).
+#: Built-in plugins: (name, module). A built-in plugin's name is its module path inside
+#: ``accel_npu.plugins`` (tests/test_architecture.py holds this); the names they had before are
+#: ``environment.PLUGIN_ALIASES``. Order does not decide backend priority (tryfirst/trylast do).
 DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("npu", "accel_npu.plugins.devices.npu"),
-    ("cuda", "accel_npu.plugins.devices.cuda"),
-    ("cpu", "accel_npu.plugins.devices.cpu"),
-    ("launcher", "accel_npu.plugins.launch.launcher"),
+    ("devices.npu", "accel_npu.plugins.devices.npu"),
+    ("devices.cuda", "accel_npu.plugins.devices.cuda"),
+    ("devices.cpu", "accel_npu.plugins.devices.cpu"),
+    ("launch.launcher", "accel_npu.plugins.launch.launcher"),
     ("precision", "accel_npu.plugins.precision"),
     ("cuda_compat", "accel_npu.plugins.cuda_compat"),
     ("attention", "accel_npu.plugins.attention"),
-    ("deepspeed_setup", "accel_npu.plugins.deepspeed"),
+    ("deepspeed", "accel_npu.plugins.deepspeed"),
     ("video", "accel_npu.plugins.video"),
     ("torchvision_compat", "accel_npu.plugins.torchvision_compat"),
     ("ddp", "accel_npu.plugins.ddp"),
@@ -48,15 +50,15 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("frozen_towers", "accel_npu.plugins.frozen_towers"),
     ("checkpoints", "accel_npu.plugins.checkpoints"),
     ("explain_errors", "accel_npu.plugins.explain_errors"),
-    ("launch_settings", "accel_npu.plugins.launch.settings"),
+    ("launch.settings", "accel_npu.plugins.launch.settings"),
     ("hang_watch", "accel_npu.plugins.hang_watch"),
     ("trackers", "accel_npu.plugins.trackers"),
 )
 
 #: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.
 ESSENTIAL_PLUGINS: dict[str, str] = {
-    "launcher": "reaches launched workers; calls every plugin's accel_npu_check_launch and accel_npu_launch_env",
-    "deepspeed_setup": "calls every plugin's accel_npu_configure_deepspeed",
+    "launch.launcher": "reaches launched workers; calls every plugin's accel_npu_check_launch and accel_npu_launch_env",
+    "deepspeed": "calls every plugin's accel_npu_configure_deepspeed",
 }
 
 
@@ -165,6 +167,21 @@ class AccelNpuPluginManager(pluggy.PluginManager):
     def enable_trace(self) -> None:
         self.trace.root.setwriter(lambda msg: sys.stderr.write(f"[accel-npu trace] {msg}"))
         self.enable_tracing()
+
+
+def plugin_package(plugin) -> str:
+    """The package a plugin's relative wrapper paths (".module:function") are resolved in: a package
+    plugin's own, a module plugin's parent; "" for a plugin that is no module."""
+    return getattr(plugin, "__package__", None) or ""
+
+
+def declared_patches(impl) -> list:
+    """The patches one ``accel_npu_register_patches`` implementation declares, their wrapper paths
+    resolved in its plugin's package, as the ledger holds them."""
+    patches = list(impl.function() or ())
+    for patch in patches:
+        patch.anchor(plugin_package(impl.plugin))
+    return patches
 
 
 def _builtin_package_problem() -> str | None:

@@ -7,10 +7,10 @@ import accel_npu
 
 def declared_patches() -> list:
     """Every patch the registered plugins declare, as the plugin manager hands them to the ledger."""
-    from accel_npu.manager import get_plugin_manager
+    from accel_npu.manager import declared_patches, get_plugin_manager
 
     pm = get_plugin_manager()
-    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in impl.function() or ()]
+    return [p for impl in pm.hook.accel_npu_register_patches.get_hookimpls() for p in declared_patches(impl)]
 
 
 @contextlib.contextmanager

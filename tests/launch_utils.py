@@ -88,7 +88,7 @@ def free_port() -> int:
 def hccl_default_ports_busy():
     """Another job's listener inside HCCL's default port range while the block runs (CANN's default
     HCCL_IF_BASE_PORT; yields the port held)."""
-    from accel_npu.plugins.devices.npu import HCCL_DEFAULT_BASE_PORT
+    from accel_npu.plugins.devices.npu.worker_env import HCCL_DEFAULT_BASE_PORT
 
     port = HCCL_DEFAULT_BASE_PORT + 3
     with socket.socket() as held:

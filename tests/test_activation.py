@@ -172,11 +172,13 @@ def test_disable_activates_nothing():
 
 @pytest.mark.slow
 def test_disabled_plugins_block_by_name_and_star():
-    result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="cpu")
+    result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="devices.cpu")
+    assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
+    result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="cpu")  # the plugin's old name, an alias
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
     result, _ = probe(ACCEL_NPU_DISABLED_PLUGINS="*")
     # every plugin but the essential ones, which call the hooks other plugins rely on
-    assert result["applied_by"] == ["deepspeed_setup"], result
+    assert result["applied_by"] == ["deepspeed"], result
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
 
 
@@ -184,16 +186,18 @@ def test_disabled_plugins_block_by_name_and_star():
 def test_essential_plugins_cannot_be_blocked():
     from accel_npu.manager import ESSENTIAL_PLUGINS
 
-    assert set(ESSENTIAL_PLUGINS) == {"launcher", "deepspeed_setup"}
-    result, proc = probe(ACCEL_NPU_DISABLED_PLUGINS="deepspeed_setup,precision")
-    assert "deepspeed_setup" in result["applied_by"] and "precision" not in result["applied_by"]
-    assert "plugin 'deepspeed_setup' is essential and cannot be blocked" in proc.stderr
+    assert set(ESSENTIAL_PLUGINS) == {"launch.launcher", "deepspeed"}
+    result, proc = probe(ACCEL_NPU_DISABLED_PLUGINS="deepspeed,precision")
+    assert "deepspeed" in result["applied_by"] and "precision" not in result["applied_by"]
+    assert "plugin 'deepspeed' is essential and cannot be blocked" in proc.stderr
 
 
 @pytest.mark.slow
 def test_trace_logs_patch_applications():
     _, proc = probe(ACCEL_NPU_TRACE="1")
-    assert "[accel-npu trace] patch accelerate.state:PartialState._prepare_backend (cpu): applied" in proc.stderr
+    assert (
+        "[accel-npu trace] patch accelerate.state:PartialState._prepare_backend (devices.cpu): applied" in proc.stderr
+    )
 
 
 @pytest.mark.slow
@@ -343,17 +347,19 @@ def test_import_torch_alone_imports_no_loading_or_checkpoint_machinery():
 
 
 def test_wrappers_named_by_path_resolve_inside_their_own_plugin():
-    from accel_npu.manager import get_plugin_manager
+    from accel_npu.manager import declared_patches, get_plugin_manager
 
     pm = get_plugin_manager()
     checked = 0
     for impl in pm.hook.accel_npu_register_patches.get_hookimpls():
-        package = impl.plugin.__name__
-        for patch in impl.function() or ():
+        plugin = impl.plugin.__name__
+        for patch in declared_patches(impl):
             path = patch.wrapper_path
             if not path:
                 continue
-            assert path.startswith(package + "."), (patch.target, path, package)
+            # A plugin package's own modules, or the plugin module itself (devices/cpu.py, launch/*.py)
+            module = path.partition(":")[0]
+            assert module == plugin or module.startswith(plugin + "."), (patch.target, path, plugin)
             # Resolving caches the function; the declared path must stay (earlier tests in the same
             # process may already have applied these patches — CI ran this after them).
             assert callable(patch.wrapper) and patch.wrapper is patch.wrapper, patch.target

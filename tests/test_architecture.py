@@ -315,3 +315,164 @@ def test_vendored_upstream_files_live_in_third_party_only():
     assert list((REPO / "third_party").glob("*/SHA256SUMS"))
     assert '"third_party"' in (REPO / "pyproject.toml").read_text().split("extend-exclude", 1)[1].splitlines()[0]
     assert not (REPO / "benchmarks" / "compatibility.py").exists() and (REPO / "tools" / "compatibility.py").is_file()
+
+
+def _is_hookimpl(function: ast.FunctionDef) -> bool:
+    for decorator in function.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if getattr(target, "id", getattr(target, "attr", None)) == "hookimpl":
+            return True
+    return False
+
+
+def _statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Every statement in ``body``, nested ones included, a leading docstring left out."""
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [n for stmt in body for n in ast.walk(stmt) if isinstance(n, ast.stmt)]
+
+
+#: how many statements a hook implementation in a manifest may have: return a declaration, or import
+#: the module beside it and delegate
+HOOKIMPL_STATEMENTS = 3
+#: the package's own path as a string: a wrapper named absolutely, or a `_PKG = "accel_npu.plugins.x"` constant
+OWN_PACKAGE_PATH = re.compile(r"^accel_npu\.plugins\.[\w.]+(:[\w.]+)?$")
+
+
+def wrapper_problems(source: str) -> list[str]:
+    """Where a plugin module names a wrapper other than by a path relative to its package (".module:function")."""
+    tree = ast.parse(source)
+    problems = []
+    factory_parameters = {a.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) for a in node.args.args}
+    docstring = ast.get_docstring(tree, clean=False)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value != docstring:
+            if OWN_PACKAGE_PATH.match(node.value):
+                problems.append(f"line {node.lineno}: {node.value!r} names the plugin's package absolutely")
+        if not isinstance(node, ast.Call):
+            continue
+        for keyword in node.keywords:
+            if keyword.arg != "wrapper":
+                continue
+            value = keyword.value
+            if isinstance(value, ast.JoinedStr) and value.values:
+                value = value.values[0]
+            if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.startswith("."):
+                continue
+            if isinstance(value, ast.Name) and value.id in factory_parameters:
+                continue  # a Patch factory's parameter: its callers pass the path
+            problems.append(f"line {node.lineno}: wrapper={ast.unparse(keyword.value)} is not a relative path")
+    return problems
+
+
+def manifest_problems(source: str) -> list[str]:
+    """Where a plugin's __init__.py is more than a manifest: imports, a docstring, constants and
+    ``Patch`` declarations (Patch factories: one ``return Patch(...)``), hook implementations that return
+    a declaration or delegate in a line or two; wrappers named by relative path."""
+    problems = wrapper_problems(source)
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.FunctionDef):
+            body = _statements(node.body)
+            if _is_hookimpl(node):
+                if len(body) > HOOKIMPL_STATEMENTS or any(
+                    isinstance(s, (ast.For, ast.While, ast.Try, ast.With, ast.If)) for s in body
+                ):
+                    problems.append(f"line {node.lineno}: hook {node.name} does more than declare or delegate")
+                continue
+            returns = body[0].value if len(body) == 1 and isinstance(body[0], ast.Return) else None
+            if isinstance(returns, ast.Call) and getattr(returns.func, "id", None) == "Patch":
+                continue
+            problems.append(f"line {node.lineno}: function {node.name} is neither a hook nor a Patch factory")
+            continue
+        problems.append(f"line {node.lineno}: {type(node).__name__} at the top of a manifest")
+    return problems
+
+
+def test_the_manifest_checker_sees_logic_helpers_and_absolute_paths():
+    good = (
+        '"""Doc naming accel_npu.plugins.x is fine."""\nfrom accel_npu.patching import Patch\n'
+        'P = Patch(target="m:f", supports="x", reason="r", remove_when="w", wrapper=".mod:fn")\n'
+        'Q = [Patch(target=f"m:{n}", supports="x", reason="r", remove_when="w", wrapper=f".mod:{n}") for n in "ab"]\n'
+        "def _factory(name, wrapper):\n    return Patch(target=name, supports='x', reason='', remove_when='',"
+        " wrapper=wrapper)\n"
+        "@hookimpl\ndef accel_npu_register_patches():\n    return [P, *Q]\n"
+        "@hookimpl(tryfirst=True)\ndef accel_npu_env_report(backend):\n    from . import report\n\n"
+        "    return report.section(backend)\n"
+    )
+    assert manifest_problems(good) == []
+    bad = {
+        "absolute": 'P = Patch(target="m:f", supports="x", reason="r", remove_when="w", '
+        'wrapper="accel_npu.plugins.x.mod:fn")\n',
+        "pkg constant": '_PKG = "accel_npu.plugins.x"\n',
+        "callable": 'P = Patch(target="m:f", supports="x", reason="r", remove_when="w", wrapper=fn)\n',
+        "helper": "def helper(env):\n    return env.get('X')\n",
+        "long hook": "@hookimpl\ndef accel_npu_check_launch(env):\n    a = 1\n    b = 2\n    c = 3\n    return a\n",
+        "logic in a hook": "@hookimpl\ndef accel_npu_check_launch(env):\n    if env:\n        raise X\n",
+        "class": "class Finder:\n    pass\n",
+        "top-level logic": "for name in ():\n    pass\n",
+    }
+    for what, source in bad.items():
+        assert manifest_problems(source), what
+
+
+def builtin_plugin_files() -> dict[str, Path]:
+    """{plugin name: its file} of the built-in plugins (accel_npu.manager.DEFAULT_PLUGINS)."""
+    from accel_npu.manager import DEFAULT_PLUGINS
+
+    return {name: MODULES[module] for name, module in DEFAULT_PLUGINS}
+
+
+def test_plugin_inits_hold_declarations_only():
+    """Every plugin package's __init__.py (and the folders' between them) reads in a minute: what the
+    plugin patches and which hooks it implements; the logic sits in the modules beside it. The root
+    plugins/__init__.py is no plugin: it refuses an import under another name."""
+    inits = sorted((REPO / "plugins").rglob("__init__.py"))
+    assert {p for p in builtin_plugin_files().values() if p.name == "__init__.py"} <= set(inits)
+    offenders = {
+        path.relative_to(REPO).as_posix(): problems
+        for path in inits
+        if path != REPO / "plugins" / "__init__.py" and (problems := manifest_problems(path.read_text()))
+    }
+    assert not offenders, offenders
+
+
+def test_builtin_plugins_name_wrappers_by_relative_path():
+    """Module plugins too (devices/cpu.py, launch/*.py): `wrapper=".module:function"`, no `_PKG` constant."""
+    offenders = {
+        name: problems
+        for name, path in builtin_plugin_files().items()
+        if (problems := wrapper_problems(path.read_text()))
+    }
+    assert not offenders, offenders
+
+
+def plugin_name_problems(plugins, essential, aliases) -> list[str]:
+    """Where a built-in plugin's name is not its module path inside accel_npu.plugins, or an alias or
+    essential plugin names no built-in plugin."""
+    names = {name for name, _ in plugins}
+    problems = [f"{name}: module {module}" for name, module in plugins if module != f"accel_npu.plugins.{name}"]
+    problems += [f"alias {old} -> {new}: no such plugin" for old, new in aliases.items() if new not in names]
+    problems += [f"alias {old}: a plugin's own name" for old in aliases if old in names]
+    problems += [f"essential {name}: no such plugin" for name in essential if name not in names]
+    return problems
+
+
+def test_builtin_plugin_names_are_their_module_paths_and_aliases_name_plugins():
+    from accel_npu import manager
+    from accel_npu.environment import PLUGIN_ALIASES
+
+    assert plugin_name_problems(manager.DEFAULT_PLUGINS, manager.ESSENTIAL_PLUGINS, PLUGIN_ALIASES) == []
+    assert all(module in MODULES for _, module in manager.DEFAULT_PLUGINS)
+
+
+def test_the_plugin_name_checker_sees_other_names_and_dangling_aliases():
+    good = (("devices.npu", "accel_npu.plugins.devices.npu"), ("deepspeed", "accel_npu.plugins.deepspeed"))
+    assert plugin_name_problems(good, {"deepspeed": ""}, {"npu": "devices.npu"}) == []
+    assert plugin_name_problems((("npu", "accel_npu.plugins.devices.npu"),), {}, {})
+    assert plugin_name_problems(good, {}, {"launcher": "launch.launcher"})
+    assert plugin_name_problems(good, {}, {"deepspeed": "devices.npu"})
+    assert plugin_name_problems(good, {"deepspeed_setup": ""}, {})

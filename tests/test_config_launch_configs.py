@@ -135,7 +135,7 @@ def test_cpu_zero2_trains_from_the_repository_root():
 def test_cpu_zero3_trains_from_another_directory_where_stock_cannot_find_its_json(tmp_path):
     args = ["--config_file", str(CONFIGS / "cpu_zero3.yaml"), str(SCRIPTS / "train_tiny.py"), "--steps", "2"]
     # stock: the relative deepspeed_config_file is looked up in the workers' cwd
-    stock = accelerate_launch(args, env=base_env(ACCEL_NPU_DISABLED_PLUGINS="launch_settings"), cwd=tmp_path)
+    stock = accelerate_launch(args, env=base_env(ACCEL_NPU_DISABLED_PLUGINS="launch.settings"), cwd=tmp_path)
     assert stock.returncode != 0, explain(stock)
     assert "cpu_zero3.deepspeed.json" in stock.stderr and not results(stock), explain(stock)
     # with accel-npu: resolved next to the YAML

@@ -31,6 +31,6 @@ def test_read_by_accel_npu_matches_environment_py():
 
 
 def test_worker_defaults_match_the_npu_backend():
-    from accel_npu.plugins.devices.npu import NPU_LAUNCH_DEFAULTS
+    from accel_npu.plugins.devices.npu.worker_env import NPU_LAUNCH_DEFAULTS
 
     assert table("Set for launched workers (npu backend)") == NPU_LAUNCH_DEFAULTS

@@ -86,7 +86,7 @@ def test_blocked_by_name(site):
     assert not any(p["target"] == TARGET for p in report["patches"])
     assert "DiT4DiT (accel-npu-dit4dit)" not in report["sections"]
     # The built-ins are still there: only the named plugin is blocked.
-    assert {p["name"]: p for p in report["plugins"]}["cpu"]["status"] == "loaded"
+    assert {p["name"]: p for p in report["plugins"]}["devices.cpu"]["status"] == "loaded"
     unfixed = run(site, [sys.executable, "-m", "dit4dit_mini"], ACCEL_NPU_DISABLED_PLUGINS="dit4dit")
     assert unfixed.returncode != 0 and STOCK_ERROR in unfixed.stderr
 

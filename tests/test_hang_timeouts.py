@@ -10,7 +10,9 @@ from accel_npu.backend import Backend
 from accel_npu.plugins import hang_watch
 from accel_npu.plugins.hang_watch import watch
 
-NPU = Backend(name="npu", device_type="npu", dist_backend="hccl", device_count=8, ds_accelerator="npu", plugin="npu")
+NPU = Backend(
+    name="npu", device_type="npu", dist_backend="hccl", device_count=8, ds_accelerator="npu", plugin="devices.npu"
+)
 
 
 @pytest.mark.parametrize(

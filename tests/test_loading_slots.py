@@ -157,7 +157,7 @@ def test_sigkilled_holder_releases_its_slot(tmp_path, qwen_ckpt):
 
 
 def test_env_report_section(monkeypatch):
-    from accel_npu.plugins.loading import loading_report
+    from accel_npu.plugins.loading.report import loading_report
 
     monkeypatch.setenv("ACCEL_NPU_TRUNCATE", "QwenImageTransformer2DModel:2")
     monkeypatch.setenv("ACCEL_NPU_LOAD_SLOTS", "1")

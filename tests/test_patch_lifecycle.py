@@ -16,13 +16,13 @@ from tests.launch_utils import base_env
 
 
 def _declared_patches():
-    from accel_npu.manager import get_plugin_manager
+    from accel_npu.manager import declared_patches, get_plugin_manager
 
     pm = get_plugin_manager()
     return [
         (impl.plugin_name, patch)
         for impl in pm.hook.accel_npu_register_patches.get_hookimpls()
-        for patch in impl.function() or ()
+        for patch in declared_patches(impl)
     ]
 
 

@@ -160,6 +160,31 @@ def test_target_must_name_module_and_attribute():
         Patch(target="tests.fixtures.patch_target.add", supports="x", reason="", remove_when="", wrapper=_times_ten)
 
 
+def test_a_relative_wrapper_path_resolves_in_the_declaring_plugins_package(target_module):
+    ledger = PatchLedger()
+    patch = ledger.register(make("add", wrapper=".test_patching:_times_ten"), plugin="tests", package="tests")
+    # resolved at registration: the ledger and `accel-npu env` show the absolute path
+    assert patch.wrapper_path == "tests.test_patching:_times_ten"
+    ledger.arm()
+    assert importlib.import_module(MOD).add(1, 2) == 30 and patch.wrapper is _times_ten
+
+
+def test_absolute_wrapper_paths_and_callables_are_kept_whatever_the_package():
+    ledger = PatchLedger()
+    absolute = ledger.register(make("add", wrapper="tests.test_patching:_shout"), package="tests.fixtures")
+    given = ledger.register(make("Child.who", wrapper=_shout), package="tests.fixtures")
+    assert absolute.wrapper_path == "tests.test_patching:_shout" and absolute.wrapper is _shout
+    assert given.wrapper_path == "" and given.wrapper is _shout
+
+
+def test_a_relative_wrapper_path_without_a_package_is_an_error_naming_the_patch():
+    with pytest.raises(ValueError, match=r"'tests.fixtures.patch_target:add'.*'.test_patching:_times_ten'"):
+        PatchLedger().register(make("add", wrapper=".test_patching:_times_ten"), plugin="somewhere")
+    unregistered = make("add", wrapper=".test_patching:_times_ten")
+    with pytest.raises(ValueError, match="tests.fixtures.patch_target:add"):
+        _ = unregistered.wrapper
+
+
 def test_apply_twice_wraps_once(target_module):
     ledger = PatchLedger()
     patch = ledger.register(make("add"))

@@ -97,13 +97,24 @@ def test_only_accel_npu_names_are_inspected_for_hook_implementations(fresh_pm, m
 def test_blocked_and_broken_builtin_plugins(fresh_pm, monkeypatch):
     from accel_npu import manager
 
-    monkeypatch.setenv("ACCEL_NPU_DISABLED_PLUGINS", "cuda")
+    monkeypatch.setenv("ACCEL_NPU_DISABLED_PLUGINS", "devices.cuda")
     monkeypatch.setattr(manager, "DEFAULT_PLUGINS", manager.DEFAULT_PLUGINS + (("ghost", "accel_npu.plugins.no_such"),))
     pm = manager.get_plugin_manager()
     status = {r.name: r.status for r in pm.records}
-    assert status["cuda"] == "blocked" and pm.get_plugin("cuda") is None
+    assert status["devices.cuda"] == "blocked" and pm.get_plugin("devices.cuda") is None
     assert status["ghost"].startswith("failed: ModuleNotFoundError")
-    assert status["cpu"] == "loaded"
+    assert status["devices.cpu"] == "loaded"
+
+
+def test_old_builtin_names_block_as_aliases(fresh_pm, monkeypatch, caplog):
+    from accel_npu import manager
+
+    monkeypatch.setenv("ACCEL_NPU_DISABLED_PLUGINS", "cuda, launch_settings,launcher")
+    pm = manager.get_plugin_manager()
+    status = {r.name: r.status for r in pm.records}
+    assert status["devices.cuda"] == "blocked" and status["launch.settings"] == "blocked"
+    assert status["launch.launcher"] == "loaded" and status["devices.cpu"] == "loaded"  # essential; not named
+    assert "plugin 'launch.launcher' is essential and cannot be blocked" in caplog.text
 
 
 def test_select_backend_first_result_wins(probe, monkeypatch):
@@ -117,7 +128,7 @@ def test_select_backend_first_result_wins(probe, monkeypatch):
 
 def test_forced_backend(fresh_pm, monkeypatch):
     monkeypatch.setenv("ACCEL_NPU_BACKEND", "cpu")
-    assert current_backend().plugin == "cpu"
+    assert current_backend().plugin == "devices.cpu"
 
 
 def test_launch_env_user_values_win_and_bootstrap_is_added(probe):

@@ -63,12 +63,12 @@ from tests.launch_utils import (
 RESULT_FILE = RESULTS / "compatibility.md"
 CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # stock on CPU: ACCEL_NPU_DISABLE=1 makes every rank rank 0 of 1 (stock accelerate starts no gloo group
-# without an accelerator), so stock runs with every plugin off but those that form the 2 CPU ranks (cpu,
-# launcher and deepspeed_setup, the last two essential) and torchvision_compat (the registry's CUDA
-# torchvision fails stock's imports here), and deepspeed_setup's training-time patches off
+# without an accelerator), so stock runs with every plugin off but those that form the 2 CPU ranks
+# (devices.cpu, launch.launcher and deepspeed, the last two essential) and torchvision_compat (the registry's
+# CUDA torchvision fails stock's imports here), and the deepspeed plugin's training-time patches off
 STOCK_ENV = {
-    "ACCEL_NPU_DISABLED_PLUGINS": "npu,cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-    "launch_settings,hang_watch,trackers",
+    "ACCEL_NPU_DISABLED_PLUGINS": "devices.npu,devices.cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
+    "launch.settings,hang_watch,trackers",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
     "deepspeed.runtime.zero.partitioned_param_coordinator:"
     "PartitionedParameterCoordinator.fetch_sub_module,"

@@ -52,7 +52,7 @@ def activate(strict: bool = False) -> bool:
 
 
 def _activate() -> None:
-    from accel_npu.manager import get_plugin_manager
+    from accel_npu.manager import get_plugin_manager, plugin_package
     from accel_npu.patching import get_ledger
 
     pm = get_plugin_manager()
@@ -62,7 +62,7 @@ def _activate() -> None:
     for impl in pm.hook.accel_npu_register_patches.get_hookimpls():
         try:
             for patch in impl.function() or ():
-                ledger.register(patch, plugin=impl.plugin_name)
+                ledger.register(patch, plugin=impl.plugin_name, package=plugin_package(impl.plugin))
         except Exception as exc:  # noqa: BLE001 - one plugin's broken declaration must not hide the others'
             registration_errors[impl.plugin_name] = f"{type(exc).__name__}: {exc}"
             log.warning("accel-npu: plugin %r failed to declare its patches and is skipped: %s", impl.plugin_name, exc)

@@ -45,7 +45,10 @@ class PatchLedger:
         self._scope_errors: set[str] = set()
 
     # -- declaration ---------------------------------------------------------------------------
-    def register(self, patch: Patch, plugin: str = "") -> Patch:
+    def register(self, patch: Patch, plugin: str = "", package: str = "") -> Patch:
+        """Declare ``patch`` (of ``plugin``); ``package``: where its relative wrapper path is resolved,
+        the declaring plugin's package (ValueError when the path is relative and there is none)."""
+        patch.anchor(package)
         with self._lock:
             if any(p.target == patch.target and p.plugin == (plugin or patch.plugin) for p in self.patches):
                 return patch

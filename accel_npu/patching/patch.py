@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,10 @@ class Patch:
                  "accelerate>=1.10,<1.16". Other versions: skipped with a reason.
     reason:      the pitfall or upstream issue this patch removes.
     remove_when: the condition under which the patch can be deleted.
-    wrapper:     wrapt-style ``wrapper(wrapped, instance, args, kwargs)``, or its import path
-                 "plugin.module:function". A path is imported only when the patch is applied —
+    wrapper:     wrapt-style ``wrapper(wrapped, instance, args, kwargs)``, or its import path:
+                 ".module:function", relative to the package of the plugin that declares the patch
+                 (resolved when the ledger registers it, see :meth:`anchor`), or absolute,
+                 "package.module:function". A path is imported only when the patch is applied —
                  when the target's module is imported — so declaring a patch costs nothing
                  inside ``import torch``.
     scope:       optional :class:`~accel_npu.patching.scope.Scope`: the processes the patch applies in
@@ -96,10 +99,24 @@ class Patch:
     def __repr__(self) -> str:
         return f"Patch(target={self.target!r}, plugin={self.plugin!r}, status={self.status!r})"
 
+    def anchor(self, package: str) -> None:
+        """Resolve a relative wrapper path (".module:function") in ``package``, the declaring plugin's
+        package, to the absolute one; ValueError naming the patch when there is no package to resolve it in."""
+        if not self.wrapper_path.startswith("."):
+            return
+        if not package:
+            raise ValueError(
+                f"Patch {self.target!r}: wrapper {self.wrapper_path!r} is relative to its plugin's package, "
+                "but the patch was registered without one (name it absolutely, 'package.module:function')"
+            )
+        module, _, name = self.wrapper_path.partition(":")
+        self.wrapper_path = self._wrapper = f"{importlib.util.resolve_name(module, package)}:{name}"
+
     @property
     def wrapper(self) -> Wrapper:
         """The wrapper function (importing its module the first time, when given as a path)."""
         if isinstance(self._wrapper, str):
+            self.anchor("")  # a relative path nobody resolved: the error names the patch
             module, _, name = self.wrapper_path.partition(":")
             obj: Any = importlib.import_module(module)
             for part in name.split("."):

@@ -18,8 +18,6 @@ from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.scopes import CUDA_FACADE
 
-# The wrappers are named by path and imported when their library is: this module is imported inside `import torch`.
-_PKG = "accel_npu.plugins.attention"
 _DIFFUSERS = "diffusers>=0.35.2,<0.43"
 _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (xformers runs on CUDA only)"
 
@@ -30,7 +28,7 @@ XFORMERS_AVAILABLE = Patch(
     reason="diffusers' scripts raise 'xformers is not available' under --enable_xformers_memory_efficient_attention "
     "without xformers: True to the script only.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.diffusers:is_xformers_available",
+    wrapper=".diffusers:is_xformers_available",
     scope=CUDA_FACADE,
 )
 
@@ -40,7 +38,7 @@ ATTENTION_XFORMERS = Patch(
     reason="diffusers/models/attention_processor.py raises without xformers or CUDA; AttnProcessorNPU (npu) or "
     "SDPA (cpu) runs instead.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.diffusers:attention_set_xformers",
+    wrapper=".diffusers:attention_set_xformers",
     scope=CUDA_FACADE,
 )
 
@@ -50,7 +48,7 @@ ATTENTION_MODULE_XFORMERS = Patch(
     reason="diffusers/models/attention.py raises without xformers or CUDA; the native backend (SDPA, which torch_npu "
     "runs on npu) is kept.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.diffusers:attention_module_set_xformers",
+    wrapper=".diffusers:attention_module_set_xformers",
     scope=CUDA_FACADE,
 )
 
@@ -60,7 +58,7 @@ FLASH_ATTENTION_2 = Patch(
     reason="transformers/modeling_utils.py raises ImportError for attn_implementation='flash_attention_2' without "
     "flash_attn: SDPA on cpu (npu: transformers' own path).",
     remove_when="never for CUDA-written scripts on CPU (flash_attn runs on CUDA only)",
-    wrapper=f"{_PKG}.transformers:check_and_adjust_attn_implementation",
+    wrapper=".transformers:check_and_adjust_attn_implementation",
     scope=CUDA_FACADE,
 )
 

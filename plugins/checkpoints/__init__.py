@@ -17,10 +17,6 @@ from accel_npu import environment
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrappers live beside this module, named by path in `wrapper=` and imported when a patch is applied
-# (its library imported), not here: this module is imported inside `import torch` and must stay cheap.
-_PKG = "accel_npu.plugins.checkpoints"
-
 _SUPPORTS = "accelerate>=1.10.1,<1.17"
 
 
@@ -41,7 +37,7 @@ SAVE_STATE = _patch(
     "A crash during a DeepSpeed save_state leaves a half-written checkpoint in place of the previous "
     "one; it is written aside and renamed into place.",
     "accelerate/DeepSpeed write checkpoints to a temporary directory and publish them atomically",
-    f"{_PKG}.accelerator:save_state",
+    ".accelerator:save_state",
 )
 LOAD_STATE = _patch(
     "load_state",
@@ -50,7 +46,7 @@ LOAD_STATE = _patch(
     "Resume needs a complete checkpoint: an incomplete one is refused naming the missing files, an "
     "interrupted atomic swap is recovered.",
     "accelerate validates DeepSpeed checkpoints before loading them",
-    f"{_PKG}.accelerator:load_state",
+    ".accelerator:load_state",
 )
 GET_STATE_DICT = _patch(
     "get_state_dict",
@@ -58,14 +54,14 @@ GET_STATE_DICT = _patch(
     "Under ZeRO-3 get_state_dict is a collective: called on rank 0 alone it gathers the whole model "
     "there or waits for the process-group timeout.",
     "accelerate detects a collective entered by one rank (and frozen towers are no longer hidden)",
-    f"{_PKG}.accelerator:get_state_dict",
+    ".accelerator:get_state_dict",
 )
 SAVE_MODEL = _patch(
     "save_model",
     "Under ZeRO-3 save_model gathers the full 16-bit model into rank 0's memory (+1x model) and hangs "
     "when called by one rank only.",
     "accelerate/DeepSpeed write ZeRO-3 models shard by shard",
-    f"{_PKG}.accelerator:save_model",
+    ".accelerator:save_model",
 )
 
 
@@ -75,7 +71,7 @@ WAIT_FOR_EVERYONE = Patch(
     reason="Under ZeRO-3 rank 0 saving alone writes shape-[0] tensors while the others wait here; "
     "waiting ranks serve rank 0's gathers.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.boundary:wait_for_everyone",
+    wrapper=".boundary:wait_for_everyone",
 )
 END_TRAINING = Patch(
     target="accelerate.accelerator:Accelerator.end_training",
@@ -83,7 +79,7 @@ END_TRAINING = Patch(
     reason="diffusers' scripts save on rank 0 while the others destroy the process group in "
     "end_training(); under ZeRO-3 they serve rank 0's gathers first.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.boundary:end_training",
+    wrapper=".boundary:end_training",
 )
 GATHERED_ENTER = Patch(
     target="deepspeed.runtime.zero.partition_parameters:GatheredParameters.__enter__",
@@ -91,7 +87,7 @@ GATHERED_ENTER = Patch(
     reason="A ZeRO-3 gather made on one rank for a save hangs; it is announced first, so idle ranks "
     "join it and busy ones make it fail in time.",
     remove_when="accelerate/DeepSpeed gather partitioned parameters for a save made on one rank",
-    wrapper=f"{_PKG}.serving:gathered_enter",
+    wrapper=".serving:gathered_enter",
 )
 ZERO3_FORWARD_FETCH = Patch(
     target="deepspeed.runtime.zero.parameter_offload:DeepSpeedZeRoOffload.pre_sub_module_forward_function",
@@ -99,7 +95,7 @@ ZERO3_FORWARD_FETCH = Patch(
     # In the step window (boundary.py) the paused ranks join each of rank 0's fetches.
     reason="A ZeRO-3 forward run on rank 0 alone (train_unconditional.py's sampling) hangs in its gathers.",
     remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
-    wrapper=f"{_PKG}.boundary:pre_sub_module_forward",
+    wrapper=".boundary:pre_sub_module_forward",
 )
 DIFFUSERS_SAVE_PRETRAINED = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.save_pretrained",
@@ -107,7 +103,7 @@ DIFFUSERS_SAVE_PRETRAINED = Patch(
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
     "(train_text_to_image.py's final save); the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=f"{_PKG}.partitioned:diffusers_save_pretrained",
+    wrapper=".partitioned:diffusers_save_pretrained",
 )
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
     target="transformers.modeling_utils:PreTrainedModel.save_pretrained",
@@ -115,7 +111,7 @@ TRANSFORMERS_SAVE_PRETRAINED = Patch(
     reason="save_pretrained of a ZeRO-3 partitioned model writes shape-[0] tensors and exits 0 "
     "(train_llada2.py's checkpoints); the trained model is lost.",
     remove_when="transformers gathers ZeRO-3 partitioned parameters in save_pretrained",
-    wrapper=f"{_PKG}.partitioned:transformers_save_pretrained",
+    wrapper=".partitioned:transformers_save_pretrained",
 )
 SAFETENSORS_SAVE_FILE = Patch(
     # transformers/modeling_utils.py binds its alias safe_save_file at import, after this is applied
@@ -124,7 +120,7 @@ SAFETENSORS_SAVE_FILE = Patch(
     supports="safetensors>=0.4.3,<0.9",
     reason="save_file of ZeRO-3 partitioned parameters writes their empty local data (shape [0]).",
     remove_when="never: safetensors knows nothing of ZeRO-3; remove with the save_pretrained patch",
-    wrapper=f"{_PKG}.partitioned:save_file",
+    wrapper=".partitioned:save_file",
 )
 
 
@@ -135,7 +131,7 @@ PEFT_STATE_DICT = Patch(
     reason="Under ZeRO-3 get_peft_model_state_dict returns empty copies, so save_lora_weights writes "
     "shape-[0] tensors (exit 0) that load_lora_weights refuses.",
     remove_when="peft gathers ZeRO-3 parameters in get_peft_model_state_dict",
-    wrapper=f"{_PKG}.lora:peft_state_dict",
+    wrapper=".lora:peft_state_dict",
 )
 
 PEFT_LOAD_ADAPTER = Patch(
@@ -146,7 +142,7 @@ PEFT_LOAD_ADAPTER = Patch(
     "optimizer does not hold (train_lcm_distill_lora_*_wds.py).",
     remove_when="peft loads an existing adapter without replacing its parameters, or diffusers' LCM LoRA "
     "scripts stop loading the adapter again in their load hook",
-    wrapper=f"{_PKG}.adapter_reload:peft_load_adapter",
+    wrapper=".adapter_reload:peft_load_adapter",
 )
 DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     target="diffusers.loaders.peft:PeftAdapterMixin.load_lora_adapter",
@@ -157,7 +153,7 @@ DIFFUSERS_LOAD_LORA_ADAPTER = Patch(
     "load_lora_into_unet adds an adapter the optimizer lacks.",
     remove_when="diffusers converts every old-style key, and the sd15 advanced script drops its hook's second "
     "load (as #6514 did for SDXL)",
-    wrapper=f"{_PKG}.lora:load_lora_adapter",
+    wrapper=".lora:load_lora_adapter",
 )
 
 BACKWARD = _patch(
@@ -166,7 +162,7 @@ BACKWARD = _patch(
     "diffusers' scripts call save_state on rank 0 only, which under DeepSpeed hangs (diffusers #2606); "
     "the other ranks serve it at the step boundary.",
     "accelerate saves a main-process-only save_state under DeepSpeed, or diffusers calls it on every rank",
-    f"{_PKG}.boundary:backward",
+    ".boundary:backward",
 )
 
 
@@ -178,7 +174,7 @@ def _iter_patch(cls):
         reason="A rank's next batch after an optimizer step is where it waits for rank 0 and serves a "
         "save_state made alone (diffusers #2606).",
         remove_when="with the Accelerator.backward patch",
-        wrapper=f"{_PKG}.boundary:dataloader_iter",
+        wrapper=".boundary:dataloader_iter",
     )
 
 
@@ -188,7 +184,7 @@ OPTIMIZER_STEP = Patch(
     reason="Under FSDP the step boundary where the other ranks serve rank 0's save_state (diffusers #2606) is "
     "after the script's optimizer.step(), not in backward.",
     remove_when="with the Accelerator.backward patch",
-    wrapper=f"{_PKG}.boundary:optimizer_step",
+    wrapper=".boundary:optimizer_step",
 )
 DATALOADER_SHARD_ITER = _iter_patch("DataLoaderShard")
 DATALOADER_DISPATCHER_ITER = _iter_patch("DataLoaderDispatcher")

@@ -26,10 +26,6 @@ from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.scopes import CUDA_FACADE
 
-# The wrappers live beside this module, named by path in `wrapper=` and imported when a patch is applied
-# (its target imported), not here: this module is imported inside `import torch` and must stay cheap.
-_PKG = "accel_npu.plugins.cuda_compat"
-
 _SUPPORTS = "torch>=2.5.1,<2.16"
 _REMOVE_WHEN = "never for CUDA-written scripts on NPU/CPU (torch keeps treating 'cuda' literally)"
 
@@ -67,7 +63,7 @@ TORCH_CUDA = [
         reason=f"torch.cuda.{name}() without CUDA raises ('Torch not compiled with CUDA enabled') or "
         f"misleads; answers for the active device.",
         remove_when=_REMOVE_WHEN,
-        wrapper=f"{_PKG}.functions:cuda_{name}",
+        wrapper=f".functions:cuda_{name}",
         scope=CUDA_FACADE,
     )
     for name in CUDA_FUNCTIONS
@@ -81,7 +77,7 @@ EVENT = Patch(
     reason="torch.cuda.Event() without CUDA: 'Tried to instantiate dummy base class Event' "
     "(torch/cuda/streams.py); torch.npu.Event on npu, a host timer on cpu.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.classes:event_new",
+    wrapper=".classes:event_new",
     scope=CUDA_FACADE,
 )
 STREAM = Patch(
@@ -90,7 +86,7 @@ STREAM = Patch(
     reason="torch.cuda.Stream() without CUDA: 'Tried to instantiate dummy base class Stream'; "
     "torch.npu.Stream on npu, the host's one in-order stream on cpu.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.classes:stream_new",
+    wrapper=".classes:stream_new",
     scope=CUDA_FACADE,
 )
 DEVICE_ENTER = Patch(
@@ -99,7 +95,7 @@ DEVICE_ENTER = Patch(
     reason="`with torch.cuda.device(i):` raises 'PyTorch was compiled without CUDA support'; "
     "torch.npu.device on npu, the façade's current index on cpu.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.classes:device_enter",
+    wrapper=".classes:device_enter",
     scope=CUDA_FACADE,
 )
 DEVICE_EXIT = Patch(
@@ -107,7 +103,7 @@ DEVICE_EXIT = Patch(
     supports=_SUPPORTS,
     reason="the exit of `with torch.cuda.device(i):` (see torch.cuda:device.__enter__).",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.classes:device_exit",
+    wrapper=".classes:device_exit",
     scope=CUDA_FACADE,
 )
 
@@ -119,7 +115,7 @@ TENSOR_TO = Patch(
     reason="tensor.to('cuda') or to an int CUDA ordinal without CUDA: 'Torch not compiled with CUDA "
     "enabled'; remapped to the active device (npu:N or cpu).",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.tensors:to",
+    wrapper=".tensors:to",
     scope=CUDA_FACADE,
 )
 TENSOR_CUDA = Patch(
@@ -128,7 +124,7 @@ TENSOR_CUDA = Patch(
     reason="tensor.cuda() without CUDA: 'Torch not compiled with CUDA enabled'; moves to the active "
     "device instead (transfer_to_npu replaces it with Tensor.npu).",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.tensors:tensor_cuda",
+    wrapper=".tensors:tensor_cuda",
     scope=CUDA_FACADE,
 )
 MODULE_TO = Patch(
@@ -137,7 +133,7 @@ MODULE_TO = Patch(
     reason="model.to('cuda') / model.to(local_rank) without CUDA fails at the first parameter; the device "
     "is remapped to the active one.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.tensors:to",
+    wrapper=".tensors:to",
     scope=CUDA_FACADE,
 )
 MODULE_CUDA = Patch(
@@ -145,7 +141,7 @@ MODULE_CUDA = Patch(
     supports=_SUPPORTS,
     reason="model.cuda() without CUDA fails at the first parameter; moves to the active device.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.tensors:module_cuda",
+    wrapper=".tensors:module_cuda",
     scope=CUDA_FACADE,
 )
 
@@ -182,7 +178,7 @@ FACTORY_FUNCTIONS = [
         reason=f"torch.{name}(..., device='cuda') without CUDA: 'Torch not compiled with CUDA enabled'; the "
         f"device is remapped to the active one.",
         remove_when=_REMOVE_WHEN,
-        wrapper=f"{_PKG}.tensors:factory",
+        wrapper=".tensors:factory",
         scope=CUDA_FACADE,
     )
     for name in FACTORIES
@@ -194,7 +190,7 @@ LOAD = Patch(
     reason="torch.load(map_location='cuda:N') without CUDA: 'Attempting to deserialize object on a CUDA "
     "device'; remapped to the active device.",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.tensors:load",
+    wrapper=".tensors:load",
     scope=CUDA_FACADE,
 )
 
@@ -204,7 +200,7 @@ NCCL_BACKEND = Patch(
     reason="init_process_group('nccl') without CUDA: 'Distributed package doesn't have NCCL built "
     "in'; runs the active backend (hccl on npu, gloo on cpu).",
     remove_when=_REMOVE_WHEN,
-    wrapper=f"{_PKG}.distributed:backend_new",
+    wrapper=".distributed:backend_new",
     scope=CUDA_FACADE,
 )
 
@@ -212,13 +208,8 @@ NCCL_BACKEND = Patch(
 @hookimpl
 def accel_npu_explain_error(error):
     from accel_npu.plugins.cuda_compat import explain
-    from accel_npu.scopes import cuda_facade_off
 
-    try:
-        why_off = cuda_facade_off()
-    except Exception:  # noqa: BLE001 - an unreadable ACCEL_NPU_CUDA_FACADE was named when activation read it
-        return None
-    return explain.explain(error, why_off) if why_off and explain.met_missing_cuda(error) else None
+    return explain.explain_error(error)
 
 
 @hookimpl

@@ -37,3 +37,15 @@ def explain(error: BaseException, why_off: str) -> str:
         f"--nproc_per_node N train.py` — or set ACCEL_NPU_CUDA_FACADE=1 for a plain `python` run "
         f"(docs/cuda-compat.md)."
     )
+
+
+def explain_error(error: BaseException) -> str | None:
+    """The line after a CUDA error where the façade is off, or None (the façade is on, or the error is
+    not CUDA's absence)."""
+    from accel_npu.scopes import cuda_facade_off
+
+    try:
+        why_off = cuda_facade_off()
+    except Exception:  # noqa: BLE001 - an unreadable ACCEL_NPU_CUDA_FACADE was named when activation read it
+        return None
+    return explain(error, why_off) if why_off and met_missing_cuda(error) else None

@@ -23,11 +23,8 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrapper lives beside this module (construction.py), named by path in `wrapper=`: it is imported when
-# torch.nn.parallel.distributed is, and imports the probe (unused.py) on the first training forward.
-_PKG = "accel_npu.plugins.ddp"
-
-
+# construction.py is imported when torch.nn.parallel.distributed is, and imports the probe (unused.py) on the
+# first training forward.
 DDP_UNUSED_PARAMETERS = Patch(
     target="torch.nn.parallel.distributed:DistributedDataParallel.__init__",
     supports="torch>=2.5.1,<2.16",
@@ -35,7 +32,7 @@ DDP_UNUSED_PARAMETERS = Patch(
     reason="DDP with parameters no forward uses dies at step 2 ('Expected to have finished reduction'); "
     "a meta-device probe finds them and sets static_graph.",
     remove_when="DDP detects parameters that never get a gradient itself, or accelerate sets static_graph",
-    wrapper=f"{_PKG}.construction:ddp_init",
+    wrapper=".construction:ddp_init",
 )
 
 

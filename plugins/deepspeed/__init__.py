@@ -35,11 +35,6 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrappers live beside this module, named by path in `wrapper=` and imported when a patch is applied
-# (its library imported), not here: this module is imported inside `import torch` and must stay cheap.
-_PKG = "accel_npu.plugins.deepspeed"
-
-
 DEEPSPEED_LAUNCHER = Patch(
     target="accelerate.commands.launch:deepspeed_launcher",
     supports="accelerate>=1.10.1,<1.17",
@@ -48,7 +43,7 @@ DEEPSPEED_LAUNCHER = Patch(
     reason="mixed_precision beside deepspeed_config_file fails in every worker (accelerate's "
     "_deepspeed_config_checks); the launcher lets the DeepSpeed file decide.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
-    wrapper=f"{_PKG}.mixed_precision:deepspeed_launcher",
+    wrapper=".mixed_precision:deepspeed_launcher",
 )
 
 
@@ -58,7 +53,7 @@ CONFIG_CHECKS = Patch(
     reason="'the following accelerate config variables will be ignored' for mixed_precision, which "
     "set_mixed_precision reconciles with the DeepSpeed file instead.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
-    wrapper=f"{_PKG}.mixed_precision:config_checks",
+    wrapper=".mixed_precision:config_checks",
 )
 
 SET_MIXED_PRECISION = Patch(
@@ -67,7 +62,7 @@ SET_MIXED_PRECISION = Patch(
     reason="'`--mixed_precision` arg cannot be set to X when Y is set in the DeepSpeed config file'; the "
     "file decides, a real fp16/bf16 clash is one ConfigError.",
     remove_when="accelerate reconciles mixed_precision with a DeepSpeed config file itself",
-    wrapper=f"{_PKG}.mixed_precision:set_mixed_precision",
+    wrapper=".mixed_precision:set_mixed_precision",
 )
 
 
@@ -78,7 +73,7 @@ PLUGIN_POST_INIT = Patch(
     reason="A script's hard-coded DeepSpeedPlugin(hf_ds_config='...') silently overrides the launch "
     "config's deepspeed_config_file; the launch-side file wins.",
     remove_when="accelerate prefers the launch config's DeepSpeed file (or warns about the override)",
-    wrapper=f"{_PKG}.config_file:plugin_post_init",
+    wrapper=".config_file:plugin_post_init",
 )
 
 
@@ -90,7 +85,7 @@ ZERO3_FETCH = Patch(
     reason="ZeRO-3 parameters gathered under inference_mode() break the next training forward "
     "('Inference tensors cannot be saved for backward', runtime/zero/linear.py).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters outside inference mode itself",
-    wrapper=f"{_PKG}.inference_mode:fetch_sub_module",
+    wrapper=".inference_mode:fetch_sub_module",
 )
 
 
@@ -108,7 +103,7 @@ PREPARE = Patch(
     "micro batch only from DataLoader.batch_size. Both completed.",
     remove_when="accelerate prepares models sharing one optimizer as one engine and resolves 'auto' micro "
     "batch sizes without a DataLoader.batch_size",
-    wrapper=f"{_PKG}.prepare:prepare",
+    wrapper=".prepare:prepare",
 )
 
 
@@ -121,7 +116,7 @@ ENGINE_INPUT_DTYPE = Patch(
     reason="DeepSpeed casts inputs only under fp16.auto_cast: other-half inputs are cast; fp32 activations run "
     "under torch.autocast, as accelerate runs them under DDP.",
     remove_when="DeepSpeed casts floating-point inputs to the engine's dtype itself (auto_cast for bf16)",
-    wrapper=f"{_PKG}.input_dtype:cast_other_half_inputs",
+    wrapper=".input_dtype:cast_other_half_inputs",
 )
 
 ZERO3_PARAM_DTYPE = Patch(
@@ -135,7 +130,7 @@ ZERO3_PARAM_DTYPE = Patch(
     reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
     "loading trains in the wrong dtype; partitions are cast.",
     remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
-    wrapper=f"{_PKG}.input_dtype:cast_partitioned_params",
+    wrapper=".input_dtype:cast_partitioned_params",
 )
 
 
@@ -150,7 +145,7 @@ ENGINE_PARAMETERS = Patch(
     reason="A script iterating a ZeRO-3 engine's parameters() reads shape-[0] partitions ('size of tensor a (3) "
     "must match ... b (0)'); gathered while held.",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
-    wrapper=f"{_PKG}.gathered_reads:parameters",
+    wrapper=".gathered_reads:parameters",
 )
 
 ENGINE_NAMED_PARAMETERS = Patch(
@@ -159,7 +154,7 @@ ENGINE_NAMED_PARAMETERS = Patch(
     reason="A script iterating a ZeRO-3 engine's named_parameters() reads shape-[0] partitions; gathered while "
     "held (GatheredParameters).",
     remove_when="DeepSpeed gathers ZeRO-3 parameters read outside the engine's forward itself",
-    wrapper=f"{_PKG}.gathered_reads:named_parameters",
+    wrapper=".gathered_reads:named_parameters",
 )
 
 

@@ -36,7 +36,7 @@ def accel_npu_select_backend(env):
     if forced and forced != "cpu":
         return None
     return Backend(
-        name="cpu", device_type="cpu", dist_backend="gloo", device_count=0, ds_accelerator="cpu", plugin="cpu"
+        name="cpu", device_type="cpu", dist_backend="gloo", device_count=0, ds_accelerator="cpu", plugin="devices.cpu"
     )
 
 
@@ -165,7 +165,7 @@ PREPARE_BACKEND = Patch(
     reason="No accelerator + distributed launch: stock returns no backend, so every rank is "
     "rank 0 of 1 while DeepSpeed's gloo group has N (duplicate data and checkpoints).",
     remove_when="accelerate selects gloo/MULTI_CPU for LOCAL_RANK launches without an accelerator",
-    wrapper=_prepare_backend_on_cpu,
+    wrapper=".cpu:_prepare_backend_on_cpu",
 )
 
 VALIDATE_LAUNCH = Patch(
@@ -174,7 +174,7 @@ VALIDATE_LAUNCH = Patch(
     reason="`accelerate launch --num_processes N` without an accelerator starts 1 process "
     "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
     remove_when="accelerate launches N gloo workers with torchrun on CPU-only machines",
-    wrapper=_validate_launch_on_cpu,
+    wrapper=".cpu:_validate_launch_on_cpu",
 )
 
 
@@ -186,7 +186,7 @@ FSDP_ON_CPU = Patch(
     reason="An FSDP launch config on gloo ranks silently trains as plain DDP: accelerate/state.py "
     "turns FSDP on for GPU/NPU/XPU types only, never MULTI_CPU.",
     remove_when="accelerate enables FSDP for DistributedType.MULTI_CPU",
-    wrapper=_fsdp_on_cpu,
+    wrapper=".cpu:_fsdp_on_cpu",
 )
 
 CLOSE_GLOO_AT_EXIT = Patch(
@@ -199,7 +199,7 @@ CLOSE_GLOO_AT_EXIT = Patch(
     reason="gloo workers still running at interpreter exit abort a finished run with SIGABRT, exit -6 "
     "(pytorch#190489); the groups are closed or quiesced at exit.",
     remove_when="torch.distributed quiesces gloo's worker threads before Python finalizes",
-    wrapper=_register_close_at_exit,
+    wrapper=".cpu:_register_close_at_exit",
 )
 
 
@@ -229,7 +229,7 @@ SHM_OP_ONLY_WHEN_ASKED = Patch(
     reason="deepspeed/comm/torch.py TorchBackend.__init__ compiles the CPU shm all-reduce op with g++ "
     "(fails without a compiler); only inference_all_reduce uses it.",
     remove_when="DeepSpeed builds the shm op lazily, on the first inference_all_reduce",
-    wrapper=_shm_op_only_when_asked,
+    wrapper=".cpu:_shm_op_only_when_asked",
 )
 
 

@@ -23,7 +23,7 @@ def accel_npu_select_backend(env):
         dist_backend="nccl",
         device_count=torch.cuda.device_count(),
         ds_accelerator=None,
-        plugin="cuda",
+        plugin="devices.cuda",
     )
 
 

@@ -14,17 +14,13 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrapper lives beside this module (excepthook.py), named by path in `wrapper=`.
-_PKG = "accel_npu.plugins.explain_errors"
-
-
 EXCEPTHOOK = Patch(
     target="sys:excepthook",
     supports="python>=3.10,<3.15",
     reason="Errors caused by the machine (HCCL ports taken, an NPU touched in a forked worker) end in a "
     "traceback that names no fix: one line after it says what to change.",
     remove_when="torch_npu's and CANN's errors name their fix themselves",
-    wrapper=f"{_PKG}.excepthook:excepthook",
+    wrapper=".excepthook:excepthook",
 )
 
 

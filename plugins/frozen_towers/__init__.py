@@ -10,19 +10,14 @@ are made whole first: rematerialize.py).
 The engines it returns are noted (``accel_npu._torch.zero.note_engine_built``): while one lives, the
 loading plugin builds models whole (they can only be used outside it).
 
-This module declares the patch and the ``accel-npu env`` section; ``towers.py`` holds the wrapper.
+This module declares the patch and the ``accel-npu env`` section; ``towers.py`` holds the wrapper and
+the section's content.
 """
 
 from __future__ import annotations
 
-from accel_npu import environment
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-from accel_npu.plugins.frozen_towers import towers
-
-# The wrapper lives beside this module (towers.py), named by path in `wrapper=`.
-_PKG = "accel_npu.plugins.frozen_towers"
-
 
 PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
@@ -30,7 +25,7 @@ PREPARE_DEEPSPEED = Patch(
     reason="DeepSpeed casts a frozen fp32 VAE/text encoder held by the model to bf16 ('Input type "
     "(float) and bias type (BFloat16)'); ZeRO-3 also partitions it.",
     remove_when="DeepSpeed leaves modules without trainable parameters alone (no cast, no partitioning)",
-    wrapper=f"{_PKG}.towers:prepare_deepspeed",
+    wrapper=".towers:prepare_deepspeed",
 )
 
 
@@ -41,11 +36,6 @@ def accel_npu_register_patches():
 
 @hookimpl
 def accel_npu_env_report(backend):
-    names = towers.requested_names()
-    return (
-        "frozen towers",
-        {
-            "ACCEL_NPU_FROZEN_MODULES": environment.get("ACCEL_NPU_FROZEN_MODULES") or "(auto-detect)",
-            "mode": "off" if names == [] else ("auto-detect" if names is None else ", ".join(names)),
-        },
-    )
+    from accel_npu.plugins.frozen_towers import towers
+
+    return ("frozen towers", towers.env_report())

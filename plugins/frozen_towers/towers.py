@@ -74,6 +74,15 @@ def requested_names() -> list[str] | None:
     return [n.strip() for n in raw.split(",") if n.strip()]
 
 
+def env_report() -> dict[str, str]:
+    """The frozen towers section of ``accel-npu env``: ACCEL_NPU_FROZEN_MODULES and what it selects."""
+    names = requested_names()
+    return {
+        "ACCEL_NPU_FROZEN_MODULES": environment.get("ACCEL_NPU_FROZEN_MODULES") or "(auto-detect)",
+        "mode": "off" if names == [] else ("auto-detect" if names is None else ", ".join(names)),
+    }
+
+
 def select_towers(model, names: list[str] | None = None) -> list[str]:
     """Dotted names of the children to keep out of the engine.
 

@@ -21,10 +21,13 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from types import SimpleNamespace
 
 from accel_npu import environment
 from accel_npu._torch.dist import collective_hooks as _hooks
 from accel_npu._torch.dist import default_group_timeout, first_timeout, hccl_exec_timeout
+
+from .collectives import COLLECTIVES, SINGLE_TENSOR_COLLECTIVES
 
 log = logging.getLogger("accel_npu")
 
@@ -170,6 +173,13 @@ def collective_wrapper(name: str):
             calls.changed_at = _monotonic()
 
     return wrapper
+
+
+#: One wrapper per collective, named by path in the plugin's patches (".watch:COLLECTIVE_WRAPPERS.all_reduce");
+#: each keeps its own collective's name and `group` position.
+COLLECTIVE_WRAPPERS = SimpleNamespace(
+    **{name: collective_wrapper(name) for name in (*COLLECTIVES, *SINGLE_TENSOR_COLLECTIVES)}
+)
 
 
 def init_wrapper(wrapped, instance, args, kwargs):

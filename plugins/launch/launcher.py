@@ -147,7 +147,7 @@ LAUNCH_AGENT = Patch(
     reason="Workers must inherit accel-npu's activation and the backend's environment defaults, and "
     "a launch that cannot work must be refused before they start.",
     remove_when="never: this is how accel-npu reaches launched workers",
-    wrapper=_launch_agent,
+    wrapper=".launcher:_launch_agent",
 )
 
 

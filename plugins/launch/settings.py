@@ -179,7 +179,7 @@ LAUNCH_COMMAND = Patch(
     reason="A relative deepspeed_config_file resolves against each worker's cwd, so a shipped config "
     "works from one directory only; also applies the sidecar.",
     remove_when="accelerate resolves config-relative paths (the sidecar part stays: accel-npu's own)",
-    wrapper=_launch_command,
+    wrapper=".settings:_launch_command",
 )
 
 

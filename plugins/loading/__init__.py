@@ -3,24 +3,15 @@
 This module declares the plugin (its patches and its ``accel-npu env`` section); the machinery
 sits beside it (docs/loading.md): ``diffusers.py`` and ``transformers.py`` (the two
 ``from_pretrained``), ``frozen.py`` (loads kept outside zero.Init), ``placement/`` (zero3, fsdp,
-local), ``slots.py``, ``lazy.py``, ``prefetch.py``, ``truncation.py``, ``job.py``. Every wrapper hands calls it
-does not improve to the stock implementation (hub ids, device_map, quantization, variants,
-pickled checkpoints, ...).
+local), ``slots.py``, ``lazy.py``, ``prefetch.py``, ``truncation.py``, ``job.py``, ``report.py`` (the
+section). Every wrapper hands calls it does not improve to the stock implementation (hub ids,
+device_map, quantization, variants, pickled checkpoints, ...).
 """
 
 from __future__ import annotations
 
-from accel_npu._torch.dist import local_world_size
-from accel_npu._torch.memory import available_memory, malloc_trim, prefault_available
-from accel_npu.environment import get as env_get
-from accel_npu.errors import ConfigError
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
-
-# The machinery beside this module is named by path in `wrapper=` and imported when a patch is
-# applied (its library imported), not here: this module is imported inside `import torch`.
-_PKG = "accel_npu.plugins.loading"
-
 
 DIFFUSERS_MODEL = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.from_pretrained",
@@ -31,7 +22,7 @@ DIFFUSERS_MODEL = Patch(
     "loads are truncated, checked, staggered or partitioned.",
     remove_when="diffusers reads only the tensors of the configured depth, errors on missing keys, "
     "staggers ranks and builds under zero.Init (not as of 0.42)",
-    wrapper=f"{_PKG}.diffusers:from_pretrained",
+    wrapper=".diffusers:from_pretrained",
 )
 
 DIFFUSERS_DTYPE = Patch(
@@ -41,7 +32,7 @@ DIFFUSERS_DTYPE = Patch(
     reason="A model loaded into ZeRO-3 partitions reports bf16 before prepare, so train_dreambooth.py "
     "refuses it ('Unet loaded as datatype torch.bfloat16').",
     remove_when="diffusers builds models under zero.Init itself (then its dtype is zero.Init's, as stock)",
-    wrapper=f"{_PKG}.placement.zero3:parameter_dtype",
+    wrapper=".placement.zero3:parameter_dtype",
 )
 
 DIFFUSERS_CONFIG_CHANGE = Patch(
@@ -51,7 +42,7 @@ DIFFUSERS_CONFIG_CHANGE = Patch(
     reason="train_instruct_pix2pix{,_sdxl}.py set in_channels=8, then copy conv_in.weight into a wider conv: "
     "a model loaded into ZeRO-3 partitions has none.",
     remove_when="diffusers builds models under zero.Init itself (then stock breaks the script alike)",
-    wrapper=f"{_PKG}.placement.zero3:config_changed",
+    wrapper=".placement.zero3:config_changed",
 )
 
 TRANSFORMERS_MODEL = Patch(
@@ -60,7 +51,7 @@ TRANSFORMERS_MODEL = Patch(
     reason="ACCEL_NPU_TRUNCATE for transformers classes, an error instead of random init past the "
     "checkpoint's depth, node-level load slots, malloc_trim.",
     remove_when="never for ACCEL_NPU_TRUNCATE; slots: when transformers staggers per-node loading",
-    wrapper=f"{_PKG}.transformers:from_pretrained",
+    wrapper=".transformers:from_pretrained",
 )
 
 DIFFUSERS_PIPELINE = Patch(
@@ -69,7 +60,7 @@ DIFFUSERS_PIPELINE = Patch(
     reason="Under ZeRO-3 transformers builds a pipeline's inference towers (VAE, text encoders) inside "
     "zero.Init, partitioned and cast (accelerate #3170, diffusers #10743).",
     remove_when="transformers/accelerate stop using zero.Init for pipeline components",
-    wrapper=f"{_PKG}.frozen:pipeline_from_pretrained",
+    wrapper=".frozen:pipeline_from_pretrained",
 )
 
 FSDP2_LOAD_FULL_STATE_DICT = Patch(
@@ -80,7 +71,7 @@ FSDP2_LOAD_FULL_STATE_DICT = Patch(
     reason="accelerate/utils/fsdp_utils.py keeps rank 0's whole original_sd alive until every shard is "
     "built; each tensor is scattered and freed in turn.",
     remove_when="accelerate frees original_sd entries as it scatters them into the shards",
-    wrapper=f"{_PKG}.placement.fsdp:load_full_state_dict_streaming",
+    wrapper=".placement.fsdp:load_full_state_dict_streaming",
 )
 
 ZERO3_INIT_CM = Patch(
@@ -89,7 +80,7 @@ ZERO3_INIT_CM = Patch(
     reason="zero3_init_context_manager(enable=False) leaves transformers' HfDeepSpeedConfig set, so "
     "towers still build under zero.Init (accelerate #3170).",
     remove_when="accelerate clears the weakref when zero.Init is disabled",
-    wrapper=f"{_PKG}.frozen:zero3_init_context_manager",
+    wrapper=".frozen:zero3_init_context_manager",
 )
 
 
@@ -100,7 +91,7 @@ ZERO3_INIT_FLAG = Patch(
     reason="With zero3_init_flag: false accelerate still sets transformers' HfDeepSpeedConfig: towers load "
     "partitioned ('Padding_idx must be within num_embeddings').",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
-    wrapper=f"{_PKG}.frozen:set_deepspeed_weakref",
+    wrapper=".frozen:set_deepspeed_weakref",
 )
 
 TRANSFORMERS_FROM_CONFIG = Patch(
@@ -109,7 +100,7 @@ TRANSFORMERS_FROM_CONFIG = Patch(
     reason="AutoModel.from_config builds under zero.Init whenever the HfDeepSpeedConfig weakref is set, "
     "even with accelerate's zero3_init_flag: false.",
     remove_when="accelerate sets the weakref only when zero3_init_flag is true",
-    wrapper=f"{_PKG}.frozen:from_config",
+    wrapper=".frozen:from_config",
 )
 
 
@@ -130,44 +121,6 @@ def accel_npu_register_patches():
 
 @hookimpl
 def accel_npu_env_report(backend):
-    return ("Loading", loading_report())
+    from accel_npu.plugins.loading import report
 
-
-def loading_report() -> dict:
-    """The loading section of ``accel-npu env`` (never raises)."""
-    from accel_npu.plugins.loading import truncation
-    from accel_npu.plugins.loading.placement import fsdp, zero3
-    from accel_npu.plugins.loading.slots import load_threads
-
-    info: dict = {}
-    try:
-        wanted = truncation.truncation_map()
-        info["truncate (ACCEL_NPU_TRUNCATE)"] = ", ".join(f"{k} -> {v} layers" for k, v in wanted.items()) or "off"
-    except ConfigError as exc:
-        info["truncate (ACCEL_NPU_TRUNCATE)"] = f"INVALID: {exc}"
-    raw = env_get("ACCEL_NPU_LOAD_SLOTS").strip()
-    info["load slots (ACCEL_NPU_LOAD_SLOTS)"] = raw or "from free memory (multi-rank nodes only)"
-    info["slot timeout s (ACCEL_NPU_LOAD_TIMEOUT)"] = env_get("ACCEL_NPU_LOAD_TIMEOUT")
-    try:
-        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = str(load_threads(local_world_size()))
-    except ConfigError as exc:
-        info["load threads (ACCEL_NPU_LOAD_THREADS)"] = f"INVALID: {exc}"
-    info["ZeRO-3 loads (ACCEL_NPU_ZERO3_INIT)"] = (
-        "straight into partitions, read once by rank 0"
-        if zero3.switched_on()
-        else "off: whole model on every rank, as stock"
-    )
-    info["FSDP loads (fsdp_cpu_ram_efficient_loading)"] = (
-        "rank 0 reads, the other ranks get its weights at prepare"
-        if fsdp.efficient_loading_requested()
-        else "off in this environment: every rank reads, as stock"
-    )
-    avail = available_memory()
-    info["MemAvailable"] = f"{avail / 2**30:.1f} GiB" if avail else "unknown"
-    info["malloc_trim"] = "available" if malloc_trim() else "not available (not glibc?)"
-    info["casts' pages faulted in ahead (MADV_POPULATE_WRITE)"] = (
-        "available"
-        if prefault_available()
-        else "not available (Linux before 5.14, or not glibc): casts fault them as they copy"
-    )
-    return info
+    return ("Loading", report.loading_report())

@@ -39,24 +39,19 @@ from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 from accel_npu.scopes import CUDA_FACADE
 
-# The wrappers live beside this module, named by path in `wrapper=` and imported when a patch is applied
-# (its target imported), not here: this module is imported inside `import torch` and must stay cheap.
-_PKG = "accel_npu.plugins.precision"
-
-
-# -- 1. autocast("cuda") ----------------------------------------------------------------------------
+# -- autocast("cuda") on the active device (autocast.py) -------------------------------------------
 AUTOCAST = Patch(
     target="torch.amp.autocast_mode:autocast.__init__",
     supports="torch>=2.5.1,<2.16",
     reason="autocast('cuda') without CUDA: torch/amp/autocast_mode.py disables autocast with a warning "
     "and the script silently trains in fp32; it runs on the active device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
-    wrapper=f"{_PKG}.autocast:autocast_init",
+    wrapper=".autocast:autocast_init",
     scope=CUDA_FACADE,
 )
 
 
-# -- 1a. norms under CPU autocast with half weights ------------------------------------------------------
+# -- CPU autocast as CUDA runs it: norms and cat/stack of half tensors (autocast.py) ---------------
 # autocast("cuda") remapped to cpu (above) meets CPU's op lists, where layer and group norm are in none:
 # a bf16 model's norm given fp32 activations (a bf16 residual plus an fp16 matmul output) stops there.
 def _norm_patch(name: str) -> Patch:
@@ -65,7 +60,7 @@ def _norm_patch(name: str) -> Patch:
         supports="torch>=2.5.1,<2.16",
         reason=f"{name} under CPU autocast, half weights, other activations: 'mixed dtype (CPU)'; fp32 as on CUDA/NPU.",
         remove_when=f"torch's CPU autocast lists {name} among its fp32 ops, as its CUDA autocast does",
-        wrapper=f"{_PKG}.autocast:norm_in_fp32",
+        wrapper=".autocast:norm_in_fp32",
         scope=CUDA_FACADE,
     )
 
@@ -81,7 +76,7 @@ def _concat_patch(name: str) -> Patch:
         supports="torch>=2.5.1,<2.16",
         reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; promotes as on CUDA.",
         remove_when=f"torch's CPU autocast stops promoting {name} (CUDA's does not)",
-        wrapper=f"{_PKG}.autocast:concat_as_on_cuda",
+        wrapper=".autocast:concat_as_on_cuda",
         scope=CUDA_FACADE,
     )
 
@@ -89,7 +84,7 @@ def _concat_patch(name: str) -> Patch:
 CAT_AS_ON_CUDA, STACK_AS_ON_CUDA = _concat_patch("cat"), _concat_patch("stack")
 
 
-# -- 1b. GradScaler("cuda") -------------------------------------------------------------------------
+# -- loss scaling: GradScaler("cuda") (loss_scaling.py) --------------------------------------------
 GRAD_SCALER = Patch(
     target="torch.amp.grad_scaler:GradScaler.__init__",
     supports="torch>=2.5.1,<2.16",
@@ -98,35 +93,35 @@ GRAD_SCALER = Patch(
     reason="torch/amp/grad_scaler.py disables a 'cuda' GradScaler without CUDA, so fp16 autocast on "
     "npu/cpu trains unscaled; it scales on the autocast device.",
     remove_when="never for CUDA-written scripts on NPU/CPU (torch will keep treating 'cuda' literally)",
-    wrapper=f"{_PKG}.loss_scaling:grad_scaler_init",
+    wrapper=".loss_scaling:grad_scaler_init",
     scope=CUDA_FACADE,
 )
 
 
-# -- 1c. accelerate's fp16 on the cpu backend -------------------------------------------------------
+# -- loss scaling: accelerate's fp16 on the cpu backend (loss_scaling.py) --------------------------
 ACCELERATOR_FP16_CPU = Patch(
     target="accelerate.accelerator:Accelerator.__init__",
     supports="accelerate>=1.10.1,<1.17",
     reason="accelerate ignores mixed_precision fp16 on a cpu device (fp32, no scaler): the cpu backend "
     "debugs an npu fp16 config, so it runs fp16 with loss scaling.",
     remove_when="accelerate runs fp16 autocast with a GradScaler on cpu",
-    wrapper=f"{_PKG}.loss_scaling:accelerator_init",
+    wrapper=".loss_scaling:accelerator_init",
     scope=CUDA_FACADE,
 )
 
 
-# -- 6. bf16 .numpy() -------------------------------------------------------------------------------
+# -- bf16 .numpy() (bf16_numpy.py) -----------------------------------------------------------------
 BF16_NUMPY = Patch(
     target="torch._tensor:Tensor.numpy",
     supports="torch>=2.5.1,<2.16",
     reason="tensor.numpy() on bfloat16 raises 'TypeError: Got unsupported ScalarType BFloat16' "
     "(numpy has no bfloat16); returns a float32 array.",
     remove_when="numpy gains a bfloat16 dtype that torch converts to",
-    wrapper=f"{_PKG}.bf16_numpy:tensor_numpy",
+    wrapper=".bf16_numpy:tensor_numpy",
 )
 
 
-# -- 2. fused AdamW ---------------------------------------------------------------------------------
+# -- fused AdamW (fused_adamw.py) ------------------------------------------------------------------
 ADAMW_INIT = Patch(
     target="torch.optim.adamw:AdamW.__init__",
     supports="torch>=2.5.1,<2.16",
@@ -135,11 +130,11 @@ ADAMW_INIT = Patch(
     reason="AdamW(fused=True) raises where torch/torch_npu has no fused kernel for a parameter's device "
     "or dtype (torch/optim/optimizer.py); falls back to foreach.",
     remove_when="torch_npu's fused AdamW covers every dtype and accepts grad_scale/found_inf",
-    wrapper=f"{_PKG}.fused_adamw:adamw_init",
+    wrapper=".fused_adamw:adamw_init",
 )
 
 
-# -- 7. float64 on the npu backend (float64.py, imported when diffusers' module is) ---------------------
+# -- float64 on the npu backend (float64.py, imported when diffusers' module is) -------------------
 LUMINA2_FREQS_CIS = Patch(
     target="diffusers.models.transformers.transformer_lumina2:Lumina2RotaryPosEmbed._precompute_freqs_cis",
     supports="diffusers>=0.35.2,<0.43",
@@ -148,11 +143,11 @@ LUMINA2_FREQS_CIS = Patch(
     "complex64 on npu, as on mps.",
     remove_when="diffusers' Lumina2RotaryPosEmbed downcasts for npu (maybe_adjust_dtype_for_device), "
     "not as of main 58eb52c080 (2026-08)",
-    wrapper=f"{_PKG}.float64:lumina2_freqs_cis",
+    wrapper=".float64:lumina2_freqs_cis",
 )
 
 
-# -- 8. frozen bf16/fp16 models given fp32 activations (frozen_half.py) ------------------------------------
+# -- frozen bf16/fp16 models given fp32 activations (frozen_half.py) -------------------------------
 # diffusers v0.40.0 controlnet/train_controlnet_sdxl.py hands the frozen bf16 UNet prompt embeddings its
 # collate_fn rebuilt as fp32 ('expected m1 and m2 to have the same dtype').
 FROZEN_HALF_DIFFUSERS = Patch(
@@ -161,7 +156,7 @@ FROZEN_HALF_DIFFUSERS = Patch(
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
     "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
-    wrapper=f"{_PKG}.frozen_half:cast_to",
+    wrapper=".frozen_half:cast_to",
 )
 
 FROZEN_HALF_TRANSFORMERS = Patch(
@@ -170,7 +165,7 @@ FROZEN_HALF_TRANSFORMERS = Patch(
     reason="A frozen bf16/fp16 model given fp32 activations outside any engine stops at its first matmul "
     "(no autocast there); it runs under torch.autocast.",
     remove_when="never while scripts call frozen half models outside accelerate's autocast with fp32 inputs",
-    wrapper=f"{_PKG}.frozen_half:cast_to",
+    wrapper=".frozen_half:cast_to",
 )
 
 
@@ -182,7 +177,7 @@ FROZEN_HALF_PREPARED_OPTIMIZERS = Patch(
     reason="Which parameters the prepared optimizers hold: a half model given fp32 activations whose gradients "
     "no optimizer applies runs under autocast as a frozen one.",
     remove_when="with the frozen half models' autocast",
-    wrapper=f"{_PKG}.frozen_half:note_prepared_optimizer",
+    wrapper=".frozen_half:note_prepared_optimizer",
 )
 
 

@@ -24,18 +24,15 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrapper lives beside this module (fake_impls.py), named by path in `wrapper=`: it is imported when
-# torch.library is (inside `import torch`), and imports mismatch.py on torchvision's first register_fake.
-_PKG = "accel_npu.plugins.torchvision_compat"
-
-
+# fake_impls.py is imported when torch.library is (inside `import torch`), and imports mismatch.py on
+# torchvision's first register_fake.
 FAKE_IMPL_OF_MISSING_OPS = Patch(
     target="torch.library:register_fake",
     supports="torch>=2.5.1,<2.16",
     reason="A torchvision wheel built for another torch dies on import: 'operator torchvision::nms does "
     "not exist' (pytorch/vision#9085); its fake impls are skipped.",
     remove_when="torchvision/_meta_registrations.py guards register_fake with extension._has_ops()",
-    wrapper=f"{_PKG}.fake_impls:skip_fake_impl_of_missing_torchvision_op",
+    wrapper=".fake_impls:skip_fake_impl_of_missing_torchvision_op",
 )
 
 

@@ -20,18 +20,13 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrapper lives beside this module, named by path in `wrapper=` and imported when the patch is applied
-# (accelerate.tracking imported), not here: this module is imported inside `import torch` and must stay cheap.
-_PKG = "accel_npu.plugins.trackers"
-
-
 TENSORBOARD_HPARAMS = Patch(
     target="accelerate.tracking:TensorBoardTracker.store_init_configuration",
     supports="accelerate>=1.10.1,<1.17",
     reason="init_trackers(config=vars(args)) with a list/dict value raises in torch's add_hparams "
     "(accelerate #3727); TensorBoard records its str(), hparams.yml the value.",
     remove_when="accelerate's TensorBoardTracker or torch's hparams accept (or stringify) non-scalar values",
-    wrapper=f"{_PKG}.hparams:store_init_configuration",
+    wrapper=".hparams:store_init_configuration",
 )
 
 

@@ -13,9 +13,6 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
-# The wrappers live beside this module (readers.py), named by path in `wrapper=`.
-_PKG = "accel_npu.plugins.video"
-
 _REASON = (
     "decord.{0}(..., ctx=decord.gpu(i)) fails without CUDA ('CUDA not enabled. Requested context "
     "GPU(i)'); decodes on decord.cpu(0) instead."
@@ -28,7 +25,7 @@ def _ctx_patch(module: str, cls: str) -> Patch:
         supports="decord==0.6.0",
         reason=_REASON.format(cls),
         remove_when="decord gains an NPU decoder, or the scripts stop hard-coding decord.gpu()",
-        wrapper=f"{_PKG}.readers:{module}_init",
+        wrapper=f".readers:{module}_init",
     )
 
 
