@@ -65,8 +65,9 @@ def _versions() -> str:
 
 def git_state(root: Path | None = None, untracked: str = "no") -> tuple[str, list[str]]:
     """(HEAD, the files that differ from it: changed ones, and untracked ones as git's
-    ``--untracked-files=<untracked>`` lists them) of the checkout at ``root`` (this repository by default). Results files are rewritten during a run (after
-    each measurement): only other files count. Raises OSError / CalledProcessError outside a checkout."""
+    ``--untracked-files=<untracked>`` lists them) of the checkout at ``root`` (this repository by default).
+    Results files are rewritten during a run (after each measurement): only other files count. Raises OSError /
+    CalledProcessError outside a checkout."""
     import subprocess
 
     root = RESULTS.parents[1] if root is None else root

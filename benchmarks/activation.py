@@ -202,7 +202,8 @@ def main() -> None:
             "",
         ],
         [
-            f"accel-npu's share of `import torch` in a plain process (in-process: the entry point waits), {a.runs} runs",
+            f"accel-npu's share of `import torch` in a plain process (in-process: the entry point waits), {a.runs} "
+            "runs",
             median_spread([x * 1e3 for x in waits], "{:.2f}", " ms"),
             "-",
             "-",

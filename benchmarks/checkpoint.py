@@ -280,14 +280,17 @@ def main() -> None:
         ours = launch(a, tmp, "ours")
         ckpt = tmp / "ours" / "ckpt"
         shard = a.shard_mb * MB
-        base = "import torch, deepspeed.utils.zero_to_fp32 as z, accel_npu.plugins.checkpoints.consolidate as c; print('BASE', flush=True); "
+        base = (
+            "import torch, deepspeed.utils.zero_to_fp32 as z, accel_npu.plugins.checkpoints.consolidate as c; "
+            "print('BASE', flush=True); "
+        )
         ours_peak = peak_of(
             base
             + f"c.consolidate({str(ckpt)!r}, {str(tmp / 'cons')!r}, max_shard_size='{a.shard_mb}MB', progress=False)"
         )
         z2f_peak = peak_of(
-            base
-            + f"z.convert_zero_checkpoint_to_state_dict({str(ckpt)!r}, {str(tmp / 'z2f')!r}, max_shard_size=None, safe_serialization=True)"
+            base + f"z.convert_zero_checkpoint_to_state_dict({str(ckpt)!r}, {str(tmp / 'z2f')!r}, max_shard_size=None, "
+            "safe_serialization=True)"
         )
 
     s0, o0 = stock[0], ours[0]

@@ -43,7 +43,8 @@ import torch
 import wrapt
 stock = os.environ.get("ACCEL_NPU_DISABLE") == "1" or "cuda_compat" in os.environ.get("ACCEL_NPU_DISABLED_PLUGINS", "")
 import inspect
-assert isinstance(inspect.getattr_static(torch.Tensor, "to"), wrapt.FunctionWrapper) != stock, "wrappers not as expected"
+wrapped = isinstance(inspect.getattr_static(torch.Tensor, "to"), wrapt.FunctionWrapper)
+assert wrapped != stock, "wrappers not as expected"
 x = torch.zeros(16)
 m = torch.nn.Linear(4, 4)
 calls = int(sys.argv[1])

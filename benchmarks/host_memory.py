@@ -509,7 +509,8 @@ def main(argv=None) -> int:
             out(
                 f"N={n}: ZeRO-3 (f) {f_['peak'] / MB:,.0f} MB vs 1.2 x model + N x baseline = "
                 f"{1.2 * ckpt_bytes / MB:,.0f} + {zb / MB:,.0f} = {bound / MB:,.0f} MB -> "
-                f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x model"
+                f"{'OK' if f_['peak'] <= bound else 'ABOVE'}; above baseline: {(f_['peak'] - zb) / ckpt_bytes:.2f} x "
+                "model"
                 + (
                     f"; (e)/(f) = {e_peak / f_['peak']:.1f}x" + (" [e estimated]" if "estimate" in e_ else "")
                     if e_peak

@@ -38,7 +38,8 @@ settle than the whole model's); the table gives median
 of raw's seconds / the reader's in the same round, which a machine drifting between rounds moves less
 than a ratio of medians.
 
-Usage: python benchmarks/load_throughput.py [--repeat 5] [--repeat-keep 2:15] [--keep 2,60] [--threads 1,2] [--cache DIR]
+Usage: python benchmarks/load_throughput.py [--repeat 5] [--repeat-keep 2:15] [--keep 2,60] [--threads 1,2]
+       [--cache DIR]
 Writes benchmarks/results/load_throughput.md.
 """
 
@@ -430,7 +431,8 @@ def main(argv=None) -> int:
                             x = got[(k, t, s, c, r)][-1]
                             print(
                                 f"  {k} block(s) {t} thread(s) {s} {'cast' if c else 'no cast'} {r} #{i + 1}: "
-                                f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file {x['file'] / MB:,.0f} MB)",
+                                f"{x['seconds']:.3f} s (cpu {x['cpu']:.3f} s, anon {x['anon'] / MB:,.0f} MB, file "
+                                f"{x['file'] / MB:,.0f} MB)",
                                 flush=True,
                             )
                             # after every run: a cut-short run still reports the cells it measured

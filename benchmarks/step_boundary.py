@@ -9,7 +9,8 @@ accelerator.sync_gradients: global_step += 1``, a ``if global_step % checkpointi
 if accelerator.is_main_process:`` block that never fires), launched with the shipped
 ``launch_configs/cpu_zero2.yaml`` (2 CPU ranks, gloo, ZeRO-2 bf16). "Off" is the same launch with
 ``ACCEL_NPU_DISABLED_PATCHES`` naming the feature's patches (Accelerator.backward, the prepared
-DataLoaders' ``__iter__``, AcceleratedOptimizer.step); every other accel-npu patch is on in both. Launches alternate on / off.
+DataLoaders' ``__iter__``, AcceleratedOptimizer.step); every other accel-npu patch is on in both.
+Launches alternate on / off.
 Each rank times each step (from drawing the batch to the end of ``zero_grad``; the wait at the next
 batch falls inside the next step) and reports the median of steps after a warm-up; the table gives,
 per side, the median over launches of the slower rank's median.

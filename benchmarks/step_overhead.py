@@ -43,7 +43,8 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 import deepspeed
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 deepspeed.comm.init_distributed(dist_backend="gloo")
-wrapped = type(inspect.getattr_static(PartitionedParameterCoordinator, "fetch_sub_module")).__name__ == "FunctionWrapper"
+fetch = inspect.getattr_static(PartitionedParameterCoordinator, "fetch_sub_module")
+wrapped = type(fetch).__name__ == "FunctionWrapper"
 assert wrapped == (os.environ.get("ACCEL_NPU_DISABLE") != "1"), "patch not applied as expected"
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())])

@@ -72,18 +72,10 @@ def test_first_error_names_the_frame_outside_torch_and_known_causes():
 
 def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
-    row = lambda script, config, result, commit: [
-        f"`{script}`",
-        "F",
-        config,
-        result,
-        "x",
-        "",
-        "1 s",
-        "0.10 GiB",
-        commit,
-        "2026-01-01 00:00",
-    ]
+
+    def row(script, config, result, commit):
+        return [f"`{script}`", "F", config, result, "x", "", "1 s", "0.10 GiB", commit, "2026-01-01 00:00"]
+
     compat.write_rows(
         {("`a.py`", "zero2"): row("a.py", "zero2", "✘", "old"), ("`b.py`", "zero2"): row("b.py", "zero2", "✔", "old")},
         ["compatibility.py"],

@@ -6,11 +6,13 @@ cpu_zero2 config and cpu_zero3 with ``stage3_param_persistence_threshold: 0`` (z
 shipped), built as tests/test_upstream_text_to_image.py builds them.
 
 The two in-process tests run always (~40 s together, most of it importing DeepSpeed); the launched ones
-run with ``RUN_OFFICIAL_MATRIX=1`` only (CI runs one official script per shape; these are the matrix's): SD3 5 launches (both configs train + resume, the stock
+run with ``RUN_OFFICIAL_MATRIX=1`` only (CI runs one official script per shape; these are the matrix's): SD3 5 launches
+(both configs train + resume, the stock
 ZeRO-3 launch), Flux 7 (unchanged: misuse, final save, stock; with the one-line fix: both configs train +
 resume, the stock hook failure), up to 3 at a time. The whole file took 24.6 min on the 2-core machine
 under a load average of ~11 (other helpers' launches): SD3 7.0 min + 6.3 min building the tiny pipelines
-and torchvision's site, Flux 8.8 min. Witnesses: DeepSpeed's own zero_to_fp32 reading of the checkpoints, safetensors files opened
+and torchvision's site, Flux 8.8 min. Witnesses: DeepSpeed's own zero_to_fp32 reading of the checkpoints, safetensors
+files opened
 here, diffusers' ``load_lora_weights`` -- never accel-npu's log lines.
 """
 

@@ -25,7 +25,8 @@ from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, re
 # literals: code that stock runs. Calls TorchScript cannot compile are kept: both sides must fail alike.
 SAMPLES = {
     "torch.distributed.launcher.api:launch_agent": "return torch.distributed.launcher.api.launch_agent(None, None)",
-    "torch.amp.autocast_mode:autocast.__init__": "with torch.autocast('cpu', dtype=torch.bfloat16):\n    c = torch.mm(a.unsqueeze(1), b.unsqueeze(0))\n"
+    "torch.amp.autocast_mode:autocast.__init__": "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+    "    c = torch.mm(a.unsqueeze(1), b.unsqueeze(0))\n"
     "return c.float()",
     "torch.nn.functional:layer_norm": "return F.layer_norm(a, [3])",
     "torch.nn.functional:group_norm": "return F.group_norm(a.view(1, 3, 1), 1)",
@@ -90,7 +91,8 @@ SAMPLES = {
     "torch.serialization:load": "return torch.load('/nonexistent.pt')",
     "torch.distributed.distributed_c10d:Backend.__new__": "return torch.distributed.Backend('gloo')",
     "torch.library:register_fake": "return torch.library.register_fake('aten::sin')",
-    "torch.nn.parallel.distributed:DistributedDataParallel.__init__": "return torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))",
+    "torch.nn.parallel.distributed:DistributedDataParallel.__init__": "return "
+    "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))",
     **{
         f"torch.distributed:{name}": f"return torch.distributed.{name}({arg})"
         for name, arg in [
@@ -261,7 +263,8 @@ from accel_npu.patching import get_ledger
 facade = [p for p in get_ledger().patches if p.scope is not None]
 print("RESULT " + json.dumps({
     "is_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count(),
-    "stock_objects": torch.stack is torch._C._VariableFunctions.stack and type(torch.cuda.is_available).__name__ == "function",
+    "stock_objects": torch.stack is torch._C._VariableFunctions.stack and type(torch.cuda.is_available).__name__ ==
+    "function",
     "autocast_cuda_enabled": torch.autocast("cuda").fast_dtype is not None and torch.autocast("cuda")._enabled,
     "facade_statuses": sorted({p.status for p in facade if p.status != "not imported"}),
     "facade_patches": len(facade)}))

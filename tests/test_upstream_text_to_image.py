@@ -1,7 +1,8 @@
 """diffusers' train_text_to_image.py (v0.40.0, or v0.35.2 under an older diffusers: ``RELEASE_EXAMPLES``;
 byte for byte, vendored in third_party/ and run unchanged) on 2 CPU ranks, under the shipped cpu_zero2
 config and a cpu_zero3 variant with real partitioning (stage3_param_persistence_threshold 0, as any
-real-size UNet is): the unchanged script's rank-0-only checkpoints; docs/compatibility.md's rows for this script are asserted here.
+real-size UNet is): the unchanged script's rank-0-only checkpoints; docs/compatibility.md's rows for this script are
+asserted here.
 
 The script checkpoints with ``accelerator.save_state`` inside ``if accelerator.is_main_process:``
 right after the optimizer step. Eleven launches in two waves, sharing the CPUs:

@@ -197,7 +197,8 @@ def test_a_write_to_a_gathered_parameter_is_one_clear_error(trained):
 def test_every_rank_reads_then_rank0_checkpoints_and_a_rank0_only_read_fails_clearly(tmp_path):
     """2 ranks, ZeRO-3 t0 bf16: the script's EMA read on every rank after each step equals the one made from
     DeepSpeed's partition on that rank (its slice); rank 0's `if accelerator.is_main_process: save_state` right
-    after it is served at the other rank's next forward (both ranks' DeepSpeed shards written); a read by rank 0 alone (`process_index == 0`, no
+    after it is served at the other rank's next forward (both ranks' DeepSpeed shards written); a read by rank 0 alone
+    (`process_index == 0`, no
     is_main_process guard to see) is a CollectiveMisuseError within ACCEL_NPU_COLLECTIVE_TIMEOUT."""
     from tests.launch_utils import (
         REPO,

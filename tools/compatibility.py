@@ -49,8 +49,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
-from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402
-from tests.launch_utils import (
+from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402 - after sys.path names the repository
+from tests.launch_utils import (  # noqa: E402 - after sys.path names the repository
     BIN,
     UPSTREAM_EXAMPLES,
     base_env,
@@ -818,8 +818,10 @@ BUILDERS = {
     "sd": "import tiny_sd as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
     "sd_family": "import tiny_sd_family as t; t.build('{w}/model'); t.write_instance_images('{w}/images'); "
     "t.write_controlnet_dataset('{w}/controlnet_data')",
-    "sdxl": "import tiny_sana_sdxl as t, tiny_models as m; t.sdxl_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-    "sana": "import tiny_sana_sdxl as t, tiny_models as m; t.sana_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "sdxl": "import tiny_sana_sdxl as t, tiny_models as m; t.sdxl_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
+    "sana": "import tiny_sana_sdxl as t, tiny_models as m; t.sana_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
     "sd3": "import tiny_sd3_flux as t; t.sd3_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     "flux": "import tiny_sd3_flux as t; t.flux_pipeline('{w}/model'); t.dreambooth_images('{w}/images')",
     "qwen": "import tiny_models as m; m.qwen_image_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
@@ -853,12 +855,17 @@ BUILDERS = {
     # -- other image DiTs, video, discrete --
     "cosmos25": "import tiny_dits as t; t.cosmos25_pipeline('{w}/model'); t.cosmos25_videos('{w}/data')",
     "dit4dit": "import tiny_dits as t; t.dit4dit('{w}/model')",
-    "krea2": "import tiny_dits as t, tiny_models as m; t.krea2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-    "hidream": "import tiny_dits as t, tiny_models as m; t.hidream_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-    "amused": "import tiny_dits as t, tiny_models as m; t.amused_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
-    "cogview4_control": "import tiny_dits as t; t.cogview4_control_pipeline('{w}/model'); t.control_jsonl('{w}/control')",
+    "krea2": "import tiny_dits as t, tiny_models as m; t.krea2_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
+    "hidream": "import tiny_dits as t, tiny_models as m; t.hidream_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
+    "amused": "import tiny_dits as t, tiny_models as m; t.amused_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
+    "cogview4_control": "import tiny_dits as t; t.cogview4_control_pipeline('{w}/model'); "
+    "t.control_jsonl('{w}/control')",
     "llada2": "import tiny_dits as t; t.llada2_model('{w}/model')",
-    "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); m.dreambooth_images('{w}/images')",
+    "lumina2": "import tiny_dits as t, tiny_models as m; t.lumina2_pipeline('{w}/model'); "
+    "m.dreambooth_images('{w}/images')",
     # -- Kandinsky, VQGAN, aMUSEd, unconditional --
     # Kandinsky 2.2 and VQGAN
     "kandinsky": "import tiny_kandinsky as t; t.build('{w}/model'); t.write_dataset('{w}/data')",
@@ -996,20 +1003,25 @@ KNOWN_CAUSES = [
         r"^train_lcm_distill_(sd|sdxl)_wds\.py: RuntimeError: The size of tensor a \(\d+\) must match the size of "
         r"tensor b \(0\)",
         "the script's, also on GPUs: under ZeRO-3 its EMA update reads the engine's partitioned parameters outside "
-        "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): train_lcm_distill_sd_wds.py:1371, "
+        "any gather, shape [0] (update_ema(target_unet.parameters(), unet.parameters()): "
+        "train_lcm_distill_sd_wds.py:1371, "
         "train_lcm_distill_sdxl_wds.py:1474; the loop at line 432)",
     ),
     (
         r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: IndexError: list index out of range",
-        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
+        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, "
+        "_sdxl_wds.py:1073-1076) "
         "calls peft's load_adapter after DeepSpeed restored the engine; with bf16 weights peft's cast_adapter_dtype "
         "replaces the LoRA parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which the "
-        "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty bucket",
+        "ZeRO-2 optimizer does not hold: no gradient hook fires, stage_1_and_2.py reduce_ipg_grads indexes an empty "
+        "bucket",
     ),
     (
         r"^train_lcm_distill_lora_(sd|sdxl)_wds\.py: AttributeError: 'Parameter' object has no attribute 'ds_status'",
-        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, _sdxl_wds.py:1073-1076) "
-        "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 LoRA "
+        "the script's, also on GPUs: its load_model_hook (train_lcm_distill_lora_sd_wds.py:1058-1061, "
+        "_sdxl_wds.py:1073-1076) "
+        "calls peft's load_adapter after DeepSpeed restored the engine; peft's cast_adapter_dtype replaces the bf16 "
+        "LoRA "
         "parameters by new fp32 ones (peft/tuners/tuners_utils.py cast_adapter_dtype), which ZeRO-3 never partitioned: "
         "the next forward's fetch finds no ds_status",
     ),

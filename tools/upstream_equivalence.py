@@ -413,7 +413,8 @@ def markdown(report: dict) -> str:
             else "clean"
         ),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
-        "- each half: `python -m pytest <select> -p upstream_equivalence -c /dev/null --rootdir=<src> --confcutdir=<src>` in "
+        "- each half: `python -m pytest <select> -p upstream_equivalence -c /dev/null --rootdir=<src> "
+        "--confcutdir=<src>` in "
         "the inherited environment less every `ACCEL_NPU_*`, with `HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1`; the "
         "stock half adds `ACCEL_NPU_DISABLE=1`",
         "",

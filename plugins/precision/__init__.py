@@ -74,7 +74,8 @@ def _concat_patch(name: str) -> Patch:
     return Patch(
         target=f"torch:{name}",
         supports="torch>=2.5.1,<2.16",
-        reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; promotes as on CUDA.",
+        reason=f"torch.{name} under CPU autocast of another half dtype fails in autocast::prioritize; "
+        "promotes as on CUDA.",
         remove_when=f"torch's CPU autocast stops promoting {name} (CUDA's does not)",
         wrapper=".autocast:concat_as_on_cuda",
         scope=CUDA_FACADE,

@@ -55,7 +55,8 @@ model = Lumina2Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, h
     norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=32).eval()
 g = torch.Generator().manual_seed(1)
 inputs = dict(hidden_states=torch.randn(2, 4, 16, 16, generator=g),
-              encoder_hidden_states=torch.randn(2, 16, 32, generator=g), timestep=torch.rand(2, generator=g), encoder_attention_mask=torch.ones(2, 16, dtype=torch.bool))
+              encoder_hidden_states=torch.randn(2, 16, 32, generator=g), timestep=torch.rand(2, generator=g),
+              encoder_attention_mask=torch.ones(2, 16, dtype=torch.bool))
 mode = Dtypes()
 with torch.no_grad(), mode:
     out = model(**inputs, return_dict=False)[0]

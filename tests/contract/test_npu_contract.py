@@ -387,7 +387,8 @@ import torch
 import transformers
 from transformers.models.qwen3 import modeling_qwen3
 import mx_driving
-print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available is torch.npu.is_available,
+print('RESULT', __import__('json').dumps({'calls': mx_driving.CALLS, 'cuda': torch.cuda.is_available is
+torch.npu.is_available,
       'rms_norm_from': modeling_qwen3.Qwen3RMSNorm.forward.__module__,
       'transformers_spec_loader': type(transformers.__spec__.loader).__name__}))
 """
@@ -448,7 +449,8 @@ with warnings.catch_warnings():
     with torch.autocast("cuda", dtype=torch.bfloat16) as ac:
         autocast = [ac.device, str(ac.fast_dtype), torch.is_autocast_enabled(ac.device)]
 print("RESULT " + json.dumps({"autocast": autocast, "fused": opt.param_groups[0]["fused"],
-      "scaling_into_step": getattr(opt, "_step_supports_amp_scaling", False), "moved": float((p.detach() - before).abs().max())}))
+      "scaling_into_step": getattr(opt, "_step_supports_amp_scaling", False), "moved": float((p.detach() -
+      before).abs().max())}))
 """
 
 
@@ -641,7 +643,8 @@ def test_an_npu_used_in_a_forked_dataloader_worker_is_explained_after_the_traceb
     [
         # vllm-ascend #405: HcclGetRootInfo with port 60000 held by another job
         (
-            "createHCCLComm: HCCL function error: HcclGetRootInfo(&hcclID), error code is 11\nEJ0003: Failed to bind the IP "
+            "createHCCLComm: HCCL function error: HcclGetRootInfo(&hcclID), error code is 11\nEJ0003: Failed to bind "
+            "the IP "
             "port. Reason: The IP address and port have been bound already.\nhost nic listen start failed, port[60000]",
             "HCCL_IF_BASE_PORT=60032",
         ),

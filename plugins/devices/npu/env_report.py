@@ -28,7 +28,7 @@ def env_report() -> tuple[str, dict]:
     try:
         info["torch_npu"] = TorchNpu.version()
         info["devices"] = TorchNpu.device_count()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a broken torch_npu install is what the report shows
         info["import torch_npu"] = (
             f"PROBLEM: {exc if isinstance(exc, NpuEnvironmentError) else diagnose_import_error(exc)}"
         )
