@@ -51,7 +51,9 @@ def _fsdp_save_state(wrapped, instance, args, kwargs):
         with boundary.inside_save():
             background.wait_for_pending()
             checkpointing.rendezvous("save_state", fsdp=True)
-            if background.enabled() and (output_dir is not None or instance.project_configuration.automatic_checkpoint_naming):
+            if background.enabled() and (
+                output_dir is not None or instance.project_configuration.automatic_checkpoint_naming
+            ):
                 why = fsdp_background.why_synchronous(instance)
                 if why is None:
                     return fsdp_background.async_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
