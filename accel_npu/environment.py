@@ -76,8 +76,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "ACCEL_NPU_ASYNC_CHECKPOINT",
         "0",
-        "1: under DeepSpeed, save_state returns once each rank's state is copied to host memory; the files are "
-        "written in the background and the checkpoint is published atomically once every rank's are durable.",
+        "1: under DeepSpeed and FSDP2, save_state returns once each rank's state is copied to host memory; the "
+        "files are written in the background and the checkpoint is published atomically once every rank's are durable.",
     ),
     EnvVar(
         "ACCEL_NPU_HANG_TIMEOUT",

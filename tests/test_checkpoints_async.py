@@ -349,3 +349,91 @@ def test_a_rank_killed_during_its_background_write_leaves_the_previous_checkpoin
     assert resumed.returncode == 0, explain(resumed)
     for r in results(resumed):
         assert r["losses_ckpt"] == r["losses_reference"], r
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2, 2 CPU ranks
+
+
+def _dcp_tensors(directory: Path):
+    """A torch.distributed.checkpoint folder read back whole, offline (torch's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = directory.parent.parent / f"{directory.parent.name}_{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(target))
+    return _load(target)
+
+
+def fsdp_checkpoint_differences(a: Path, b: Path) -> list[str]:
+    """Two FSDP2 save_state directories compared: the same files (our manifest aside); each DCP folder
+    (``pytorch_model_fsdp_<i>``, ``optimizer_<i>``) read whole and compared tensor for tensor, each .pkl/.bin/.pt
+    file object for object, other files byte for byte."""
+
+    def files(root: Path) -> dict:
+        return {str(p.relative_to(root)): p for p in root.rglob("*") if p.is_file() and p.name not in _OURS}
+
+    fa, fb = files(a), files(b)
+    out = [f"files: {sorted(set(fa) ^ set(fb))}"] if set(fa) != set(fb) else []
+    folders = {Path(rel).parts[0] for rel in fa if rel.endswith(".distcp")}
+    for folder in sorted(folders):
+        out.extend(differences(_dcp_tensors(a / folder), _dcp_tensors(b / folder), folder))
+    for rel in sorted(set(fa) & set(fb)):
+        if Path(rel).parts[0] in folders:
+            continue
+        if rel.endswith((".pt", ".pkl", ".bin")):
+            out.extend(differences(_load(fa[rel]), _load(fb[rel]), rel))
+        elif fa[rel].read_bytes() != fb[rel].read_bytes():
+            out.append(f"{rel}: bytes differ")
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
+    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save_fsdp.py): the shards staged by DCP's
+    stager and written by the background writer's dcp.save equal the synchronous checkpoint tensor for tensor
+    (model and optimizer, read whole from the DCP files), and the other files object for object, although
+    training stepped on while they were written; with the writer slowed the checkpoint is not published when
+    save_state returns and is when the next save_state returns; resuming from either trains on with the same
+    losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negative: one changed
+    tensor is reported."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import yaml
+
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results
+    from tests.test_checkpoints import FSDP2_CONFIG
+
+    cfg = tmp_path / "fsdp2.yaml"
+    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    out = tmp_path / "out"
+    proc = accelerate_launch(
+        ["--config_file", str(cfg), str(SCRIPTS / "async_save_fsdp.py"), str(out)], env=base_env(), timeout=300
+    )
+    assert proc.returncode == 0, explain(proc)
+    ranks = results(proc)
+    assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
+    for r in ranks:
+        assert r["published_at_return"] is False and r["published_when_next_returned"] is True, r
+        assert r["losses_sync"] == r["losses_async"], r
+        assert r["error"] == "CheckpointError", r
+        assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
+        assert "checkpoint that was there before is intact" in r["message"]
+    names = {p.relative_to(out / "async").as_posix() for p in (out / "async").rglob("*")}
+    assert {"pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "random_states_1.pkl"} <= names, names
+    assert fsdp_checkpoint_differences(out / "sync", out / "async") == []
+    assert not (out / "after_failure").exists()
+    assert "host copy of its state" in proc.stdout + proc.stderr
+    # negative: one element of one optimizer tensor changed, written back as a DCP checkpoint (by one process:
+    # one .distcp file where the ranks wrote two, which the file comparison reports too)
+    shutil.copytree(out / "sync", tmp_path / "tampered")
+    folder = tmp_path / "tampered" / "optimizer_0"
+    state = _dcp_tensors(folder)
+    tensor = next(t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor) and t.numel() > 1)
+    with torch.no_grad():
+        tensor.view(-1)[0] += 1
+    shutil.rmtree(folder)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    found = [f for f in fsdp_checkpoint_differences(out / "sync", tmp_path / "tampered") if not f.startswith("files")]
+    assert len(found) == 1 and found[0].startswith("optimizer_0/") and "values differ" in found[0], found

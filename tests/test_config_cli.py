@@ -266,6 +266,7 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
         (["--backend", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be 'auto' or a whole number"),
         (["--backend", "cpu", "--truncate", "QwenImage:two"], "not a comma-separated list of Class:layers pairs"),
         (["--backend", "cpu", "--strategy", "ddp", "--frozen-modules", "vae"], "only applies to ZeRO"),
+        (["--backend", "cpu", "--strategy", "ddp", "--async-checkpoint"], "--async-checkpoint only applies to ZeRO"),
         (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
         (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
     ],
@@ -324,6 +325,28 @@ def test_from_template_starts_from_its_tuned_values(tmp_path):
     proc = config("--non-interactive", "--from", "zero9", "--config_file", str(tmp_path / "x.yaml"))
     assert proc.returncode == 1 and "--from 'zero9': no such template" in proc.stderr
     assert "cpu_zero3" in proc.stderr
+
+
+def test_async_checkpoint_flag_writes_the_sidecar_variable_and_no_writes_nothing(tmp_path):
+    """--async-checkpoint: ACCEL_NPU_ASYNC_CHECKPOINT '1' in the sidecar's env (applied at accelerate launch), read
+    back by --from; --no-async-checkpoint and no flag (the default, no) write nothing about it."""
+    from accel_npu.cli.config import settings as wizard
+
+    sidecars = {}
+    for name, flag in (("on", ["--async-checkpoint"]), ("off", ["--no-async-checkpoint"]), ("default", [])):
+        target = tmp_path / f"{name}.yaml"
+        proc = config(
+            "--non-interactive", "--backend", "cpu", "--strategy", "zero2", *flag, "--config_file", str(target)
+        )
+        assert proc.returncode == 0, proc.stderr
+        sidecars[name] = yaml.safe_load((tmp_path / f"{name}.accel-npu.yaml").read_text())
+    assert sidecars["on"]["env"] == {"ACCEL_NPU_ASYNC_CHECKPOINT": "1"}
+    assert sidecars["off"] == sidecars["default"] == {"backend": "cpu", "env": {}}
+    text = (tmp_path / "on.accel-npu.yaml").read_text()
+    assert "ACCEL_NPU_ASYNC_CHECKPOINT: '1'" in text and "# 1: save_state writes its files in the background" in text
+    machine = wizard.Machine(backend="cpu", device_count=0)
+    assert wizard.settings_from_files(tmp_path / "on.yaml", machine).async_checkpoint is True
+    assert wizard.settings_from_files(tmp_path / "off.yaml", machine).async_checkpoint is False
 
 
 def test_a_json_config_name_is_refused_before_any_question(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from accel_npu._torch.markers import tower_state_dict
 from accel_npu.patching import argument, with_argument
-from accel_npu.plugins.checkpoints import background, boundary, serving
+from accel_npu.plugins.checkpoints import background, boundary, fsdp_background, serving
 from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.streaming import streaming_save_model
 
@@ -41,14 +41,23 @@ def save_state(wrapped, instance, args, kwargs):
 def _fsdp_save_state(wrapped, instance, args, kwargs):
     """Under FSDP save_state is collective too (accelerate's save_fsdp_model / save_fsdp_optimizer: every
     rank writes or gathers its shards). Rank 0 alone at a step boundary is served by the others; anywhere
-    else it fails in time, naming the line, instead of hanging."""
+    else it fails in time, naming the line, instead of hanging. With ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` FSDP2's
+    shards are written in the background and published atomically (``fsdp_background.py``)."""
     output_dir = argument(args, kwargs, 0, "output_dir")
     safe = argument(args, kwargs, 1, "safe_serialization", True)
     model_kwargs = {k: v for k, v in kwargs.items() if k not in ("output_dir", "safe_serialization")}
     announced = boundary.announce_save_state(output_dir, safe, model_kwargs)
     try:
         with boundary.inside_save():
+            background.wait_for_pending()
             checkpointing.rendezvous("save_state", fsdp=True)
+            if background.enabled() and (
+                output_dir is not None or instance.project_configuration.automatic_checkpoint_naming
+            ):
+                why = fsdp_background.why_synchronous(instance)
+                if why is None:
+                    return fsdp_background.async_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
+                fsdp_background.say_synchronous(why)
             return wrapped(*args, **kwargs)
     except checkpointing.CollectiveMisuseError as exc:
         boundary.save_failed(announced, exc)
@@ -56,6 +65,13 @@ def _fsdp_save_state(wrapped, instance, args, kwargs):
 
 
 def load_state(wrapped, instance, args, kwargs):
+    if checkpointing.is_fsdp(instance):
+        background.wait_for_pending()  # an asynchronous save_state still being written: published (or raised) first
+        input_dir = argument(args, kwargs, 0, "input_dir")
+        if input_dir is not None:
+            resolved = checkpointing.resolve_load_dir(input_dir, instance, deepspeed=False)
+            args, kwargs = with_argument(args, kwargs, 0, "input_dir", resolved)
+        return wrapped(*args, **kwargs)
     if not checkpointing.is_deepspeed(instance):
         return wrapped(*args, **kwargs)
     background.wait_for_pending()  # an asynchronous save_state still being written: published (or raised) first

@@ -1,5 +1,7 @@
-"""Asynchronous ``save_state`` under DeepSpeed: each rank's state is copied to host memory, its files are
-written by a background thread, and the checkpoint is published only once every rank's files are durable.
+"""Asynchronous ``save_state`` under DeepSpeed and FSDP2: each rank's state is copied to host memory, its
+files are written by a background thread, and the checkpoint is published only once every rank's files are
+durable. (FSDP2's shards are staged and written by torch.distributed.checkpoint: ``fsdp_background.py``,
+through :func:`queue_job`.)
 
 - :class:`SnapshotCheckpointEngine` stands in for an engine's ``checkpoint_engine`` (DeepSpeed's
   ``CheckpointEngine`` interface, deepspeed/runtime/checkpoint_engine/checkpoint_engine.py) during
@@ -228,6 +230,23 @@ def _write_job(save: PendingSave, obj, path: str, zipfile: bool):
             save.error = f"writing {path}: {type(exc).__name__}: {exc}"
 
     return job
+
+
+def queue_job(save: PendingSave, write, what: str, collective: bool = False) -> None:
+    """Queue ``write()`` (a callable writing files under ``save.tmp``); its failure fails the save. A
+    ``collective`` job (one every rank's writer runs in the same order, e.g. a torch.distributed.checkpoint
+    save over a process group) runs even after an earlier failure, so no other rank waits for it in vain."""
+
+    def job():
+        if save.error is not None and not collective:
+            return
+        try:
+            write()
+        except BaseException as exc:  # noqa: BLE001 - recorded: raised at the next checkpoint call on every rank
+            if save.error is None:
+                save.error = f"writing {what}: {type(exc).__name__}: {exc}"
+
+    _writer.put(job)
 
 
 def queue_file(save: PendingSave, state_dict, path: str, zipfile: bool) -> None:

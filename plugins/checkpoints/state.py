@@ -499,8 +499,9 @@ def missing_files(directory: str) -> list[str] | None:
     return out
 
 
-def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
-    """The directory ``load_state`` should read, checked for completeness."""
+def resolve_load_dir(input_dir: str | None, accelerator, deepspeed: bool = True) -> str | None:
+    """The directory ``load_state`` should read, checked for completeness: against its manifest, or (``deepspeed``,
+    no manifest) for what a DeepSpeed checkpoint of model 0 needs."""
     if input_dir is None:
         if not accelerator.project_configuration.automatic_checkpoint_naming:
             return None
@@ -521,7 +522,7 @@ def resolve_load_dir(input_dir: str | None, accelerator) -> str | None:
     if os.path.isdir(input_dir):
         missing = missing_files(input_dir)
         if missing is None:
-            missing = _missing_deepspeed_files(input_dir)
+            missing = _missing_deepspeed_files(input_dir) if deepspeed else []
         if missing:
             raise CheckpointError(
                 f"checkpoint {input_dir} is incomplete; missing: {', '.join(missing)}. "

@@ -26,6 +26,7 @@ _FIELDS = {
     "frozen_modules": "frozen_modules",
     "load_slots": "load_slots",
     "truncate": "truncate",
+    "async_checkpoint": "async_checkpoint",
     "hccl_socket_ifname": "hccl_socket_ifname",
 }
 _NPU_FLAGS = {
@@ -238,4 +239,10 @@ def add_parser(subparsers) -> None:
     )
     q.add_argument("--load-slots", help="ACCEL_NPU_LOAD_SLOTS: ranks per machine loading at once (default auto)")
     q.add_argument("--truncate", help="ACCEL_NPU_TRUNCATE: Class:layers pairs (default none)")
+    q.add_argument(
+        "--async-checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ZeRO: ACCEL_NPU_ASYNC_CHECKPOINT=1, save_state writes its files in the background (default off)",
+    )
     p.set_defaults(func=run)

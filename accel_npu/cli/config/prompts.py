@@ -293,4 +293,12 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             s.truncate or "none",
             _checked(wizard.check_truncate),
         )
+    if s.uses_deepspeed and "async_checkpoint" not in given:
+        s.async_checkpoint = p.confirm(
+            "Write checkpoints in the background (save_state returns once each rank's state is in host memory; "
+            "the checkpoint is published when every rank's files are durable)?",
+            s.async_checkpoint,
+        )
+    elif not s.uses_deepspeed and "async_checkpoint" not in given:
+        s.async_checkpoint = False  # a ZeRO template's answer, once DDP is chosen
     return s

@@ -41,6 +41,7 @@ ACCEL_NPU_SETTINGS = (
     ("ACCEL_NPU_FROZEN_MODULES", "child modules kept out of DeepSpeed (unset: frozen children auto-detected)"),
     ("ACCEL_NPU_LOAD_SLOTS", "ranks of one machine that may materialize weights at once (unset: from free memory)"),
     ("ACCEL_NPU_TRUNCATE", "Class:layers pairs: from_pretrained of that class builds and reads only N blocks"),
+    ("ACCEL_NPU_ASYNC_CHECKPOINT", "1: save_state writes its files in the background, published once all are durable"),
 )
 
 #: comments of the sidecar's variables that are not a backend's tuning
@@ -149,6 +150,8 @@ class Settings:
     frozen_modules: str = ""
     load_slots: str = ""
     truncate: str = ""
+    #: ACCEL_NPU_ASYNC_CHECKPOINT=1 in the sidecar: save_state under ZeRO writes its files in the background
+    async_checkpoint: bool = False
     #: Keys of a template's DeepSpeed JSON that the wizard does not ask about (kept as they are).
     ds_base: dict[str, Any] | None = None
 
@@ -343,6 +346,8 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             out.append(tuning.interface_problem(s.hccl_socket_ifname))
     if s.frozen_modules and not s.uses_deepspeed:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
+    if s.async_checkpoint and not s.uses_deepspeed:
+        out.append("--async-checkpoint only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     return out
 
 
@@ -543,6 +548,8 @@ def sidecar_env(s: Settings) -> dict[str, str]:
         variables["ACCEL_NPU_LOAD_SLOTS"] = str(int(s.load_slots))
     if s.truncate:
         variables["ACCEL_NPU_TRUNCATE"] = ",".join(p.replace(" ", "") for p in s.truncate.split(","))
+    if s.async_checkpoint:
+        variables["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
     return variables
 
 
@@ -640,6 +647,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     s.frozen_modules = str(sidecar_vars.get("ACCEL_NPU_FROZEN_MODULES", ""))
     s.load_slots = str(sidecar_vars.get("ACCEL_NPU_LOAD_SLOTS", ""))
     s.truncate = str(sidecar_vars.get("ACCEL_NPU_TRUNCATE", ""))
+    s.async_checkpoint = str(sidecar_vars.get("ACCEL_NPU_ASYNC_CHECKPOINT", "0")).strip() == "1"
     if dist == "DEEPSPEED":
         dsc = cfg.get("deepspeed_config") or {}
         ds_name = dsc.get("deepspeed_config_file")
