@@ -179,9 +179,11 @@ PLUGIN_ALIASES = {
 
 
 def disabled_plugins() -> set[str]:
-    """The plugin names ACCEL_NPU_DISABLED_PLUGINS blocks (an old name as the plugin's name now), or "*"."""
+    """The plugin names ACCEL_NPU_DISABLED_PLUGINS blocks, or "*". An old built-in name blocks the plugin it now
+    names and, as before, any plugin registered under the old name itself (an entry point may use it)."""
     raw = get("ACCEL_NPU_DISABLED_PLUGINS")
-    return {PLUGIN_ALIASES.get(p.strip(), p.strip()) for p in raw.split(",") if p.strip()}
+    names = {p.strip() for p in raw.split(",") if p.strip()}
+    return names | {PLUGIN_ALIASES[name] for name in names if name in PLUGIN_ALIASES}
 
 
 def disabled_patches() -> set[str]:

@@ -182,6 +182,15 @@ def test_disabled_plugins_block_by_name_and_star():
     assert "accelerate.state:PartialState._prepare_backend" not in result["applied"]
 
 
+def test_an_old_plugin_name_blocks_the_plugin_it_names_and_a_plugin_of_that_name(monkeypatch):
+    from accel_npu import environment
+
+    monkeypatch.setenv("ACCEL_NPU_DISABLED_PLUGINS", " npu, launch_settings ,my_plugin")
+    assert environment.disabled_plugins() == {"npu", "devices.npu", "launch_settings", "launch.settings", "my_plugin"}
+    monkeypatch.setenv("ACCEL_NPU_DISABLED_PLUGINS", "devices.npu")
+    assert environment.disabled_plugins() == {"devices.npu"}
+
+
 @pytest.mark.slow
 def test_essential_plugins_cannot_be_blocked():
     from accel_npu.manager import ESSENTIAL_PLUGINS

@@ -476,3 +476,16 @@ def test_the_plugin_name_checker_sees_other_names_and_dangling_aliases():
     assert plugin_name_problems(good, {}, {"launcher": "launch.launcher"})
     assert plugin_name_problems(good, {}, {"deepspeed": "devices.npu"})
     assert plugin_name_problems(good, {"deepspeed_setup": ""}, {})
+
+
+def test_test_markers_are_strict_and_process_starting_tests_are_guarded():
+    """Every marker a test uses is declared (``--strict-markers``), ``slow`` among them, and the conftest installs
+    the guard that fails an unmarked test which starts a process (tests/test_process_guard.py tests the guard)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    pytest_section = config["tool:pytest"]
+    assert "--strict-markers" in pytest_section["addopts"].split()
+    declared = {line.split(":", 1)[0].strip() for line in pytest_section["markers"].strip().splitlines()}
+    assert {"slow", "contract", "official_matrix"} <= declared, declared
+    conftest = (REPO / "tests" / "conftest.py").read_text()
+    assert "process_guard.install(" in conftest and 'get_closest_marker("slow")' in conftest
