@@ -389,7 +389,7 @@ def fsdp_checkpoint_differences(a: Path, b: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
-    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save_fsdp.py): the shards staged by DCP's
+    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards staged by DCP's
     stager and written by the background writer's dcp.save equal the synchronous checkpoint tensor for tensor
     (model and optimizer, read whole from the DCP files), and the other files object for object, although
     training stepped on while they were written; with the writer slowed the checkpoint is not published when
@@ -409,7 +409,7 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
     out = tmp_path / "out"
     proc = accelerate_launch(
-        ["--config_file", str(cfg), str(SCRIPTS / "async_save_fsdp.py"), str(out)], env=base_env(), timeout=300
+        ["--config_file", str(cfg), str(SCRIPTS / "async_save.py"), "main", str(out)], env=base_env(), timeout=300
     )
     assert proc.returncode == 0, explain(proc)
     ranks = results(proc)

@@ -1,10 +1,11 @@
-"""save_state written in the background (ACCEL_NPU_ASYNC_CHECKPOINT=1) under DeepSpeed on 2 ranks.
-usage: async_save.py MODE OUT_DIR
+"""save_state written in the background (ACCEL_NPU_ASYNC_CHECKPOINT=1) on 2 ranks, under DeepSpeed or FSDP2
+(the launch config decides). usage: async_save.py MODE OUT_DIR
 
 The script switches the variable itself between saves (os.environ), so one launch writes both kinds.
-Its test hook: ``torch.save`` called off the main thread (the background writer) is slowed by ``slow``
-seconds, fails on rank 1 while ``fail`` is set, or, while ``kill`` is set, leaves half a file on rank 1 and
-SIGKILLs that rank once its save_state has returned.
+Its test hook, on the background writer's thread (not the main one): the write of each file (``torch.save``
+under DeepSpeed; DCP's ``FileSystemWriter.write_data`` under FSDP2) is slowed by ``slow`` seconds, fails on
+rank 1 while ``fail`` is set, or, while ``kill`` is set (DeepSpeed), leaves half a file on rank 1 and SIGKILLs
+that rank once its save_state has returned.
 
 MODE main: two steps; save_state synchronously into OUT_DIR/sync, then asynchronously into OUT_DIR/async
 with the writer slowed (is OUT_DIR/async there when save_state returns?); one more step while it is written;
@@ -28,21 +29,29 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
+from torch.distributed.checkpoint import FileSystemWriter
 
 mode, out_dir = sys.argv[1], sys.argv[2]
 hook = {"slow": 0.0, "fail": False, "kill": False}
 returned = threading.Event()  # the main thread is back from save_state: the write is in the background
 _save = torch.save
+_write_data = FileSystemWriter.write_data
+
+
+def in_background_write():
+    """The hook's slow-down and injected failure; True on the background writer's thread."""
+    if threading.current_thread() is threading.main_thread():
+        return False
+    time.sleep(hook["slow"])
+    if hook["fail"] and int(os.environ.get("RANK", "0")) == 1:
+        raise OSError(28, "No space left on device (injected by the test)")
+    return True
 
 
 def save_in_test(obj, f, *args, **kwargs):
-    if threading.current_thread() is not threading.main_thread():
-        time.sleep(hook["slow"])
-        rank = int(os.environ.get("RANK", "0"))
-        if hook["fail"] and rank == 1:
-            raise OSError(28, "No space left on device (injected by the test)")
-        if hook["kill"] and rank == 1:
+    if in_background_write():
+        if hook["kill"] and int(os.environ.get("RANK", "0")) == 1:
             returned.wait(60)
             _save(obj, f, *args, **kwargs)
             with open(f, "r+b") as half:
@@ -51,9 +60,16 @@ def save_in_test(obj, f, *args, **kwargs):
     return _save(obj, f, *args, **kwargs)
 
 
-torch.save = save_in_test
+def write_data_in_test(self, plan, planner):
+    in_background_write()
+    return _write_data(self, plan, planner)
+
 
 accelerator = Accelerator()
+if accelerator.distributed_type == DistributedType.FSDP:
+    FileSystemWriter.write_data = write_data_in_test  # DCP writes FSDP's shards
+else:
+    torch.save = save_in_test
 set_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
