@@ -27,9 +27,8 @@ def save_state(wrapped, instance, args, kwargs):
     if output_dir is None and not instance.project_configuration.automatic_checkpoint_naming:
         return wrapped(*args, **kwargs)  # stock raises its own error
     model_kwargs = {k: v for k, v in kwargs.items() if k not in ("output_dir", "safe_serialization")}
-    announced = boundary.announce_save_state(
-        output_dir, safe, model_kwargs
-    )  # rank 0 at a step boundary: the others serve it
+    # rank 0 at a step boundary: the others serve it
+    announced = boundary.announce_save_state(output_dir, safe, model_kwargs)
     try:
         with boundary.inside_save():
             return checkpointing.atomic_save_state(wrapped, instance, output_dir, safe, **model_kwargs)
