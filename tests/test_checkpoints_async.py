@@ -437,3 +437,34 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
     found = [f for f in fsdp_checkpoint_differences(out / "sync", tmp_path / "tampered") if not f.startswith("files")]
     assert len(found) == 1 and found[0].startswith("optimizer_0/") and "values differ" in found[0], found
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_killed_during_its_background_write_leaves_the_previous_checkpoint_which_resumes_equal(tmp_path):
+    """FSDP2 (tests/scripts/async_save.py kill): rank 1 SIGKILLs itself in the background write of the second
+    save_state into the same directory, after writing its shard. The directory still holds the first (published)
+    checkpoint, equal to the synchronous reference saved at the same step; a new launch resuming from it trains
+    on with the reference's losses."""
+    import yaml
+
+    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results
+    from tests.test_checkpoints import FSDP2_CONFIG
+
+    cfg = tmp_path / "fsdp2.yaml"
+    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    out = tmp_path / "out"
+
+    def launch(mode):
+        args = ["--config_file", str(cfg), str(SCRIPTS / "async_save.py"), mode, str(out)]
+        return accelerate_launch(args, env=base_env(), timeout=300)
+
+    killed = launch("kill")
+    assert killed.returncode != 0, explain(killed)
+    assert 1 in [r["rank"] for r in results(killed) if r.get("returned")], explain(killed)
+    assert "exitcode  : -9" in killed.stdout + killed.stderr, explain(killed)
+    assert (out / ".ckpt.accel-npu-partial").is_dir(), "the killed save stays hidden"
+    assert fsdp_checkpoint_differences(out / "reference", out / "ckpt") == []
+    resumed = launch("resume")
+    assert resumed.returncode == 0, explain(resumed)
+    for r in results(resumed):
+        assert r["losses_ckpt"] == r["losses_reference"], r

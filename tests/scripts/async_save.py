@@ -4,8 +4,8 @@
 The script switches the variable itself between saves (os.environ), so one launch writes both kinds.
 Its test hook, on the background writer's thread (not the main one): the write of each file (``torch.save``
 under DeepSpeed; DCP's ``FileSystemWriter.write_data`` under FSDP2) is slowed by ``slow`` seconds, fails on
-rank 1 while ``fail`` is set, or, while ``kill`` is set (DeepSpeed), leaves half a file on rank 1 and SIGKILLs
-that rank once its save_state has returned.
+rank 1 while ``fail`` is set, or, while ``kill`` is set, SIGKILLs rank 1 once its save_state has returned
+(under DeepSpeed after leaving half a file, under FSDP2 after writing its shard of a checkpoint not yet published).
 
 MODE main: two steps; save_state synchronously into OUT_DIR/sync, then asynchronously into OUT_DIR/async
 with the writer slowed (is OUT_DIR/async there when save_state returns?); one more step while it is written;
@@ -61,7 +61,10 @@ def save_in_test(obj, f, *args, **kwargs):
 
 
 def write_data_in_test(self, plan, planner):
-    in_background_write()
+    if in_background_write() and hook["kill"] and int(os.environ.get("RANK", "0")) == 1:
+        returned.wait(60)
+        _write_data(self, plan, planner)  # rank 1's shard written, the checkpoint not yet published
+        os.kill(os.getpid(), signal.SIGKILL)
     return _write_data(self, plan, planner)
 
 
@@ -136,6 +139,10 @@ if mode == "main":
 elif mode == "kill":
     accelerator.save_state(path("ckpt"))
     step()
+    # the first save published (its manifest in place) before the hook arms: only the second one's write is killed
+    deadline = time.monotonic() + 60
+    while not os.path.isfile(path("ckpt/accel_npu_checkpoint.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     hook["kill"] = True
     accelerator.save_state(path("ckpt"))  # rank 1 dies in its background write
     print("RESULT " + json.dumps(dict(result, returned=True)), flush=True)
