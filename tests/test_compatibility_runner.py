@@ -336,7 +336,7 @@ def test_the_commit_stamp_ignores_results_files_and_the_file_records_versions(tm
     text = (tmp_path / "compatibility.md").read_text()
     assert "- Libraries (the run that last wrote this file): torch " in text and ", peft " in text
     assert "Official scripts: 1 of 2 rows run are ✔ (1 scripts; ✔ per config: zero2 1 of 1, zero3_t0 0 of 1)" in text
-    assert "2 of these rows ran every check (master, trained, resume = straight, stock load)" in text
+    assert "2 of these rows ran the trained / straight-run / stock-load checks" in text
     assert "Users' own scripts, not counted: 1 of 1 rows ✔ (`train_dit4dit.py`)" in text
 
 
