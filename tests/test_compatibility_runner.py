@@ -305,6 +305,7 @@ def test_a_row_launches_a_straight_run_and_fails_when_it_differs(tmp_path, monke
     assert requests == [[out, straight]]
     assert not row["ok"] and row["what"].startswith("resumed ≠ straight: 1 of 2 tensors differ")
     assert "2 tensors = master" in row["what"] and "trained: 1 LoRA B ≠ 0" in row["what"]
+    assert row["whose"] == "unknown"  # the failed check's, not "loaded without accel-npu"'s
 
 
 def test_the_commit_stamp_ignores_results_files_and_the_file_records_versions(tmp_path, monkeypatch):
@@ -366,13 +367,14 @@ def test_git_state_leaves_the_results_files_out(tmp_path):
 
 @pytest.mark.slow
 def test_a_script_that_never_steps_and_a_tampered_artifact_are_crosses(tmp_path):
-    """One short launch of a copy of train_dreambooth_lora_sdxl.py without its backward (under DeepSpeed,
-    accelerator.backward is where the engine steps): it checkpoints and saves its LoRA, which equals the master
-    weights, loads without accel-npu, and is ✘ as not trained (LoRA B still zero). Then one value of the saved
-    LoRA changed: ✘ against the master weights."""
+    """One short launch of a copy of train_dreambooth_lora_sd3.py without its backward (under DeepSpeed,
+    accelerator.backward is where the engine steps; a script whose ranks all call save_state, which needs no
+    step boundary): it checkpoints and saves its LoRA, which equals the master weights, loads without accel-npu,
+    and is ✘ as not trained (LoRA B still zero). Then one value of the saved LoRA changed: ✘ against the master
+    weights."""
     from safetensors.torch import load_file, save_file
 
-    official = _spec("train_dreambooth_lora_sdxl.py")
+    official = _spec("train_dreambooth_lora_sd3.py")
     text = official.script.read_text()
     assert text.count("accelerator.backward(loss)") == 1
     copy = tmp_path / "never_steps" / official.name

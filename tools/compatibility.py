@@ -1338,7 +1338,7 @@ def load_without_accel_npu(spec: Spec, model: Path, dirs: list[Path] = (), pretr
         )
         if done.returncode:
             error, _ = first_error(done.stdout + done.stderr, spec.script)
-            raise RuntimeError(f"without accel-npu: {error}")
+            raise RuntimeError(f"stock load (ACCEL_NPU_DISABLE=1): {error}")
         result = torch.load(answer, weights_only=False)
     if result.pop("accel_npu_active"):
         raise RuntimeError("accel-npu was active in the ACCEL_NPU_DISABLE=1 process")
@@ -1631,9 +1631,10 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         ok, what = compare_artifact(spec, work / "model", out, last, first_ckpt, straight)
     except Exception as exc:  # noqa: BLE001 - the row records it
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+    whose = "" if ok else _whose("", what.split("; ")[0], script)  # the first failed check's
     if cli["resume"] is None:
         what = f"one launch (the script has no resume option); {last.name}: {what}"
-    return {**row, "ok": ok, "what": what, "whose": "" if ok else _whose("", what, script)}
+    return {**row, "ok": ok, "what": what, "whose": whose}
 
 
 # -- the results file ---------------------------------------------------------------------------------
