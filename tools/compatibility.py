@@ -1126,7 +1126,7 @@ KNOWN_CAUSES = [
         "build them with hidden_size= (diffusers #7606)",
     ),
     (
-        r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
+        r"^train_vqgan\.py: .*You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
         "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
         "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)",
     ),
