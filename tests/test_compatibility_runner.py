@@ -216,6 +216,11 @@ def test_the_trained_check_fails_where_a_trained_tensor_kept_its_initial_value()
     assert not ok and what.startswith("not trained: 1 of 1 LoRA B = 0")
     ok, what = compat.trained_check(lora, {a: torch.randn(4, 8), b: torch.randn(8, 4)}, {}, {}, "checkpoint-2")
     assert ok and what == "trained: 1 LoRA B ≠ 0, their initialisation"
+    # a LoRA B the script never trains (SD3's last block's text query projection), named by its Spec
+    sd3 = _spec("train_dreambooth_lora_sd3.py")
+    dropped = "transformer_blocks.0.attn.add_q_proj.lora_B.weight"
+    ok, what = compat.trained_check(sd3, {b: torch.randn(8, 4), dropped: torch.zeros(8, 4)}, {}, {}, "checkpoint-2")
+    assert ok and what.startswith("trained: 1 LoRA B ≠ 0") and "add_q_proj" in what and "left out" in what
 
     full = _spec("train_text_to_image.py")
     initial = {"conv_in.weight": torch.randn(8, 4), "conv_out.weight": torch.randn(4, 8)}

@@ -479,6 +479,8 @@ SPECS = [
         SDXL_T[:-1] + ["1"],
         cli={"model": ["--pretrained_teacher_model", "{model}"]},
     ),
+    # the tiny transformer's one block is its last, context_pre_only (transformer_sd3.py): the text tokens'
+    # attention output is dropped, so their query projection gets no gradient and its LoRA B stays zero
     Spec(
         "dreambooth/train_dreambooth_lora_sd3.py",
         "SD3",
@@ -486,6 +488,7 @@ SPECS = [
         DREAMBOOTH,
         "lora:StableDiffusion3Pipeline:transformer",
         LORA_T + ["--max_sequence_length", "16"],
+        untrained=r"^transformer_blocks\.0\.attn\.add_q_proj\.",
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux.py",
@@ -1402,15 +1405,18 @@ def trained_check(spec: Spec, got: dict, initial: dict, earlier: dict, earlier_n
     import torch
 
     kind = spec.artifact.split(":")[0]
+    trained = {k: v for k, v in got.items() if not (spec.untrained and re.search(spec.untrained, k))}
+    left_out = f"; /{spec.untrained}/ left out (not trained by the script)" if spec.untrained else ""
     if kind in ("lora", "peft"):
-        trained = {k: v for k, v in got.items() if ".lora_B." in k}
+        trained = {k: v for k, v in trained.items() if ".lora_B." in k}
         if not trained:
             return False, "no LoRA B matrix in the loaded artifact"
         zero = [k for k, v in trained.items() if not v.float().abs().max().item()]
         if zero:
-            return False, f"not trained: {len(zero)} of {len(trained)} LoRA B = 0, their initialisation: {zero[:3]}"
-        return True, f"trained: {len(trained)} LoRA B ≠ 0, their initialisation"
-    trained = {k: v for k, v in got.items() if not (spec.untrained and re.search(spec.untrained, k))}
+            return False, (
+                f"not trained: {len(zero)} of {len(trained)} LoRA B = 0, their initialisation: {zero[:3]}{left_out}"
+            )
+        return True, f"trained: {len(trained)} LoRA B ≠ 0, their initialisation{left_out}"
     if not trained:
         return False, "not trained: no tensor to check"
     unchanged, against = [], {"from the model folder": 0, f"from {earlier_name}": 0}
@@ -1432,8 +1438,7 @@ def trained_check(spec: Spec, got: dict, initial: dict, earlier: dict, earlier_n
             + ", ".join(f"{n} {s}" for s, n in against.items() if n)
             + ")"
         )
-    if spec.untrained:
-        what += f"; /{spec.untrained}/ left out (not trained by the script)"
+    what += left_out
     if unchanged:
         return False, f"not trained: {len(unchanged)} of {what.replace('≠', 'checked, equal to')}: {unchanged[:3]}"
     return True, f"trained: {what}"
