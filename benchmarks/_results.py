@@ -51,11 +51,12 @@ def _mem_total_gib() -> float:
     return float("nan")
 
 
-def _versions() -> str:
+def versions(*extra: str) -> str:
+    """The installed versions of the libraries measured, and of ``extra`` distributions: "torch 2.13.0, ..."."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for dist in ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "safetensors"):
+    for dist in ("torch", "accelerate", "deepspeed", "diffusers", "transformers", "safetensors", *extra):
         try:
             out.append(f"{dist} {version(dist)}")
         except PackageNotFoundError:
@@ -136,7 +137,7 @@ class Report:
             f"- Date: {self.started:%Y-%m-%d %H:%M} UTC",
             f"- Commit: {self.commit}",
             f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {_mem_total_gib():.1f} GiB RAM, "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}; {_versions()}",
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}; {versions()}",
             f"- Load average (1/5/15 min) before {self.load_before}, after {load_average()}: the machine was "
             "shared with other jobs, so timings carry their spread",
             "",

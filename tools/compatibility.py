@@ -13,13 +13,25 @@ diffusers' own tests) × config:
   ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs).
 
 it launches the vendored script (third_party/) for ``--steps`` steps with ``--checkpointing_steps``,
-then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, loads the final artifact as a
-user does (``load_lora_weights`` into the pipeline / ``from_pretrained``) and compares it with DeepSpeed's
-own fp32 master weights of the last checkpoint (``zero_to_fp32``; under ``fsdp2`` the checkpoint's model
-folder, consolidated with torch's ``dcp_to_torch_save``). A row is ✔ when both launches exit 0,
-the second resumes from the first's last checkpoint, and every loaded tensor equals its master weight
-(or the master weight rounded to bf16); otherwise ✘ with the first error and whose it is (the file of the
-traceback's innermost frame). Wall time covers both launches; peak node RSS is the largest sum, over the
+then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, then a third time straight to
+``--resume-to`` with the same seed in a folder of its own. A fresh interpreter with ``ACCEL_NPU_DISABLE=1``
+(a user's inference box without accel-npu) loads the final artifacts as a user does (``load_lora_weights``
+into the pipeline / ``from_pretrained``) and hands back what it loaded. A row is ✔ when every launch exits 0
+and all four checks (CHECKS) hold:
+
+- ``master``: every loaded tensor equals DeepSpeed's own fp32 master weight of the last checkpoint
+  (``zero_to_fp32``; under ``fsdp2`` the checkpoint's model folder, consolidated with torch's
+  ``dcp_to_torch_save``), or that weight rounded to bf16;
+- ``trained``: every tensor the script trains differs from its initial value (``trained_check``: LoRA B
+  matrices from zero, their initialisation; a textual inversion's new token rows from the initializer
+  token's row; a full model's tensors from the model folder the builder wrote, or, where the script builds
+  the model otherwise, from the first checkpoint's master weights); the row says which;
+- ``resume = straight``: the resumed run's artifact equals the straight run's, bit for bit unless the
+  Spec states a tolerance (``resume_tolerance``), which the row then names;
+- ``stock load``: the loads above ran without accel-npu.
+
+Otherwise the row is ✘ with the first error or failed check and whose it is (the file of the traceback's
+innermost frame). Wall time covers all launches; peak node RSS is the largest sum, over the
 launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
 
 Rows are merged into the results file: a partial run (``--only``, ``--family``, ``--configs``) replaces
@@ -33,8 +45,10 @@ usage: python tools/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -49,7 +63,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 
-from benchmarks._results import RESULTS, command_line, git_commit  # noqa: E402 - after sys.path names the repository
+from benchmarks._results import (  # noqa: E402 - after sys.path names the repository
+    RESULTS,
+    command_line,
+    git_commit,
+    git_state,
+    versions,
+)
 from tests.launch_utils import (  # noqa: E402 - after sys.path names the repository
     BIN,
     UPSTREAM_EXAMPLES,
@@ -96,9 +116,11 @@ FSDP2_CONFIG = {
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + model index, a DCP folder
 
 
-# the runner's launches in an official script's flags: "model", "common" (both launches), "first" (to
-# --steps), "resume" (to --resume-to; None: the script cannot resume, one launch); {model} {out} {steps}
-# {every} {resume_to} {more} (= resume_to - steps) substituted. A Spec's ``cli`` replaces some of these keys.
+# the runner's launches in an official script's flags: "model", "common" (every launch), "first" (to
+# --steps), "resume" (to --resume-to; None: the script cannot resume, one launch), "straight" (optional: the
+# straight run to --resume-to, by default "first" with {steps} = {resume_to} and {out} its own folder);
+# {model} {out} {steps} {every} {resume_to} {more} (= resume_to - steps) substituted. A Spec's ``cli``
+# replaces some of these keys.
 OFFICIAL_CLI = {
     "model": ["--pretrained_model_name_or_path", "{model}"],
     "common": ["--seed", "0", "--output_dir", "{out}", "--checkpointing_steps", "{every}"],
@@ -115,7 +137,9 @@ class Spec:
     family: str
     builder: str  # key of BUILDERS
     data: list[str]  # arguments naming the data, {work} substituted
-    # "lora:<PipelineClass>:<component>", "peft:<ModelClass>:<subfolder>" (peft's save_pretrained loaded with
+    # "lora:<PipelineClass>:<component>", "textual_inversion:<PipelineClass>:<text encoders>:<files>" (the
+    # scripts' learned_embeds files, one per text encoder, loaded with load_textual_inversion; compared: the new
+    # token's rows of each encoder's embedding), "peft:<ModelClass>:<subfolder>" (peft's save_pretrained loaded with
     # PeftModel.from_pretrained), "full:<ModelClass>:<subfolder>", "module:<module>.<Class>:<subfolder>"
     # (a class of tests/scripts/ built from the tiny model folder, accelerate's save_model output loaded into it)
     # or "pretrained:<transformers class>:<subfolder>" (with checkpoint None: compare_pretrained)
@@ -137,6 +161,12 @@ class Spec:
     epoch_steps: int = 0  # > 0: optimizer steps per epoch of a script counting epochs ({epochs}, {resume_epochs})
     env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
     site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
+    # the largest |resumed - straight| accepted, where the script is not deterministic across a resume on CPU
+    # (None: bit for bit); the row names it
+    resume_tolerance: float | None = None
+    # a regex of artifact tensors the script never trains (frozen parts the artifact carries), left out of the
+    # trained check; the row names it
+    untrained: str = ""
 
     @property
     def name(self) -> str:
@@ -144,7 +174,14 @@ class Spec:
 
     @property
     def script(self) -> Path:
+        if Path(self.path).is_absolute():  # a copy made elsewhere (the runner's own tests)
+            return Path(self.path)
         return REPO / self.path if self.path.startswith("tests/") else UPSTREAM_EXAMPLES / self.path
+
+    @property
+    def official(self) -> bool:
+        """A diffusers script (vendored), not a user's own script of tests/scripts/."""
+        return self.script.is_relative_to(UPSTREAM_EXAMPLES)
 
 
 DREAMBOOTH = ["--instance_data_dir", "{work}/images", "--instance_prompt", PROMPT]
@@ -214,6 +251,8 @@ COG = [
 # Flux.1 and SD3: full fine-tunes (no --rank); the control scripts read a local parquet dataset (--dataset_name)
 FULL_T = ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 CONTROL = ["--dataset_name", "{work}/controlnet_data"]
+# upstream README's flags; "dog" is one token of the tiny tokenizers
+TEXTUAL_INVERSION = ["--placeholder_token", "<new1>", "--initializer_token", "dog", "--learnable_property", "object"]
 
 SPECS = [
     Spec(
@@ -279,6 +318,16 @@ SPECS = [
         ["--instance_data_dir", "{work}/images", "--instance_prompt", "a photo of <new1> dog"],
         "attn_procs:StableDiffusionPipeline:unet:pytorch_custom_diffusion_weights.safetensors",
         SD + ["--modifier_token", "<new1>", "--initializer_token", "dog"],
+    ),
+    # an official training script not named train_*.py: it trains the new token's embedding row only; its
+    # artifact, learned_embeds.safetensors, loads with load_textual_inversion
+    Spec(
+        "textual_inversion/textual_inversion.py",
+        "SD",
+        "sd_family",
+        ["--train_data_dir", "{work}/images"] + TEXTUAL_INVERSION,
+        "textual_inversion:StableDiffusionPipeline:text_encoder:learned_embeds.safetensors",
+        SD,
     ),
     Spec(
         "instruct_pix2pix/train_instruct_pix2pix.py",
@@ -392,6 +441,16 @@ SPECS = [
         "lora:StableDiffusionXLPipeline:unet",
         SDXL_T + ["--rank", "4"],
     ),
+    # both text encoders' new token rows: learned_embeds.safetensors and learned_embeds_2.safetensors
+    Spec(
+        "textual_inversion/textual_inversion_sdxl.py",
+        "SDXL",
+        "sdxl_family",
+        ["--train_data_dir", "{work}/data/instance"] + TEXTUAL_INVERSION,
+        "textual_inversion:StableDiffusionXLPipeline:text_encoder,text_encoder_2:"
+        "learned_embeds.safetensors,learned_embeds_2.safetensors",
+        SDXL_T,
+    ),
     Spec(
         "consistency_distillation/train_lcm_distill_lora_sdxl.py",
         "SDXL",
@@ -420,6 +479,8 @@ SPECS = [
         SDXL_T[:-1] + ["1"],
         cli={"model": ["--pretrained_teacher_model", "{model}"]},
     ),
+    # the tiny transformer's one block is its last, context_pre_only (transformer_sd3.py): the text tokens'
+    # attention output is dropped, so their query projection gets no gradient and its LoRA B stays zero
     Spec(
         "dreambooth/train_dreambooth_lora_sd3.py",
         "SD3",
@@ -427,6 +488,7 @@ SPECS = [
         DREAMBOOTH,
         "lora:StableDiffusion3Pipeline:transformer",
         LORA_T + ["--max_sequence_length", "16"],
+        untrained=r"^transformer_blocks\.0\.attn\.add_q_proj\.",
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux.py",
@@ -739,6 +801,16 @@ SPECS = [
                 "--steps",
                 "{more}",
                 "--final-save",
+                "{out}/checkpoint-{resume_to}",
+                "--save-model",
+                "{out}/model",
+            ],
+            "straight": [
+                "--steps",
+                "{resume_to}",
+                "--save-at",
+                "{resume_to}",
+                "--save-dir",
                 "{out}/checkpoint-{resume_to}",
                 "--save-model",
                 "{out}/model",
@@ -1057,7 +1129,7 @@ KNOWN_CAUSES = [
         "build them with hidden_size= (diffusers #7606)",
     ),
     (
-        r"You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
+        r"^train_vqgan\.py: .*You can't use same `Accelerator\(\)` instance with multiple models when using DeepSpeed",
         "accelerate's (also on GPUs): its DeepSpeed path takes one model per prepare (accelerator.py prepare; "
         "accelerate #2974); the script prepares two (train_vqgan.py: the VQModel and its discriminator)",
     ),
@@ -1145,6 +1217,19 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
         pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
+    if kind == "textual_inversion":  # each encoder's file, as diffusers' textual inversion docs load it
+        from safetensors.torch import load_file
+
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32)
+        loaded = {}
+        for component, file in zip(where.split(","), below[0].split(",")):
+            encoder, tokenizer = getattr(pipe, component), getattr(pipe, component.replace("text_encoder", "tokenizer"))
+            (token,) = load_file(str(where_dir / file))  # {placeholder token: its rows}
+            pipe.load_textual_inversion(str(where_dir / file), text_encoder=encoder, tokenizer=tokenizer)
+            weight = encoder.get_input_embeddings().weight
+            for i in tokenizer.convert_tokens_to_ids([token]):
+                loaded[f"{component}.token_embedding.{i}"] = weight[i].detach().clone()
+        return loaded
     if kind == "peft":  # peft's save_pretrained (adapter_config.json + adapter_model.safetensors), as peft loads it
         from peft import PeftModel
 
@@ -1180,28 +1265,118 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
     return loaded.state_dict()
 
 
-def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bool, str]:
-    """(equal, what) for the final artifact in ``out`` (or the one in ``ckpt``: ``Spec.artifact_in``) against
-    ``ckpt``'s fp32 master weights."""
+def _initial(spec: Spec, model: Path) -> dict:
+    """The initial values of the tensors the script trains, where the model folder holds them: a full model's
+    component folder as the builder wrote it; a textual inversion's new token rows, which the script
+    initialises with the initializer token's row. {} otherwise (LoRA B starts at zero: ``trained_check``)."""
+    from safetensors.torch import load_file
+
+    kind, cls_name, where, *below = spec.artifact.split(":")
+    if kind == "textual_inversion":
+        from transformers import AutoTokenizer
+
+        word = spec.data[spec.data.index("--initializer_token") + 1]
+        rows = {}
+        for component in where.split(","):
+            tokenizer = AutoTokenizer.from_pretrained(str(model / component.replace("text_encoder", "tokenizer")))
+            weights = {}
+            for f in sorted((model / component).glob("*.safetensors")):
+                weights.update(load_file(str(f)))
+            (table,) = [v for k, v in weights.items() if k.endswith("embeddings.token_embedding.weight")]
+            (initializer,) = tokenizer.encode(word, add_special_tokens=False)
+            # the script adds the placeholder token at the end of the vocabulary (tokenizer.add_tokens)
+            rows[f"{component}.token_embedding.{len(tokenizer)}"] = table[initializer].clone()
+        return rows
+    if kind == "full" and where and (model / where).is_dir():
+        weights = {}
+        for f in sorted((model / where).glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        return weights
+    return {}
+
+
+def _loaded_without_accel_npu(request: dict) -> dict:
+    """Runs in the fresh interpreter ``load_without_accel_npu`` starts (ACCEL_NPU_DISABLE=1): the artifacts and
+    the initial weights it asks for, and whether accel-npu was active after all (it must not be)."""
+    spec = Spec(**{**request["spec"], "stand_ins": tuple(request["spec"]["stand_ins"])})
+    model = Path(request["model"])
+    # no torchvision here: the paired wheel this machine's launches use is a CUDA build, which dies on import
+    # without accel-npu's torchvision_compat (pytorch/vision#9085); a box without torchvision loads these too
+    if request.get("pretrained"):
+        result = {"pretrained": compare_pretrained(spec, model, Path(request["pretrained"]))}
+    else:
+        result = {
+            "loaded": [_load_artifact(spec, model, Path(d)) for d in request["dirs"]],
+            "initial": _initial(spec, model),
+        }
+    import accel_npu
+
+    result["accel_npu_active"] = accel_npu.is_active()
+    return result
+
+
+def load_without_accel_npu(spec: Spec, model: Path, dirs: list[Path] = (), pretrained: Path | None = None) -> dict:
+    """``_load_artifact`` of each of ``dirs`` (and ``_initial``), or ``compare_pretrained`` of ``pretrained``,
+    run in a new interpreter with ``ACCEL_NPU_DISABLE=1``: the artifact loads as it loads on a user's inference box
+    without accel-npu (this process imported diffusers, which activated accel-npu). Raises RuntimeError with the
+    end of its output when it fails."""
     import torch
 
-    _torchvision_importable()
+    with tempfile.TemporaryDirectory() as tmp:
+        answer = Path(tmp) / "loaded.pt"
+        request = {
+            "spec": dataclasses.asdict(spec),
+            "model": str(model),
+            "dirs": [str(d) for d in dirs],
+            "pretrained": str(pretrained) if pretrained else "",
+            "answer": str(answer),
+        }
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--load-without-accel-npu", json.dumps(request)],
+            env=base_env(ACCEL_NPU_DISABLE="1", PYTHONPATH=os.environ.get("PYTHONPATH", "")),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if done.returncode:
+            error, _ = first_error(done.stdout + done.stderr, spec.script)
+            raise RuntimeError(f"stock load (ACCEL_NPU_DISABLE=1): {error}")
+        result = torch.load(answer, weights_only=False)
+    if result.pop("accel_npu_active"):
+        raise RuntimeError("accel-npu was active in the ACCEL_NPU_DISABLE=1 process")
+    return result
+
+
+def _master_of(spec: Spec, ckpt: Path, got: dict) -> dict:
+    """``ckpt``'s master weights under the artifact's names (``got``: the loaded artifact)."""
     master = _master(ckpt)
-    if spec.artifact.startswith("attn_procs:"):
+    kind, _, where, *_ = spec.artifact.split(":")
+    if kind == "attn_procs":
         # AttnProcsLayers' parameters; under one engine with other models prepared together (accel-npu's
         # plugins/deepspeed/models_together.py) each model's names start with its index: "0.layers.<i>..."
-        master = {
-            re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items() if re.match(r"^(\d+\.)?layers\.", k)
-        }
-    if spec.artifact.startswith(("lora:", "peft:")):
-        master = {_norm(k): v for k, v in master.items() if ".lora_" in k}
-    got = _load_artifact(spec, model, ckpt if spec.artifact_in == "checkpoint" else out)
-    if spec.artifact_in == "checkpoint":
-        final = _load_artifact(spec, model, out)
-        if set(final) != set(got):
-            return False, (
-                f"the final artifact's tensors are not the checkpoint's: {len(set(final) ^ set(got))} names differ"
-            )
+        return {re.sub(r"^\d+\.(?=layers\.)", "", k): v for k, v in master.items() if re.match(r"^(\d+\.)?layers\.", k)}
+    if kind in ("lora", "peft"):
+        return {_norm(k): v for k, v in master.items() if ".lora_" in k}
+    if kind == "textual_inversion":
+        # each encoder's token embedding; encoders prepared together are named "<index>.text_model..."
+        tables = sorted(k for k in master if k.endswith("text_model.embeddings.token_embedding.weight"))
+        components = where.split(",")
+        if len(tables) != len(components):
+            raise RuntimeError(f"{len(tables)} token embeddings in {ckpt.name}'s master weights for {components}")
+        table = dict(zip(components, (master[k] for k in tables)))
+        rows = {}
+        for key in got:
+            component, _, index = key.rsplit(".", 2)
+            rows[key] = table[component][int(index)]
+        return rows
+    return master
+
+
+def equal_to_master(master: dict, got: dict) -> tuple[bool, str]:
+    """(equal, what): every master tensor in the loaded artifact, equal to it or to its bf16 rounding."""
+    import torch
+
     missing = sorted(set(master) - set(got))
     if not master or missing:
         return False, f"{len(missing)} of {len(master)} master tensors not in the loaded artifact"
@@ -1218,6 +1393,100 @@ def compare_artifact(spec: Spec, model: Path, out: Path, ckpt: Path) -> tuple[bo
     if worst:
         return False, f"loaded artifact differs from the master weights: max |Δ| {worst:.3g}"
     return True, f"{len(master)} tensors = master"
+
+
+def trained_check(spec: Spec, got: dict, initial: dict, earlier: dict, earlier_name: str) -> tuple[bool, str]:
+    """(trained, what): every tensor the script trains differs from its initial value. The tensors it trains: a
+    LoRA's B matrices (initialised to zero; A starts random, unknown here), a textual inversion's new token rows
+    (initialised to the initializer token's row), else every tensor of the artifact bar ``Spec.untrained``. Their
+    initial value: ``initial`` (the model folder), else the master weights of the first checkpoint (``earlier``:
+    then it shows the optimizer stepped after that checkpoint). A bf16 artifact must differ from the initial
+    value's bf16 rounding too."""
+    import torch
+
+    kind = spec.artifact.split(":")[0]
+    trained = {k: v for k, v in got.items() if not (spec.untrained and re.search(spec.untrained, k))}
+    left_out = f"; /{spec.untrained}/ left out (not trained by the script)" if spec.untrained else ""
+    if kind in ("lora", "peft"):
+        trained = {k: v for k, v in trained.items() if ".lora_B." in k}
+        if not trained:
+            return False, "no LoRA B matrix in the loaded artifact"
+        zero = [k for k, v in trained.items() if not v.float().abs().max().item()]
+        if zero:
+            return False, (
+                f"not trained: {len(zero)} of {len(trained)} LoRA B = 0, their initialisation: {zero[:3]}{left_out}"
+            )
+        return True, f"trained: {len(trained)} LoRA B ≠ 0, their initialisation{left_out}"
+    if not trained:
+        return False, "not trained: no tensor to check"
+    unchanged, against = [], {"from the model folder": 0, f"from {earlier_name}": 0}
+    for k, v in trained.items():
+        start, source = initial.get(k), "from the model folder"
+        if start is None or start.shape != v.shape:
+            start, source = earlier.get(k), f"from {earlier_name}"
+        if start is None:
+            return False, f"not trained: no initial value for {k} (neither the model folder nor {earlier_name})"
+        against[source] += 1
+        start = start.float()
+        if torch.equal(v.float(), start) or torch.equal(v.float(), start.to(torch.bfloat16).float()):
+            unchanged.append(k)
+    if kind == "textual_inversion":
+        what = f"{len(trained)} new token rows ≠ the initializer token's, their initialisation"
+    else:
+        what = (
+            f"{len(trained)} tensors ≠ their initial value ("
+            + ", ".join(f"{n} {s}" for s, n in against.items() if n)
+            + ")"
+        )
+    what += left_out
+    if unchanged:
+        return False, f"not trained: {len(unchanged)} of {what.replace('≠', 'checked, equal to')}: {unchanged[:3]}"
+    return True, f"trained: {what}"
+
+
+def resume_check(resumed: dict, straight: dict, tolerance: float | None) -> tuple[bool, str]:
+    """(equal, what): the resumed run's artifact against a straight same-seed run's, bit for bit unless
+    ``tolerance`` (the largest |Δ| accepted) is given."""
+    import torch
+
+    if set(resumed) != set(straight):
+        return False, f"resumed ≠ straight: {len(set(resumed) ^ set(straight))} tensor names differ"
+    differ = [k for k, v in resumed.items() if not torch.equal(v, straight[k])]
+    if not differ:
+        return True, "resumed = straight bit for bit"
+    worst = max((resumed[k].float() - straight[k].float()).abs().max().item() for k in differ)
+    if tolerance is not None and worst <= tolerance:
+        return True, f"resumed ≈ straight: max |Δ| {worst:.3g} ≤ {tolerance:g} (stated tolerance)"
+    bound = f" > {tolerance:g} (stated tolerance)" if tolerance is not None else " (bit for bit expected)"
+    return False, f"resumed ≠ straight: {len(differ)} of {len(resumed)} tensors differ, max |Δ| {worst:.3g}{bound}"
+
+
+def compare_artifact(
+    spec: Spec, model: Path, out: Path, ckpt: Path, first: Path | None = None, straight: Path | None = None
+) -> tuple[bool, str]:
+    """(sound, what) for the final artifact in ``out`` (or the one in ``ckpt``: ``Spec.artifact_in``), loaded
+    without accel-npu: equal to ``ckpt``'s fp32 master weights, trained (``trained_check``; ``first``: the first
+    checkpoint, whose master weights stand in for initial values the model folder lacks), and equal to the
+    artifact of the straight run in ``straight`` (when given). The failed checks come first."""
+    in_ckpt = spec.artifact_in == "checkpoint"
+    dirs = [ckpt if in_ckpt else out] + ([out] if in_ckpt else []) + ([straight] if straight else [])
+    answer = load_without_accel_npu(spec, model, dirs)
+    loaded = answer["loaded"]
+    got = loaded[0]
+    results = []
+    if in_ckpt and set(loaded[1]) != set(got):
+        n = len(set(loaded[1]) ^ set(got))
+        results.append((False, f"the final artifact's tensors are not the checkpoint's: {n} names differ"))
+    results.append(equal_to_master(_master_of(spec, ckpt, got), got))
+    earlier = {}  # a LoRA's initial values are known (B = 0): no second checkpoint to read
+    if first is not None and first != ckpt and spec.artifact.split(":")[0] not in ("lora", "peft"):
+        earlier = _master_of(spec, first, got)
+    results.append(trained_check(spec, got, answer["initial"], earlier, first.name if first else "no checkpoint"))
+    if straight:
+        results.append(resume_check(got, loaded[-1], spec.resume_tolerance))
+    results.append((True, "loaded without accel-npu"))
+    ordered = [r for r in results if not r[0]] + [r for r in results if r[0]]
+    return all(ok for ok, _ in results), "; ".join(what for _, what in ordered)
 
 
 def compare_pretrained(spec: Spec, model: Path, out: Path) -> tuple[bool, str]:
@@ -1294,10 +1563,14 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         resume_epochs=resume_to // per_epoch,
     )
 
-    def fill(args: list[str]) -> list[str]:
-        return [a.format(**values) for a in args]
+    def fill(args: list[str], given: dict = values) -> list[str]:
+        return [a.format(**given) for a in args]
 
-    base = ["--config_file", str(cfg), str(script), *fill(cli["model"]), *data, *spec.extra, *fill(cli["common"])]
+    def base_of(given: dict) -> list[str]:
+        model_args, common = fill(cli["model"], given), fill(cli["common"], given)
+        return ["--config_file", str(cfg), str(script), *model_args, *data, *spec.extra, *common]
+
+    base = base_of(values)
     runs = [launch(base + fill(cli["first"]), env, root, timeout)]
     if runs[0]["code"] == 0 and cli["resume"] is not None:
         runs.append(launch(base + fill(cli["resume"]), env, root, timeout))
@@ -1315,7 +1588,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         return {**row, "ok": False, "what": f"{which}: {error}", "whose": whose}
     if spec.checkpoint is None:
         try:
-            ok, what = compare_pretrained(spec, work / "model", out)
+            ok, what = load_without_accel_npu(spec, work / "model", pretrained=out)["pretrained"]
+            what += "; loaded without accel-npu"
         except Exception as exc:  # noqa: BLE001 - the row records it
             ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
         return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
@@ -1342,13 +1616,30 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
             "whose": "unknown",
             "what": f"did not {expected}write {last.name}: {[p.name for p in written]}",
         }
+    straight = None
+    if cli["resume"] is not None:  # the same seed straight to --resume-to, in a folder of its own
+        straight = root / f"{spec.name}-{config}-straight"
+        shutil.rmtree(straight, ignore_errors=True)
+        straight.mkdir(parents=True)
+        given = dict(values, out=straight, steps=resume_to, epochs=resume_to // per_epoch)
+        runs.append(launch(base_of(given) + fill(cli.get("straight", cli["first"]), given), env, root, timeout))
+        (straight / "launch-straight.log").write_text(runs[-1]["output"])
+        row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
+        if runs[-1]["code"] == "timeout":
+            what = f"straight launch: no exit within {timeout:.0f} s (killed)"
+            return {**row, "ok": False, "what": what, "whose": "unknown (a hang)"}
+        if runs[-1]["code"] != 0:
+            error, whose = first_error(runs[-1]["output"], script)
+            return {**row, "ok": False, "what": f"straight launch: {error}", "whose": whose}
     try:
-        ok, what = compare_artifact(spec, work / "model", out, last)
+        first_ckpt = written[0] if written else None
+        ok, what = compare_artifact(spec, work / "model", out, last, first_ckpt, straight)
     except Exception as exc:  # noqa: BLE001 - the row records it
         ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
+    whose = "" if ok else _whose("", what.split("; ")[0], script)  # the first failed check's
     if cli["resume"] is None:
         what = f"one launch (the script has no resume option); {last.name}: {what}"
-    return {**row, "ok": ok, "what": what, "whose": "" if ok else _whose("", what, script)}
+    return {**row, "ok": ok, "what": what, "whose": whose}
 
 
 # -- the results file ---------------------------------------------------------------------------------
@@ -1357,6 +1648,7 @@ HEADER = [
     "family",
     "config",
     "result",
+    "checks",
     "first error / check",
     "whose",
     "wall",
@@ -1366,17 +1658,26 @@ HEADER = [
 ]
 
 
+# what a row's ✔ covers (the "checks" cell): rows run before the trained / straight-run / stock-load checks
+# existed cover "master" and a resume seen in the output only
+CHECKS = ("master", "trained", "resume = straight", "stock load")
+OLD_CHECKS = "master (older runner)"
+
+
+def row_checks(spec: Spec) -> str:
+    cli = {**OFFICIAL_CLI, **spec.cli}
+    if spec.checkpoint is None:  # compare_pretrained: no master weights; its own "changed from initial"
+        return "trained, stock load"
+    return ", ".join(c for c in CHECKS if c != "resume = straight" or cli["resume"] is not None)
+
+
 def _commit() -> str:
+    """HEAD's short id, "+dirty" when files other than results files differ from it (as benchmarks' stamp)."""
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        sha, changed = git_state(REPO)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return sha[:7] + ("+dirty" if changed else "")
 
 
 def _cell(text: str) -> str:
@@ -1390,20 +1691,23 @@ def read_rows(path: Path | None = None) -> dict:
         for line in path.read_text().splitlines():
             if line.startswith("| `"):
                 cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+                if len(cells) == len(HEADER) - 1:  # a row written before the "checks" column
+                    cells.insert(HEADER.index("checks"), OLD_CHECKS if cells[3] in ("✔", "✘") else "")
                 if len(cells) == len(HEADER):
                     rows[(cells[0], cells[2])] = cells
     return rows
 
 
-def write_rows(new: dict, argv: list[str]) -> Path:
+def write_rows(new: dict, argv: list[str], path: Path | None = None) -> Path:
     import filelock
 
-    with filelock.FileLock(str(RESULT_FILE) + ".lock", timeout=120):  # two runners may merge at once
-        return _write_rows(new, argv)
+    path = path or RESULT_FILE
+    with filelock.FileLock(str(path) + ".lock", timeout=120):  # two runners may merge at once
+        return _write_rows(new, argv, path)
 
 
-def _write_rows(new: dict, argv: list[str]) -> Path:
-    rows = read_rows()
+def _write_rows(new: dict, argv: list[str], path: Path) -> Path:
+    rows = read_rows(path)
     rows.update(new)
     have = {s.name for s in SPECS}  # a script given a Spec since its "not run" row was written
     rows = {k: v for k, v in rows.items() if not (k[1] == "all" and k[0].strip("`") in have)}
@@ -1424,34 +1728,70 @@ def _write_rows(new: dict, argv: list[str]) -> Path:
         f"Reproduce: `{command_line(argv)}` (rows of a partial run replace their own; each row keeps the "
         "commit and date it was run on).",
         "",
-        f"- Commit: {git_commit()} (the run that last wrote this file; each row names the commit it ran on)",
+        f"- Commit: {git_commit()} (the run that last wrote this file; each row names the commit it ran on, "
+        "+dirty where files other than results files differed from it)",
+        f"- Libraries (the run that last wrote this file): {versions('peft')}",
         "",
         "Configs: `zero2` = launch_configs/cpu_zero2.yaml (bf16); `zero3_t0` = cpu_zero3.yaml with "
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
         "those forming the 2 CPU ranks (tools/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
         "that handle FSDP (tools/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
-        "SHARDED_STATE_DICT, bf16). ✔ = trains, checkpoints, resumes from `latest`, and the final artifact, "
-        "loaded as a user loads it, equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last "
-        "checkpoint, or under fsdp2 its model folder consolidated by torch's dcp_to_torch_save (or their bf16 "
-        "rounding). Peak node RSS: the launch's process tree, RssAnon summed, sampled "
-        "every 0.5 s. Wall: both launches on a shared 2-core machine.",
+        "SHARDED_STATE_DICT, bf16). ✔ = every launch exits 0, the resumed launch resumes from `latest`, and "
+        "the checks the row's `checks` cell names hold: `master` = the final artifact, loaded as a user loads it, "
+        "equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last checkpoint, or under fsdp2 its model "
+        "folder consolidated by torch's dcp_to_torch_save (or their bf16 rounding); `trained` = every tensor the "
+        "script trains differs from its initial value (LoRA B from zero, a textual inversion's new token rows "
+        "from the initializer token's, a full model's tensors from the model folder, else from the first "
+        "checkpoint; the row says which); `resume = straight` = the artifact of the run resumed at step 4 to 6 "
+        "equals a straight same-seed run's to 6, bit for bit unless the row names a tolerance; `stock load` = "
+        "those loads ran in a fresh process with ACCEL_NPU_DISABLE=1. Rows whose checks cell says "
+        f"`{OLD_CHECKS}` were run before the last three checks existed: their ✔ covers `master` and a resume "
+        "named in the output only. Peak node RSS: the launch's process tree, RssAnon summed, sampled "
+        "every 0.5 s. Wall: all launches of the row on a shared 2-core machine.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" for _ in HEADER) + "|",
     ]
     lines += ["| " + " | ".join(rows[k]) + " |" for k in keys]
-    RESULT_FILE.parent.mkdir(exist_ok=True)
-    tmp = RESULT_FILE.with_suffix(".md.partial")
+    lines += ["", summary(rows)]
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".md.partial")
     tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(RESULT_FILE)
-    return RESULT_FILE
+    tmp.replace(path)
+    return path
+
+
+def summary(rows: dict) -> str:
+    """The headline: official scripts' rows only (a user's own script, tests/scripts/, is counted apart)."""
+    users = {f"`{s.name}`" for s in SPECS if not s.official}
+    run = [r for k, r in rows.items() if r[3] in ("✔", "✘")]
+    official = [r for r in run if r[0] not in users]
+    per_config = {}
+    for r in official:
+        per_config.setdefault(r[2], []).append(r[3] == "✔")
+    configs = ", ".join(f"{c} {sum(v)} of {len(v)}" for c, v in sorted(per_config.items()))
+    checked = [r for r in official if r[4] not in ("", OLD_CHECKS)]
+    theirs = [r for r in run if r[0] in users]
+    not_run = sum(1 for r in rows.values() if r[5].startswith("not run:"))
+    ok_official, ok_theirs = sum(r[3] == "✔" for r in official), sum(r[3] == "✔" for r in theirs)
+    return (
+        f"Official scripts: {ok_official} of {len(official)} rows run are ✔ "
+        f"({len({r[0] for r in official})} scripts; ✔ per config: {configs}); {len(checked)} of these rows ran the "
+        f"trained / straight-run / stock-load checks (the others: `{OLD_CHECKS}`). {not_run} more scripts are "
+        f"listed as not run, each with why. Users' own scripts, not counted: {ok_theirs} of {len(theirs)} rows ✔ "
+        f"({', '.join(sorted(users))})."
+    )
+
+
+# the official training scripts: train_*.py, and the textual inversion scripts, named otherwise
+OFFICIAL_SCRIPTS = ("train_*.py", "textual_inversion*.py")
 
 
 def not_run_rows(stamp: list[str]) -> dict:
-    """A row for every vendored train_*.py without a tiny builder here, saying so."""
+    """A row for every vendored official script without a tiny builder here, saying so."""
     have = {s.name for s in SPECS}
     rows = {}
-    for path in sorted(UPSTREAM_EXAMPLES.rglob("train_*.py")):
+    for path in sorted(p for pattern in OFFICIAL_SCRIPTS for p in UPSTREAM_EXAMPLES.rglob(pattern)):
         if path.name in have:
             continue
         family = path.parent.name
@@ -1459,7 +1799,7 @@ def not_run_rows(stamp: list[str]) -> dict:
             why = "not run: a Flax (JAX) script, not torch"
         else:
             why = "not run: no tiny builder for its pipeline in tests/scripts/ yet"
-        rows[(f"`{path.name}`", "all")] = [f"`{path.name}`", family, "all", "–", why, "", "", "", *stamp]
+        rows[(f"`{path.name}`", "all")] = [f"`{path.name}`", family, "all", "–", "", why, "", "", "", *stamp]
     return rows
 
 
@@ -1476,7 +1816,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     parser.add_argument("--work", default="", help="work directory (default: a temporary one, removed)")
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
+    parser.add_argument(
+        "--results",
+        default=str(RESULT_FILE),
+        help="the results file to merge the rows into (another one, e.g. a copy, to try a change)",
+    )
     args = parser.parse_args(argv)
+    results = Path(args.results)
     families = {f.strip().lower() for f in args.family.split(",") if f.strip()}
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -1509,17 +1855,18 @@ def main(argv: list[str] | None = None) -> int:
                 spec.family,
                 config,
                 "✔" if row["ok"] else "✘",
+                row_checks(spec),
                 _cell(row["what"]),
                 _cell(row["whose"]),
                 f"{row['seconds']:.0f} s",
                 f"{row['peak_rss'] / 2**30:.2f} GiB",
                 *stamp,
             ]
-            print("  " + " | ".join(new[key][3:8]), flush=True)
-            write_rows(new, sys.argv if argv is None else [sys.argv[0], *argv])
+            print("  " + " | ".join(new[key][3:9]), flush=True)
+            write_rows(new, sys.argv if argv is None else [sys.argv[0], *argv], results)
         stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
         new.update(not_run_rows(stamp))
-        path = write_rows(new, sys.argv if argv is None else [sys.argv[0], *argv])
+        path = write_rows(new, sys.argv if argv is None else [sys.argv[0], *argv], results)
         print(f"wrote {path}")
     finally:
         if not args.work:
@@ -1528,4 +1875,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--load-without-accel-npu"]:  # load_without_accel_npu's fresh interpreter
+        import torch
+
+        request = json.loads(sys.argv[2])
+        torch.save(_loaded_without_accel_npu(request), request["answer"])
+        sys.exit(0)
     sys.exit(main())
