@@ -216,9 +216,9 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     written = []
     original = background.write_file
 
-    def held_write(save, obj, path, zipfile):
+    def held_write(obj, path, zipfile):
         assert release.wait(60), "the test never released the writer"
-        original(save, obj, path, zipfile)
+        original(obj, path, zipfile)
         written.append(os.path.basename(path))
 
     monkeypatch.setattr(background, "write_file", held_write)
@@ -261,10 +261,10 @@ def test_a_failed_background_write_is_raised_at_the_next_checkpoint_call_and_the
     before = {str(p.relative_to(target)): p.read_bytes() for p in target.rglob("*") if p.is_file()}
     original = background.write_file
 
-    def failing_write(save, obj, path, zipfile):
+    def failing_write(obj, path, zipfile):
         if "optim_states" in path:
             raise OSError(28, "No space left on device (injected)")
-        original(save, obj, path, zipfile)
+        original(obj, path, zipfile)
 
     monkeypatch.setattr(background, "write_file", failing_write)
     step()

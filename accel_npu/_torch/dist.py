@@ -159,6 +159,23 @@ def rendezvous(
     )
 
 
+def store_wait(store, keys, seconds: float) -> bool:
+    """True once ``keys`` exist in the key-value store; False after ``seconds`` (the store's timeout)."""
+    try:
+        store.wait(keys, timedelta(seconds=max(0.001, seconds)))
+        return True
+    except Exception as exc:  # the timeout error's type differs between torch versions
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            return False
+        raise
+
+
+def store_get(store, key: str) -> str:
+    """A key-value store's value as text (``get`` returns bytes)."""
+    value = store.get(key)
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _state(store, key: str) -> str:
     return store.get(f"{key}/state").decode()
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import logging
 import os
 import queue
 import threading
 import time
-from datetime import timedelta
 
 from accel_npu import environment
 from accel_npu._torch import dist as _dist
@@ -84,16 +84,25 @@ def _tensors(obj, out: list, seen: set) -> None:
             _tensors(value, out, seen)
 
 
-def snapshot_bytes(state_dict) -> int:
-    """Host bytes :func:`snapshot` would copy: each distinct storage once."""
+def tensors_of(state_dict) -> list:
+    """The tensors of a checkpoint's state dict, each once."""
     found: list = []
     _tensors(state_dict, found, set())
+    return found
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors``: each once, as ``torch.save`` writes them."""
     sizes = {}
-    for t in found:
-        if _copyable(t):
-            storage = t.untyped_storage()
-            sizes[_storage_key(storage)] = storage.nbytes()
+    for t in tensors:
+        storage = t.untyped_storage()
+        sizes[_storage_key(storage)] = storage.nbytes()
     return sum(sizes.values())
+
+
+def snapshot_bytes(state_dict) -> int:
+    """Host bytes :func:`snapshot` would copy: each distinct storage once."""
+    return storage_bytes(t for t in tensors_of(state_dict) if _copyable(t))
 
 
 def snapshot(state_dict):
@@ -103,8 +112,7 @@ def snapshot(state_dict):
     writes of the original. Other values are deep-copied (a scheduler's lists change as training goes on)."""
     import torch
 
-    found: list = []
-    _tensors(state_dict, found, set())
+    found = tensors_of(state_dict)
     memo: dict = {}
     storages: dict = {}
     for t in found:
@@ -213,29 +221,18 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def write_file(save: PendingSave, obj, path: str, zipfile: bool) -> None:
+def write_file(obj, path: str, zipfile: bool) -> None:
     import torch
 
     torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
     _fsync_file(path)
 
 
-def _write_job(save: PendingSave, obj, path: str, zipfile: bool):
-    def job():
-        if save.error is not None:
-            return  # one failure fails the save: the later files are not worth writing
-        try:
-            write_file(save, obj, path, zipfile)
-        except BaseException as exc:  # noqa: BLE001 - recorded: raised at the next checkpoint call on every rank
-            save.error = f"writing {path}: {type(exc).__name__}: {exc}"
-
-    return job
-
-
 def queue_job(save: PendingSave, write, what: str, collective: bool = False) -> None:
     """Queue ``write()`` (a callable writing files under ``save.tmp``); its failure fails the save. A
     ``collective`` job (one every rank's writer runs in the same order, e.g. a torch.distributed.checkpoint
-    save over a process group) runs even after an earlier failure, so no other rank waits for it in vain."""
+    save over a process group) runs even after an earlier failure, so no other rank waits for it in vain; any
+    other is skipped then (one failure fails the save: the later files are not worth writing)."""
 
     def job():
         if save.error is not None and not collective:
@@ -264,7 +261,7 @@ def queue_file(save: PendingSave, state_dict, path: str, zipfile: bool) -> None:
                 _size(free),
             )
         try:
-            write_file(save, state_dict, path, zipfile)
+            write_file(state_dict, path, zipfile)
         except Exception as exc:
             save.error = f"writing {path}: {type(exc).__name__}: {exc}"
             raise
@@ -273,11 +270,11 @@ def queue_file(save: PendingSave, state_dict, path: str, zipfile: bool) -> None:
         copied = snapshot(state_dict)
     except Exception as exc:  # noqa: BLE001 - an object deepcopy refuses: written now, as stock writes it
         log.debug("accel-npu: %s written synchronously (no copy: %s)", path, exc)
-        write_file(save, state_dict, path, zipfile)
+        write_file(state_dict, path, zipfile)
         return
     save.snapshot_bytes += nbytes
     save.files += 1
-    _writer.put(_write_job(save, copied, path, zipfile))
+    queue_job(save, functools.partial(write_file, copied, path, zipfile), path)
 
 
 def _size(nbytes: int) -> str:
@@ -314,7 +311,7 @@ def _finish(save: PendingSave, publish) -> None:
             return
         keys = [save.key(f"done/{r}") for r in range(save.world)]
         _wait_keys(save.store, keys)
-        words = [_get(save.store, k) for k in keys]
+        words = [_dist.store_get(save.store, k) for k in keys]
     failed = [w for w in words if w != "ok"]
     outcome = "ok"
     if failed:
@@ -335,18 +332,8 @@ def _fsync_dirs(root: str) -> None:
 
 
 def _wait_keys(store, keys) -> None:
-    while True:
-        try:
-            store.wait(keys, timedelta(seconds=_POLL_S))
-            return
-        except Exception as exc:  # the timeout error's type differs between torch versions
-            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                raise
-
-
-def _get(store, key: str) -> str:
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else str(value)
+    while not _dist.store_wait(store, keys, _POLL_S):
+        pass
 
 
 def wait_for_pending(raise_failure: bool = True) -> None:
@@ -364,7 +351,7 @@ def wait_for_pending(raise_failure: bool = True) -> None:
             outcome = save.outcome or "ok"
         else:
             _wait_keys(save.store, [save.key("outcome")])
-            outcome = _get(save.store, save.key("outcome"))
+            outcome = _dist.store_get(save.store, save.key("outcome"))
     elif save.error is not None:
         outcome = f"rank {save.rank}: {save.error}"
     with _lock:

@@ -249,13 +249,13 @@ def _pause(store, rank, lg, where: str) -> None:
     started = time.monotonic()
     limit = _wait_limit()
     key = _release_key(step)
-    while not serving._wait(store, [key], 60.0):
+    while not _dist.store_wait(store, [key], 60.0):
         if time.monotonic() - started > limit:
             raise CollectiveMisuseError(
                 f"rank {rank} waited {limit:g} s at {where} after optimizer "
                 f"step {step} for rank 0 to reach its next batch or collective"
             )
-    if serving._get(store, key) == "go":
+    if _dist.store_get(store, key) == "go":
         return
     while True:  # rank 0 serves something in this window: read the log until its release
         i = lg.cursor
@@ -348,7 +348,7 @@ def publish_abort(message: str) -> None:
             lg.cursor = seq + 1
         # a launcher ends every rank once one has failed: give a paused rank (or one whose collective
         # failed) a moment to raise this error itself before this one does
-        serving._wait(store, [f"{_ABORT_KEY}/ack/{r}" for r in range(world) if r != rank], _ACK_WAIT_S)
+        _dist.store_wait(store, [f"{_ABORT_KEY}/ack/{r}" for r in range(world) if r != rank], _ACK_WAIT_S)
     except Exception:  # noqa: BLE001 - the error itself is what matters; the others fail as stock would
         pass
 
@@ -614,7 +614,7 @@ def _serve_at_exit() -> None:
         if sess is not None:
             store, world, rank, _ = sess
             if rank == 0:
-                serving._wait(store, [f"{_release_key(step)}/read/{r}" for r in range(1, world)], _EXIT_WAIT_S)
+                _dist.store_wait(store, [f"{_release_key(step)}/read/{r}" for r in range(1, world)], _EXIT_WAIT_S)
             else:
                 store.set(f"{_release_key(step)}/read/{rank}", "1")
     except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise

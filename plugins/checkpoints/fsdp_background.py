@@ -31,7 +31,7 @@ from accel_npu._torch.memory import available_memory
 from accel_npu._torch.once import FirstTime
 from accel_npu.plugins.checkpoints import background
 from accel_npu.plugins.checkpoints import state as checkpointing
-from accel_npu.plugins.checkpoints.files import MANIFEST, fsync_tree, partial_dir, write_json
+from accel_npu.plugins.checkpoints.files import partial_dir
 
 log = logging.getLogger("accel_npu")
 
@@ -74,15 +74,8 @@ def _local_bytes(state_dict) -> int:
     """Host bytes the staged copy takes: each distinct storage of the local shards once."""
     from torch.distributed.tensor import DTensor
 
-    found: list = []
-    background._tensors(state_dict, found, set())
-    sizes = {}
-    for t in found:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.device.type != "meta":
-            storage = local.untyped_storage()
-            sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in background.tensors_of(state_dict))
+    return background.storage_bytes(t for t in local if t.device.type != "meta")
 
 
 def _stage(state_dict):
@@ -210,21 +203,7 @@ def async_save_state(wrapped, accelerator, output_dir, safe_serialization=True, 
     publish = None
     if accelerator.is_main_process:
         keep = pc.total_limit if automatic else None
-        publish = functools.partial(_publish, tmp, final, accelerator.num_processes, keep)
+        fields = {"fsdp_version": 2, "world_size": accelerator.num_processes}
+        publish = functools.partial(checkpointing.publish_checkpoint, tmp, final, fields, keep)
     background.submit(pending, publish)
     return final
-
-
-def _publish(tmp: str, final: str, world_size: int, keep: int | None) -> None:
-    """Rank 0, once every rank's shards are durable: the manifest, fsync, the atomic rename; then (``keep``:
-    total_limit under automatic naming) the oldest checkpoints beyond ``keep``."""
-    files = {}
-    for dirpath, _, names in os.walk(tmp):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            files[os.path.relpath(path, tmp)] = os.path.getsize(path)
-    write_json(os.path.join(tmp, MANIFEST), {"format": 1, "fsdp_version": 2, "world_size": world_size, "files": files})
-    fsync_tree(tmp)
-    checkpointing._swap_into_place(tmp, final)
-    if keep is not None:
-        checkpointing._prune(os.path.dirname(final), keep)

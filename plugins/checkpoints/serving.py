@@ -32,9 +32,8 @@ import json
 import logging
 import time
 import weakref
-from datetime import timedelta
 
-from accel_npu._torch.dist import CollectiveMisuseError
+from accel_npu._torch.dist import CollectiveMisuseError, store_get, store_wait
 from accel_npu.plugins.checkpoints import callsite
 from accel_npu.plugins.checkpoints.state import collective_timeout
 
@@ -74,22 +73,6 @@ def _session():
     return store, dist.get_world_size(), dist.get_rank(), _logs.setdefault(id(group), _Log())
 
 
-def _wait(store, keys, seconds: float) -> bool:
-    """True once ``keys`` exist; False after ``seconds`` (the store's timeout)."""
-    try:
-        store.wait(keys, timedelta(seconds=max(0.001, seconds)))
-        return True
-    except Exception as exc:  # the timeout error's type differs between torch versions
-        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            return False
-        raise
-
-
-def _get(store, key: str) -> str:
-    value = store.get(key)
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 #: called with the store before this process appends an event (boundary.py: rank 0 inside a step window
 #: tells the waiting ranks to read the log rather than just go on)
 before_append = None
@@ -104,14 +87,14 @@ def _append(store, event: dict) -> int:
 
 
 def _read(store, i: int, seconds: float) -> dict | None:
-    if not _wait(store, [f"{_P}/ev/{i}"], seconds):
+    if not store_wait(store, [f"{_P}/ev/{i}"], seconds):
         return None
-    return json.loads(_get(store, f"{_P}/ev/{i}"))
+    return json.loads(store_get(store, f"{_P}/ev/{i}"))
 
 
 def _state(store, i: int) -> str | None:
     key = f"{_P}/ev/{i}/state"
-    return _get(store, key) if store.check([key]) else None
+    return store_get(store, key) if store.check([key]) else None
 
 
 def _decide(store, i: int, outcome: str) -> str:
@@ -164,9 +147,9 @@ def requesting():
 
 def _ack_and_wait(store, i: int, rank: int, problem: str | None) -> str:
     store.set(f"{_P}/ev/{i}/ack/{rank}", problem or "ok")
-    while not _wait(store, [f"{_P}/ev/{i}/state"], _IDLE_LIMIT):
+    while not store_wait(store, [f"{_P}/ev/{i}/state"], _IDLE_LIMIT):
         pass
-    return _get(store, f"{_P}/ev/{i}/state")
+    return store_get(store, f"{_P}/ev/{i}/state")
 
 
 def before_gather(params, modifier_rank=None, fetch: bool = False) -> None:
@@ -218,9 +201,9 @@ def before_gather(params, modifier_rank=None, fetch: bool = False) -> None:
     lg.cursor = max(lg.cursor, seq + 1)
     others = [r for r in range(world) if r != rank]
     acks = [f"{_P}/ev/{seq}/ack/{r}" for r in others]
-    _wait(store, acks, timeout)
+    store_wait(store, acks, timeout)
     came = [r for r, k in zip(others, acks) if store.check([k])]
-    problems = {r: _get(store, f"{_P}/ev/{seq}/ack/{r}") for r in came}
+    problems = {r: store_get(store, f"{_P}/ev/{seq}/ack/{r}") for r in came}
     problems = {r: v for r, v in problems.items() if v != "ok"}
     if len(came) == len(others) and not problems and _decide(store, seq, "go") == "go":
         return

@@ -246,7 +246,12 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
             record_components(accelerator.unwrap_model(accelerator._models[0]), tmp)
         keep = pc.total_limit if automatic and asynchronous else None
         publish = functools.partial(
-            _publish, tmp, final, tags, accelerator.num_processes, zero_stage(accelerator), keep
+            publish_checkpoint,
+            tmp,
+            final,
+            {"tags": tags, "world_size": accelerator.num_processes, "zero_stage": zero_stage(accelerator)},
+            keep,
+            latest=tags[0] if tags else "",
         )
     if pending is not None:
         background.submit(pending, publish)
@@ -257,20 +262,19 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
     return final
 
 
-def _publish(tmp: str, final: str, tags: list, world_size: int, stage: int, keep: int | None) -> None:
-    """Rank 0, once every rank's files are in ``tmp``: ``latest``, the manifest, fsync, the atomic rename;
-    then (``keep``: an asynchronous save with total_limit) the oldest checkpoints beyond ``keep``."""
-    with open(os.path.join(tmp, "latest"), "w") as f:
-        f.write(tags[0] if tags else "")
+def publish_checkpoint(tmp: str, final: str, fields: dict, keep: int | None, latest: str | None = None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: ``latest`` (DeepSpeed's tag file, when given), the
+    manifest (``fields`` and every file with its size), fsync, the atomic rename; then (``keep``: an
+    asynchronous save with total_limit) the oldest checkpoints beyond ``keep``."""
+    if latest is not None:
+        with open(os.path.join(tmp, "latest"), "w") as f:
+            f.write(latest)
     files = {}
     for dirpath, _, names in os.walk(tmp):
         for name in names:
             path = os.path.join(dirpath, name)
             files[os.path.relpath(path, tmp)] = os.path.getsize(path)
-    write_json(
-        os.path.join(tmp, MANIFEST),
-        {"format": 1, "tags": tags, "world_size": world_size, "zero_stage": stage, "files": files},
-    )
+    write_json(os.path.join(tmp, MANIFEST), {"format": 1, **fields, "files": files})
     fsync_tree(tmp)
     _swap_into_place(tmp, final)
     if keep is not None:
