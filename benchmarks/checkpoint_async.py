@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import Report
 
-BIN = Path(sys.executable).parent
+from tests.launch_utils import BIN, free_port, results, write_deepspeed_config
 
 
 def worker(a) -> None:
@@ -124,12 +124,6 @@ def worker(a) -> None:
     accelerator.end_training()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(a, tmp: Path, stage: int) -> list[dict]:
     ds = {
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -138,24 +132,18 @@ def launch(a, tmp: Path, stage: int) -> list[dict]:
         "gradient_accumulation_steps": 1,
     }
     d = tmp / f"zero{stage}"
-    d.mkdir(parents=True)
-    (d / "ds.json").write_text(json.dumps(ds))
-    (d / "acc.yaml").write_text(
-        "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\n"
-        f"deepspeed_config:\n  deepspeed_config_file: {d / 'ds.json'}\n  zero3_init_flag: false\n"
-        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: false\n"
-    )
+    cfg = write_deepspeed_config(d, ds, "ds.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     args = ["--worker", "--out", str(d / "out"), "--dim", str(a.dim), "--layers", str(a.layers)]
     args += ["--tokens", str(a.tokens), "--saves", str(a.saves), "--steps", str(a.steps)]
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(d / "acc.yaml")]
-    cmd += ["--main_process_port", str(_free_port()), __file__, *args]
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(cfg)]
+    cmd += ["--main_process_port", str(free_port()), __file__, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    recs = [json.loads(line.split("RESULT ", 1)[1]) for line in (p.stdout + p.stderr).splitlines() if "RESULT " in line]
+    recs = results(p)
     if p.returncode != 0 or len(recs) != 2:
         sys.exit(f"benchmark launch zero{stage} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-    return sorted(recs, key=lambda r: r["rank"])
+    return recs
 
 
 def main() -> None:

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,19 +97,11 @@ class TimedLaunch(StreamedLaunch):
         self.cpu_seen: dict[int, float] = {}
         super().__init__(*args, **kwargs)
 
-    def _read(self):
+    def first_seen(self, step: int) -> None:
         import psutil
 
-        buf = ""
-        while chunk := self.proc.stdout.read1(4096).decode(errors="replace"):
-            buf += chunk
-            self.text.append(chunk)
-            for n in map(int, re.findall(rf"\| (\d+)/{self.steps} \[", buf[-2000:])):
-                if n not in self.step_seen:
-                    self.step_seen[n] = time.monotonic()
-                    self.cpu_seen[n] = tree_cpu_seconds(psutil, self.proc.pid)
-            buf = buf[-4000:]
-        self.exited = time.monotonic()
+        super().first_seen(step)
+        self.cpu_seen[step] = tree_cpu_seconds(psutil, self.proc.pid)
 
 
 def tree_cpu_seconds(psutil, pid: int) -> float:

@@ -70,9 +70,14 @@ class StreamedLaunch:
                 self.error_seen = time.monotonic()
             if self.steps:
                 for n in map(int, re.findall(rf"\| (\d+)/{self.steps} \[", buf[-2000:])):
-                    self.step_seen.setdefault(n, time.monotonic())
+                    if n not in self.step_seen:
+                        self.first_seen(n)
             buf = buf[-4000:]
         self.exited = time.monotonic()  # the launcher and its workers closed their output: they ended
+
+    def first_seen(self, step: int) -> None:
+        """Called once per step, when the progress bar first shows it."""
+        self.step_seen[step] = time.monotonic()
 
     def wait(self, timeout: float = 900) -> StreamedLaunch:
         try:

@@ -1265,11 +1265,20 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
     return loaded.state_dict()
 
 
+def _folder_weights(folder: Path) -> dict:
+    """Every tensor of the safetensors files in ``folder`` (one model's weights, sharded or not)."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
 def _initial(spec: Spec, model: Path) -> dict:
     """The initial values of the tensors the script trains, where the model folder holds them: a full model's
     component folder as the builder wrote it; a textual inversion's new token rows, which the script
     initialises with the initializer token's row. {} otherwise (LoRA B starts at zero: ``trained_check``)."""
-    from safetensors.torch import load_file
 
     kind, cls_name, where, *below = spec.artifact.split(":")
     if kind == "textual_inversion":
@@ -1279,19 +1288,14 @@ def _initial(spec: Spec, model: Path) -> dict:
         rows = {}
         for component in where.split(","):
             tokenizer = AutoTokenizer.from_pretrained(str(model / component.replace("text_encoder", "tokenizer")))
-            weights = {}
-            for f in sorted((model / component).glob("*.safetensors")):
-                weights.update(load_file(str(f)))
+            weights = _folder_weights(model / component)
             (table,) = [v for k, v in weights.items() if k.endswith("embeddings.token_embedding.weight")]
             (initializer,) = tokenizer.encode(word, add_special_tokens=False)
             # the script adds the placeholder token at the end of the vocabulary (tokenizer.add_tokens)
             rows[f"{component}.token_embedding.{len(tokenizer)}"] = table[initializer].clone()
         return rows
     if kind == "full" and where and (model / where).is_dir():
-        weights = {}
-        for f in sorted((model / where).glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        return weights
+        return _folder_weights(model / where)
     return {}
 
 
@@ -1495,13 +1499,10 @@ def compare_pretrained(spec: Spec, model: Path, out: Path) -> tuple[bool, str]:
     their config describes, at its shape, finite, and each changed from the initial weights."""
     import torch
     import transformers
-    from safetensors.torch import load_file
 
     _, cls_name, where = spec.artifact.split(":")
     cls = getattr(transformers, cls_name)
-    saved = {}
-    for f in sorted((out / where).glob("*.safetensors")):
-        saved.update(load_file(str(f)))
+    saved = _folder_weights(out / where)
     skeleton = cls.from_config(transformers.AutoConfig.from_pretrained(str(out / where))).state_dict()
     initial = cls.from_pretrained(str(model)).state_dict()
     wrong = [k for k, v in skeleton.items() if k not in saved or saved[k].shape != v.shape]
