@@ -1,14 +1,15 @@
 """Checkpoints under DeepSpeed: atomic (optionally asynchronous) ``save_state``, checked ``load_state``,
 saves made on rank 0 alone (diffusers #2606) completed by the other ranks, ZeRO-3 models gathered for a
-save a group at a time, ``accel-npu consolidate``, and a saved LoRA that loads whole whatever its first
-key. docs/checkpoints.md describes each.
+save a group at a time, ``accel-npu consolidate``, a saved LoRA that loads whole whatever its first key,
+and (any backend) a resume that draws the batches the uninterrupted run would have. docs/checkpoints.md
+describes each.
 
 This module declares the plugin: its patches, its command and its ``accel-npu env`` section. The
 wrappers and machinery sit beside it: ``accelerator.py`` (the wrapped Accelerator methods),
 ``state.py``, ``background.py`` (asynchronous save_state), ``streaming.py`` (save_model one shard at a
 time), ``serving.py`` and ``boundary.py`` (idle ranks serve rank 0's gathers and save_state),
 ``partitioned.py``, ``lora.py``, ``adapter_reload.py`` (a load hook's second LoRA load on resume),
-``callsite.py``, ``consolidate.py``, ``files.py``.
+``callsite.py``, ``consolidate.py``, ``files.py``, ``data_order.py`` (a resume's DataLoader order).
 """
 
 from __future__ import annotations
@@ -166,11 +167,22 @@ BACKWARD = _patch(
 )
 
 
+PREPARE_DATA_LOADER = _patch(
+    "prepare_data_loader",
+    # The first prepared loader registers the save/load pre-hooks that keep them (data_order.py).
+    "save_state leaves out a prepared DataLoader's shuffle generator and epoch: a resume replays epoch 0's "
+    "order (accelerate #3158).",
+    "accelerate's save_state writes the loaders' shuffle generators and epoch counters (accelerate #3996)",
+    ".data_order:prepare_data_loader",
+)
+
+
 def _iter_patch(cls):
     return Patch(
         target=f"accelerate.data_loader:{cls}.__iter__",
         supports=_SUPPORTS,
         # The next batch after an optimizer step is a rank's clean point: nothing drawn, RNG as at the step.
+        # Also where an epoch's shuffle generator state is noted before its order is drawn (data_order.py).
         reason="A rank's next batch after an optimizer step is where it waits for rank 0 and serves a "
         "save_state made alone (diffusers #2606).",
         remove_when="with the Accelerator.backward patch",
@@ -213,6 +225,7 @@ def accel_npu_register_patches():
         DATALOADER_SHARD_ITER,
         DATALOADER_DISPATCHER_ITER,
         SKIP_DATALOADER_ITER,
+        PREPARE_DATA_LOADER,
     ]
 
 

@@ -55,7 +55,7 @@ from accel_npu._torch.callsite import guarded_caller
 from accel_npu._torch.dist import CollectiveMisuseError
 from accel_npu._torch.markers import STEPS_AT_OPTIMIZER_STEP
 from accel_npu.patching.arguments import argument
-from accel_npu.plugins.checkpoints import background, callsite, serving
+from accel_npu.plugins.checkpoints import background, callsite, data_order, serving
 
 log = logging.getLogger("accel_npu")
 
@@ -557,6 +557,7 @@ def optimizer_step(wrapped, instance, args, kwargs):
 
 
 def dataloader_iter(wrapped, instance, args, kwargs):
+    data_order.note_epoch_start(instance)
     if _w.enabled is False:
         return wrapped(*args, **kwargs)
     return _batches_after_clean_points(wrapped(*args, **kwargs), _w)

@@ -1,0 +1,146 @@
+"""A resume draws the batches the uninterrupted run would have drawn (plugins/checkpoints/data_order.py).
+
+accelerate gives a shuffled DataLoader prepared on several processes a private generator and saves neither it
+nor the loader's epoch counter in save_state (accelerate #3158): a resumed run replays epoch 0's order. The
+end-to-end test runs tests/scripts/resume_data_order.py on 2 ranks (torchrun, gloo) straight, then saved and
+resumed, with accel-npu and stock (ACCEL_NPU_DISABLE=1); the witnesses are the sample indices and the noise each
+rank drew per step, printed by the script. The unit tests hold where the next epoch starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from accel_npu.plugins.checkpoints import data_order as order
+from tests.launch_utils import base_env, explain, results, run_concurrently, torchrun_launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_data_order.py"
+
+
+class _Loader:
+    """What loader_position reads of accelerate's DataLoaderShard: iteration, end_of_dataloader and the
+    synchronized generator."""
+
+    def __init__(self, seed=0):
+        self.synchronized_generator = torch.Generator().manual_seed(seed)
+        self.iteration = 0
+        self.end_of_dataloader = False
+
+    def start_epoch(self):
+        order.note_epoch_start(self)
+        torch.randperm(8, generator=self.synchronized_generator)  # the sampler draws the epoch's order
+
+
+def test_a_loader_never_iterated_starts_where_its_generator_is():
+    loader = _Loader()
+    position = order.loader_position(loader)
+    assert position["iteration"] == 0
+    assert torch.equal(position["generator"], loader.synchronized_generator.get_state())
+
+
+def test_mid_epoch_the_epoch_starts_again_from_the_state_its_order_was_drawn_from():
+    loader = _Loader()
+    before = loader.synchronized_generator.get_state()
+    loader.start_epoch()
+    position = order.loader_position(loader)
+    assert position["iteration"] == 0
+    assert torch.equal(position["generator"], before)
+    assert not torch.equal(position["generator"], loader.synchronized_generator.get_state())
+
+
+def test_at_the_epochs_last_batch_the_next_epoch_starts_from_the_generator_as_it_is():
+    loader = _Loader()
+    loader.start_epoch()
+    loader.end_of_dataloader = True
+    position = order.loader_position(loader)
+    assert position["iteration"] == 1
+    assert torch.equal(position["generator"], loader.synchronized_generator.get_state())
+
+
+def test_after_a_finished_epoch_the_counter_is_not_counted_twice():
+    loader = _Loader()
+    loader.start_epoch()
+    loader.end_of_dataloader = True
+    loader.iteration = 1  # accelerate counts the epoch when its iterator ends
+    assert order.loader_position(loader)["iteration"] == 1
+
+
+def test_a_loader_without_a_synchronized_generator_keeps_its_counter_only():
+    loader = _Loader()
+    loader.synchronized_generator = None
+    loader.iteration = 3
+    assert order.loader_position(loader) == {"iteration": 3, "generator": None}
+    fresh = _Loader()
+    order.restore_position(fresh, {"iteration": 3, "generator": None})
+    assert fresh.iteration == 3
+
+
+class _Accelerator:
+    is_main_process = True
+
+    def __init__(self, loaders):
+        self._dataloaders = loaders
+
+
+def test_the_hooks_write_and_restore_each_loaders_position(tmp_path):
+    saved = _Loader(seed=1)
+    saved.start_epoch()
+    saved.end_of_dataloader = True
+    order._save_hook(_Accelerator([saved]))([], [], str(tmp_path))
+    assert (tmp_path / order.FILE_NAME).is_file()
+
+    resumed = _Loader(seed=2)
+    order._load_hook(_Accelerator([resumed]))([], str(tmp_path))
+    assert resumed.iteration == 1
+    assert torch.equal(resumed.synchronized_generator.get_state(), saved.synchronized_generator.get_state())
+
+
+def test_a_checkpoint_without_the_file_or_with_other_loaders_restores_nothing(tmp_path, caplog):
+    resumed = _Loader(seed=2)
+    state = resumed.synchronized_generator.get_state()
+    order._load_hook(_Accelerator([resumed]))([], str(tmp_path))  # written by stock accelerate
+    assert resumed.iteration == 0 and torch.equal(resumed.synchronized_generator.get_state(), state)
+
+    order._save_hook(_Accelerator([_Loader(), _Loader()]))([], [], str(tmp_path))
+    with caplog.at_level("WARNING", logger="accel_npu"):
+        order._load_hook(_Accelerator([resumed]))([], str(tmp_path))
+    assert torch.equal(resumed.synchronized_generator.get_state(), state)
+    assert "2 DataLoaders' order, this run prepared 1" in caplog.text
+
+
+def _launch(mode, out, **env):
+    proc = torchrun_launch([str(SCRIPT), mode, str(out)], env=base_env(**env), timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    seen = [r["seen"] for r in results(proc)]
+    assert len(seen) == 2, explain(proc)
+    return seen
+
+
+@pytest.mark.slow
+def test_resume_draws_the_uninterrupted_runs_batches_and_noise_where_stock_replays_epoch_0(tmp_path):
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    ours.mkdir()
+    stock.mkdir()
+    straight, _, _ = run_concurrently(
+        lambda: _launch("straight", tmp_path),
+        lambda: _launch("first", ours),
+        lambda: _launch("first", stock, ACCEL_NPU_DISABLE="1"),
+    )
+    assert (ours / "checkpoint-4" / order.FILE_NAME).is_file()
+    assert not (stock / "checkpoint-4" / order.FILE_NAME).exists()
+    resumed_end, resumed_mid, stock_end = run_concurrently(
+        lambda: _launch("resume_end", ours),
+        lambda: _launch("resume_mid", ours),
+        lambda: _launch("resume_end", stock, ACCEL_NPU_DISABLE="1"),
+    )
+    for rank in (0, 1):
+        # from an epoch's last batch: every later step's sample and noise as in the straight run
+        assert resumed_end[rank] == straight[rank][4:]
+        # mid-epoch, skipping the epoch's first batches: the same samples (the noise differs: the DataLoader's
+        # own base-seed draw at the restarted epoch takes one value of the global RNG the straight run did not)
+        assert [s[:2] for s in resumed_mid[rank]] == [s[:2] for s in straight[rank][6:]]
+    # stock replays epoch 0's order after the resume (the same steps, other samples)
+    assert [s[1] for r in stock_end for s in r] != [s[1] for r in straight for s in r[4:]]
