@@ -46,3 +46,41 @@ def test_developing_map_names_every_module_package_and_hook():
 def test_patches_doc_is_the_ledger_table():
     doc = (REPO / "docs" / "patches.md").read_text()
     assert doc == patch_table(), "docs/patches.md is out of date: run `accel-npu env --patch-table > docs/patches.md`"
+
+
+def torch_npu_uses(source: str) -> tuple[bool, set[str]]:
+    """(whether ``source`` imports torch_npu, the ``torch_npu.<name>`` attributes its code reads)."""
+    import ast
+
+    tree = ast.parse(source)
+    imports = any(
+        (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch_npu" for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch_npu")
+        for node in ast.walk(tree)
+    )
+    names = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch_npu"
+    }
+    return imports, names
+
+
+def test_the_npu_contract_names_every_module_importing_torch_npu_and_what_it_calls():
+    doc = (REPO / "docs" / "npu-contract.md").read_text()
+    missing = []
+    for root in (REPO / "accel_npu", REPO / "plugins"):
+        for path in root.rglob("*.py"):
+            imports, names = torch_npu_uses(path.read_text())
+            if not imports:
+                continue
+            rel = path.relative_to(REPO).as_posix()
+            missing += [rel] if rel not in doc else []
+            missing += [f"{rel}: torch_npu.{n}" for n in sorted(names) if f"torch_npu.{n}" not in doc]
+    assert not missing, f"docs/npu-contract.md does not name these torch_npu uses: {missing}"
+
+
+def test_the_torch_npu_use_finder_sees_imports_and_attributes():
+    assert torch_npu_uses("def f():\n    import torch_npu\n    return torch_npu.npu_x(1).y\n") == (True, {"npu_x"})
+    assert torch_npu_uses("from torch_npu.npu import utils\n")[0] is True
+    assert torch_npu_uses("import torch\nx = 'torch_npu.npu_x'\n") == (False, set())

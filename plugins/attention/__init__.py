@@ -1,4 +1,5 @@
-"""CUDA-only attention flags on NPU / CPU: diffusers' xformers switch, transformers' flash_attention_2.
+"""Attention on NPU / CPU: CUDA-only flags (diffusers' xformers switch, transformers' flash_attention_2) and
+the backward of diffusers' NPU attention backend.
 
 - ``--enable_xformers_memory_efficient_attention`` (diffusers' official scripts) /
   ``model.enable_xformers_memory_efficient_attention()``: xformers needs CUDA, and stock diffusers
@@ -7,9 +8,12 @@
   fused attention) on npu, the SDPA processor diffusers already set on cpu (``diffusers.py``).
 - ``attn_implementation="flash_attention_2"``: transformers runs it on npu itself; on cpu it becomes
   SDPA instead of an ImportError (``transformers.py``).
+- diffusers' NPU attention backend under context parallelism (Ulysses / ring): its backward op raises
+  NotImplementedError; it gets one from torch_npu's ``npu_fusion_attention_grad`` (``npu_fusion.py``).
 
-One log line per process says what ran. On a machine with CUDA every wrapper passes straight through.
-docs/cuda-compat.md ("Attention flags") has the table.
+For the flags one log line per process says what ran; on a machine with CUDA their wrappers pass straight
+through (docs/cuda-compat.md, "Attention flags"). The NPU backend's ops pass through wherever diffusers found
+no usable torch_npu (docs/npu-contract.md).
 """
 
 from __future__ import annotations
@@ -63,6 +67,39 @@ FLASH_ATTENTION_2 = Patch(
 )
 
 
+# diffusers 0.35.2 and 0.36.0 have neither op: their NPU backend has no context-parallel path to fix
+_NPU_CONTEXT_PARALLEL = "diffusers>=0.37.0,<0.43"
+_NPU_NO_CONTEXT_PARALLEL = "diffusers<0.37.0"
+_NPU_REMOVE_WHEN = "diffusers' _npu_attention_backward_op calls npu_fusion_attention_grad (not as of 0.42.1)"
+
+NPU_ATTENTION_FORWARD_OP = Patch(
+    target="diffusers.models.attention_dispatch:_npu_attention_forward_op",
+    supports=_NPU_CONTEXT_PARALLEL,
+    stock_correct=_NPU_NO_CONTEXT_PARALLEL,
+    reason="The NPU attention backend's forward op keeps only npu_fusion_attention(...)[0] (attention_dispatch.py):"
+    " the same call, saving what its grad needs.",
+    remove_when=_NPU_REMOVE_WHEN,
+    wrapper=".npu_fusion:forward_op",
+)
+
+NPU_ATTENTION_BACKWARD_OP = Patch(
+    target="diffusers.models.attention_dispatch:_npu_attention_backward_op",
+    supports=_NPU_CONTEXT_PARALLEL,
+    stock_correct=_NPU_NO_CONTEXT_PARALLEL,
+    reason="Context-parallel training on the NPU attention backend raises 'Backward pass is not implemented "
+    "for Npu Fusion Attention'; npu_fusion_attention_grad runs it.",
+    remove_when=_NPU_REMOVE_WHEN,
+    wrapper=".npu_fusion:backward_op",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
-    return [XFORMERS_AVAILABLE, ATTENTION_XFORMERS, ATTENTION_MODULE_XFORMERS, FLASH_ATTENTION_2]
+    return [
+        XFORMERS_AVAILABLE,
+        ATTENTION_XFORMERS,
+        ATTENTION_MODULE_XFORMERS,
+        FLASH_ATTENTION_2,
+        NPU_ATTENTION_FORWARD_OP,
+        NPU_ATTENTION_BACKWARD_OP,
+    ]

@@ -246,7 +246,9 @@ npu.Event = type("Event", (_NeedsDevice,), {"__module__": "torch_npu.npu.streams
 # Mirrors torch_npu/__init__.py (v7.2.0-pytorch2.7.1: `for name in dir(torch.ops.npu): globals()[name] = ...`):
 # the NPU kernels are attributes of the package, and transformers imports one whenever torch_npu is
 # installed (transformers/integrations/npu_flash_attention.py `from torch_npu import npu_fusion_attention`).
-# The stand-in has no NPU, so calling one raises.
+# The stand-in has no NPU, so calling one raises; except the fused attention and its grad, which accel-npu's
+# backward for diffusers' NPU attention backend calls: modelled in plain torch math on the inputs' device
+# (_fusion_attention.py, citing op-plugin for each behaviour), so its gradients can be checked.
 
 
 def _kernel(name):
@@ -257,8 +259,10 @@ def _kernel(name):
     return kernel
 
 
-for _name in ("npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul"):
+for _name in ("npu_rms_norm", "npu_rotary_mul"):
     globals()[_name] = _kernel(_name)
+from torch_npu._fusion_attention import npu_fusion_attention, npu_fusion_attention_grad  # noqa: E402, F401 - kernels
+
 # Mirrors torch_npu/__init__.py lines 201-203 (v7.2.0-pytorch2.7.1): rename privateuse1 to "npu" and register
 # torch_npu.npu as torch.npu.
 torch.utils.rename_privateuse1_backend("npu")
