@@ -53,6 +53,7 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("launch.settings", "accel_npu.plugins.launch.settings"),
     ("hang_watch", "accel_npu.plugins.hang_watch"),
     ("trackers", "accel_npu.plugins.trackers"),
+    ("sequence_parallel", "accel_npu.plugins.sequence_parallel"),
 )
 
 #: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.

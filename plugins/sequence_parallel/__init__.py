@@ -1,0 +1,104 @@
+"""Ulysses sequence parallelism for unchanged diffusers training scripts, switched on by accelerate's own
+parallelism config (``accelerate launch --use_parallelism_config --parallelism_config_sp_size N``, or
+``parallelism_config:`` with ``parallelism_config_sp_size: N`` in the accelerate YAML), under DeepSpeed.
+
+- the launcher: ``--use_parallelism_config`` beside a DeepSpeed config is accepted (accelerate refuses it
+  without FSDP2 before reading the config file); an sp_size that does not divide the processes, or sp under
+  FSDP2, is refused before any worker starts (launch.py);
+- the Accelerator: sp_size > 1 outside DeepSpeed is refused when it is built (prepare.py);
+- ``prepare`` of a diffusers model: accelerate's DeepSpeed Ulysses registers with transformers only and fails
+  on a diffusers model (``'FrozenDict' object has no attribute 'get_text_config'``). Here the transformer's
+  sequence is split by diffusers' own context-parallel hooks and Ulysses attention over DeepSpeed's SP groups
+  (the model's ``_cp_plan``, or ours for CogVideoX: plans.py), DeepSpeed gets its own ``parallel_state_sp`` as
+  ``mpu`` (gradients summed over an SP group, averaged over data-parallel groups), the DataLoader is sharded by
+  data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py);
+- diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
+
+This module declares the patches; the wrappers sit beside it: launch.py, prepare.py (plans.py, groups.py).
+"""
+
+from __future__ import annotations
+
+from accel_npu.hookspecs import hookimpl
+from accel_npu.patching import Patch
+
+_ACCELERATE = "accelerate>=1.12,<1.17"
+_DEEPSPEED = "deepspeed>=0.18.2,<0.20"
+_DIFFUSERS = "diffusers>=0.42,<0.43"
+_REMOVE_WHEN = "accelerate splits a diffusers model's sequence under DeepSpeed itself"
+
+LAUNCH_VALIDATION = Patch(
+    target="accelerate.commands.launch:_validate_launch_command",
+    supports=_ACCELERATE,
+    reason="'You cannot use `--use_parallelism_config` without `--use_fsdp` and `--fsdp_version=2`' although the "
+    "DeepSpeed path runs sp (sp_backend='deepspeed'); checked on the resolved launch, sp_size dividing processes.",
+    remove_when="accelerate accepts --use_parallelism_config beside a DeepSpeed config",
+    wrapper=".launch:validate_launch_command",
+)
+
+VALIDATE_ACCELERATOR = Patch(
+    target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
+    supports=_ACCELERATE,
+    reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all; refused when "
+    "the Accelerator is built.",
+    remove_when="accelerate validates sp_size against the backend and the world size",
+    wrapper=".prepare:validate_accelerator",
+)
+
+PREPARE_DEEPSPEED = Patch(
+    target="accelerate.accelerator:Accelerator._prepare_deepspeed",
+    supports=_ACCELERATE,
+    reason="sp_size > 1 registers Ulysses with transformers only: \"'FrozenDict' object has no attribute "
+    "'get_text_config'\" for a diffusers model; its sequence is split with diffusers' context-parallel hooks.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=".prepare:prepare_deepspeed",
+)
+
+REGISTER_WITH_TRANSFORMERS = Patch(
+    target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPAttentionHF.register_with_transformers",
+    supports=_DEEPSPEED,
+    reason="accelerate's _prepare_deepspeed gets DeepSpeed's mpu from here; for a diffusers model split by "
+    "diffusers' hooks it is DeepSpeed's parallel_state_sp over the groups already built.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=".prepare:register_with_transformers",
+)
+
+DATALOADER_ADAPTER = Patch(
+    target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter",
+    supports=_DEEPSPEED,
+    reason="splits each batch along its sequence dimension (token ids); a diffusers batch is pixels and prompts, "
+    "its sequence exists inside the transformer: the DataLoader stays as prepared.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=".prepare:dataloader_adapter",
+)
+
+PREPARE_DATA_LOADER = Patch(
+    target="accelerate.accelerator:prepare_data_loader",
+    supports=_ACCELERATE,
+    reason="under DeepSpeed SP the DataLoader is sharded over every rank (no device mesh); the ranks of one SP "
+    "group must read the same batch: sharded by data-parallel rank.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=".prepare:prepare_data_loader",
+)
+
+RESOLVE_PARALLEL_CONFIG = Patch(
+    target="diffusers.models.modeling_utils:ModelMixin._resolve_parallel_config",
+    supports=_DIFFUSERS,
+    reason="torch.device(type, rank % torch.accelerator.device_count()) divides by zero on CPU ranks; the device "
+    "is the CPU there.",
+    remove_when="diffusers' _resolve_parallel_config handles a machine without an accelerator",
+    wrapper=".prepare:resolve_parallel_config",
+)
+
+
+@hookimpl
+def accel_npu_register_patches():
+    return [
+        LAUNCH_VALIDATION,
+        VALIDATE_ACCELERATOR,
+        PREPARE_DEEPSPEED,
+        REGISTER_WITH_TRANSFORMERS,
+        DATALOADER_ADAPTER,
+        PREPARE_DATA_LOADER,
+        RESOLVE_PARALLEL_CONFIG,
+    ]
