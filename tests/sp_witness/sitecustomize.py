@@ -5,8 +5,9 @@ they saw to ``$SP_WITNESS_DIR/rank<RANK>.json`` when the rank exits:
 - ``torch.nn.functional.scaled_dot_product_attention``: the (batch, heads, tokens, head_dim) of each call;
 - ``torch.distributed._functional_collectives.all_to_all_single`` (what diffusers' Ulysses attention calls):
   the group's size and the number of elements sent by each call;
-- ``torch.optim.AdamW.step`` and ``torch.optim.Adam.step``: the sum of squared gradients of the parameters this rank's optimizer steps
-  (under ZeRO-2 its partition of the flat fp32 gradients): summed over the ranks, the squared gradient norm.
+- ``torch.optim.AdamW.step`` and ``torch.optim.Adam.step``: the sum of squared gradients of the parameters
+  this rank's optimizer steps (under ZeRO-2 its partition of the flat fp32 gradients): summed over the ranks,
+  the squared gradient norm.
 
 Only in processes with RANK set (the launched ranks, not the launcher). Never imports accel_npu.
 """
