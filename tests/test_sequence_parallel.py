@@ -256,6 +256,7 @@ def test_our_cogvideox_processor_is_diffusers_own_without_a_parallel_config():
 # ------------------------------------------------------------------------------------------------
 FLUX = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_flux.py"
 COGVIDEOX = OFFICIAL_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
+QWEN = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
 STEPS = 4
 
 
@@ -267,6 +268,17 @@ def _flux_args(pipe, images, out):
         *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--rank", "4", "--max_sequence_length", "16"),
         *("--seed", "0", "--learning_rate", "1e-2", "--dataloader_num_workers", "0", "--report_to", "tensorboard"),
         *("--checkpointing_steps", "100"),
+    ]
+
+
+def _qwen_args(pipe, images, out):
+    return [
+        str(QWEN),
+        *("--pretrained_model_name_or_path", str(pipe), "--instance_data_dir", str(images)),
+        *("--instance_prompt", "a photo of sks dog", "--output_dir", str(out), "--resolution", "16"),
+        *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--checkpointing_steps", "100"),
+        *("--rank", "4", "--lora_alpha", "8", "--max_sequence_length", "16", "--seed", "0"),
+        *("--learning_rate", "1e-2", "--skip_final_inference", "--report_to", "tensorboard"),
     ]
 
 
@@ -304,9 +316,10 @@ def _witness(directory: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (CompletedProcess, output dir, witness records per rank)}: Flux and CogVideoX at sp=2 and on one
-    rank, and the two stock launches."""
+    """{name: (CompletedProcess, output dir, witness records per rank)}: Flux, CogVideoX and Qwen-Image at sp=2
+    and on one rank, and the two stock launches."""
     import tiny_cogvideox
+    import tiny_models
     import tiny_sd3_flux
 
     from tests.torchvision_site import with_torchvision
@@ -316,6 +329,7 @@ def runs(tmp_path_factory):
     tiny_sd3_flux.dreambooth_images(str(root / "images"))
     tiny_cogvideox.pipeline("t2v_rope", str(root / "cogvideox"))
     tiny_cogvideox.videos(str(root / "videos"))
+    tiny_models.qwen_image_pipeline(str(root / "qwen"))
     one, two, two_sp = _launch_config(root, 1), _launch_config(root, 2), _launch_config(root, 2, sp=2)
     cli_sp = ["--use_parallelism_config", "--parallelism_config_sp_size", "2"]
     plans = {
@@ -323,6 +337,8 @@ def runs(tmp_path_factory):
         "flux_sp1": (one, [], _flux_args(root / "flux", root / "images", root / "flux_sp1"), {}),
         "cog_sp2": (two_sp, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp2"), {}),
         "cog_sp1": (one, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp1"), {}),
+        "qwen_sp2": (two, cli_sp, _qwen_args(root / "qwen", root / "images", root / "qwen_sp2"), {}),
+        "qwen_sp1": (one, [], _qwen_args(root / "qwen", root / "images", root / "qwen_sp1"), {}),
         "stock_cli": (two, cli_sp, _flux_args(root / "flux", root / "images", root / "stock_cli"), {"disable": 1}),
         "plugin_off_yaml": (
             two_sp,
@@ -349,17 +365,18 @@ def runs(tmp_path_factory):
     return dict(zip(names, run_concurrently(*[lambda n=n: launch(n) for n in names])))
 
 
-def _attention(records: list[dict], head_dim: int = 16) -> list[list[int]]:
-    """The transformer's SDPA calls (the text encoders' have head_dim 8)."""
-    return [shape for r in records for shape in r["sdpa"] if shape[-1] == head_dim]
+def _attention(record: dict, head_dim: int = 16) -> set[tuple[int, int]]:
+    """(heads, tokens) of the SDPA calls with the transformer's head_dim (text encoders and VAEs call it too)."""
+    return {(shape[1], shape[2]) for shape in record["sdpa"] if shape[-1] == head_dim}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(
     ("family", "heads", "tokens", "attentions"),
-    # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block; CogVideoX: 16 text + 3 frames x 2x2 patches
-    [("flux", 2, 80, 2), ("cog", 2, 28, 1)],
+    # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block; CogVideoX: 16 text + 3 frames x 2x2 patches,
+    # 1 block; Qwen-Image: 32 text + image tokens, 2 blocks
+    [("flux", 2, 80, 2), ("cog", 2, 28, 1), ("qwen", 2, 32, 2)],
 )
 def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(runs, family, heads, tokens, attentions):
     import torch
@@ -369,10 +386,10 @@ def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(runs, fa
         assert proc.returncode == 0, explain(proc)
     # the split: each rank's attention sees every token with half the heads; one rank sees all heads
     (w1,), (r0, r1) = sp1[2], sp2[2]
-    assert {tuple(s[1:3]) for s in _attention([w1])} == {(heads, tokens)}
-    assert all(r["all_to_all"] == [] for r in [w1])  # the negative: no exchange at sp=1
+    assert (heads, tokens) in _attention(w1) and (heads // 2, tokens) not in _attention(w1)
+    assert w1["all_to_all"] == []  # the negative: no exchange at sp=1
     for rank in (r0, r1):
-        assert {tuple(s[1:3]) for s in _attention([rank])} == {(heads // 2, tokens)}
+        assert (heads // 2, tokens) in _attention(rank) and (heads, tokens) not in _attention(rank)
         # q, k, v and the output, forward and backward, per attention per step, over groups of 2; each sends
         # its rank's half of the tokens for all heads: batch 1 x tokens/2 x heads x head_dim 16
         assert len(rank["all_to_all"]) == 8 * attentions * STEPS
