@@ -28,6 +28,9 @@ from accel_npu.plugins.sequence_parallel import groups, plans
 
 log = logging.getLogger("accel_npu")
 
+# ZeRO-3 reduces gradients with reduce_scatter_coalesced (deepspeed 0.19.8 runtime/zero/stage3.py
+# __avg_scatter_grads), which averages over every rank without the sequence-parallel factor the stage 1/2 and the
+# contiguous stage-3 paths apply: a Flux LoRA at sp=2 got half the sp=1 gradient. Refused until corrected.
 SUPPORTED_STAGES = (0, 1, 2)
 
 
