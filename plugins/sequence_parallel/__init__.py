@@ -30,8 +30,8 @@ _REMOVE_WHEN = "accelerate splits a diffusers model's sequence under DeepSpeed i
 LAUNCH_VALIDATION = Patch(
     target="accelerate.commands.launch:_validate_launch_command",
     supports=_ACCELERATE,
-    reason="'You cannot use `--use_parallelism_config` without `--use_fsdp` and `--fsdp_version=2`' although the "
-    "DeepSpeed path runs sp (sp_backend='deepspeed'); checked on the resolved launch, sp_size dividing processes.",
+    reason="'You cannot use `--use_parallelism_config` without `--use_fsdp`...' beside DeepSpeed, which runs sp; "
+    "checked on the resolved launch instead.",
     remove_when="accelerate accepts --use_parallelism_config beside a DeepSpeed config",
     wrapper=".launch:validate_launch_command",
 )
@@ -39,8 +39,7 @@ LAUNCH_VALIDATION = Patch(
 VALIDATE_ACCELERATOR = Patch(
     target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
     supports=_ACCELERATE,
-    reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all; refused when "
-    "the Accelerator is built.",
+    reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all: refused here.",
     remove_when="accelerate validates sp_size against the backend and the world size",
     wrapper=".prepare:validate_accelerator",
 )
@@ -48,8 +47,8 @@ VALIDATE_ACCELERATOR = Patch(
 PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
     supports=_ACCELERATE,
-    reason="sp_size > 1 registers Ulysses with transformers only: \"'FrozenDict' object has no attribute "
-    "'get_text_config'\" for a diffusers model; its sequence is split with diffusers' context-parallel hooks.",
+    reason="sp registers Ulysses with transformers only ('FrozenDict' object has no attribute 'get_text_config'); "
+    "a diffusers model is split by diffusers' hooks.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:prepare_deepspeed",
 )
@@ -57,8 +56,7 @@ PREPARE_DEEPSPEED = Patch(
 REGISTER_WITH_TRANSFORMERS = Patch(
     target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPAttentionHF.register_with_transformers",
     supports=_DEEPSPEED,
-    reason="accelerate's _prepare_deepspeed gets DeepSpeed's mpu from here; for a diffusers model split by "
-    "diffusers' hooks it is DeepSpeed's parallel_state_sp over the groups already built.",
+    reason="accelerate gets DeepSpeed's mpu here; for a diffusers model it is DeepSpeed's parallel_state_sp.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:register_with_transformers",
 )
@@ -66,8 +64,8 @@ REGISTER_WITH_TRANSFORMERS = Patch(
 DATALOADER_ADAPTER = Patch(
     target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter",
     supports=_DEEPSPEED,
-    reason="splits each batch along its sequence dimension (token ids); a diffusers batch is pixels and prompts, "
-    "its sequence exists inside the transformer: the DataLoader stays as prepared.",
+    reason="splits each batch's token ids; a diffusers batch has none (the sequence is inside the model): kept "
+    "as prepared.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:dataloader_adapter",
 )
@@ -75,8 +73,8 @@ DATALOADER_ADAPTER = Patch(
 PREPARE_DATA_LOADER = Patch(
     target="accelerate.accelerator:prepare_data_loader",
     supports=_ACCELERATE,
-    reason="under DeepSpeed SP the DataLoader is sharded over every rank (no device mesh); the ranks of one SP "
-    "group must read the same batch: sharded by data-parallel rank.",
+    reason="under DeepSpeed SP the DataLoader is sharded over every rank; one SP group must read one batch: "
+    "sharded by data-parallel rank.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:prepare_data_loader",
 )
