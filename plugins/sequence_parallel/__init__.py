@@ -22,7 +22,12 @@ from __future__ import annotations
 from accel_npu.hookspecs import hookimpl
 from accel_npu.patching import Patch
 
+# accelerate < 1.12 has no parallelism config: nothing to switch on, nothing to fix
 _ACCELERATE = "accelerate>=1.12,<1.17"
+_ACCELERATE_STOCK = "accelerate<1.12"
+# deepspeed < 0.18.2 has no Ulysses for accelerate to call (accelerate refuses sp there)
+_DEEPSPEED_STOCK = "deepspeed<0.18.2"
+_DIFFUSERS_STOCK = "diffusers<0.42"
 _DEEPSPEED = "deepspeed>=0.18.2,<0.20"
 _DIFFUSERS = "diffusers>=0.42,<0.43"
 _REMOVE_WHEN = "accelerate splits a diffusers model's sequence under DeepSpeed itself"
@@ -30,6 +35,7 @@ _REMOVE_WHEN = "accelerate splits a diffusers model's sequence under DeepSpeed i
 LAUNCH_VALIDATION = Patch(
     target="accelerate.commands.launch:_validate_launch_command",
     supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
     reason="'You cannot use `--use_parallelism_config` without `--use_fsdp`...' beside DeepSpeed, which runs sp; "
     "checked on the resolved launch instead.",
     remove_when="accelerate accepts --use_parallelism_config beside a DeepSpeed config",
@@ -39,6 +45,7 @@ LAUNCH_VALIDATION = Patch(
 VALIDATE_ACCELERATOR = Patch(
     target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
     supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
     reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all: refused here.",
     remove_when="accelerate validates sp_size against the backend and the world size",
     wrapper=".prepare:validate_accelerator",
@@ -47,6 +54,7 @@ VALIDATE_ACCELERATOR = Patch(
 PREPARE_DEEPSPEED = Patch(
     target="accelerate.accelerator:Accelerator._prepare_deepspeed",
     supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
     reason="sp registers Ulysses with transformers only ('FrozenDict' object has no attribute 'get_text_config'); "
     "a diffusers model is split by diffusers' hooks.",
     remove_when=_REMOVE_WHEN,
@@ -56,6 +64,7 @@ PREPARE_DEEPSPEED = Patch(
 REGISTER_WITH_TRANSFORMERS = Patch(
     target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPAttentionHF.register_with_transformers",
     supports=_DEEPSPEED,
+    stock_correct=_DEEPSPEED_STOCK,
     reason="accelerate gets DeepSpeed's mpu here; for a diffusers model it is DeepSpeed's parallel_state_sp.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:register_with_transformers",
@@ -64,6 +73,7 @@ REGISTER_WITH_TRANSFORMERS = Patch(
 DATALOADER_ADAPTER = Patch(
     target="deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPDataLoaderAdapter",
     supports=_DEEPSPEED,
+    stock_correct=_DEEPSPEED_STOCK,
     reason="splits each batch's token ids; a diffusers batch has none (the sequence is inside the model): kept "
     "as prepared.",
     remove_when=_REMOVE_WHEN,
@@ -73,6 +83,7 @@ DATALOADER_ADAPTER = Patch(
 PREPARE_DATA_LOADER = Patch(
     target="accelerate.accelerator:prepare_data_loader",
     supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
     reason="under DeepSpeed SP the DataLoader is sharded over every rank; one SP group must read one batch: "
     "sharded by data-parallel rank.",
     remove_when=_REMOVE_WHEN,
@@ -82,6 +93,7 @@ PREPARE_DATA_LOADER = Patch(
 RESOLVE_PARALLEL_CONFIG = Patch(
     target="diffusers.models.modeling_utils:ModelMixin._resolve_parallel_config",
     supports=_DIFFUSERS,
+    stock_correct=_DIFFUSERS_STOCK,
     reason="torch.device(type, rank % torch.accelerator.device_count()) divides by zero on CPU ranks; the device "
     "is the CPU there.",
     remove_when="diffusers' _resolve_parallel_config handles a machine without an accelerator",
