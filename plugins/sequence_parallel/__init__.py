@@ -4,7 +4,7 @@ parallelism config (``accelerate launch --use_parallelism_config --parallelism_c
 
 - the launcher: ``--use_parallelism_config`` beside a DeepSpeed config is accepted (accelerate refuses it
   without FSDP2 before reading the config file); an sp_size that does not divide the processes, or sp under
-  FSDP2, is refused before any worker starts (launch.py);
+  FSDP2, is refused before any worker starts (launch.py, through the accel_npu_launch_args hook);
 - the Accelerator: sp_size > 1 outside DeepSpeed is refused when it is built (prepare.py);
 - ``prepare`` of a diffusers model: accelerate's DeepSpeed Ulysses registers with transformers only and fails
   on a diffusers model (``'FrozenDict' object has no attribute 'get_text_config'``). Here the transformer's
@@ -14,7 +14,9 @@ parallelism config (``accelerate launch --use_parallelism_config --parallelism_c
   data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
 
-This module declares the patches; the wrappers sit beside it: launch.py, prepare.py (plans.py, groups.py).
+This module declares the patches and hook implementations (accel_npu_launch_args; accel_npu_prepare_deepspeed, called
+by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py (plans.py,
+groups.py).
 """
 
 from __future__ import annotations
@@ -32,16 +34,6 @@ _DEEPSPEED = "deepspeed>=0.18.2,<0.20"
 _DIFFUSERS = "diffusers>=0.42,<0.43"
 _REMOVE_WHEN = "accelerate splits a diffusers model's sequence under DeepSpeed itself"
 
-LAUNCH_VALIDATION = Patch(
-    target="accelerate.commands.launch:_validate_launch_command",
-    supports=_ACCELERATE,
-    stock_correct=_ACCELERATE_STOCK,
-    reason="'You cannot use `--use_parallelism_config` without `--use_fsdp`...' beside DeepSpeed, which runs sp; "
-    "checked on the resolved launch instead.",
-    remove_when="accelerate accepts --use_parallelism_config beside a DeepSpeed config",
-    wrapper=".launch:validate_launch_command",
-)
-
 VALIDATE_ACCELERATOR = Patch(
     target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
     supports=_ACCELERATE,
@@ -49,16 +41,6 @@ VALIDATE_ACCELERATOR = Patch(
     reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all: refused here.",
     remove_when="accelerate validates sp_size against the backend and the world size",
     wrapper=".prepare:validate_accelerator",
-)
-
-PREPARE_DEEPSPEED = Patch(
-    target="accelerate.accelerator:Accelerator._prepare_deepspeed",
-    supports=_ACCELERATE,
-    stock_correct=_ACCELERATE_STOCK,
-    reason="sp registers Ulysses with transformers only ('FrozenDict' object has no attribute 'get_text_config'); "
-    "a diffusers model is split by diffusers' hooks.",
-    remove_when=_REMOVE_WHEN,
-    wrapper=".prepare:prepare_deepspeed",
 )
 
 REGISTER_WITH_TRANSFORMERS = Patch(
@@ -102,11 +84,23 @@ RESOLVE_PARALLEL_CONFIG = Patch(
 
 
 @hookimpl
+def accel_npu_launch_args(backend, launch_args, resolved):
+    from accel_npu.plugins.sequence_parallel import launch
+
+    launch.launch_args(launch_args, resolved)
+
+
+@hookimpl
+def accel_npu_prepare_deepspeed(accelerator, objects):
+    from accel_npu.plugins.sequence_parallel import prepare
+
+    prepare.before_deepspeed_prepare(accelerator, objects)
+
+
+@hookimpl
 def accel_npu_register_patches():
     return [
-        LAUNCH_VALIDATION,
         VALIDATE_ACCELERATOR,
-        PREPARE_DEEPSPEED,
         REGISTER_WITH_TRANSFORMERS,
         DATALOADER_ADAPTER,
         PREPARE_DATA_LOADER,

@@ -12,8 +12,6 @@ starts.
 
 from __future__ import annotations
 
-from accel_npu.patching import argument
-
 STOCK_REFUSAL = "You cannot use `--use_parallelism_config` without `--use_fsdp` and `--fsdp_version=2`. "
 
 
@@ -40,16 +38,19 @@ def launch_problem(launch_args) -> str | None:
     return None
 
 
-def validate_launch_command(wrapped, instance, args, kwargs):
-    launch_args = argument(args, kwargs, 0, "args")
-    asked = bool(getattr(launch_args, "use_parallelism_config", False))
-    if asked:
-        # accelerate's own check sees the flag before the config file; ours sees the launch it resolves to
-        launch_args.use_parallelism_config = False
-    result = wrapped(*args, **kwargs)
-    if asked:
+#: on the parsed arguments: the command line asked for the parallelism config, held back from accelerate's check
+_ASKED = "_accel_npu_use_parallelism_config"
+
+
+def launch_args(launch_args, resolved: bool) -> None:
+    """accelerate's own check sees the flag before the config file; ours sees the launch it resolves to."""
+    if not resolved:
+        if getattr(launch_args, "use_parallelism_config", False):
+            setattr(launch_args, _ASKED, True)
+            launch_args.use_parallelism_config = False
+        return
+    if getattr(launch_args, _ASKED, False):
         launch_args.use_parallelism_config = True
     problem = launch_problem(launch_args)
     if problem:
         raise SystemExit(f"ValueError: {problem}")
-    return result

@@ -1,4 +1,5 @@
-"""Sequence parallelism for a diffusers model at ``accelerator.prepare`` under DeepSpeed.
+"""Sequence parallelism for a diffusers model at ``accelerator.prepare`` under DeepSpeed (the
+``accel_npu_prepare_deepspeed`` hook, before accelerate's ``_prepare_deepspeed`` runs).
 
 accelerate 1.16's ``_prepare_deepspeed`` (accelerator.py) with ``sp_size > 1`` registers DeepSpeed's Ulysses
 attention with transformers (``UlyssesSPAttentionHF.register_with_transformers``, which reads
@@ -44,22 +45,21 @@ def _diffusers_model(objects):
     return next((obj for obj in objects if isinstance(obj, ModelMixin)), None)
 
 
-def prepare_deepspeed(wrapped, instance, args, kwargs):
-    config = instance.parallelism_config
+def before_deepspeed_prepare(accelerator, objects) -> None:
+    config = getattr(accelerator, "parallelism_config", None)
     if config is None or config.sp_size <= 1:
-        return wrapped(*args, **kwargs)
-    model = _diffusers_model(args)
+        return
+    model = _diffusers_model(objects)
     if model is None:
-        return wrapped(*args, **kwargs)  # a transformers model: accelerate's DeepSpeed Ulysses (ALST)
+        return  # a transformers model: accelerate's DeepSpeed Ulysses (ALST)
     state = groups.active()
     if state is None:
-        state = enable(instance, model, config)
+        enable(accelerator, model, config)
     elif state.model is not model:
         raise ConfigError(
             f"accel-npu: sequence parallelism is already set up for {type(state.model).__name__}; a second "
             f"diffusers model ({type(model).__name__}) cannot be split as well. Prepare one trained transformer."
         )
-    return wrapped(*args, **kwargs)
 
 
 def enable(accelerator, model, config) -> groups.SequenceParallel:
