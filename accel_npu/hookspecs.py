@@ -86,6 +86,25 @@ def accel_npu_check_launch(backend: Backend, num_processes: int, env: Mapping[st
 
 
 @hookspec
+def accel_npu_launch_args(backend: Backend, launch_args: argparse.Namespace, resolved: bool) -> None:
+    """Adjust ``accelerate launch``'s arguments around accelerate's own validation of them.
+
+    Called twice per launch by the launch.launcher plugin (accelerate/commands/launch.py
+    ``_validate_launch_command``): with ``resolved`` False on the arguments as parsed, before accelerate checks
+    them (hide what it would refuse before reading the config file), and with ``resolved`` True on the
+    arguments as resolved with the config file (adjust them, or raise SystemExit with one message to refuse).
+    """
+
+
+@hookspec
+def accel_npu_prepare_deepspeed(accelerator: Any, objects: tuple) -> None:
+    """Called by ``Accelerator.prepare`` under DeepSpeed (the deepspeed plugin) with the objects it was given,
+    before accelerate prepares the DataLoaders among them or builds the engine. Raise
+    ``accel_npu.errors.ConfigError`` to refuse.
+    """
+
+
+@hookspec
 def accel_npu_activate(backend_name: str | None) -> None:
     """Called once per process right after the ledger is armed (inside ``import torch``).
 

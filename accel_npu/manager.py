@@ -53,12 +53,14 @@ DEFAULT_PLUGINS: tuple[tuple[str, str], ...] = (
     ("launch.settings", "accel_npu.plugins.launch.settings"),
     ("hang_watch", "accel_npu.plugins.hang_watch"),
     ("trackers", "accel_npu.plugins.trackers"),
+    ("sequence_parallel", "accel_npu.plugins.sequence_parallel"),
 )
 
 #: Built-in plugins that ACCEL_NPU_DISABLED_PLUGINS cannot block, and why.
 ESSENTIAL_PLUGINS: dict[str, str] = {
-    "launch.launcher": "reaches launched workers; calls every plugin's accel_npu_check_launch and accel_npu_launch_env",
-    "deepspeed": "calls every plugin's accel_npu_configure_deepspeed",
+    "launch.launcher": "reaches launched workers; calls every plugin's accel_npu_check_launch, accel_npu_launch_env "
+    "and accel_npu_launch_args",
+    "deepspeed": "calls every plugin's accel_npu_configure_deepspeed and accel_npu_prepare_deepspeed",
 }
 
 

@@ -1,7 +1,9 @@
 """Every hook is documented with its exact signature and called by accel-npu's own call sites."""
 
+import argparse
 import inspect
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,9 @@ def _trigger_all():
     from accel_npu.cli import build_parser
     from accel_npu.cli.config.settings import worker_tuning
     from accel_npu.cli.env import collect
+    from accel_npu.plugins.deepspeed.prepare import before_engine
     from accel_npu.plugins.explain_errors.excepthook import explanations
+    from accel_npu.plugins.launch.launcher import _validate_launch_command as validate_launch_command
     from accel_npu.plugins.launch.launcher import prepare_worker_environment
 
     return {
@@ -84,7 +88,17 @@ def _trigger_all():
         ),
         "accel_npu_configure_deepspeed": lambda: DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 1}}),
         "accel_npu_explain_error": lambda: explanations(RuntimeError("an uncaught error")),
+        "accel_npu_launch_args": lambda: validate_launch_command(
+            lambda args: (args, {}, False), None, (_launch_args(),), {}
+        ),
+        "accel_npu_prepare_deepspeed": lambda: before_engine(types.SimpleNamespace(parallelism_config=None), ()),
     }
+
+
+def _launch_args():
+    """What ``accelerate launch`` parses for ``--num_processes 1 train.py``, the fields the hooks read."""
+    fields = ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu", "cpu", "use_parallelism_config")
+    return argparse.Namespace(num_processes=1, num_machines=1, mpirun_hostfile=None, **dict.fromkeys(fields, False))
 
 
 def test_every_hook_is_called_by_accel_npu_itself(fresh_pm):

@@ -88,7 +88,7 @@ CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # CUDA torchvision fails stock's imports here), and the deepspeed plugin's training-time patches off
 STOCK_ENV = {
     "ACCEL_NPU_DISABLED_PLUGINS": "devices.npu,devices.cuda,precision,video,ddp,loading,frozen_towers,checkpoints,"
-    "launch.settings,hang_watch,trackers",
+    "launch.settings,hang_watch,trackers,sequence_parallel",
     "ACCEL_NPU_DISABLED_PATCHES": "deepspeed.runtime.engine:DeepSpeedEngine.forward,"
     "deepspeed.runtime.zero.partitioned_param_coordinator:"
     "PartitionedParameterCoordinator.fetch_sub_module,"

@@ -66,10 +66,12 @@ def _prepare_backend_on_cpu(wrapped, instance, args, kwargs):
     return backend, distributed_type
 
 
-def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
-    launch_args, defaults, mp_from_config_flag = wrapped(*args, **kwargs)
-    if current_backend().name != "cpu":
-        return launch_args, defaults, mp_from_config_flag
+@hookimpl
+def accel_npu_launch_args(backend, launch_args, resolved):
+    # `accelerate launch --num_processes N` without an accelerator starts 1 process (multi-CPU only via
+    # mpirun); `use_cpu: true` with DeepSpeed fails outright (accelerate/commands/launch.py)
+    if not resolved or backend.name != "cpu":
+        return
     n = launch_args.num_processes or 1
     machines = launch_args.num_machines or 1
     single_process_path = not (
@@ -86,7 +88,6 @@ def _validate_launch_on_cpu(wrapped, instance, args, kwargs):
         if single_process_path:
             launch_args.multi_gpu = True  # accelerate's torchrun path; the workers pick gloo
             log.info("accel-npu: no accelerator; starting %d CPU processes with torchrun (gloo)", n * machines)
-    return launch_args, defaults, mp_from_config_flag
 
 
 def _fsdp_on_cpu(wrapped, instance, args, kwargs):
@@ -168,15 +169,6 @@ PREPARE_BACKEND = Patch(
     wrapper=".cpu:_prepare_backend_on_cpu",
 )
 
-VALIDATE_LAUNCH = Patch(
-    target="accelerate.commands.launch:_validate_launch_command",
-    supports="accelerate>=1.10.1,<1.17",
-    reason="`accelerate launch --num_processes N` without an accelerator starts 1 process "
-    "(multi-CPU only via mpirun); `use_cpu: true` with DeepSpeed fails outright.",
-    remove_when="accelerate launches N gloo workers with torchrun on CPU-only machines",
-    wrapper=".cpu:_validate_launch_on_cpu",
-)
-
 
 FSDP_ON_CPU = Patch(
     target="accelerate.state:AcceleratorState.__init__",
@@ -235,4 +227,4 @@ SHM_OP_ONLY_WHEN_ASKED = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [PREPARE_BACKEND, VALIDATE_LAUNCH, FSDP_ON_CPU, CLOSE_GLOO_AT_EXIT, SHM_OP_ONLY_WHEN_ASKED]
+    return [PREPARE_BACKEND, FSDP_ON_CPU, CLOSE_GLOO_AT_EXIT, SHM_OP_ONLY_WHEN_ASKED]

@@ -141,6 +141,29 @@ def _launch_agent(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _validate_launch_command(wrapped, instance, args, kwargs):
+    from accel_npu.backend import current_backend
+    from accel_npu.manager import get_plugin_manager
+
+    hook = get_plugin_manager().hook.accel_npu_launch_args
+    backend = current_backend()
+    hook(backend=backend, launch_args=argument(args, kwargs, 0, "args"), resolved=False)
+    result = wrapped(*args, **kwargs)
+    hook(backend=backend, launch_args=result[0], resolved=True)
+    return result
+
+
+VALIDATE_LAUNCH_COMMAND = Patch(
+    target="accelerate.commands.launch:_validate_launch_command",
+    supports="accelerate>=1.10.1,<1.17",
+    # devices.cpu: N gloo workers with torchrun; sequence_parallel: --use_parallelism_config beside DeepSpeed
+    reason="accelerate refuses or narrows launches a plugin makes work; the accel_npu_launch_args hook adjusts "
+    "them around its validation.",
+    remove_when="no plugin implements accel_npu_launch_args",
+    wrapper=".launcher:_validate_launch_command",
+)
+
+
 LAUNCH_AGENT = Patch(
     target="torch.distributed.launcher.api:launch_agent",
     supports="torch>=2.5.1,<2.16",
@@ -153,4 +176,4 @@ LAUNCH_AGENT = Patch(
 
 @hookimpl
 def accel_npu_register_patches():
-    return [LAUNCH_AGENT]
+    return [LAUNCH_AGENT, VALIDATE_LAUNCH_COMMAND]

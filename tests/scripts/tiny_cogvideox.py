@@ -2,7 +2,7 @@
 videos, for diffusers' official ``cogvideo/train_cogvideox_lora.py`` and
 ``train_cogvideox_image_to_video_lora.py``.
 
-usage: python tiny_cogvideox.py {t2v,i2v} MODEL_DIR [VIDEO_DIR]
+usage: python tiny_cogvideox.py {t2v,i2v,t2v_rope} MODEL_DIR [VIDEO_DIR]
 
 Sizes follow diffusers v0.40.0's own pipeline tests (tests/pipelines/cogvideo/test_cogvideox.py and
 test_cogvideox_image2video.py ``get_dummy_components``): transformer of inner dim 32, one layer, latent
@@ -55,6 +55,17 @@ KINDS = {  # test_cogvideox.py / test_cogvideox_image2video.py
         sample_width=VIDEO_SIZE // 8,
         sample_height=VIDEO_SIZE // 8,
     ),
+    # t2v with RoPE, run at 32 px (latent 4x4: 12 video tokens, 16 text tokens; 2 heads): both token counts and
+    # the heads divide by 2, for sequence parallelism (tests/test_sequence_parallel.py)
+    "t2v_rope": dict(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        use_rotary_positional_embeddings=True,
+        sample_width=VIDEO_SIZE // 8,
+        sample_height=VIDEO_SIZE // 8,
+    ),
 }
 PROMPTS = ["a red square", "a blue circle", "a green square", "the red dog"]
 
@@ -88,7 +99,7 @@ def pipeline(kind: str, folder: str):
     )
     torch.manual_seed(0)
     text_encoder = T5EncoderModel(T5Config(vocab_size=len(tokenizer), **T5))
-    cls = CogVideoXPipeline if kind == "t2v" else CogVideoXImageToVideoPipeline
+    cls = CogVideoXImageToVideoPipeline if kind == "i2v" else CogVideoXPipeline
     pipe = cls(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

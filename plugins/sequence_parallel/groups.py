@@ -1,0 +1,89 @@
+"""The process's sequence-parallel state: its groups, its device mesh, the data-parallel rank its DataLoader
+shards by, and the random state its SP group shares.
+
+Ranks are laid out as DeepSpeed's own ``parallel_state_sp.initialize_sequence_parallel`` lays them out
+(runtime/sequence_parallel/parallel_state_sp.py): SP groups of ``sp_size`` contiguous ranks, one
+sequence-data-parallel group over every rank, which ZeRO reduces gradients and partitions states over. That
+module is the ``mpu`` DeepSpeed is handed, as accelerate hands it for a transformers model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("accel_npu")
+
+
+@dataclass
+class SequenceParallel:
+    """One process's sequence parallelism, set up at the model's ``prepare``."""
+
+    sp_size: int
+    world_size: int
+    rank: int
+    model: object  # the diffusers model whose sequence is split
+    mpu: object  # deepspeed.runtime.sequence_parallel.parallel_state_sp
+    mesh: object  # DeviceMesh ("dp", "ring", "ulysses"), what diffusers' ContextParallelConfig takes
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp_size
+
+
+#: set once per process by the model's prepare (plugins/sequence_parallel/prepare.py); read by the
+#: DataLoader, mpu and adapter wrappers
+ACTIVE: SequenceParallel | None = None
+
+
+def active() -> SequenceParallel | None:
+    return ACTIVE
+
+
+def build(model, sp_size: int, device_type: str) -> SequenceParallel:
+    """DeepSpeed's SP groups (once per process) and a device mesh over the same ranks."""
+    global ACTIVE
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
+        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp_size)
+    # ("dp", "ring", "ulysses"): the "ulysses" groups are DeepSpeed's SP groups (contiguous ranks); diffusers'
+    # ContextParallelConfig.setup takes the "ring" and "ulysses" dimensions (models/_modeling_parallel.py)
+    mesh = init_device_mesh(device_type, (world // sp_size, 1, sp_size), mesh_dim_names=("dp", "ring", "ulysses"))
+    ACTIVE = SequenceParallel(sp_size, world, rank, model, parallel_state_sp, mesh)
+    return ACTIVE
+
+
+def share_random_state(state: SequenceParallel) -> None:
+    """Every rank of an SP group continues from its first rank's random state (CPU and device): the script
+    draws noise and timesteps after prepare from the global generators, and the ranks of one group must
+    draw the same ones for the same batch."""
+    import torch
+    import torch.distributed as dist
+
+    group = state.mpu.get_sequence_parallel_group()
+    first = (state.rank // state.sp_size) * state.sp_size
+    device_module = None
+    device_type = state.mesh.device_type
+    if device_type != "cpu":
+        device_module = getattr(torch, device_type, None)
+    payload = [
+        (
+            torch.get_rng_state(),
+            device_module.get_rng_state()
+            if device_module is not None and hasattr(device_module, "get_rng_state")
+            else None,
+        )
+    ]
+    dist.broadcast_object_list(payload, src=first, group=group)
+    cpu_state, device_state = payload[0]
+    torch.set_rng_state(cpu_state)
+    if device_state is not None:
+        device_module.set_rng_state(device_state)

@@ -1,0 +1,423 @@
+"""Ulysses sequence parallelism for unchanged diffusers scripts, switched on by accelerate's parallelism config
+(plugins/sequence_parallel, docs/sequence-parallel.md).
+
+In-process: the launcher accepts ``--use_parallelism_config`` beside a DeepSpeed config (stock refuses it) and
+hands PARALLELISM_CONFIG_SP_SIZE to the workers; every refusal names its fix; our CogVideoX processor is
+diffusers' own without a parallel config.
+
+Launched (slow): diffusers v0.40.0's train_dreambooth_lora_flux.py (``--use_parallelism_config
+--parallelism_config_sp_size 2`` on the command line) and cogvideo/train_cogvideox_lora.py (``parallelism_config:``
+in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks against the same global batch on 1 rank. Witnesses that do
+not depend on accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single
+diffusers' Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the
+all_to_all calls and their sizes, the squared gradient norm summed over the ranks' ZeRO partitions; TensorBoard's
+event file for the loss at every step; the saved LoRA files. Stock fails: the launcher's refusal
+(ACCEL_NPU_DISABLE=1), and with the plugin off the YAML's switch reaches prepare and fails on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from accel_npu.errors import ConfigError
+from tests.launch_utils import (
+    OFFICIAL_EXAMPLES,
+    REPO,
+    SCRIPTS,
+    accelerate_launch,
+    base_env,
+    explain,
+    run_concurrently,
+)
+
+sys.path.insert(0, str(SCRIPTS))
+
+WITNESS = REPO / "tests" / "sp_witness"
+
+
+def _launch_config(directory: Path, processes: int, distributed_type: str = "DEEPSPEED", sp: int | None = None):
+    """An accelerate YAML (fp32 ZeRO-2 DeepSpeed JSON beside it), with ``parallelism_config`` when ``sp``."""
+    ds = directory / "ds_fp32_zero2.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2},
+                "bf16": {"enabled": False},
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+            }
+        )
+    )
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "num_machines": 1,
+        "num_processes": processes,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "use_cpu": distributed_type == "MULTI_CPU",
+    }
+    if distributed_type == "DEEPSPEED":
+        cfg["deepspeed_config"] = {"deepspeed_config_file": str(ds), "zero3_init_flag": False}
+    if distributed_type == "FSDP":
+        cfg["fsdp_config"] = {"fsdp_version": 2}
+    if sp:
+        cfg["parallelism_config"] = {"parallelism_config_sp_size": sp}
+    path = directory / f"{distributed_type.lower()}_n{processes}{f'_sp{sp}' if sp else ''}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# the launcher
+# ------------------------------------------------------------------------------------------------
+def _validated(config: Path, *flags: str):
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), *flags, "train.py"])
+    _validate_launch_command(args)
+    return args
+
+
+def test_use_parallelism_config_beside_a_deepspeed_config_reaches_the_workers_where_stock_refuses_it(tmp_path):
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from tests.inprocess import stock
+
+    config = _launch_config(tmp_path, 2)
+    flags = ("--use_parallelism_config", "--parallelism_config_sp_size", "2")
+    with stock(), pytest.raises(ValueError, match="without `--use_fsdp` and `--fsdp_version=2`"):
+        _validated(config, *flags)
+    args = _validated(config, *flags)
+    assert args.use_deepspeed and args.use_parallelism_config
+    args.deepspeed_fields_from_accelerate_config = ""
+    _cmd, env = prepare_deepspeed_cmd_env(args)
+    assert env["PARALLELISM_CONFIG_SP_SIZE"] == "2" and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    # the YAML's own parallelism_config section, stock and here
+    args = _validated(_launch_config(tmp_path, 2, sp=2))
+    assert args.use_parallelism_config and args.parallelism_config_sp_size == 2
+
+
+@pytest.mark.parametrize(
+    ("distributed_type", "processes", "sp", "message"),
+    [
+        ("DEEPSPEED", 3, 2, "parallelism_config_sp_size 2 does not divide the 3 processes"),
+        ("FSDP", 2, 2, "runs under DeepSpeed ZeRO-1/2 for now, not FSDP2"),
+        ("MULTI_CPU", 2, 2, "without `--use_fsdp` and `--fsdp_version=2`"),
+    ],
+)
+def test_an_impossible_parallelism_config_is_refused_at_launch_naming_the_fix(
+    tmp_path, distributed_type, processes, sp, message
+):
+    config = _launch_config(tmp_path, processes, distributed_type)
+    with pytest.raises(SystemExit, match=message):
+        _validated(config, "--use_parallelism_config", "--parallelism_config_sp_size", str(sp))
+
+
+def test_the_launch_check_passes_a_dividing_sp_size_and_launches_without_parallelism_config(tmp_path):
+    from accel_npu.plugins.sequence_parallel.launch import launch_problem
+
+    assert launch_problem(_validated(_launch_config(tmp_path, 4, sp=2))) is None
+    assert launch_problem(_validated(_launch_config(tmp_path, 3))) is None  # no parallelism_config at all
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals at prepare (before step 1)
+# ------------------------------------------------------------------------------------------------
+def _tiny_flux(heads: int = 2):
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=heads,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+
+
+def test_a_model_without_a_plan_is_refused_naming_the_models_that_have_one():
+    from diffusers import SD3Transformer2DModel
+
+    from accel_npu.plugins.sequence_parallel.plans import plan_for
+
+    sd3 = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        caption_projection_dim=16,
+        joint_attention_dim=16,
+        pooled_projection_dim=16,
+        out_channels=4,
+    )
+    with pytest.raises(ConfigError, match="cannot split SD3Transformer2DModel") as err:
+        plan_for(sd3)
+    assert "FluxTransformer2DModel" in str(err.value) and "CogVideoXTransformer3DModel" in str(err.value)
+    plan, source = plan_for(_tiny_flux())
+    assert source == "diffusers" and "proj_out" in plan
+
+
+def test_heads_that_do_not_divide_by_sp_size_are_refused():
+    from accel_npu.plugins.sequence_parallel.plans import check_heads
+
+    model = _tiny_flux(heads=2)
+    check_heads(model, 2)
+    with pytest.raises(ConfigError, match="2 heads, which do not divide by 4"):
+        check_heads(model, 4)
+
+
+def _accelerator(stage: int = 2, dataloaders=()):
+    return SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=stage), _dataloaders=list(dataloaders), device=None
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "dp", "dataloaders", "message"),
+    [
+        (3, 2, 1, (), "sp_size 2 does not divide the 3 processes"),
+        (2, 3, 1, (), "this config has ZeRO stage 3. Set zero_optimization.stage to 2"),
+        (4, 2, 3, (), "data-parallel size 3 beside sp_size 2 on 4 processes; it must be 2"),
+        (2, 2, 1, ("a DataLoader",), "Prepare the DataLoader in the same accelerator.prepare call as the model"),
+    ],
+)
+def test_an_unsupported_setup_is_refused_at_prepare_before_any_group_is_built(
+    monkeypatch, world, stage, dp, dataloaders, message
+):
+    import torch.distributed as dist
+
+    from accel_npu.plugins.sequence_parallel import groups, prepare
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    built = []
+    monkeypatch.setattr(groups, "build", lambda *a, **k: built.append(a))
+    config = SimpleNamespace(sp_size=2, data_parallel_size=dp)
+    with pytest.raises(ConfigError, match=message):
+        prepare.enable(_accelerator(stage, dataloaders), _tiny_flux(), config)
+    assert built == []
+
+
+def test_sp_outside_deepspeed_is_refused_when_the_accelerator_is_built():
+    from accelerate.utils import DistributedType
+
+    from accel_npu.plugins.sequence_parallel.prepare import validate_accelerator
+
+    def upstream(*args, **kwargs):
+        return None
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2)
+    with pytest.raises(ConfigError, match="runs under DeepSpeed ZeRO-1/2 for now; this launch is FSDP"):
+        validate_accelerator(upstream, SimpleNamespace(sp_size=2), (fsdp,), {})
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2)
+    validate_accelerator(upstream, SimpleNamespace(sp_size=2), (deepspeed,), {})
+    validate_accelerator(upstream, SimpleNamespace(sp_size=1), (fsdp,), {})  # no SP: nothing to refuse
+
+
+def test_our_cogvideox_processor_is_diffusers_own_without_a_parallel_config():
+    """With no parallel config its attention is plain SDPA through diffusers' dispatch: the same output and
+    gradients as CogVideoXAttnProcessor2_0 (RoPE on the video tokens included)."""
+    import torch
+    from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    from accel_npu.plugins.sequence_parallel.plans import cogvideox_processor_class
+
+    torch.manual_seed(0)
+    attn = Attention(query_dim=32, heads=2, dim_head=16, qk_norm="layer_norm", bias=True)
+    video, text = torch.randn(1, 12, 32), torch.randn(1, 6, 32)
+    rope = get_3d_rotary_pos_embed(16, ((0, 0), (2, 2)), (2, 2), 3, use_real=True)
+    outs = []
+    for processor in (CogVideoXAttnProcessor2_0(), cogvideox_processor_class()()):
+        attn.set_processor(processor)
+        attn.zero_grad()
+        v, t = attn(video, encoder_hidden_states=text, image_rotary_emb=rope)
+        (v.square().sum() + t.sum()).backward()
+        outs.append((v, t, attn.to_q.weight.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# launched: the official scripts, unchanged, sp=2 on 2 ranks vs 1 rank
+# ------------------------------------------------------------------------------------------------
+FLUX = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_flux.py"
+COGVIDEOX = OFFICIAL_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
+QWEN = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
+STEPS = 4
+
+
+def _flux_args(pipe, images, out):
+    return [
+        str(FLUX),
+        *("--pretrained_model_name_or_path", str(pipe), "--instance_data_dir", str(images)),
+        *("--instance_prompt", "a photo of sks dog", "--output_dir", str(out), "--resolution", "16"),
+        *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--rank", "4", "--max_sequence_length", "16"),
+        *("--seed", "0", "--learning_rate", "1e-2", "--dataloader_num_workers", "0", "--report_to", "tensorboard"),
+        *("--checkpointing_steps", "100"),
+    ]
+
+
+def _qwen_args(pipe, images, out):
+    return [
+        str(QWEN),
+        *("--pretrained_model_name_or_path", str(pipe), "--instance_data_dir", str(images)),
+        *("--instance_prompt", "a photo of sks dog", "--output_dir", str(out), "--resolution", "16"),
+        *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--checkpointing_steps", "100"),
+        *("--rank", "4", "--lora_alpha", "8", "--max_sequence_length", "16", "--seed", "0"),
+        *("--learning_rate", "1e-2", "--skip_final_inference", "--report_to", "tensorboard"),
+    ]
+
+
+def _cogvideox_args(pipe, videos, out):
+    return [
+        str(COGVIDEOX),
+        *("--pretrained_model_name_or_path", str(pipe), "--instance_data_root", str(videos)),
+        *("--caption_column", "prompts.txt", "--video_column", "videos.txt", "--height", "32", "--width", "32"),
+        *("--max_num_frames", "9", "--output_dir", str(out), "--train_batch_size", "1"),
+        *("--max_train_steps", str(STEPS), "--checkpointing_steps", "100", "--rank", "4", "--lora_alpha", "8"),
+        *("--seed", "0", "--learning_rate", "1e-2", "--report_to", "tensorboard"),
+    ]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for event_file in out.glob("logs/**/events.out.tfevents.*"):
+        events = EventAccumulator(str(event_file))
+        events.Reload()
+        if "loss" in events.Tags()["scalars"]:
+            return {s.step: s.value for s in events.Scalars("loss")}
+    return {}
+
+
+def _lora(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "pytorch_lora_weights.safetensors"))
+
+
+def _witness(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*.json"))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (CompletedProcess, output dir, witness records per rank)}: Flux, CogVideoX and Qwen-Image at sp=2
+    and on one rank, and the two stock launches."""
+    import tiny_cogvideox
+    import tiny_models
+    import tiny_sd3_flux
+
+    from tests.torchvision_site import with_torchvision
+
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    tiny_sd3_flux.flux_pipeline(str(root / "flux"))
+    tiny_sd3_flux.dreambooth_images(str(root / "images"))
+    tiny_cogvideox.pipeline("t2v_rope", str(root / "cogvideox"))
+    tiny_cogvideox.videos(str(root / "videos"))
+    tiny_models.qwen_image_pipeline(str(root / "qwen"))
+    one, two, two_sp = _launch_config(root, 1), _launch_config(root, 2), _launch_config(root, 2, sp=2)
+    cli_sp = ["--use_parallelism_config", "--parallelism_config_sp_size", "2"]
+    plans = {
+        "flux_sp2": (two, cli_sp, _flux_args(root / "flux", root / "images", root / "flux_sp2"), {}),
+        "flux_sp1": (one, [], _flux_args(root / "flux", root / "images", root / "flux_sp1"), {}),
+        "cog_sp2": (two_sp, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp2"), {}),
+        "cog_sp1": (one, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp1"), {}),
+        "qwen_sp2": (two, cli_sp, _qwen_args(root / "qwen", root / "images", root / "qwen_sp2"), {}),
+        "qwen_sp1": (one, [], _qwen_args(root / "qwen", root / "images", root / "qwen_sp1"), {}),
+        "stock_cli": (two, cli_sp, _flux_args(root / "flux", root / "images", root / "stock_cli"), {"disable": 1}),
+        "plugin_off_yaml": (
+            two_sp,
+            [],
+            _flux_args(root / "flux", root / "images", root / "plugin_off_yaml"),
+            {"ACCEL_NPU_DISABLED_PLUGINS": "sequence_parallel"},
+        ),
+    }
+
+    def launch(name):
+        config, flags, script_args, extra = plans[name]
+        out, witness = root / name, root / f"{name}_witness"
+        out.mkdir()
+        witness.mkdir()
+        env = with_torchvision(base_env(SP_WITNESS_DIR=str(witness)))
+        env["PYTHONPATH"] = f"{WITNESS}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(WITNESS)
+        if extra.pop("disable", None):
+            env["ACCEL_NPU_DISABLE"] = "1"
+        env.update(extra)
+        proc = accelerate_launch(["--config_file", str(config), *flags, *script_args], env=env, timeout=600, cwd=root)
+        return proc, out, _witness(witness)
+
+    names = list(plans)
+    return dict(zip(names, run_concurrently(*[lambda n=n: launch(n) for n in names])))
+
+
+def _attention(record: dict, head_dim: int = 16) -> set[tuple[int, int]]:
+    """(heads, tokens) of the SDPA calls with the transformer's head_dim (text encoders and VAEs call it too)."""
+    return {(shape[1], shape[2]) for shape in record["sdpa"] if shape[-1] == head_dim}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    ("family", "heads", "tokens", "attentions"),
+    # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block; CogVideoX: 16 text + 3 frames x 2x2 patches,
+    # 1 block; Qwen-Image: 32 text + image tokens, 2 blocks
+    [("flux", 2, 80, 2), ("cog", 2, 28, 1), ("qwen", 2, 32, 2)],
+)
+def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(runs, family, heads, tokens, attentions):
+    import torch
+
+    sp2, sp1 = runs[f"{family}_sp2"], runs[f"{family}_sp1"]
+    for proc, _, _ in (sp2, sp1):
+        assert proc.returncode == 0, explain(proc)
+    # the split: each rank's attention sees every token with half the heads; one rank sees all heads
+    (w1,), (r0, r1) = sp1[2], sp2[2]
+    assert (heads, tokens) in _attention(w1) and (heads // 2, tokens) not in _attention(w1)
+    assert w1["all_to_all"] == []  # the negative: no exchange at sp=1
+    for rank in (r0, r1):
+        assert (heads // 2, tokens) in _attention(rank) and (heads, tokens) not in _attention(rank)
+        # q, k, v and the output, forward and backward, per attention per step, over groups of 2; each sends
+        # its rank's half of the tokens for all heads: batch 1 x tokens/2 x heads x head_dim 16
+        assert len(rank["all_to_all"]) == 8 * attentions * STEPS
+        assert {tuple(a) for a in rank["all_to_all"]} == {(2, tokens // 2 * heads * 16)}
+    # the same loss at every step (TensorBoard's event file)
+    loss1, loss2 = _losses(sp1[1]), _losses(sp2[1])
+    assert sorted(loss1) == sorted(loss2) == list(range(1, STEPS + 1))
+    assert abs(loss1[1] - loss2[1]) <= 1e-5, (loss1, loss2)
+    # the same gradient: the squared norm summed over the two ZeRO-2 partitions is the one rank's
+    for step, (g0, g1, g) in enumerate(zip(r0["grad_sq"], r1["grad_sq"], w1["grad_sq"])):
+        assert g0 > 0 and g1 > 0 and abs(g0 + g1 - g) <= 1e-5 * g, (step, g0, g1, g)
+    assert len(w1["grad_sq"]) == STEPS
+    # the same LoRA after 4 steps
+    lora1, lora2 = _lora(sp1[1]), _lora(sp2[1])
+    assert lora1.keys() == lora2.keys() and len(lora1) > 0
+    assert max((lora1[k] - lora2[k]).abs().max().item() for k in lora1) <= 1e-4
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora2.items())  # trained
+    assert all(v.dtype == torch.float32 for v in lora2.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_stock_refuses_the_switch_and_without_the_plugin_prepare_fails_on_every_rank(runs):
+    stock_cli = runs["stock_cli"][0]
+    assert stock_cli.returncode != 0
+    assert "You cannot use `--use_parallelism_config` without `--use_fsdp`" in stock_cli.stderr + stock_cli.stdout
+    off = runs["plugin_off_yaml"][0]
+    text = off.stdout + off.stderr
+    assert off.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank{rank}]: AttributeError: 'FrozenDict' object has no attribute 'get_text_config'" in text, text
