@@ -60,6 +60,22 @@ def test_model_like_children_are_not_searched(no_env):
     assert towers.select_towers(m) == ["text_encoder"]
 
 
+def test_a_frozen_part_holding_the_models_own_config_is_not_a_tower(no_env):
+    """transformers' CLIPTextModel: its frozen encoder holds the model's config object; textual_inversion.py
+    trains the embeddings through it, so it runs in the engine's dtype (kept out, it met bf16 activations in
+    fp32: 'mat1 and mat2 must have the same dtype')."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    model = CLIPTextModel(config)
+    model.requires_grad_(False)
+    model.get_input_embeddings().requires_grad_(True)
+    assert model.encoder.config is model.config
+    assert towers.select_towers(model) == []
+    model.encoder.config = CLIPTextConfig(**config.to_dict())  # a separate model's config: a tower again
+    assert towers.select_towers(model) == ["encoder"]
+
+
 def test_nothing_hidden_when_nothing_would_train(no_env):
     m = Model()
     m.requires_grad_(False)

@@ -1039,6 +1039,14 @@ def first_error(text: str, script: Path) -> tuple[str, str]:
 # "<script name>: <first error or failed check>" (a pattern starting ^<script name> is that script's alone)
 KNOWN_CAUSES = [
     (
+        r"^textual_inversion(_sdxl)?\.py: IndexError: The shape of the mask \[\d+\] at index 0 does not match the "
+        r"shape of the indexed tensor \[0\]",
+        "accel-npu: not supported under ZeRO-3, because after each step the script writes the original rows back "
+        "into the text encoder's embedding in place (`get_input_embeddings().weight[index_no_updates] = ...`, "
+        "textual_inversion.py lines 911-917) and a ZeRO-3 parameter is partitioned (shape [0]); accel-npu gathers "
+        "such parameters for reading only (plugins/deepspeed/gathered_reads.py), not for writing",
+    ),
+    (
         r"^train_dreambooth_lora_sd15_advanced\.py: .*(IndexError: list index out of range|no attribute "
         r"'ds_active_sub_modules')",
         "the script's: its load_model_hook (lines 1406-1411) loads the checkpoint's LoRA again with "
@@ -1363,8 +1371,9 @@ def _master_of(spec: Spec, ckpt: Path, got: dict) -> dict:
     if kind in ("lora", "peft"):
         return {_norm(k): v for k, v in master.items() if ".lora_" in k}
     if kind == "textual_inversion":
-        # each encoder's token embedding; encoders prepared together are named "<index>.text_model..."
-        tables = sorted(k for k in master if k.endswith("text_model.embeddings.token_embedding.weight"))
+        # each encoder's token embedding; encoders prepared together are named "<index>.text_model..." (transformers
+        # 5 dropped CLIPTextModel's text_model level: "<index>.embeddings...")
+        tables = sorted(k for k in master if re.search(r"(^|\.)embeddings\.token_embedding\.weight$", k))
         components = where.split(",")
         if len(tables) != len(components):
             raise RuntimeError(f"{len(tables)} token embeddings in {ckpt.name}'s master weights for {components}")

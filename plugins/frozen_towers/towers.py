@@ -117,11 +117,18 @@ def select_towers(model, names: list[str] | None = None) -> list[str]:
             chosen.append(name)
     else:
         chosen = []
+        # A submodule holding the config of the model it sits in is a part of that model (transformers'
+        # CLIPTextModel.encoder is a CLIPEncoder with the model's own CLIPTextConfig), on its gradient path
+        # (textual_inversion.py trains the embeddings through it): it runs in the model's dtype, in the engine.
+        own_config = getattr(model, "config", None)
+
+        def separate_model(module) -> bool:
+            return _is_model_like(module) and (own_config is None or module.config is not own_config)
 
         def visit(module, prefix: str, depth: int) -> None:
             for child_name, child in module.named_children():
                 full = f"{prefix}{child_name}"
-                if _all_frozen(child) and any(_is_model_like(m) for m in child.modules()):
+                if _all_frozen(child) and any(separate_model(m) for m in child.modules()):
                     chosen.append(full)
                 elif depth < 2 and not _is_model_like(child) and _any_trainable(child):
                     visit(child, full + ".", depth + 1)
