@@ -1,9 +1,12 @@
-"""Where benchmark tables go: ``benchmarks/results/<name>.md``, plain markdown.
+"""Where benchmark tables go: ``benchmarks/results/<name>.md``, plain markdown, written by the benchmark itself.
 
-Each file starts with the one command that reproduces it, the date, the commit it ran on, and the machine (CPU, cores,
-memory, library versions, load average before and after: the CI box is shared, so the spread of
-repeated runs is part of the result). docs/ quote these files; tests/test_docs_figures.py checks
-that every figure a doc quotes from one appears in it.
+Each file starts with the one command that reproduces it, the date, the commit it ran on (the full id, followed
+by "+ uncommitted changes to ..." when files other than results files differed from it, at the start or at the
+end), the code it measures (the script and its ``MEASURES``), and the machine (CPU, cores, memory, library
+versions, load average at the start, before anything is measured, and at the end: the CI box is shared, so the
+spread of repeated runs is part of the result). A benchmark creates its :class:`Report` before it measures
+anything. docs/ quote these files; tests/test_docs_figures.py checks that every figure a doc quotes from one
+appears in it, and that its commit is an ancestor of HEAD that no later commit to the measured code follows.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import platform
 import shlex
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -106,16 +110,44 @@ def load_average() -> str:
         return "n/a"
 
 
-class Report:
-    """Collects a benchmark's tables and writes them, with how they were made, to results/<name>.md."""
+def measured_paths(script: str | Path, measures: Sequence[str]) -> list[str]:
+    """The repository paths a benchmark measures: the script itself, then its ``MEASURES`` (files, or folders
+    ending in "/"). Raises ValueError for a path that does not exist, so a typo cannot hide a change."""
+    root = RESULTS.parents[1]
+    script = Path(script).resolve()
+    try:
+        first = script.relative_to(root).as_posix()
+    except ValueError:
+        first = script.name
+    missing = [p for p in measures if not (root / p).exists()]
+    if missing:
+        raise ValueError(f"MEASURES names paths that do not exist: {missing}")
+    return [first, *measures]
 
-    def __init__(self, name: str, title: str, argv: list[str] | None = None):
+
+class Report:
+    """Collects a benchmark's tables and writes them, with how they were made, to results/<name>.md.
+
+    Create it before measuring anything: it reads the load average and the commit when created (the
+    "start" figures of the header), and again whenever it renders (the "end" ones). ``measures`` is the
+    script's ``MEASURES``: the code whose later change makes the results stale."""
+
+    def __init__(self, name: str, title: str, measures: Sequence[str], argv: list[str] | None = None):
+        self.load_before = load_average()  # first: nothing of this run has loaded the machine yet
+        self.started = datetime.datetime.now(datetime.timezone.utc)
+        self.commit_before = git_commit()
         self.name, self.title = name, title
         self.command = command_line(argv)
-        self.started = datetime.datetime.now(datetime.timezone.utc)
-        self.load_before = load_average()
-        self.commit = git_commit()
+        self.measures = measured_paths((sys.argv if argv is None else argv)[0], measures)
         self.parts: list[str] = []
+
+    @property
+    def commit(self) -> str:
+        """The commit at the start, or both when HEAD or the tree changed while the benchmark ran."""
+        now = git_commit()
+        if now == self.commit_before:
+            return now
+        return f"{self.commit_before} at the start; {now} at the end"
 
     def table(self, header: list[str], rows: list[list[str]], caption: str = "") -> None:
         lines = ([caption, ""] if caption else []) + [
@@ -136,10 +168,11 @@ class Report:
             "",
             f"- Date: {self.started:%Y-%m-%d %H:%M} UTC",
             f"- Commit: {self.commit}",
+            f"- Measures: {', '.join(self.measures)} (a later commit to any of them makes this file stale)",
             f"- Machine: {_cpu_model()}, {os.cpu_count()} cores, {_mem_total_gib():.1f} GiB RAM, "
             f"{platform.system()} {platform.release()}, Python {platform.python_version()}; {versions()}",
-            f"- Load average (1/5/15 min) before {self.load_before}, after {load_average()}: the machine was "
-            "shared with other jobs, so timings carry their spread",
+            f"- Load average (1/5/15 min) at the start, before measuring, {self.load_before}; at the end "
+            f"{load_average()}: the machine was shared with other jobs, so timings carry their spread",
             "",
         ]
         return "\n".join(head + ["\n\n".join(self.parts), ""])

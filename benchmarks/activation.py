@@ -8,10 +8,11 @@
    activates inside `import torch`) and `import torch, accelerate` (it activates at accelerate's import).
 3. accel-npu's activation alone, timed inside one process (`import accel_npu.auto` after torch).
 4. A small training loop (autocast("cpu"), foreach AdamW, .numpy() of the loss — the patched entry
-   points on the hot path; it imports accelerate, so the patches are applied, which the loop
-   checks): median step time with vs without accel-npu (goal: <= 1 %). Step times on a shared
-   machine vary by more than 1 %, so the cost of the step's patched calls is also measured per
-   call (min of repeats) and set against the step time.
+   points on the hot path; a launched rank (LOCAL_RANK set: the autocast patch belongs to the CUDA
+   façade, which applies there) that imports accelerate, so the patches are applied, which the loop
+   checks): median step time with vs without accel-npu, which side goes first alternating (goal:
+   <= 1 %). Step times on a shared machine vary by more than 1 %, so the cost of the step's patched
+   calls is also measured per call (min of repeats) and set against the step time.
 
 Usage: python benchmarks/activation.py [--runs 15] [--loops 5]
 Writes benchmarks/results/activation.md.
@@ -30,6 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import Report, median_spread
+
+#: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
+MEASURES = ("accel_npu/", "plugins/", "_accel_npu_startup.py")
 
 LOOP = r"""
 import inspect, json, os, time, torch
@@ -71,13 +75,18 @@ print(json.dumps({name: min(timeit.repeat(fn, number=n, repeat=7)) / n
 def call_costs(disabled: bool) -> dict:
     """Seconds per call of the patched entry points the training loop calls every step."""
     out = subprocess.run(
-        [sys.executable, "-c", CALLS], env=env(disabled), check=True, capture_output=True, text=True
+        [sys.executable, "-c", CALLS], env=env(disabled, **LAUNCHED), check=True, capture_output=True, text=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def env(disabled: bool) -> dict:
-    e = dict(os.environ, OMP_NUM_THREADS="1")
+#: the training loop and the per-call costs run as a launched rank would: the patches on its hot path (autocast
+#: among them) belong to the CUDA façade, which applies in launched ranks only (accel_npu/scopes.py)
+LAUNCHED = {"LOCAL_RANK": "0"}
+
+
+def env(disabled: bool, **extra: str) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", **extra)
     e.pop("ACCEL_NPU_DISABLE", None)
     # Python as users run it: with bytecode caching (some sandboxes turn it off, which would make
     # every run recompile accel-npu's sources and measure the compiler, not accel-npu).
@@ -149,7 +158,7 @@ def activation_time() -> float:
 
 def step_time(disabled: bool) -> float:
     out = subprocess.run(
-        [sys.executable, "-c", LOOP], env=env(disabled), check=True, capture_output=True, text=True
+        [sys.executable, "-c", LOOP], env=env(disabled, **LAUNCHED), check=True, capture_output=True, text=True
     ).stdout
     return float(json.loads(out.strip().splitlines()[-1]))
 
@@ -159,7 +168,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--loops", type=int, default=5)
     a = ap.parse_args()
-    report = Report("activation", "Activation cost: import torch and a training step, with vs without accel-npu")
+    report = Report(
+        "activation", "Activation cost: import torch and a training step, with vs without accel-npu", MEASURES
+    )
     for _, code, extra in IMPORTS:  # warm-up: write bytecode caches, fill the page cache
         time_import(False, code, **extra), time_import(True, code, **extra)
     samples = {label: ([], []) for label, _, _ in IMPORTS}
@@ -170,9 +181,9 @@ def main() -> None:
     act = [activation_time() for _ in range(a.runs)]
     waits = [deferred_time() for _ in range(a.runs)]
     s_on, s_off = [], []
-    for _ in range(a.loops):
-        s_on.append(step_time(False))
-        s_off.append(step_time(True))
+    for i in range(a.loops):  # which side goes first alternates
+        for disabled in (False, True) if i % 2 == 0 else (True, False):
+            (s_off if disabled else s_on).append(step_time(disabled))
     calls_on, calls_off = call_costs(False), call_costs(True)
     ms = "{:.0f}"
     rows = []

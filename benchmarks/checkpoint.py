@@ -34,6 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import Report
 
+#: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
+MEASURES = (
+    "plugins/checkpoints/",
+    "plugins/frozen_towers/",
+    "plugins/deepspeed/",
+    "accel_npu/_torch/",
+    "accel_npu/cli/",
+)
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MB = 1024 * 1024
@@ -273,7 +282,7 @@ def main() -> None:
     if a.worker:
         return worker(a)
 
-    report = Report("checkpoint", "Checkpoint memory under DeepSpeed ZeRO-3: stock vs accel-npu")
+    report = Report("checkpoint", "Checkpoint memory under DeepSpeed ZeRO-3: stock vs accel-npu", MEASURES)
     with tempfile.TemporaryDirectory(prefix="accel_npu_ckpt_bench_") as tmpdir:
         tmp = Path(tmpdir)
         stock = launch(a, tmp, "stock", ACCEL_NPU_DISABLE="1")

@@ -22,6 +22,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+#: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
+MEASURES = ("accel_npu/", "plugins/", "tests/scripts/train_qwen_truncated.py")
+
 
 def main(argv=None) -> int:
     import tiny_models as tm
@@ -34,7 +37,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from _results import Report
 
-    report = Report("loss_equality", "Loss equality: 2-rank DDP vs 1 rank, same global batch", argv=None)
+    report = Report("loss_equality", "Loss equality: 2-rank DDP vs 1 rank, same global batch", MEASURES)
     with tempfile.TemporaryDirectory() as d:
         ckpt = Path(d) / "qwen6"
         tm.randomize(tm.qwen(num_layers=6)).to(torch.bfloat16).save_pretrained(str(ckpt), max_shard_size="60KB")

@@ -42,6 +42,9 @@ from _results import Report, median_spread
 
 from accel_npu.plugins.loading.lazy import _readahead_bytes  # the piece size Readahead uses
 
+#: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
+MEASURES = ("plugins/loading/lazy.py", "benchmarks/host_memory.py")
+
 MODES = ("willneed", "populate", "sendfile", "fault")
 MADV_POPULATE_READ = 22  # include/uapi/asm-generic/mman-common.h (Python 3.11's mmap module lacks the name)
 
@@ -111,7 +114,9 @@ def main(argv=None) -> int:
         return 0
     ckpt = host_memory.build_checkpoint(Path(a.cache))
     shard = sorted(ckpt.glob("*.safetensors"))[len(list(ckpt.glob("*.safetensors"))) // 2]
-    report = Report("page_cache_fill", "Filling the page cache: what reading a shard through its mapping costs after")
+    report = Report(
+        "page_cache_fill", "Filling the page cache: what reading a shard through its mapping costs after", MEASURES
+    )
     got: dict[str, list[dict]] = {m: [] for m in MODES}
     for i in range(a.repeat):  # interleaved rounds, a fresh process per run
         for mode in MODES:

@@ -15,7 +15,14 @@ Each rank times each step (from drawing the batch to the end of ``zero_grad``; t
 batch falls inside the next step) and reports the median of steps after a warm-up; the table gives,
 per side, the median over launches of the slower rank's median.
 
-Usage: python benchmarks/step_boundary.py [--runs 4] [--steps 150] [--width 1024]
+Where the time goes is measured in both launches, not inferred: each rank also times, per step, drawing
+its batch (with the feature: rank 1's wait for rank 0's release), ``accelerator.backward`` (under
+DeepSpeed it runs the engine's backward and step: the gradient collectives, where a rank waits for the
+other without the feature) and the rest of the step; the second table sets each phase with the feature
+against the same phase without it. Inside the feature-on launches the loop also times the feature's own
+functions.
+
+Usage: python benchmarks/step_boundary.py [--runs 4] [--steps 150] [--width 1024] [--quick]
 Writes benchmarks/results/step_boundary.md.
 """
 
@@ -35,6 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import Report, median_spread
 
 REPO = Path(__file__).resolve().parents[1]
+#: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
+MEASURES = (
+    "plugins/checkpoints/",
+    "accel_npu/_torch/",
+    "launch_configs/cpu_zero2.yaml",
+    "launch_configs/cpu_zero2.deepspeed.json",
+)
 WARMUP = 20
 FEATURE = ",".join(
     [
@@ -75,9 +89,12 @@ if type(accelerator.backward).__name__ == "BoundFunctionWrapper":
     for name in ("before_backward", "after_backward", "after_optimizer_step", "clean_point"):
         setattr(boundary, name, timed(getattr(boundary, name)))  # the wrappers call them through the module
 times, feature, global_step, t0 = [], [], 0, time.perf_counter()
+phases = {"draw": [], "backward": [], "rest": []}
 for (x,) in loader:
+    t_batch = time.perf_counter()  # the batch in hand: with the feature, after rank 1's wait at its clean point
     loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
     accelerator.backward(loss)
+    t_backward = time.perf_counter()  # DeepSpeed's backward and step ran here, with their collectives
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
@@ -88,16 +105,30 @@ for (x,) in loader:
                 accelerator.save_state("never")
     t1 = time.perf_counter()
     times.append(t1 - t0)
+    phases["draw"].append(t_batch - t0)
+    phases["backward"].append(t_backward - t_batch)
+    phases["rest"].append(t1 - t_backward)
     feature.append(inside[0])
     inside[0], t0 = 0.0, t1
     if global_step >= steps:
         break
 accelerator.wait_for_everyone()
 wrapped = type(accelerator.backward).__name__ == "BoundFunctionWrapper"
-tail, spent = sorted(times[WARMUP:]), sorted(feature[WARMUP:])
-print("RESULT " + json.dumps({"rank": accelerator.process_index, "median": tail[len(tail) // 2],
-                              "inside": spent[len(spent) // 2], "patched": wrapped, "loss": loss.item()}), flush=True)
+def median(values):
+    tail = sorted(values[WARMUP:])
+    return tail[len(tail) // 2]
+print("RESULT " + json.dumps({"rank": accelerator.process_index, "median": median(times),
+                              "inside": median(feature), "patched": wrapped, "loss": loss.item(),
+                              **{name: median(values) for name, values in phases.items()}}), flush=True)
 """.replace("WARMUP", str(WARMUP))
+
+
+PHASES = (
+    ("draw", "drawing the batch (feature on: with the wait at the clean point)"),
+    ("backward", "the forward and `accelerator.backward` (DeepSpeed's backward and step: the collectives)"),
+    ("rest", "`optimizer.step()` to `zero_grad()` and the step count"),
+    ("median", "whole step"),
+)
 
 
 def _free_port() -> int:
@@ -141,14 +172,20 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=4, help="launches per side, interleaved")
     ap.add_argument("--steps", type=int, default=150, help=f"steps per launch (the first {WARMUP} not timed)")
     ap.add_argument("--width", type=int, default=1024, help="width of the 4 Linear layers")
+    ap.add_argument("--quick", action="store_true", help=f"1 launch per side, {WARMUP + 10} steps: proves it runs")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.runs, a.steps = 1, WARMUP + 10
+    report = Report(  # before measuring: its header reads the load average and the commit now
+        "step_boundary", "Per-step cost of the step-boundary cooperation (rank-0-only save_state)", MEASURES
+    )
     on, off = [], []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "loop.py"
         script.write_text(LOOP)
         for i in range(a.runs):
-            on.append(launch(script, True, a.steps, a.width))
-            off.append(launch(script, False, a.steps, a.width))
+            for feature_on in (True, False) if i % 2 == 0 else (False, True):
+                (on if feature_on else off).append(launch(script, feature_on, a.steps, a.width))
             print(
                 f"  #{i + 1} ms/step (rank 0, rank 1): on {[round(r['median'] * 1e3, 3) for r in on[-1]]}, "
                 f"off {[round(r['median'] * 1e3, 3) for r in off[-1]]}",
@@ -184,17 +221,32 @@ def main(argv=None) -> int:
             f"{statistics.median(inside[0]) / step_us * 100:.3f} %",
         ],
         [
-            "rank 1: waiting there for rank 0's release (time it would otherwise wait in the next allreduce)",
+            "rank 1: waiting there for rank 0's release",
             median_spread(inside[1], "{:.0f}", " µs"),
             f"{statistics.median(inside[1]) / step_us * 100:.3f} %",
         ],
     ]
-    report = Report("step_boundary", "Per-step cost of the step-boundary cooperation (rank-0-only save_state)")
+    phase_rows, moved = [], {}
+    for rank in (0, 1):
+        for phase, label in PHASES:
+            s_off = [r[rank][phase] * 1e3 for r in off]
+            s_on = [r[rank][phase] * 1e3 for r in on]
+            moved[(rank, phase)] = (statistics.median(s_on) - statistics.median(s_off)) * 1e3
+            phase_rows.append(
+                [
+                    f"rank {rank}",
+                    label,
+                    median_spread(s_off, "{:.3f}", " ms"),
+                    median_spread(s_on, "{:.3f}", " ms"),
+                    f"{moved[(rank, phase)]:+.0f} µs",
+                ]
+            )
     report.text(
         f"`accelerate launch --config_file launch_configs/cpu_zero2.yaml`: 2 CPU ranks (gloo), DeepSpeed ZeRO-2 "
         f"bf16, 1 thread each. A train_*.py-shaped loop: 4 × Linear({a.width}, {a.width}) + GELU, batch 8 per "
         f"rank, AdamW, LambdaLR, a never-firing `if accelerator.is_main_process: save_state` block. Per launch "
-        f"and rank: median wall time of steps {WARMUP + 1}-{a.steps}. {a.runs} launches per side, alternating. "
+        f"and rank: median wall time of steps {WARMUP + 1}-{a.steps}. {a.runs} launches per side, alternating "
+        "(which side goes first alternates from pair to pair). "
         f"Off: `ACCEL_NPU_DISABLED_PATCHES={FEATURE}`. Same loss on both sides ({on[0][0]['loss']:.6g}). "
         f"Goal: ≤ 1 % of a step; no extra collective (the feature uses the store only)."
     )
@@ -209,6 +261,21 @@ def main(argv=None) -> int:
         "what the other jobs on the machine do to whole steps."
     )
     report.table(["feature on, per step", "inside the feature", "% of step"], own)
+    report.text(
+        "Where each rank's step goes, in the launches with the feature and in those without it (the same "
+        "launch otherwise): per launch and rank the median over steps of each phase, then median (min-max) "
+        "over launches; the difference is on minus off. Drawing the batch holds rank 1's wait at its clean "
+        "point when the feature is on; the forward and `accelerator.backward` hold DeepSpeed's backward and "
+        "step, with the gradient collectives in which a rank waits for the other."
+    )
+    report.table(["rank", "phase", "feature off", "feature on", "difference (on - off)"], phase_rows)
+    report.text(
+        f"Rank 1, on minus off (medians): {moved[(1, 'draw')]:+.0f} µs drawing its batch, "
+        f"{moved[(1, 'backward')]:+.0f} µs in the forward and `accelerator.backward`, "
+        f"{moved[(1, 'rest')]:+.0f} µs in the rest, "
+        f"{moved[(1, 'median')]:+.0f} µs per whole step; its median wait at the clean point "
+        f"{statistics.median(inside[1]):.0f} µs."
+    )
     print(report.render())
     report.write()
     return 0

@@ -31,6 +31,17 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 JSON_FILE = RESULTS / "versions.json"
 MD_FILE = RESULTS / "versions.md"
+#: the code the version matrix checks besides this script (tests/test_docs_figures.py: a later change makes
+#: versions.md stale)
+MEASURES = (
+    "accel_npu/",
+    "plugins/",
+    "_accel_npu_startup.py",
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "noxfile.py",
+)
 # the libraries a row names (importlib.metadata of the session's venv)
 DISTS = (
     "torch",

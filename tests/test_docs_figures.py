@@ -12,11 +12,21 @@ figure in prose must be in the file. A figure in a table cell or line that says 
 (it must give its formula). Outside such blocks, a line that names a benchmark script or results file
 carries no figure. Every benchmark script has its results file, and every results file says which
 commit it ran on. Fast: reads files, runs no benchmark.
+
+Every results file is current (slow: it asks git): the script that wrote it declares the code it measures
+(``MEASURES``, a module-level tuple of repository paths; the script itself counts too), and the file's
+``- Commit:`` line — written by the script, a full commit id with no uncommitted changes — names a
+commit that is an ancestor of HEAD and that no later commit to the measured code follows (``git
+merge-base --is-ancestor``, ``git log -1 --format=%H -- <paths>``). A file that fails names the command
+that re-runs it (its ``Reproduce:`` line).
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -232,3 +242,177 @@ def test_compatibility_doc_quotes_every_matrix_row_as_run():
     assert _matrix_rows(results) and _matrix_rows(blocks[0]) == _matrix_rows(results)
     not_run = sum(1 for line in results.splitlines() if line.startswith("| `") and "| not run:" in line)
     assert f"{not_run} more scripts" in blocks[0]
+
+
+# -- every results file ran on the code it measures ------------------------------------------------------------------
+RESULTS_DIR = REPO / "benchmarks" / "results"
+COMMIT_LINE = re.compile(r"^- Commit: (.*)$", re.M)
+WRITER = re.compile(r"(?<![\w/])((?:benchmarks|tools)/[\w-]+\.py)\b")
+#: the writers of results files that are not benchmarks/*.py
+TOOLS = ("tools/compatibility.py", "tools/upstream_equivalence.py")
+
+
+def writer_of(results_file: Path, repo: Path = REPO) -> str | None:
+    """The script that writes ``results_file``: the first script its header names (``Reproduce: `python
+    benchmarks/x.py ...```), else the benchmark or tool named like the file."""
+    head = results_file.read_text().split("\n- Commit:", 1)[0]
+    m = WRITER.search(head)
+    if m:
+        return m.group(1)
+    for candidate in (f"benchmarks/{results_file.stem}.py", f"tools/{results_file.stem}.py"):
+        if (repo / candidate).is_file():
+            return candidate
+    return None
+
+
+def declared_measures(script: Path) -> list[str] | None:
+    """The script's module-level ``MEASURES`` (read, not imported: benchmarks import torch), or None."""
+    for node in ast.parse(script.read_text()).body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "MEASURES" for t in targets) and node.value is not None:
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+
+
+def _clean_stamp(rest: str) -> bool:
+    """What follows the commit id: nothing, or a note in parentheses that admits no uncommitted change and
+    is not a commit recorded by hand afterwards."""
+    if not rest:
+        return True
+    return rest.startswith(" (") and rest.endswith(")") and not re.search(r"\+|uncommitted|afterwards|history", rest)
+
+
+def results_problems(results_file: Path, repo: Path = REPO) -> list[str]:
+    """Why ``results_file`` does not show what the code at HEAD measures (nothing when it does)."""
+    writer = writer_of(results_file, repo)
+    if writer is None or not (repo / writer).is_file():
+        return [f"no script writes it (its header names none, and there is no benchmarks/{results_file.stem}.py)"]
+    measures = declared_measures(repo / writer)
+    if measures is None:
+        return [f"{writer} declares no MEASURES (the paths of the code it measures)"]
+    missing = [p for p in measures if not (repo / p).exists()]
+    if missing:
+        return [f"{writer}'s MEASURES names paths that do not exist: {missing}"]
+    paths = [writer, *measures]
+    m = COMMIT_LINE.search(results_file.read_text())
+    if m is None:
+        return ["it has no '- Commit:' line"]
+    stamp = re.match(r"([0-9a-f]{40})\b(.*)$", m.group(1).strip())
+    if stamp is None:
+        return [f"its commit line is not a full commit id as its script writes it: {m.group(0)!r}"]
+    sha, rest = stamp.groups()
+    if not _clean_stamp(rest):
+        return [f"it ran on uncommitted code, or its commit was recorded by hand: {m.group(0)!r}"]
+    if _git(repo, "cat-file", "-e", f"{sha}^{{commit}}").returncode != 0:
+        return [f"its commit {sha[:10]} is not in this repository"]
+    if _git(repo, "merge-base", "--is-ancestor", sha, "HEAD").returncode != 0:
+        return [f"its commit {sha[:10]} is not an ancestor of HEAD"]
+    last = _git(repo, "log", "-1", "--format=%H", "--", *paths).stdout.strip()
+    later = _git(repo, "rev-list", f"{sha}..HEAD", "--", *paths).stdout.split()  # a merged branch's older commits too
+    if (last and _git(repo, "merge-base", "--is-ancestor", last, sha).returncode != 0) or later:
+        newest = _git(repo, "log", "-1", "--format=%h %ad %s", "--date=short", later[0] if later else last)
+        return [
+            f"stale: it ran on {sha[:10]}, and {len(later)} later commit(s) changed what it measures "
+            f"({', '.join(paths)}), the newest {newest.stdout.strip()[:110]}"
+        ]
+    return []
+
+
+def _in_git_checkout(repo: Path) -> bool:
+    if shutil.which("git") is None:
+        return False
+    return _git(repo, "rev-parse", "--is-inside-work-tree").stdout.strip() == "true"
+
+
+def _reproduce(results_file: Path) -> str:
+    m = re.search(r"^Reproduce: `([^`]+)`", results_file.read_text(), re.M)
+    return m.group(1) if m else f"python {writer_of(results_file) or '?'}"
+
+
+def test_every_results_writer_declares_the_code_it_measures():
+    """Fast: every benchmark and tool that writes a results file names the existing paths it measures."""
+    scripts = sorted(p for p in (REPO / "benchmarks").glob("[!_]*.py")) + [REPO / t for t in TOOLS]
+    undeclared = [p.relative_to(REPO).as_posix() for p in scripts if not declared_measures(p)]
+    assert not undeclared, f"scripts without a MEASURES tuple of the paths they measure: {undeclared}"
+    missing = {
+        p.relative_to(REPO).as_posix(): [m for m in declared_measures(p) if not (REPO / m).exists()] for p in scripts
+    }
+    assert not any(missing.values()), f"MEASURES naming paths that do not exist: {missing}"
+    unwritten = [p.name for p in RESULTS_DIR.glob("*.md") if writer_of(p) is None]
+    assert not unwritten, f"results files no script writes: {unwritten}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("results_file", sorted(RESULTS_DIR.glob("*.md")), ids=lambda p: p.name)
+def test_results_file_ran_on_the_code_it_measures(results_file):
+    """STALE results files fail here, one test each: re-run the command the message names on a clean
+    checkout of HEAD (an idle machine for timings) and commit the file it writes."""
+    if not _in_git_checkout(REPO):
+        pytest.skip("not a git checkout: which commit a results file ran on cannot be checked")
+    problems = results_problems(results_file)
+    shallow = _git(REPO, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+    if shallow and problems and "not in this repository" in problems[0]:
+        pytest.skip(f"a shallow clone: {problems[0]}")
+    assert not problems, (
+        f"STALE RESULTS {results_file.relative_to(REPO)}: {'; '.join(problems)}. "
+        f"Re-run on a clean checkout of HEAD: {_reproduce(results_file)}"
+    )
+
+
+@pytest.mark.slow
+def test_the_results_check_fails_a_file_older_than_its_measured_code(tmp_path):
+    """The checker itself, in a scratch repository: current after a change elsewhere; stale after a change to
+    the measured code or to the script; failing for a dirty or hand-written stamp and a commit not on HEAD."""
+    repo = tmp_path
+
+    def git(*args: str) -> str:
+        proc = _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", *args)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    def commit(message: str, files: dict[str, str]) -> str:
+        for name, text in files.items():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text(text)
+        git("add", "-A")
+        git("commit", "-qm", message)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    ran_on = commit("code", {"benchmarks/bench.py": "MEASURES = ('src/',)\n", "src/mod.py": "a = 1\n", "notes": "x\n"})
+    results = repo / "benchmarks" / "results" / "bench.md"
+
+    def stamp(line: str) -> list[str]:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(f"# t\n\nReproduce: `python benchmarks/bench.py`\n\n- Commit: {line}\n")
+        return results_problems(results, repo)
+
+    assert stamp(ran_on) == []
+    commit("results", {"benchmarks/results/bench.md": results.read_text()})
+    commit("a change the benchmark does not measure", {"notes": "y\n"})
+    assert stamp(ran_on) == []
+    assert "uncommitted" in stamp(f"{ran_on} + uncommitted changes to src/mod.py")[0]
+    assert "by hand" in stamp(f"{ran_on} (recorded afterwards: the commit before)")[0]
+    assert "full commit id" in stamp(ran_on[:7])[0]
+
+    changed = commit("the measured code changes", {"src/mod.py": "a = 2\n"})
+    (problem,) = stamp(ran_on)
+    assert problem.startswith(f"stale: it ran on {ran_on[:10]}, and 1 later commit(s)") and changed[:7] in problem
+    assert stamp(changed) == []
+    commit("the benchmark itself changes", {"benchmarks/bench.py": "MEASURES = ('src/',)\nROUNDS = 2\n"})
+    assert stamp(changed)[0].startswith("stale:")
+
+    head = git("rev-parse", "HEAD")
+    git("checkout", "-qb", "elsewhere")
+    aside = commit("not on the main line", {"notes": "z\n"})
+    git("checkout", "-q", head)
+    assert "not an ancestor of HEAD" in stamp(aside)[0]
+    assert "not in this repository" in stamp("f" * 40)[0]
+    (repo / "benchmarks" / "bench.py").write_text("ROUNDS = 2\n")
+    assert "declares no MEASURES" in stamp(head)[0]

@@ -81,6 +81,8 @@ from tests.launch_utils import (  # noqa: E402 - after sys.path names the reposi
 )
 
 RESULT_FILE = RESULTS / "compatibility.md"
+#: the code this tool measures besides itself (tests/test_docs_figures.py: a later change makes its results stale)
+MEASURES = ("accel_npu/", "plugins/", "_accel_npu_startup.py", "launch_configs/", "third_party/")
 CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
 # stock on CPU: ACCEL_NPU_DISABLE=1 makes every rank rank 0 of 1 (stock accelerate starts no gloo group
 # without an accelerator), so stock runs with every plugin off but those that form the 2 CPU ranks
