@@ -372,7 +372,7 @@ def test_pending_reruns_name_results_files_with_a_reason():
 def test_results_file_ran_on_the_code_it_measures(results_file):
     """STALE results files fail here, one test each: re-run the command the message names on a clean
     checkout of HEAD (an idle machine for timings) and commit the file it writes — or, while the re-run is
-    pending, list the file in benchmarks/pending_reruns.txt with why (docs quoting it say so)."""
+    pending, list the file in benchmarks/pending_reruns.txt with why."""
     if not _in_git_checkout(REPO):
         pytest.skip("not a git checkout: which commit a results file ran on cannot be checked")
     problems = results_problems(results_file)
