@@ -80,6 +80,12 @@ VARIABLES: tuple[EnvVar, ...] = (
         "files are written in the background and the checkpoint is published atomically once every rank's are durable.",
     ),
     EnvVar(
+        "ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT",
+        "3600",
+        "Seconds an asynchronous save_state's background write may take on every rank; past it the checkpoint is "
+        "not published and the next checkpoint call raises on every rank, naming the ranks that never finished.",
+    ),
+    EnvVar(
         "ACCEL_NPU_HANG_TIMEOUT",
         "",
         "Seconds a rank may wait in a collective before every rank prints its stacks, the ranks that did not arrive "

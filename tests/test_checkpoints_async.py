@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -468,3 +469,28 @@ def test_fsdp2_rank_killed_during_its_background_write_leaves_the_previous_check
     assert resumed.returncode == 0, explain(resumed)
     for r in results(resumed):
         assert r["losses_ckpt"] == r["losses_reference"], r
+
+
+def test_a_rank_that_never_finishes_its_background_write_is_named_and_nothing_is_published(tmp_path, monkeypatch):
+    """Rank 0 waits for the other ranks' word at most ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT: rank 1 of a HashStore
+    never says its files are durable; the checkpoint is not published and the outcome names rank 1. Every rank's
+    wait for that outcome is bounded too."""
+    from torch.distributed import HashStore
+
+    from accel_npu.plugins.checkpoints import background
+
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT", "1")
+    store = HashStore()
+    staging = tmp_path / "checkpoint-2.tmp"
+    staging.mkdir()
+    save = background.PendingSave(7, str(staging), str(tmp_path / "checkpoint-2"), store, rank=0, world=2)
+    published = []
+    start = time.monotonic()
+    background._finish(save, lambda: published.append(True))
+    assert time.monotonic() - start < 10
+    assert not published
+    assert save.outcome.startswith("rank 1: its files were not durable after 1 s")
+    assert store.get(save.key("outcome")).decode() == save.outcome
+
+    assert background._wait_keys(store, [save.key("outcome")], 1) == []  # there: nothing missing
+    assert background._wait_keys(store, ["never-set"], 1) == ["never-set"]

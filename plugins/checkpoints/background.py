@@ -310,8 +310,14 @@ def _finish(save: PendingSave, publish) -> None:
         if save.rank != 0:
             return
         keys = [save.key(f"done/{r}") for r in range(save.world)]
-        _wait_keys(save.store, keys)
-        words = [_dist.store_get(save.store, k) for k in keys]
+        limit = write_timeout()
+        missing = set(_wait_keys(save.store, keys, limit))
+        words = [
+            f"rank {r}: its files were not durable after {limit:g} s (ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT)"
+            if k in missing
+            else _dist.store_get(save.store, k)
+            for r, k in enumerate(keys)
+        ]
     failed = [w for w in words if w != "ok"]
     outcome = "ok"
     if failed:
@@ -331,9 +337,17 @@ def _fsync_dirs(root: str) -> None:
         _fsync_file(dirpath)
 
 
-def _wait_keys(store, keys) -> None:
+def write_timeout() -> float:
+    return environment.seconds("ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT", at_least=1)
+
+
+def _wait_keys(store, keys, seconds: float) -> list[str]:
+    """Wait (in slices) until ``keys`` are in the store; the keys still missing after ``seconds``."""
+    deadline = time.monotonic() + seconds
     while not _dist.store_wait(store, keys, _POLL_S):
-        pass
+        if time.monotonic() >= deadline:
+            return [k for k in keys if not store.check([k])]
+    return []
 
 
 def wait_for_pending(raise_failure: bool = True) -> None:
@@ -350,8 +364,13 @@ def wait_for_pending(raise_failure: bool = True) -> None:
         if save.store is None:
             outcome = save.outcome or "ok"
         else:
-            _wait_keys(save.store, [save.key("outcome")])
-            outcome = _dist.store_get(save.store, save.key("outcome"))
+            # rank 0 writes its own files (at most the write timeout), then waits at most that long for the others;
+            # the slack covers its publication, so no rank gives up on a checkpoint rank 0 still publishes
+            limit = 2 * write_timeout() + 120
+            if _wait_keys(save.store, [save.key("outcome")], limit):
+                outcome = f"rank 0 published no outcome for {save.final} after {limit:g} s"
+            else:
+                outcome = _dist.store_get(save.store, save.key("outcome"))
     elif save.error is not None:
         outcome = f"rank {save.rank}: {save.error}"
     with _lock:
