@@ -254,7 +254,19 @@ COG = [
 FULL_T = ["--resolution", "16", "--train_batch_size", "1", "--learning_rate", "1e-3", "--dataloader_num_workers", "0"]
 CONTROL = ["--dataset_name", "{work}/controlnet_data"]
 # upstream README's flags; "dog" is one token of the tiny tokenizers
-TEXTUAL_INVERSION = ["--placeholder_token", "<new1>", "--initializer_token", "dog", "--learnable_property", "object"]
+# --repeats 1: an epoch is the 4 images (2 steps on 2 ranks), so the checkpoint at step 4 ends an epoch; the scripts
+# resume at the epoch of the restored step without skipping its batches (the default 100 repeats make step 4
+# mid-epoch, and the resumed run trains on that epoch's first batches again)
+TEXTUAL_INVERSION = [
+    "--placeholder_token",
+    "<new1>",
+    "--initializer_token",
+    "dog",
+    "--learnable_property",
+    "object",
+    "--repeats",
+    "1",
+]
 
 SPECS = [
     Spec(
