@@ -10,7 +10,9 @@ diffusers' own tests) × config:
 - ``stock_zero2``: cpu_zero2 as stock runs it, as far as this machine lets stock form 2 ranks (see STOCK);
 - ``fsdp2``: only for scripts that handle FSDP (``DistributedType.FSDP`` / ``accelerator.state.fsdp_plugin``):
   FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
-  ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs).
+  ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs);
+- ``zero2_async``, ``zero3_t0_async``, ``fsdp2_async``: the same with ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` (save_state
+  written in the background), for one script per shape (ASYNC_SCRIPTS).
 
 it launches the vendored script (third_party/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, then a third time straight to
@@ -83,7 +85,16 @@ from tests.launch_utils import (  # noqa: E402 - after sys.path names the reposi
 RESULT_FILE = RESULTS / "compatibility.md"
 #: the code this tool measures besides itself (tests/test_docs_figures.py: a later change makes its results stale)
 MEASURES = ("accel_npu/", "plugins/", "_accel_npu_startup.py", "launch_configs/", "third_party/")
-CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2")
+CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2", "zero2_async", "zero3_t0_async", "fsdp2_async")
+# the asynchronous save_state column (ACCEL_NPU_ASYNC_CHECKPOINT=1, docs/checkpoints.md § 2c): one script per
+# shape — a LoRA saved on every rank, a LoRA saved by rank 0 alone (its save_state served by the other ranks),
+# a full fine-tune, a video LoRA
+ASYNC_SCRIPTS = (
+    "train_dreambooth_lora_sd3.py",
+    "train_dreambooth_lora_sdxl.py",
+    "train_text_to_image.py",
+    "train_cogvideox_lora.py",
+)
 # stock on CPU: ACCEL_NPU_DISABLE=1 makes every rank rank 0 of 1 (stock accelerate starts no gloo group
 # without an accelerator), so stock runs with every plugin off but those that form the 2 CPU ranks
 # (devices.cpu, launch.launcher and deepspeed, the last two essential) and torchvision_compat (the registry's
@@ -1566,9 +1577,14 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     )
     if config == "stock_zero2":
         env.update(STOCK_ENV)
+    if config.endswith("_async"):
+        env["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
+        config_file = config.removesuffix("_async")
+    else:
+        config_file = "zero2" if config == "stock_zero2" else config
     cfgs["fsdp2"] = root / "fsdp2.yaml"
     cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML
-    cfg = cfgs["zero2" if config == "stock_zero2" else config]
+    cfg = cfgs[config_file]
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -1870,8 +1886,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec, config in plan:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
-            if config == "fsdp2" and not fsdp_supported(spec.script):
+            if config.startswith("fsdp2") and not fsdp_supported(spec.script):
                 continue  # scripts that do not handle FSDP get no FSDP2 row
+            if config.endswith("_async") and spec.name not in ASYNC_SCRIPTS:
+                continue  # the asynchronous column: one script per shape
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)
             new[key] = [
