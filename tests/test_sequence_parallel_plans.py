@@ -250,10 +250,11 @@ def test_the_split_model_computes_the_unsplit_forward_and_backward(split_runs, n
 @pytest.mark.parametrize(
     ("name", "change", "message"),
     [
-        ("sd35", {"hidden_states": (1, 4, 3, 3)}, "gets hidden_states with 9 image or video tokens, which does not"),
-        ("sd35", {"encoder_hidden_states": (1, 7, 16)}, "encoder_hidden_states with 7 text tokens"),
-        ("hunyuan_video", {"hidden_states": (1, 4, 3, 1, 1)}, "transformer_blocks.0 gets hidden_states with 3"),
-        ("cosmos", {"hidden_states": (1, 4, 1, 2, 6)}, "with 3 image or video tokens"),
+        ("sd35", {"hidden_states": (1, 4, 3, 3)}, "pos_embed output has 9 image or video tokens, which do not"),
+        ("sd35", {"encoder_hidden_states": (1, 7, 16)}, "context_embedder output has 7 text tokens"),
+        ("hunyuan_video", {"hidden_states": (1, 4, 3, 1, 1)}, "transformer_blocks.0 input hidden_states has 3"),
+        ("hunyuan_video", {"encoder_hidden_states": (1, 5, 16)}, "input encoder_hidden_states has 5 text tokens"),
+        ("cosmos", {"hidden_states": (1, 4, 1, 2, 6)}, "has 3 image or video tokens"),
     ],
 )
 def test_a_token_count_that_does_not_divide_is_refused_at_the_first_forward_naming_the_fix(name, change, message):
@@ -268,6 +269,8 @@ def test_a_token_count_that_does_not_divide_is_refused_at_the_first_forward_nami
         model(**inputs)  # divisible: runs (no split installed here, only the checks)
         for key, shape in change.items():
             inputs[key] = torch.randn(shape)
+        if inputs.get("encoder_attention_mask") is not None:
+            inputs["encoder_attention_mask"] = torch.ones(1, inputs["encoder_hidden_states"].shape[1])
         with pytest.raises(ConfigError, match=message) as err:
             model(**inputs)
     assert "Choose sizes giving a multiple of 2" in str(err.value)

@@ -14,8 +14,8 @@ processor that is upstream's own, calling it so.
   block, the rotary tables at every block, the video tokens gathered at ``proj_out``.
 - SD3Transformer2DModel (models/transformers/transformer_sd3.py): joint attention of image and text tokens
   (JointAttnProcessor2_0, calling SDPA itself; SD3.5's second, image-only attention too), no RoPE (positions are
-  added at the patch embedding, before the split), no mask: both streams split at the first block, the image
-  tokens gathered at ``proj_out``.
+  added at the patch embedding), no mask: both streams split as they leave their embeddings (``pos_embed``,
+  ``context_embedder``), the image tokens gathered at ``proj_out``.
 - HunyuanVideoTransformer3DModel (models/transformers/transformer_hunyuan_video.py): its processor calls
   ``dispatch_attention_fn`` with a parallel config already; dual-stream then single-stream blocks on [video, text]
   with RoPE on the video part and a key mask over the text padding built for the whole sequence, ``[video, text]``.
@@ -56,11 +56,13 @@ def cogvideox_plan(model) -> dict:
 
 
 def sd3_plan(model) -> dict:
-    tokens, _rope, gather = _inputs()
-    return {
-        "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
-        "proj_out": gather,
-    }
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    _tokens, _rope, gather = _inputs()
+    # the embeddings' outputs, not the first block's inputs: diffusers' split hook requires a block's outputs to be
+    # tensors, and a last block (context_pre_only, the first one of a one-block model) returns None for the text
+    embedded = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+    return {"pos_embed": embedded, "context_embedder": embedded, "proj_out": gather}
 
 
 def hunyuan_video_plan(model) -> dict:
@@ -161,62 +163,89 @@ def check_heads(model, sp_size: int) -> None:
 # ------------------------------------------------------------------------------------------------
 # token counts: diffusers' EquipartitionSharder asserts divisibility deep inside the first forward
 # ------------------------------------------------------------------------------------------------
-#: what a split input's token count comes from, for the message's fix
+#: what sets a split tensor's token count, by the input's name or the module whose output is split, for the fix
 _TOKEN_SOURCES = {
-    "encoder_hidden_states": "text tokens (the prompt's padded length: --max_sequence_length, or the text "
-    "encoder's fixed length)",
-    "hidden_states": "image or video tokens (the latent's frames x height x width over the patch size: "
-    "--resolution, --height/--width, --num_frames / --max_num_frames)",
+    "encoder_hidden_states": ("text tokens", "the prompt's padded length: --max_sequence_length"),
+    "context_embedder": ("text tokens", "the prompt's padded length: --max_sequence_length"),
 }
+_IMAGE_TOKENS = (
+    "image or video tokens",
+    "the latent's frames x height x width over the patch size: --resolution, --height/--width, --num_frames",
+)
 
 
-def token_count_problem(model_name: str, module_name: str, inputs: dict, plan_inputs: dict, sp_size: int):
-    """The message naming the fix when an input the plan splits has a token count ``sp_size`` does not divide;
-    None when every one divides."""
+def token_count_problem(model_name: str, where: str, key: str, value, spec, sp_size: int) -> str | None:
+    """The message naming the fix when ``value`` (the tensor or tuple of tensors ``spec`` splits, at ``where``)
+    has a token count ``sp_size`` does not divide; None when every one divides."""
     import torch
 
-    for name, spec in plan_inputs.items():
-        value = inputs.get(name)
-        specs, values = (spec, value) if isinstance(spec, (list, tuple)) else ([spec], [value])
-        if not isinstance(values, (list, tuple)):
+    specs, values = (spec, value) if isinstance(spec, (list, tuple)) else ([spec], [value])
+    if not isinstance(values, (list, tuple)):
+        return None
+    for one_spec, one in zip(specs, values):
+        if not torch.is_tensor(one) or (one_spec.expected_dims is not None and one.dim() != one_spec.expected_dims):
             continue
-        for one_spec, one in zip(specs, values):
-            if not torch.is_tensor(one) or getattr(one_spec, "split_output", False):
-                continue
-            if one_spec.expected_dims is not None and one.dim() != one_spec.expected_dims:
-                continue
-            count = one.shape[one_spec.split_dim]
-            if count % sp_size:
-                what = _TOKEN_SOURCES.get(name, "image or video tokens (the rotary or position table of the latent)")
-                return (
-                    f"accel-npu: sequence parallelism with sp_size {sp_size}: {model_name}'s {module_name} gets "
-                    f"{name} with {count} {what.split(' (')[0]}, which does not divide by {sp_size} (Ulysses gives "
-                    f"every rank an equal share of each sample's tokens). Choose sizes giving a multiple of "
-                    f"{sp_size} {what}, or an sp_size dividing {count}."
-                )
+        count = one.shape[one_spec.split_dim]
+        if count % sp_size:
+            what, source = _TOKEN_SOURCES.get(key, _IMAGE_TOKENS)
+            return (
+                f"accel-npu: sequence parallelism with sp_size {sp_size}: {model_name}'s {where} has {count} {what}, "
+                f"which do not divide by {sp_size} (Ulysses gives every rank an equal share of each sample's "
+                f"tokens). Choose sizes giving a multiple of {sp_size} {what} ({source}), or an sp_size dividing "
+                f"{count}."
+            )
     return None
 
 
 def install_token_checks(model, plan: dict, sp_size: int) -> None:
-    """A forward pre-hook on every module the plan splits inputs of: it runs before diffusers' split hook (which
-    wraps ``forward``) and refuses a token count that does not divide, with the fix, on every rank alike."""
+    """Checks of the token counts the plan splits, before diffusers' split hooks assert them: a forward pre-hook
+    for a module's inputs (torch runs it before the hook-wrapped ``forward``), and for a module's outputs a
+    diffusers hook registered before ``enable_parallelism``'s (a later hook wraps an earlier one, so this one's
+    ``post_forward`` sees the output first: hooks/hooks.py ``HookRegistry.register_hook``). Every rank refuses
+    alike. Call before ``enable_parallelism``."""
     import inspect
 
+    from diffusers.hooks import HookRegistry, ModelHook
     from diffusers.hooks.context_parallel import _get_submodule_by_name
 
     model_name = type(model).__name__
+
+    class OutputTokenCheck(ModelHook):
+        def __init__(self, module_name, specs):
+            super().__init__()
+            self.module_name, self.specs = module_name, specs
+
+        def post_forward(self, module, output):
+            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+            for index, spec in self.specs.items():
+                if index < len(outputs):
+                    where = f"{self.module_name} output"
+                    problem = token_count_problem(model_name, where, self.module_name, outputs[index], spec, sp_size)
+                    if problem:
+                        raise ConfigError(problem)
+            return output
+
     for module_name, plan_inputs in plan.items():
         if not isinstance(plan_inputs, dict):
             continue
         modules = _get_submodule_by_name(model, module_name)
         for module in modules if isinstance(modules, list) else [modules]:
+            outputs = {k: v for k, v in plan_inputs.items() if getattr(v, "split_output", False)}
+            inputs = {k: v for k, v in plan_inputs.items() if k not in outputs}
+            if outputs:
+                registry = HookRegistry.check_if_exists_or_initialize(module)
+                registry.register_hook(OutputTokenCheck(module_name, outputs), "accel_npu_token_count_check")
+            if not inputs:
+                continue
             parameters = list(inspect.signature(type(module).forward).parameters)[1:]
 
-            def check(mod, args, kwargs, _plan=plan_inputs, _params=parameters, _name=module_name):
-                inputs = {**dict(zip(_params, args)), **kwargs}
-                problem = token_count_problem(model_name, _name, inputs, _plan, sp_size)
-                if problem:
-                    raise ConfigError(problem)
+            def check(mod, args, kwargs, _specs=inputs, _params=parameters, _name=module_name):
+                given = {**dict(zip(_params, args)), **kwargs}
+                for key, spec in _specs.items():
+                    where = f"{_name} input {key}"
+                    problem = token_count_problem(model_name, where, key, given.get(key), spec, sp_size)
+                    if problem:
+                        raise ConfigError(problem)
 
             module.register_forward_pre_hook(check, with_kwargs=True)
 
