@@ -2,17 +2,20 @@
 (plugins/sequence_parallel, docs/sequence-parallel.md).
 
 In-process: the launcher accepts ``--use_parallelism_config`` beside a DeepSpeed config (stock refuses it) and
-hands PARALLELISM_CONFIG_SP_SIZE to the workers; every refusal names its fix; our CogVideoX processor is
-diffusers' own without a parallel config.
+hands PARALLELISM_CONFIG_SP_SIZE to the workers; every refusal names its fix (a ZeRO checkpoint resumed by another
+number of processes included); our CogVideoX processor is diffusers' own without a parallel config.
 
-Launched (slow): diffusers v0.40.0's train_dreambooth_lora_flux.py (``--use_parallelism_config
---parallelism_config_sp_size 2`` on the command line) and cogvideo/train_cogvideox_lora.py (``parallelism_config:``
-in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks against the same global batch on 1 rank. Witnesses that do
-not depend on accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single
-diffusers' Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the
-all_to_all calls and their sizes, the squared gradient norm summed over the ranks' ZeRO partitions; TensorBoard's
-event file for the loss at every step; the saved LoRA files. Stock fails: the launcher's refusal
-(ACCEL_NPU_DISABLE=1), and with the plugin off the YAML's switch reaches prepare and fails on both ranks.
+Launched (slow, one shared set of launches): diffusers v0.40.0's train_dreambooth_lora_flux.py, _qwen_image.py,
+_sd3.py (``--use_parallelism_config --parallelism_config_sp_size 2`` on the command line) and
+cogvideo/train_cogvideox_lora.py (``parallelism_config:`` in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks
+against the same global batch on 1 rank; Flux at sp=2 x dp=2 on 4 ranks against dp=2 on 2; Flux checkpoints of
+sp=2 and sp=1 compared tensor by tensor, and each resumed with the other sp size. Witnesses that do not depend on
+accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single diffusers'
+Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the all_to_all calls,
+their sizes and groups, the squared gradient norm summed over the ranks' ZeRO partitions, the optimizer state
+each step starts from; TensorBoard's event file for the loss at every step; the saved LoRA files and DeepSpeed's
+checkpoint files. Stock fails: the launcher's refusal (ACCEL_NPU_DISABLE=1), and with the plugin off the YAML's
+switch reaches prepare and fails on both ranks.
 """
 
 from __future__ import annotations
@@ -551,6 +554,8 @@ def test_a_checkpoint_written_with_sp2_has_the_sp1_layout_and_values(runs):
     assert (sp2["dp_world_size"], sp1["dp_world_size"], dp2["dp_world_size"], sp2dp2["dp_world_size"]) == (2, 1, 2, 4)
     assert sp2["files"] == dp2["files"] and sp2["partitions"] == dp2["partitions"]
     assert len(sp2["partitions"]) == 2 and len(sp1["partitions"]) == 1
+    # the negative: the comparison tells another global batch's state (dp=2 read two samples a step) apart
+    assert _max_diff(sp2["fp32"], dp2["fp32"]) > 1e-3 and _max_diff(sp2["exp_avg"], dp2["exp_avg"]) > 1e-5
     for split, reference in ((sp2, sp1), (sp2dp2, dp2)):
         assert split["step"] == [2.0] * len(split["step"]) and reference["step"][0] == 2.0
         assert split["lr_scheduler"] == reference["lr_scheduler"]
