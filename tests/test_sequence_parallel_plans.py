@@ -106,6 +106,28 @@ def _model_and_inputs(name: str):
             encoder_hidden_states=torch.randn(1, 6, 32),
             fps=24,
         )
+    elif name == "flux":  # diffusers' own _cp_plan: split at the model's inputs (16 image, 6 text tokens)
+        from diffusers import FluxTransformer2DModel
+
+        model = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+        )
+        inputs = dict(
+            hidden_states=torch.randn(1, 16, 4),
+            encoder_hidden_states=torch.randn(1, 6, 32),
+            pooled_projections=torch.randn(1, 32),
+            timestep=torch.tensor([0.5]),
+            img_ids=torch.zeros(16, 3),
+            txt_ids=torch.zeros(6, 3),
+        )
     else:  # cosmos25
         from diffusers import CosmosTransformer3DModel
 
@@ -255,6 +277,7 @@ def test_the_split_model_computes_the_unsplit_forward_and_backward(split_runs, n
         ("hunyuan_video", {"hidden_states": (1, 4, 3, 1, 1)}, "transformer_blocks.0 input hidden_states has 3"),
         ("hunyuan_video", {"encoder_hidden_states": (1, 5, 16)}, "input encoder_hidden_states has 5 text tokens"),
         ("cosmos", {"hidden_states": (1, 4, 1, 2, 6)}, "has 3 image or video tokens"),
+        ("flux", {"hidden_states": (1, 15, 4), "img_ids": (15, 3)}, "input hidden_states has 15 image or video"),
     ],
 )
 def test_a_token_count_that_does_not_divide_is_refused_at_the_first_forward_naming_the_fix(name, change, message):
