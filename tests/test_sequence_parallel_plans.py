@@ -187,7 +187,7 @@ def _split_equals_unsplit(rank: int, world: int, port: int, out_dir: str) -> Non
     F.scaled_dot_product_attention = counting_sdpa
     funcol.all_to_all_single = counting_a2a
     mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("dp", "ring", "ulysses"))
-    results = {}
+    results = {"random": _shared_random_draws(rank, world, mesh)}
     for name in MODELS:
         model, inputs = _model_and_inputs(name)
         unsplit = copy.deepcopy(model)
@@ -233,6 +233,28 @@ def _split_equals_unsplit(rank: int, world: int, port: int, out_dir: str) -> Non
     dist.destroy_process_group()
 
 
+def _shared_random_draws(rank: int, world: int, mesh) -> dict:
+    """Draws from torch's, Python's and NumPy's global generators seeded per rank, before and after
+    groups.share_random_state over the 2 ranks (one SP group)."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from accel_npu.plugins.sequence_parallel import groups
+
+    def draws():
+        return [torch.rand(2).tolist(), random.random(), float(np.random.rand())]
+
+    torch.manual_seed(rank), random.seed(rank), np.random.seed(rank)
+    before = draws()
+    mpu = SimpleNamespace(get_sequence_parallel_group=lambda: dist.group.WORLD)
+    groups.share_random_state(SimpleNamespace(mpu=mpu, rank=rank, sp_size=world, mesh=mesh))
+    return {"before": before, "after": draws()}
+
+
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
     import torch.multiprocessing as mp
@@ -264,6 +286,15 @@ def test_the_split_model_computes_the_unsplit_forward_and_backward(split_runs, n
         tokens = sum(TOKENS[name])
         assert [1, tokens] in result["sdpa"] and [2, tokens] not in result["sdpa"], result
         assert result["all_to_all"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_ranks_of_an_sp_group_continue_from_one_random_state(split_runs):
+    first, second = (rank["random"] for rank in split_runs)
+    assert first["after"] == second["after"]
+    for a, b in zip(first["before"], second["before"]):
+        assert a != b  # the negative: seeded per rank, they drew differently before
 
 
 # ------------------------------------------------------------------------------------------------
