@@ -2,17 +2,20 @@
 (plugins/sequence_parallel, docs/sequence-parallel.md).
 
 In-process: the launcher accepts ``--use_parallelism_config`` beside a DeepSpeed config (stock refuses it) and
-hands PARALLELISM_CONFIG_SP_SIZE to the workers; every refusal names its fix; our CogVideoX processor is
-diffusers' own without a parallel config.
+hands PARALLELISM_CONFIG_SP_SIZE to the workers; every refusal names its fix (a ZeRO checkpoint resumed by another
+number of processes included); our CogVideoX processor is diffusers' own without a parallel config.
 
-Launched (slow): diffusers v0.40.0's train_dreambooth_lora_flux.py (``--use_parallelism_config
---parallelism_config_sp_size 2`` on the command line) and cogvideo/train_cogvideox_lora.py (``parallelism_config:``
-in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks against the same global batch on 1 rank. Witnesses that do
-not depend on accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single
-diffusers' Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the
-all_to_all calls and their sizes, the squared gradient norm summed over the ranks' ZeRO partitions; TensorBoard's
-event file for the loss at every step; the saved LoRA files. Stock fails: the launcher's refusal
-(ACCEL_NPU_DISABLE=1), and with the plugin off the YAML's switch reaches prepare and fails on both ranks.
+Launched (slow, one shared set of launches): diffusers v0.40.0's train_dreambooth_lora_flux.py, _qwen_image.py,
+_sd3.py (``--use_parallelism_config --parallelism_config_sp_size 2`` on the command line) and
+cogvideo/train_cogvideox_lora.py (``parallelism_config:`` in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks
+against the same global batch on 1 rank; Flux at sp=2 x dp=2 on 4 ranks against dp=2 on 2; Flux checkpoints of
+sp=2 and sp=1 compared tensor by tensor, and each resumed with the other sp size. Witnesses that do not depend on
+accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single diffusers'
+Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the all_to_all calls,
+their sizes and groups, the squared gradient norm summed over the ranks' ZeRO partitions, the optimizer state
+each step starts from; TensorBoard's event file for the loss at every step; the saved LoRA files and DeepSpeed's
+checkpoint files. Stock fails: the launcher's refusal (ACCEL_NPU_DISABLE=1), and with the plugin off the YAML's
+switch reaches prepare and fails on both ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from tests.launch_utils import (
     accelerate_launch,
     base_env,
     explain,
-    run_concurrently,
 )
 
 sys.path.insert(0, str(SCRIPTS))
@@ -148,25 +150,17 @@ def _tiny_flux(heads: int = 2):
 
 
 def test_a_model_without_a_plan_is_refused_naming_the_models_that_have_one():
-    from diffusers import SD3Transformer2DModel
+    from diffusers import DiTTransformer2DModel
 
     from accel_npu.plugins.sequence_parallel.plans import plan_for
 
-    sd3 = SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        caption_projection_dim=16,
-        joint_attention_dim=16,
-        pooled_projection_dim=16,
-        out_channels=4,
+    dit = DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1, sample_size=4, patch_size=2
     )
-    with pytest.raises(ConfigError, match="cannot split SD3Transformer2DModel") as err:
-        plan_for(sd3)
-    assert "FluxTransformer2DModel" in str(err.value) and "CogVideoXTransformer3DModel" in str(err.value)
+    with pytest.raises(ConfigError, match="cannot split DiTTransformer2DModel") as err:
+        plan_for(dit)
+    for planned in ("FluxTransformer2DModel", "CogVideoXTransformer3DModel", "SD3Transformer2DModel"):
+        assert planned in str(err.value)
     plan, source = plan_for(_tiny_flux())
     assert source == "diffusers" and "proj_out" in plan
 
@@ -251,21 +245,62 @@ def test_our_cogvideox_processor_is_diffusers_own_without_a_parallel_config():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("written", "stage", "processes", "universal", "refused"),
+    [
+        (2, 2, 1, False, True),  # sp=2 on 2 ranks resumed on 1 rank
+        (1, 2, 4, False, True),
+        (2, 2, 2, False, False),  # sp=2 on 2 ranks resumed with sp=1 on 2 ranks: the same partitions
+        (2, 0, 1, False, False),  # ZeRO-0 partitions nothing
+        (2, 2, 1, True, False),  # DeepSpeed's universal checkpoint re-partitions
+    ],
+)
+def test_a_zero_checkpoint_resumed_by_another_number_of_processes_is_refused_naming_the_fix(
+    tmp_path, written, stage, processes, universal, refused
+):
+    from accel_npu.plugins.checkpoints.state import MANIFEST, partition_count_problem
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"files": {}, "world_size": written, "zero_stage": stage}))
+    config = {"checkpoint": {"load_universal": True}} if universal else {}
+    accelerator = SimpleNamespace(num_processes=processes, deepspeed_config=config)
+    problem = partition_count_problem(str(tmp_path), accelerator)
+    if not refused:
+        assert problem is None
+        return
+    assert f"written by {written} processes under DeepSpeed ZeRO stage {stage}" in problem
+    assert f"Resume with {written} processes (--num_processes {written}); the sequence-parallel size may" in problem
+    assert partition_count_problem(str(tmp_path / "no_manifest"), accelerator) is None
+
+
 # ------------------------------------------------------------------------------------------------
 # launched: the official scripts, unchanged, sp=2 on 2 ranks vs 1 rank
 # ------------------------------------------------------------------------------------------------
 FLUX = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_flux.py"
 COGVIDEOX = OFFICIAL_EXAMPLES / "cogvideo" / "train_cogvideox_lora.py"
 QWEN = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_qwen_image.py"
+SD3 = OFFICIAL_EXAMPLES / "dreambooth" / "train_dreambooth_lora_sd3.py"
 STEPS = 4
 
 
-def _flux_args(pipe, images, out):
+def _flux_args(pipe, images, out, checkpointing=100, steps=STEPS, resume=False):
     return [
         str(FLUX),
         *("--pretrained_model_name_or_path", str(pipe), "--instance_data_dir", str(images)),
         *("--instance_prompt", "a photo of sks dog", "--output_dir", str(out), "--resolution", "16"),
-        *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--rank", "4", "--max_sequence_length", "16"),
+        *("--train_batch_size", "1", "--max_train_steps", str(steps), "--rank", "4", "--max_sequence_length", "16"),
+        *("--seed", "0", "--learning_rate", "1e-2", "--dataloader_num_workers", "0", "--report_to", "tensorboard"),
+        *("--checkpointing_steps", str(checkpointing)),
+        *(("--resume_from_checkpoint", "latest") if resume else ()),
+    ]
+
+
+def _sd3_args(pipe, images, out):
+    # 77 CLIP + 17 T5 text tokens (94) beside 16 x 16 latent tokens: both even
+    return [
+        str(SD3),
+        *("--pretrained_model_name_or_path", str(pipe), "--instance_data_dir", str(images)),
+        *("--instance_prompt", "a photo of sks dog", "--output_dir", str(out), "--resolution", "16"),
+        *("--train_batch_size", "1", "--max_train_steps", str(STEPS), "--rank", "4", "--max_sequence_length", "17"),
         *("--seed", "0", "--learning_rate", "1e-2", "--dataloader_num_workers", "0", "--report_to", "tensorboard"),
         *("--checkpointing_steps", "100"),
     ]
@@ -314,10 +349,18 @@ def _witness(directory: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("rank*.json"))]
 
 
+#: resumed launch: (the launch whose checkpoint-2 it resumes from, its flags); sp=2 -> sp=1 and sp=1 -> sp=2
+RESUMES = {"resume_sp2_as_sp1": "flux_sp2", "resume_sp1_as_sp2": "flux_dp2"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (CompletedProcess, output dir, witness records per rank)}: Flux, CogVideoX and Qwen-Image at sp=2
-    and on one rank, and the two stock launches."""
+    """{name: (CompletedProcess, output dir, witness records per rank)}: Flux, CogVideoX, Qwen-Image and SD3 at
+    sp=2 and on one rank, Flux at sp=2 x dp=2 on 4 ranks and dp=2 on 2, two resumes of a Flux checkpoint with
+    the other sp size, and the two stock launches."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
     import tiny_cogvideox
     import tiny_models
     import tiny_sd3_flux
@@ -326,43 +369,62 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sequence_parallel")
     tiny_sd3_flux.flux_pipeline(str(root / "flux"))
+    tiny_sd3_flux.sd3_pipeline(str(root / "sd3"))
     tiny_sd3_flux.dreambooth_images(str(root / "images"))
     tiny_cogvideox.pipeline("t2v_rope", str(root / "cogvideox"))
     tiny_cogvideox.videos(str(root / "videos"))
     tiny_models.qwen_image_pipeline(str(root / "qwen"))
     one, two, two_sp = _launch_config(root, 1), _launch_config(root, 2), _launch_config(root, 2, sp=2)
+    four_sp = _launch_config(root, 4, sp=2)
     cli_sp = ["--use_parallelism_config", "--parallelism_config_sp_size", "2"]
+    flux, images = root / "flux", root / "images"
     plans = {
-        "flux_sp2": (two, cli_sp, _flux_args(root / "flux", root / "images", root / "flux_sp2"), {}),
-        "flux_sp1": (one, [], _flux_args(root / "flux", root / "images", root / "flux_sp1"), {}),
+        # the resumes' sources first: they run while the rest still queue
+        "flux_sp2": (two, cli_sp, _flux_args(flux, images, root / "flux_sp2", checkpointing=2), {}),
+        "flux_dp2": (two, [], _flux_args(flux, images, root / "flux_dp2", checkpointing=2), {}),
+        "flux_sp1": (one, [], _flux_args(flux, images, root / "flux_sp1", checkpointing=2), {}),
+        "flux_sp2dp2": (four_sp, [], _flux_args(flux, images, root / "flux_sp2dp2", checkpointing=2), {}),
         "cog_sp2": (two_sp, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp2"), {}),
         "cog_sp1": (one, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp1"), {}),
-        "qwen_sp2": (two, cli_sp, _qwen_args(root / "qwen", root / "images", root / "qwen_sp2"), {}),
-        "qwen_sp1": (one, [], _qwen_args(root / "qwen", root / "images", root / "qwen_sp1"), {}),
-        "stock_cli": (two, cli_sp, _flux_args(root / "flux", root / "images", root / "stock_cli"), {"disable": 1}),
+        "qwen_sp2": (two, cli_sp, _qwen_args(root / "qwen", images, root / "qwen_sp2"), {}),
+        "qwen_sp1": (one, [], _qwen_args(root / "qwen", images, root / "qwen_sp1"), {}),
+        "sd3_sp2": (two, cli_sp, _sd3_args(root / "sd3", images, root / "sd3_sp2"), {}),
+        "sd3_sp1": (one, [], _sd3_args(root / "sd3", images, root / "sd3_sp1"), {}),
+        "stock_cli": (two, cli_sp, _flux_args(flux, images, root / "stock_cli"), {"disable": 1}),
         "plugin_off_yaml": (
             two_sp,
             [],
-            _flux_args(root / "flux", root / "images", root / "plugin_off_yaml"),
+            _flux_args(flux, images, root / "plugin_off_yaml"),
             {"ACCEL_NPU_DISABLED_PLUGINS": "sequence_parallel"},
         ),
+        # one step more from the other sp size's checkpoint-2 (copied into the output dir before the launch)
+        "resume_sp2_as_sp1": (two, [], _flux_args(flux, images, root / "resume_sp2_as_sp1", 100, 3, True), {}),
+        "resume_sp1_as_sp2": (two, cli_sp, _flux_args(flux, images, root / "resume_sp1_as_sp2", 100, 3, True), {}),
     }
 
     def launch(name):
         config, flags, script_args, extra = plans[name]
         out, witness = root / name, root / f"{name}_witness"
-        out.mkdir()
+        out.mkdir(exist_ok=True)
         witness.mkdir()
         env = with_torchvision(base_env(SP_WITNESS_DIR=str(witness)))
         env["PYTHONPATH"] = f"{WITNESS}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(WITNESS)
         if extra.pop("disable", None):
             env["ACCEL_NPU_DISABLE"] = "1"
         env.update(extra)
-        proc = accelerate_launch(["--config_file", str(config), *flags, *script_args], env=env, timeout=600, cwd=root)
+        proc = accelerate_launch(["--config_file", str(config), *flags, *script_args], env=env, timeout=900, cwd=root)
         return proc, out, _witness(witness)
 
-    names = list(plans)
-    return dict(zip(names, run_concurrently(*[lambda n=n: launch(n) for n in names])))
+    # at most 6 launches at a time (up to 14 ranks): the 2 cores are shared, the memory too
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = {name: pool.submit(launch, name) for name in plans if name not in RESUMES}
+        for resumed, source in RESUMES.items():
+            futures[source].result()
+            checkpoint = root / source / "checkpoint-2"
+            if checkpoint.is_dir():
+                shutil.copytree(checkpoint, root / resumed / "checkpoint-2")
+            futures[resumed] = pool.submit(launch, resumed)
+        return {name: futures[name].result() for name in plans}
 
 
 def _attention(record: dict, head_dim: int = 16) -> set[tuple[int, int]]:
@@ -371,43 +433,174 @@ def _attention(record: dict, head_dim: int = 16) -> set[tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
-    ("family", "heads", "tokens", "attentions"),
+    ("family", "heads", "head_dim", "tokens", "attentions"),
     # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block; CogVideoX: 16 text + 3 frames x 2x2 patches,
-    # 1 block; Qwen-Image: 32 text + image tokens, 2 blocks
-    [("flux", 2, 80, 2), ("cog", 2, 28, 1), ("qwen", 2, 32, 2)],
+    # 1 block; Qwen-Image: 32 text + image tokens, 2 blocks; SD3 (accel-npu's plan): 77 CLIP + 17 T5 text + 16x16
+    # latent tokens, 1 joint block
+    [("flux", 2, 16, 80, 2), ("cog", 2, 16, 28, 1), ("qwen", 2, 16, 32, 2), ("sd3", 4, 8, 350, 1)],
 )
-def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(runs, family, heads, tokens, attentions):
-    import torch
-
+def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(
+    runs, family, heads, head_dim, tokens, attentions
+):
     sp2, sp1 = runs[f"{family}_sp2"], runs[f"{family}_sp1"]
     for proc, _, _ in (sp2, sp1):
         assert proc.returncode == 0, explain(proc)
     # the split: each rank's attention sees every token with half the heads; one rank sees all heads
     (w1,), (r0, r1) = sp1[2], sp2[2]
-    assert (heads, tokens) in _attention(w1) and (heads // 2, tokens) not in _attention(w1)
+    assert (heads, tokens) in _attention(w1, head_dim) and (heads // 2, tokens) not in _attention(w1, head_dim)
     assert w1["all_to_all"] == []  # the negative: no exchange at sp=1
     for rank in (r0, r1):
-        assert (heads // 2, tokens) in _attention(rank) and (heads, tokens) not in _attention(rank)
+        assert (heads // 2, tokens) in _attention(rank, head_dim) and (heads, tokens) not in _attention(rank, head_dim)
         # q, k, v and the output, forward and backward, per attention per step, over groups of 2; each sends
-        # its rank's half of the tokens for all heads: batch 1 x tokens/2 x heads x head_dim 16
+        # its rank's half of the tokens for all heads: batch 1 x tokens/2 x heads x head_dim
         assert len(rank["all_to_all"]) == 8 * attentions * STEPS
-        assert {tuple(a) for a in rank["all_to_all"]} == {(2, tokens // 2 * heads * 16)}
-    # the same loss at every step (TensorBoard's event file)
-    loss1, loss2 = _losses(sp1[1]), _losses(sp2[1])
+        assert {tuple(a) for a in rank["all_to_all"]} == {(2, tokens // 2 * heads * head_dim)}
+    _assert_same_training(sp1, sp2)
+
+
+def _assert_same_training(reference, split, loss_tolerance=1e-5):
+    """The same loss at every step (TensorBoard's event file), the same squared gradient norm summed over the
+    ranks' ZeRO-2 partitions, the same LoRA after the last step (max |diff| <= 1e-4), trained, in fp32."""
+    import torch
+
+    loss1, loss2 = _losses(reference[1]), _losses(split[1])
     assert sorted(loss1) == sorted(loss2) == list(range(1, STEPS + 1))
-    assert abs(loss1[1] - loss2[1]) <= 1e-5, (loss1, loss2)
-    # the same gradient: the squared norm summed over the two ZeRO-2 partitions is the one rank's
-    for step, (g0, g1, g) in enumerate(zip(r0["grad_sq"], r1["grad_sq"], w1["grad_sq"])):
-        assert g0 > 0 and g1 > 0 and abs(g0 + g1 - g) <= 1e-5 * g, (step, g0, g1, g)
-    assert len(w1["grad_sq"]) == STEPS
-    # the same LoRA after 4 steps
-    lora1, lora2 = _lora(sp1[1]), _lora(sp2[1])
+    assert abs(loss1[1] - loss2[1]) <= loss_tolerance, (loss1, loss2)
+    for step, (g_split, g) in enumerate(zip(_summed(split[2], "grad_sq"), _summed(reference[2], "grad_sq"))):
+        assert abs(g_split - g) <= 1e-5 * g, (step, g_split, g)
+    assert all(g > 0 for rank in split[2] for g in rank["grad_sq"])  # every rank holds a partition
+    assert len(_summed(reference[2], "grad_sq")) == STEPS
+    lora1, lora2 = _lora(reference[1]), _lora(split[1])
     assert lora1.keys() == lora2.keys() and len(lora1) > 0
     assert max((lora1[k] - lora2[k]).abs().max().item() for k in lora1) <= 1e-4
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora2.items())  # trained
     assert all(v.dtype == torch.float32 for v in lora2.values())
+
+
+def _summed(records: list[dict], key: str) -> list[float]:
+    """A per-step witness value summed over the ranks (their ZeRO partitions)."""
+    return [sum(values) for values in zip(*(record[key] for record in records))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sp2_dp2_on_four_ranks_trains_as_dp2_on_two_ranks(runs):
+    four, two = runs["flux_sp2dp2"], runs["flux_dp2"]
+    for proc, _, _ in (four, two):
+        assert proc.returncode == 0, explain(proc)
+    assert len(four[2]) == 4 and len(two[2]) == 2
+    # two SP groups of two contiguous ranks, each exchanging within itself; dp=2 alone exchanges nothing
+    assert [record["a2a_groups"] for record in four[2]] == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    for record in four[2]:
+        assert (1, 80) in _attention(record) and (2, 80) not in _attention(record)
+        assert {tuple(a) for a in record["all_to_all"]} == {(2, 40 * 2 * 16)}
+    for record in two[2]:
+        assert record["all_to_all"] == [] and (2, 80) in _attention(record)
+    _assert_same_training(two, four)
+
+
+def _zero_checkpoint(checkpoint: Path) -> dict:
+    """A DeepSpeed ZeRO-1/2 checkpoint's optimizer state merged over its partitions (DeepSpeed pads the last
+    one), its model states and its layout: {"files", "partitions", "fp32", "exp_avg", "exp_avg_sq", "step",
+    "module", "lr_scheduler", "dp_world_size"}."""
+    import torch
+
+    tag = checkpoint / "pytorch_model"
+    files = sorted(tag.glob("*optim_states.pt"), key=lambda f: int(f.name.split("_")[3]))
+    parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
+    states = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    merged = {"files": sorted(str(f.relative_to(checkpoint)) for f in checkpoint.rglob("*") if f.is_file())}
+    merged["partitions"] = [
+        {
+            "fp32": [tuple(t.shape) for t in part["single_partition_of_fp32_groups"]],
+            "state": {k: tuple(v.shape) for k, v in part["base_optimizer_state"]["state"][0].items()},
+        }
+        for part in parts
+    ]
+    groups = len(parts[0]["single_partition_of_fp32_groups"])
+    merged["fp32"] = [torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts]) for g in range(groups)]
+    for key in ("exp_avg", "exp_avg_sq"):
+        merged[key] = [
+            torch.cat([p["base_optimizer_state"]["state"][g][key] for p in parts])[: merged["fp32"][g].numel()]
+            for g in range(groups)
+        ]
+    merged["step"] = [float(p["base_optimizer_state"]["state"][0]["step"]) for p in parts]
+    merged["module"] = {k: v for k, v in states["module"].items() if "lora" in k}
+    merged["lr_scheduler"] = states["lr_scheduler"]
+    merged["dp_world_size"] = states["dp_world_size"]
+    return merged
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_checkpoint_written_with_sp2_has_the_sp1_layout_and_values(runs):
+    """checkpoint-2 of sp=2 on 2 ranks against sp=1 on 1 rank (the same global batch: the same values once
+    the ZeRO partitions are merged) and against sp=1 on 2 ranks (dp=2: the same files, partitions and shapes);
+    sp=2 x dp=2 on 4 ranks against dp=2 on 2 ranks (the same values)."""
+    import torch
+
+    for name in ("flux_sp2", "flux_sp1", "flux_dp2", "flux_sp2dp2"):
+        assert runs[name][0].returncode == 0, explain(runs[name][0])
+    sp2, sp1, dp2, sp2dp2 = (
+        _zero_checkpoint(runs[n][1] / "checkpoint-2") for n in ("flux_sp2", "flux_sp1", "flux_dp2", "flux_sp2dp2")
+    )
+    # DeepSpeed records the partition count (its sequence-data-parallel world size, every rank), not dp
+    assert (sp2["dp_world_size"], sp1["dp_world_size"], dp2["dp_world_size"], sp2dp2["dp_world_size"]) == (2, 1, 2, 4)
+    assert sp2["files"] == dp2["files"] and sp2["partitions"] == dp2["partitions"]
+    assert len(sp2["partitions"]) == 2 and len(sp1["partitions"]) == 1
+    # the negative: the comparison tells another global batch's state (dp=2 read two samples a step) apart
+    assert _max_diff(sp2["fp32"], dp2["fp32"]) > 1e-3 and _max_diff(sp2["exp_avg"], dp2["exp_avg"]) > 1e-5
+    for split, reference in ((sp2, sp1), (sp2dp2, dp2)):
+        assert split["step"] == [2.0] * len(split["step"]) and reference["step"][0] == 2.0
+        assert split["lr_scheduler"] == reference["lr_scheduler"]
+        assert split["module"].keys() == reference["module"].keys() and split["module"]
+        assert _max_diff(list(split["module"].values()), list(reference["module"].values())) <= 1e-4
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert [t.shape for t in split[key]] == [t.shape for t in reference[key]]
+            assert _max_diff(split[key], reference[key]) <= 1e-4, key
+    # the LoRA the save hook writes beside it
+    lora_split = _lora_file(runs["flux_sp2"][1] / "checkpoint-2")
+    lora_one = _lora_file(runs["flux_sp1"][1] / "checkpoint-2")
+    assert lora_split.keys() == lora_one.keys()
+    assert max((lora_split[k] - lora_one[k]).abs().max().item() for k in lora_one) <= 1e-4
+    assert all(v.dtype == torch.float32 for v in lora_split.values())
+
+
+def _lora_file(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "pytorch_lora_weights.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("resumed", sorted(RESUMES))
+def test_a_checkpoint_resumes_with_the_other_sp_size(runs, resumed):
+    """The resumed run's optimizer steps from the state the source run stepped from at step 3 (Adam's own
+    state before its step, summed over the ranks' partitions): parameters, exp_avg, exp_avg_sq, step count."""
+    source = RESUMES[resumed]
+    proc, out, records = runs[resumed]
+    assert proc.returncode == 0, explain(proc)
+    assert "Resuming from checkpoint checkpoint-2" in proc.stdout + proc.stderr
+    (before_step_3,) = [
+        {key: sum(record["state"][0][key] for record in records) for key in ("param", "exp_avg", "exp_avg_sq")}
+    ]
+    original = {key: sum(record["state"][2][key] for record in runs[source][2]) for key in before_step_3}
+    for key, value in original.items():
+        assert value > 0 and abs(before_step_3[key] - value) <= 1e-9 * value, (key, before_step_3, original)
+    assert {record["state"][0]["step"] for record in records} == {2.0}
+    assert all(len(record["state"]) == 1 for record in records)  # one step: 3
+    assert sorted(_losses(out)) == [3]
+    # the other sp size indeed: exchanges at sp=2 only
+    exchanged = [bool(record["all_to_all"]) for record in records]
+    assert exchanged == ([True, True] if resumed == "resume_sp1_as_sp2" else [False, False])
+    assert [bool(record["all_to_all"]) for record in runs[source][2]] == [not e for e in exchanged]
 
 
 @pytest.mark.slow

@@ -78,6 +78,9 @@ def load_state(wrapped, instance, args, kwargs):
     resolved = checkpointing.resolve_load_dir(input_dir, instance)
     if resolved is not None:
         args, kwargs = with_argument(args, kwargs, 0, "input_dir", resolved)
+    problem = checkpointing.partition_count_problem(resolved, instance)
+    if problem:
+        raise checkpointing.CheckpointError(problem)
     with checkpointing.load_hooks_see_models(instance):
         return wrapped(*args, **kwargs)
 

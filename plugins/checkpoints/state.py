@@ -37,7 +37,14 @@ from accel_npu.plugins.checkpoints.files import (
     write_json,
 )
 
-__all__ = ["CheckpointError", "CollectiveMisuseError", "atomic_save_state", "resolve_load_dir", "rendezvous"]
+__all__ = [
+    "CheckpointError",
+    "CollectiveMisuseError",
+    "atomic_save_state",
+    "partition_count_problem",
+    "resolve_load_dir",
+    "rendezvous",
+]
 
 log = logging.getLogger("accel_npu")
 
@@ -533,6 +540,36 @@ def resolve_load_dir(input_dir: str | None, accelerator, deepspeed: bool = True)
                 f"{_newest_complete_beside(input_dir)}"
             )
     return input_dir
+
+
+def partition_count_problem(directory: str | None, accelerator) -> str | None:
+    """The fix when a ZeRO checkpoint is resumed by another number of processes; None when it loads.
+
+    ZeRO-1/2/3 save one optimizer partition per process of the group they partition over: every process, with
+    or without sequence parallelism (DeepSpeed records it as ``dp_world_size``, its sequence-data-parallel world
+    size). A load by another number of processes fails deep inside DeepSpeed (engine.py ``_load_zero_checkpoint``:
+    "Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
+    supported"), after the model weights were loaded, without the fix; the manifest's count answers first."""
+    if directory is None or not os.path.isfile(os.path.join(directory, MANIFEST)):
+        return None
+    with open(os.path.join(directory, MANIFEST)) as f:
+        manifest = json.load(f)
+    written, stage = manifest.get("world_size"), manifest.get("zero_stage")
+    if not written or not stage or written == accelerator.num_processes:
+        return None
+    try:
+        universal = bool(accelerator.deepspeed_config.get("checkpoint", {}).get("load_universal"))
+    except Exception:  # noqa: BLE001 - a config accelerate cannot read: DeepSpeed decides, as stock
+        universal = False
+    if universal:
+        return None  # DeepSpeed's universal checkpoint re-partitions
+    return (
+        f"checkpoint {directory} was written by {written} processes under DeepSpeed ZeRO stage {stage}, which "
+        f"saves the optimizer state in one partition per process; this run has {accelerator.num_processes}, and "
+        f"DeepSpeed cannot re-partition it. Resume with {written} processes (--num_processes {written}); the "
+        f"sequence-parallel size may differ (any parallelism_config_sp_size dividing {written}: ZeRO partitions "
+        f"over every process whatever it is)."
+    )
 
 
 def _missing_deepspeed_files(directory: str) -> list[str]:

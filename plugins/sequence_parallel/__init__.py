@@ -9,7 +9,8 @@ parallelism config (``accelerate launch --use_parallelism_config --parallelism_c
 - ``prepare`` of a diffusers model: accelerate's DeepSpeed Ulysses registers with transformers only and fails
   on a diffusers model (``'FrozenDict' object has no attribute 'get_text_config'``). Here the transformer's
   sequence is split by diffusers' own context-parallel hooks and Ulysses attention over DeepSpeed's SP groups
-  (the model's ``_cp_plan``, or ours for CogVideoX: plans.py), DeepSpeed gets its own ``parallel_state_sp`` as
+  (the model's ``_cp_plan``, or ours for CogVideoX, HunyuanVideo, SD3 and Cosmos:
+  plans.py), DeepSpeed gets its own ``parallel_state_sp`` as
   ``mpu`` (gradients summed over an SP group, averaged over data-parallel groups), the DataLoader is sharded by
   data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).

@@ -62,9 +62,13 @@ def build(model, sp_size: int, device_type: str) -> SequenceParallel:
 
 
 def share_random_state(state: SequenceParallel) -> None:
-    """Every rank of an SP group continues from its first rank's random state (CPU and device): the script
-    draws noise and timesteps after prepare from the global generators, and the ranks of one group must
-    draw the same ones for the same batch."""
+    """Every rank of an SP group continues from its first rank's random state (torch's CPU and device
+    generators, Python's ``random``, NumPy's global one): the script draws noise and timesteps after prepare from
+    the global generators (and, e.g. cosmos/train_cosmos_predict25_lora.py, the conditioning frames from
+    ``random.choices``), and the ranks of one group must draw the same ones for the same batch."""
+    import random
+
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -80,10 +84,14 @@ def share_random_state(state: SequenceParallel) -> None:
             device_module.get_rng_state()
             if device_module is not None and hasattr(device_module, "get_rng_state")
             else None,
+            random.getstate(),
+            np.random.get_state(),
         )
     ]
     dist.broadcast_object_list(payload, src=first, group=group)
-    cpu_state, device_state = payload[0]
+    cpu_state, device_state, python_state, numpy_state = payload[0]
     torch.set_rng_state(cpu_state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
     if device_state is not None:
         device_module.set_rng_state(device_state)

@@ -1,15 +1,33 @@
 """Where a diffusers transformer's sequence is split and gathered: diffusers' own ``_cp_plan`` where the model
 class has one (Flux, Flux2, Qwen-Image, Wan, LTX, ...: models/transformers/*.py), a plan of ours where it has
-none and its attention can be split here (CogVideoX).
+none and its attention can be split here (CogVideoX, HunyuanVideo, SD3-family, Cosmos).
 
-CogVideoXTransformer3DModel (models/transformers/cogvideox_transformer_3d.py) runs its blocks on the text
-tokens and the video tokens side by side; its CogVideoXAttnProcessor2_0 (models/attention_processor.py)
-concatenates them, applies RoPE to the video part, and calls ``F.scaled_dot_product_attention`` itself, not
-diffusers' ``dispatch_attention_fn``, so diffusers' Ulysses attention (attention_dispatch.py
-``TemplatedUlyssesAttention``) never sees it. The plan splits both token streams at the first block and the
-rotary tables at every block, gathers the video tokens at ``proj_out``; the processor below is diffusers' own
-with its attention call going through ``dispatch_attention_fn`` (which runs Ulysses when the processor holds a
-parallel config, and plain SDPA otherwise).
+A plan names the module inputs split along their token dimension (diffusers' ``ContextParallelInput``) and the
+module outputs gathered (``ContextParallelOutput``); diffusers' hooks do the splitting (hooks/context_parallel.py).
+Attention is exchanged by diffusers' Ulysses attention (attention_dispatch.py ``TemplatedUlyssesAttention``),
+which only runs when a processor calls ``dispatch_attention_fn`` with a parallel config: each model below gets a
+processor that is upstream's own, calling it so.
+
+- CogVideoXTransformer3DModel (models/transformers/cogvideox_transformer_3d.py): text and video tokens run side by
+  side through its blocks; CogVideoXAttnProcessor2_0 (models/attention_processor.py) concatenates them, applies
+  RoPE to the video part and calls ``F.scaled_dot_product_attention`` itself. Both streams are split at the first
+  block, the rotary tables at every block, the video tokens gathered at ``proj_out``.
+- SD3Transformer2DModel (models/transformers/transformer_sd3.py): joint attention of image and text tokens
+  (JointAttnProcessor2_0, calling SDPA itself; SD3.5's second, image-only attention too), no RoPE (positions are
+  added at the patch embedding), no mask: both streams split as they leave their embeddings (``pos_embed``,
+  ``context_embedder``), the image tokens gathered at ``proj_out``.
+- HunyuanVideoTransformer3DModel (models/transformers/transformer_hunyuan_video.py): its processor calls
+  ``dispatch_attention_fn`` with a parallel config already; dual-stream then single-stream blocks on [video, text]
+  with RoPE on the video part and a key mask over the text padding built for the whole sequence, ``[video, text]``.
+  After Ulysses' exchange a rank's keys are ``[video_0, text_0, video_1, text_1, ...]``: the processor below puts
+  the mask in that order. The token-replace variant (``image_condition_type="token_replace"``) modulates the first
+  frame's tokens by position and is refused.
+- CosmosTransformer3DModel (models/transformers/transformer_cosmos.py; Cosmos 1.0 and Predict 2.5): self-attention
+  over the video tokens with RoPE, then cross-attention to the text. CosmosAttnProcessor2_0 calls
+  ``dispatch_attention_fn`` without a parallel config. Only the self-attention is exchanged (its processor below);
+  the cross-attention runs each rank's queries against all text tokens, which are not split. The video tokens are
+  split at the first block, the per-token inputs every block takes (RoPE tables, learnable positions, and Predict
+  2.5's per-frame timestep embeddings) at every block, and gathered at ``proj_out``.
 """
 
 from __future__ import annotations
@@ -17,31 +35,86 @@ from __future__ import annotations
 from accel_npu.errors import ConfigError
 
 
-def cogvideox_plan() -> dict:
+def _inputs():
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
     rope = ContextParallelInput(split_dim=0, expected_dims=2, split_output=False)
+    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    return tokens, rope, gather
+
+
+def cogvideox_plan(model) -> dict:
+    tokens, rope, gather = _inputs()
     return {
-        "transformer_blocks.0": {
-            "hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-            "encoder_hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False),
-        },
+        "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
         # (cos, sin) of the video tokens, passed whole to every block
         "transformer_blocks.*": {"image_rotary_emb": [rope, rope]},
         # only the video tokens leave the blocks (norm_final, norm_out, proj_out act per token)
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        "proj_out": gather,
+    }
+
+
+def sd3_plan(model) -> dict:
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    _tokens, _rope, gather = _inputs()
+    # the embeddings' outputs, not the first block's inputs: diffusers' split hook requires a block's outputs to be
+    # tensors, and a last block (context_pre_only, the first one of a one-block model) returns None for the text
+    embedded = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+    return {"pos_embed": embedded, "context_embedder": embedded, "proj_out": gather}
+
+
+def hunyuan_video_plan(model) -> dict:
+    if getattr(model.config, "image_condition_type", None) == "token_replace":
+        raise ConfigError(
+            "accel-npu: sequence parallelism cannot split HunyuanVideoTransformer3DModel with "
+            "image_condition_type='token_replace': its blocks modulate the first frame's tokens by position, which "
+            "a rank holding a slice of the tokens does not know. Launch without parallelism_config_sp_size."
+        )
+    tokens, rope, gather = _inputs()
+    first = "transformer_blocks.0" if len(model.transformer_blocks) else "single_transformer_blocks.0"
+    return {
+        first: {"hidden_states": tokens, "encoder_hidden_states": tokens},
+        # the dual-stream blocks name the (cos, sin) tables freqs_cis, the single-stream ones image_rotary_emb
+        "transformer_blocks.*": {"freqs_cis": [rope, rope]},
+        "single_transformer_blocks.*": {"image_rotary_emb": [rope, rope]},
+        "proj_out": gather,
+    }
+
+
+def cosmos_plan(model) -> dict:
+    tokens, rope, gather = _inputs()
+    return {
+        "transformer_blocks.0": {"hidden_states": tokens},
+        # per token, passed whole to every block: [B, tokens, C] (temb / embedded_timestep only for a per-frame
+        # timestep; a per-sample one is [B, C] and left whole by expected_dims)
+        "transformer_blocks.*": {
+            "embedded_timestep": tokens,
+            "temb": tokens,
+            "extra_pos_emb": tokens,
+            "image_rotary_emb": [rope, rope],
+        },
+        # the output norm takes the per-frame timestep embeddings too
+        "norm_out": {"embedded_timestep": tokens, "temb": tokens},
+        "proj_out": gather,
     }
 
 
 #: our plans, by model class name, for classes upstream gives no ``_cp_plan``
-OUR_PLANS = {"CogVideoXTransformer3DModel": cogvideox_plan}
+OUR_PLANS = {
+    "CogVideoXTransformer3DModel": cogvideox_plan,
+    "SD3Transformer2DModel": sd3_plan,
+    "HunyuanVideoTransformer3DModel": hunyuan_video_plan,
+    "CosmosTransformer3DModel": cosmos_plan,
+}
 
 
 def plan_for(model) -> tuple[dict, str]:
     """(plan, where it comes from) for ``model``; ConfigError naming the fix when there is none."""
     name = type(model).__name__
     if name in OUR_PLANS:
-        return OUR_PLANS[name](), "accel-npu"
+        return OUR_PLANS[name](model), "accel-npu"
     upstream = getattr(type(model), "_cp_plan", None)
     if upstream:
         return upstream, "diffusers"
@@ -87,25 +160,143 @@ def check_heads(model, sp_size: int) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------
+# token counts: diffusers' EquipartitionSharder asserts divisibility deep inside the first forward
+# ------------------------------------------------------------------------------------------------
+#: what sets a split tensor's token count, by the input's name or the module whose output is split, for the fix
+_TOKEN_SOURCES = {
+    "encoder_hidden_states": ("text tokens", "the prompt's padded length: --max_sequence_length"),
+    "context_embedder": ("text tokens", "the prompt's padded length: --max_sequence_length"),
+}
+_IMAGE_TOKENS = (
+    "image or video tokens",
+    "the latent's frames x height x width over the patch size: --resolution, --height/--width, --num_frames",
+)
+
+
+def token_count_problem(model_name: str, where: str, key: str, value, spec, sp_size: int) -> str | None:
+    """The message naming the fix when ``value`` (the tensor or tuple of tensors ``spec`` splits, at ``where``)
+    has a token count ``sp_size`` does not divide; None when every one divides."""
+    import torch
+
+    specs, values = (spec, value) if isinstance(spec, (list, tuple)) else ([spec], [value])
+    if not isinstance(values, (list, tuple)):
+        return None
+    for one_spec, one in zip(specs, values):
+        if not torch.is_tensor(one) or (one_spec.expected_dims is not None and one.dim() != one_spec.expected_dims):
+            continue
+        count = one.shape[one_spec.split_dim]
+        if count % sp_size:
+            what, source = _TOKEN_SOURCES.get(key, _IMAGE_TOKENS)
+            return (
+                f"accel-npu: sequence parallelism with sp_size {sp_size}: {model_name}'s {where} has {count} {what}, "
+                f"which do not divide by {sp_size} (Ulysses gives every rank an equal share of each sample's "
+                f"tokens). Choose sizes giving a multiple of {sp_size} {what} ({source}), or an sp_size dividing "
+                f"{count}."
+            )
+    return None
+
+
+def install_token_checks(model, plan: dict, sp_size: int) -> None:
+    """Checks of the token counts the plan splits, before diffusers' split hooks assert them: a forward pre-hook
+    for a module's inputs (torch runs it before the hook-wrapped ``forward``), and for a module's outputs a
+    diffusers hook registered before ``enable_parallelism``'s (a later hook wraps an earlier one, so this one's
+    ``post_forward`` sees the output first: hooks/hooks.py ``HookRegistry.register_hook``). Every rank refuses
+    alike. Call before ``enable_parallelism``."""
+    import inspect
+
+    from diffusers.hooks import HookRegistry, ModelHook
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+
+    model_name = type(model).__name__
+
+    class OutputTokenCheck(ModelHook):
+        def __init__(self, module_name, specs):
+            super().__init__()
+            self.module_name, self.specs = module_name, specs
+
+        def post_forward(self, module, output):
+            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+            for index, spec in self.specs.items():
+                if index < len(outputs):
+                    where = f"{self.module_name} output"
+                    problem = token_count_problem(model_name, where, self.module_name, outputs[index], spec, sp_size)
+                    if problem:
+                        raise ConfigError(problem)
+            return output
+
+    for module_name, plan_inputs in plan.items():
+        if not isinstance(plan_inputs, dict):
+            continue
+        modules = _get_submodule_by_name(model, module_name)
+        for module in modules if isinstance(modules, list) else [modules]:
+            outputs = {k: v for k, v in plan_inputs.items() if getattr(v, "split_output", False)}
+            inputs = {k: v for k, v in plan_inputs.items() if k not in outputs}
+            if outputs:
+                registry = HookRegistry.check_if_exists_or_initialize(module)
+                registry.register_hook(OutputTokenCheck(module_name, outputs), "accel_npu_token_count_check")
+            if not inputs:
+                continue
+            parameters = list(inspect.signature(type(module).forward).parameters)[1:]
+
+            def check(mod, args, kwargs, _specs=inputs, _params=parameters, _name=module_name):
+                given = {**dict(zip(_params, args)), **kwargs}
+                for key, spec in _specs.items():
+                    where = f"{_name} input {key}"
+                    problem = token_count_problem(model_name, where, key, given.get(key), spec, sp_size)
+                    if problem:
+                        raise ConfigError(problem)
+
+            module.register_forward_pre_hook(check, with_kwargs=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention processors: upstream's, with Ulysses
+# ------------------------------------------------------------------------------------------------
 def install_processors(model) -> None:
-    """Our Ulysses-capable processor on the attention layers of a model our plan covers."""
-    if type(model).__name__ != "CogVideoXTransformer3DModel":
-        return
+    """Our Ulysses-capable processors on the attention layers of a model our plan covers."""
+    name = type(model).__name__
+    if name == "CogVideoXTransformer3DModel":
+        _set_processors(model, cogvideox_processor_class())
+    elif name == "SD3Transformer2DModel":
+        _set_processors(model, joint_processor_class())
+    elif name == "HunyuanVideoTransformer3DModel":
+        # the blocks' attention only: the token refiner's runs on the whole text before the split
+        processor = hunyuan_video_processor_class()()
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.attn.set_processor(processor)
+    elif name == "CosmosTransformer3DModel":
+        # the self-attention only: the cross-attention's text is whole on every rank
+        processor = cosmos_self_attention_processor_class()()
+        for block in model.transformer_blocks:
+            block.attn1.set_processor(processor)
+
+
+def _set_processors(model, cls) -> None:
     from diffusers.models.attention_processor import Attention
 
-    processor = cogvideox_processor_class()()
+    processor = cls()
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_processor(processor)
 
 
-_PROCESSOR = None
+_PROCESSORS: dict = {}
 
 
+def _once(builder):
+    def get():
+        if builder.__name__ not in _PROCESSORS:
+            _PROCESSORS[builder.__name__] = builder()
+        return _PROCESSORS[builder.__name__]
+
+    get.__name__ = builder.__name__
+    get.__doc__ = builder.__doc__
+    return get
+
+
+@_once
 def cogvideox_processor_class():
-    global _PROCESSOR
-    if _PROCESSOR is not None:
-        return _PROCESSOR
     import torch
     from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
@@ -162,5 +353,143 @@ def cogvideox_processor_class():
             )
             return hidden_states, encoder_hidden_states
 
-    _PROCESSOR = CogVideoXUlyssesAttnProcessor
-    return _PROCESSOR
+    return CogVideoXUlyssesAttnProcessor
+
+
+@_once
+def joint_processor_class():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    class JointUlyssesAttnProcessor(JointAttnProcessor2_0):
+        """JointAttnProcessor2_0.__call__ (diffusers 0.42.1, models/attention_processor.py: SD3's joint attention
+        of image and text tokens, and SD3.5's image-only second attention), its ``F.scaled_dot_product_attention``
+        replaced by ``dispatch_attention_fn`` with this processor's parallel config."""
+
+        _attention_backend = None
+        _parallel_config = None
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+            import torch
+
+            image_tokens = hidden_states.shape[1]
+            batch_size = hidden_states.shape[0]
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+            head_dim = key.shape[-1] // attn.heads
+            query, key, value = (x.view(batch_size, -1, attn.heads, head_dim) for x in (query, key, value))
+            # norms act on the last (head_dim) dimension: the (batch, tokens, heads, head_dim) layout is theirs too
+            if attn.norm_q is not None:
+                query = attn.norm_q(query)
+            if attn.norm_k is not None:
+                key = attn.norm_k(key)
+            if encoder_hidden_states is not None:
+                context = [
+                    proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim)
+                    for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+                ]
+                if attn.norm_added_q is not None:
+                    context[0] = attn.norm_added_q(context[0])
+                if attn.norm_added_k is not None:
+                    context[1] = attn.norm_added_k(context[1])
+                query, key, value = (torch.cat([x, c], dim=1) for x, c in zip((query, key, value), context))
+
+            hidden_states = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
+            if encoder_hidden_states is not None:
+                hidden_states, encoder_hidden_states = hidden_states[:, :image_tokens], hidden_states[:, image_tokens:]
+                if not attn.context_pre_only:
+                    encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+            hidden_states = attn.to_out[0](hidden_states)
+            hidden_states = attn.to_out[1](hidden_states)
+            if encoder_hidden_states is not None:
+                return hidden_states, encoder_hidden_states
+            return hidden_states
+
+    return JointUlyssesAttnProcessor
+
+
+@_once
+def hunyuan_video_processor_class():
+    import torch
+    from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+
+    class HunyuanVideoUlyssesAttnProcessor(HunyuanVideoAttnProcessor2_0):
+        """HunyuanVideoAttnProcessor2_0 with its key mask in the order of the keys after Ulysses' exchange.
+
+        The model builds one mask ``[B, 1, 1, video + text]`` for the whole sequence (transformer_hunyuan_video.py
+        ``forward``, step 3); a rank's queries are ``[video_r, text_r]``, and after the all-to-all its keys are
+        ``[video_0, text_0, video_1, text_1, ...]``: the mask is reordered so (it is whole on every rank)."""
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            config = self._parallel_config
+            if attention_mask is not None and encoder_hidden_states is not None and config is not None:
+                world = config.context_parallel_config.ulysses_degree
+                video, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+                if attention_mask.shape[-1] == world * (video + text):
+                    whole_video, whole_text = attention_mask.split([world * video, world * text], dim=-1)
+                    attention_mask = torch.cat(
+                        [
+                            part
+                            for rank in range(world)
+                            for part in (
+                                whole_video[..., rank * video : (rank + 1) * video],
+                                whole_text[..., rank * text : (rank + 1) * text],
+                            )
+                        ],
+                        dim=-1,
+                    )
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    return HunyuanVideoUlyssesAttnProcessor
+
+
+@_once
+def cosmos_self_attention_processor_class():
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
+
+    class CosmosUlyssesSelfAttnProcessor(CosmosAttnProcessor2_0):
+        """CosmosAttnProcessor2_0.__call__ (diffusers 0.42.1, models/transformers/transformer_cosmos.py) for the
+        blocks' self-attention, its ``dispatch_attention_fn`` given this processor's backend and parallel config
+        (upstream passes neither); RoPE on the rank's tokens with the rank's rows of the tables."""
+
+        _attention_backend = None
+        _parallel_config = None
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            if encoder_hidden_states is None:
+                encoder_hidden_states = hidden_states
+            query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            key = attn.to_k(encoder_hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            value = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1)).transpose(1, 2)
+            query, key = attn.norm_q(query), attn.norm_k(key)
+            if image_rotary_emb is not None:
+                from diffusers.models.embeddings import apply_rotary_emb
+
+                query = apply_rotary_emb(query, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+                key = apply_rotary_emb(key, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
+            key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
+            value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
+            hidden_states = dispatch_attention_fn(
+                query.transpose(1, 2),
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).type_as(query)
+            hidden_states = attn.to_out[0](hidden_states)
+            return attn.to_out[1](hidden_states)
+
+    return CosmosUlyssesSelfAttnProcessor

@@ -9,7 +9,8 @@ script's batch is pixels and prompts; its sequence exists only inside the transf
 
 - the model's sequence is split inside it by diffusers' own context-parallel hooks and Ulysses attention
   (``ModelMixin.enable_parallelism`` with ``ContextParallelConfig(ulysses_degree=sp_size)``), over DeepSpeed's SP
-  groups, with the model's ``_cp_plan`` or ours (plans.py);
+  groups, with the model's ``_cp_plan`` or ours (plans.py); a token count that does not divide by sp_size is
+  refused at the first forward, before the split, naming the fix;
 - DeepSpeed gets DeepSpeed's own ``parallel_state_sp`` as ``mpu``: ZeRO reduces gradients over every rank and
   divides by world/sp_size (stage_1_and_2.py ``average_tensor``, stage3.py), i.e. sums the partial gradients of
   one SP group's sequence shards and averages over data-parallel groups: the gradient of the sp=1 run;
@@ -99,6 +100,9 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
     plans.install_processors(model)
+    # before enable_parallelism: torch runs a module's forward pre-hooks before diffusers' split (which wraps
+    # forward), so a token count that does not divide is refused with its fix instead of diffusers' assert
+    plans.install_token_checks(model, plan, sp)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=state.mesh), cp_plan=plan)
     groups.share_random_state(state)
     log.info(
