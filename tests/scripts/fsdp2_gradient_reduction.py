@@ -1,7 +1,7 @@
 """How FSDP2 reduces gradients over its ranks (torch's ``fully_shard``, gloo): a Linear sharded over every rank, each
 rank's loss on its own input; prints ``REDUCED {json}``: for the default reduction and for a divide factor of 1
 with sum-only collectives, the reduced gradient over the sum of the ranks' gradients (computed here on one
-unsharded copy per input). Why sequence parallelism is refused under FSDP2 (docs/sequence-parallel.md): the ranks of
+unsharded copy per input). What plugins/sequence_parallel/fsdp2.py corrects (docs/sequence-parallel.md): the ranks of
 one sequence-parallel group hold partial gradients that must be summed, and FSDP2 averages. Never imports accel_npu.
 """
 
