@@ -42,8 +42,8 @@ VALIDATE_ACCELERATOR = Patch(
     target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
     supports=_ACCELERATE,
     stock_correct=_ACCELERATE_STOCK,
-    reason="sp_size > 1 outside DeepSpeed and FSDP2, or not dividing the processes, fails late or not at all: "
-    "refused here; under FSDP2 accelerate refuses every sp config (no dp_shard or cp dimension): passed.",
+    reason="sp_size > 1 outside DeepSpeed/FSDP2 or not dividing the processes fails late: refused; FSDP2 sp, which "
+    "accelerate refuses, passes.",
     remove_when="accelerate validates sp_size against the backend and the world size",
     wrapper=".prepare:validate_accelerator",
 )
@@ -92,8 +92,8 @@ PREPARE_FSDP2 = Patch(
     target="accelerate.accelerator:Accelerator._prepare_fsdp2",
     supports=_ACCELERATE,
     stock_correct=_ACCELERATE_STOCK,
-    reason="under FSDP2 with sp_size > 1 a diffusers model is not split, and fully_shard averages over every rank "
-    "the gradients one SP group must sum: split before, gradients divided by the data-parallel size after.",
+    reason="FSDP2 with sp_size > 1 splits no diffusers model and averages the gradients an SP group must sum: "
+    "split, gradients summed.",
     remove_when="accelerate splits a diffusers model's sequence under FSDP2 itself",
     wrapper=".fsdp2:prepare_fsdp2",
 )
