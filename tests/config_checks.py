@@ -5,7 +5,8 @@ the launch would use. For each YAML it does what ``accelerate launch`` does befo
 workers (parse, ``_validate_launch_command``, ``prepare_deepspeed_cmd_env``), then what a worker
 does (``DeepSpeedPlugin`` from that environment, including the 7.10 check), then DeepSpeed's own
 ``DeepSpeedConfig`` / ``DeepSpeedZeroConfig`` on the JSON with the "auto" values filled the way
-accelerate fills them. Prints one ``CHECKED {json}`` line per file; exits non-zero on the first failure.
+accelerate fills them; and the sequence-parallel size the workers get from a ``parallelism_config`` section.
+Prints one ``CHECKED {json}`` line per file; exits non-zero on the first failure.
 """
 
 import copy
@@ -79,6 +80,9 @@ def check(yaml_path: str) -> dict:
         gather_16bit_on_save=bool(zero.gather_16bit_weights_on_model_save),
         reduce_bucket_size=int(zero.reduce_bucket_size),
         multinode_launcher=getattr(args, "deepspeed_multinode_launcher", None),
+        # the YAML's parallelism_config section, as the launcher resolves it and hands it to the workers
+        use_parallelism_config=bool(args.use_parallelism_config),
+        sp_size=int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1")),
     )
     return out
 

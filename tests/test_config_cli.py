@@ -166,7 +166,15 @@ def test_non_interactive_writes_files_that_accelerate_and_deepspeed_accept(tmp_p
     )
     assert proc.returncode == 0, proc.stderr
 
-    by_file = {Path(r["file"]).parent.name: r for r in checked([zero3, npu, ddp, multi], cwd=tmp_path)}
+    video = tmp_path / "video" / "accelerate.yaml"
+    proc = config(
+        "--non-interactive", "--backend", "npu", "--num-processes", "8", "--sp-size", "4", "--config_file", str(video)
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    by_file = {Path(r["file"]).parent.name: r for r in checked([zero3, npu, ddp, multi, video], cwd=tmp_path)}
+    assert (by_file["video"]["use_parallelism_config"], by_file["video"]["sp_size"]) == (True, 4)
+    assert (by_file["z3"]["use_parallelism_config"], by_file["z3"]["sp_size"]) == (False, 1)
     assert by_file["z3"]["zero_stage"] == 3 and by_file["z3"]["bf16"] and not by_file["z3"]["fp16"]
     assert by_file["z3"]["accelerate_mixed_precision"] == "no"  # nothing beside the DeepSpeed file
     assert "mixed_precision" not in by_file["z3"]["ds_fields"]
@@ -269,6 +277,16 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
         (["--backend", "cpu", "--strategy", "ddp", "--async-checkpoint"], "--async-checkpoint only applies to ZeRO"),
         (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
         (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
+        (
+            ["--backend", "cpu", "--num-processes", "3", "--strategy", "zero2", "--sp-size", "2"],
+            "--sp-size 2 does not divide the 3 processes in total",
+        ),
+        (
+            ["--backend", "cpu", "--num-processes", "4", "--strategy", "zero3", "--sp-size", "2"],
+            "sequence parallelism runs under --strategy zero2 for now (got zero3)",
+        ),
+        (["--backend", "cpu", "--strategy", "ddp", "--sp-size", "2"], "runs under --strategy zero2 for now (got ddp)"),
+        (["--backend", "cpu", "--sp-size", "0"], "--sp-size must be >= 1 (got 0)"),
     ],
 )
 def test_invalid_combination_is_one_clear_error_and_nothing_written(tmp_path, args, message):
@@ -394,3 +412,77 @@ def test_multinode_npu_writes_hccl_settings_for_the_job(tmp_path):
     assert "--hccl-socket-ifname =enp61s0f0 matches no interface of this machine (it has: lo" in bad.stderr, bad.stderr
     single = config(*common, "--hccl-socket-ifname", "lo", "--config_file", str(tmp_path / "single.yaml"))
     assert single.returncode == 0 and "HCCL_SOCKET_IFNAME" not in sidecar("single")  # one machine: not written
+
+
+def _resolved_launch(config_file: Path):
+    """accelerate's own reading of ``config_file`` with accel-npu's patches off: the launch arguments
+    ``_validate_launch_command`` resolves, the environment ``prepare_deepspeed_cmd_env`` gives the workers, and the
+    ParallelismConfig a worker builds from it."""
+    import os
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from tests.inprocess import stock
+
+    with stock():
+        args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+        args, defaults, _ = _validate_launch_command(args)
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        _cmd, env = prepare_deepspeed_cmd_env(args)
+        saved = dict(os.environ)
+        os.environ.update(env)
+        try:
+            worker = ParallelismConfig()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return args, env, worker
+
+
+def test_sp_size_writes_accelerates_parallelism_config_which_its_launcher_resolves_to_sp(tmp_path):
+    """``--sp-size 2`` on 4 processes writes accelerate's own ``parallelism_config`` section; accelerate's launcher
+    (stock) reads it as --use_parallelism_config with sp 2, hands PARALLELISM_CONFIG_SP_SIZE to the workers, and a
+    worker's ParallelismConfig has sp_size 2 and 2 data-parallel groups' worth of ranks; accel-npu's launch check
+    passes it. Without --sp-size nothing of it is written, and the launch has no parallelism config."""
+    from accel_npu.plugins.sequence_parallel.launch import launch_problem
+
+    flags = ["--non-interactive", "--backend", "cpu", "--num-processes", "4", "--strategy", "zero2"]
+    sp = tmp_path / "sp.yaml"
+    proc = config(*flags, "--mixed-precision", "no", "--sp-size", "2", "--config_file", str(sp))
+    assert proc.returncode == 0, proc.stderr
+    assert "sequence parallel over 2" in proc.stdout
+    written = yaml.safe_load(sp.read_text())
+    assert written["parallelism_config"] == {
+        "parallelism_config_sp_size": 2,
+        "parallelism_config_sp_backend": "deepspeed",
+    }
+    args, env, worker = _resolved_launch(sp)
+    assert args.use_deepspeed and args.use_parallelism_config and args.parallelism_config_sp_size == 2
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true" and env["PARALLELISM_CONFIG_SP_SIZE"] == "2"
+    assert (worker.sp_size, worker.sp_backend, worker.sp_enabled) == (2, "deepspeed", True)
+    assert launch_problem(args) is None
+    # --from reads it back
+    proc = config("--non-interactive", "--from", str(sp), "--config_file", str(tmp_path / "again.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load((tmp_path / "again.yaml").read_text())["parallelism_config"] == written["parallelism_config"]
+
+    plain = tmp_path / "plain.yaml"
+    proc = config(*flags, "--config_file", str(plain))
+    assert proc.returncode == 0, proc.stderr
+    assert "parallelism_config" not in yaml.safe_load(plain.read_text())
+    args, env, worker = _resolved_launch(plain)
+    assert not args.use_parallelism_config and "PARALLELISM_CONFIG_SP_SIZE" not in env and worker.sp_size == 1
+
+
+def test_the_wizard_offers_sequence_parallelism_only_where_it_runs():
+    """The strategies the wizard offers it under are the stages the sequence_parallel plugin accepts."""
+    from accel_npu.cli.config import settings as wizard
+    from accel_npu.plugins.sequence_parallel.prepare import SUPPORTED_STAGES
+
+    offered = {wizard.Settings(strategy=strategy).zero_stage for strategy in wizard.SEQUENCE_PARALLEL_STRATEGIES}
+    assert offered <= set(SUPPORTED_STAGES)
+    refused = [strategy for strategy in wizard.STRATEGIES if strategy not in wizard.SEQUENCE_PARALLEL_STRATEGIES]
+    assert all(wizard.sp_size_problem(2, 4, strategy) for strategy in refused)
+    assert wizard.sp_size_problem(2, 4, "zero2") is None and wizard.sp_size_problem(1, 3, "ddp") is None

@@ -66,6 +66,7 @@ def test_wizard_zero2_then_accelerate_launch_trains_on_two_cpu_ranks(tmp_path):
     answer(child, r"How many machines \(nodes\) will train together\? \[1", "")
     answer(child, r"How many training processes on each machine\?.*\[2", "2")
     answer(child, r"How should the processes share the training state\?.*2\) zero2.*Your choice \[2", "2")
+    answer(child, r"Is the model you train a video DiT with long token sequences .*\? \[no", "")
     answer(child, r"Mixed precision\? \(declared once, in the DeepSpeed JSON\).*1\) bf16.*2\) no.*Your choice \[1", "")
     answer(child, r"Micro batch size per device.*\[auto", "")
     answer(child, r"Gradient accumulation steps.*\[auto", "")
@@ -169,6 +170,8 @@ def test_wizard_asks_before_replacing_a_file_and_keeps_a_backup(tmp_path):
         "--truncate",
         "none",
         "--no-async-checkpoint",
+        "--sp-size",
+        "1",
         "--config_file",
         str(target),
     ]
@@ -193,7 +196,7 @@ def test_wizard_asks_whether_to_write_checkpoints_in_the_background(tmp_path, ty
     no writes nothing about it. Under DDP it is not asked."""
     flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "2", "--mixed-precision", "bf16"]
     flags += ["--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto"]
-    flags += ["--load-slots", "auto", "--truncate", "none"]
+    flags += ["--load-slots", "auto", "--truncate", "none", "--sp-size", "1"]
     target = tmp_path / "zero.yaml"
     child = spawn([*flags, "--strategy", "zero2", "--config_file", str(target)], base_env(), tmp_path)
     answer(child, r"Write checkpoints in the background \(save_state returns .*\? \[no", typed)
@@ -205,6 +208,40 @@ def test_wizard_asks_whether_to_write_checkpoints_in_the_background(tmp_path, ty
     child = spawn([*flags, "--strategy", "ddp", "--config_file", str(tmp_path / "ddp.yaml")], base_env(), tmp_path)
     out = finish(child)  # every question answered by a flag, and the background one not asked under DDP
     assert child.exitstatus == 0 and "Write checkpoints in the background" not in out, out
+
+
+def test_wizard_asks_for_sequence_parallelism_when_the_model_is_a_video_dit(tmp_path):
+    """Under ZeRO-2 the wizard asks whether the model is a video DiT; yes asks the sequence-parallel size, re-asks
+    one that does not divide the processes, and writes accelerate's parallelism_config section. Under ZeRO-3
+    (where sequence parallelism is refused) neither is asked."""
+    flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "4", "--mixed-precision", "no"]
+    flags += ["--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto"]
+    flags += ["--load-slots", "auto", "--truncate", "none", "--no-async-checkpoint"]
+    target = tmp_path / "video.yaml"
+    child = spawn([*flags, "--strategy", "zero2", "--config_file", str(target)], base_env(), tmp_path)
+    answer(child, r"Is the model you train a video DiT with long token sequences \(CogVideoX, .*\? \[no", "yes")
+    answer(child, r"Sequence-parallel size: ranks splitting one sample's tokens .*4 processes.*\? \[2", "3")
+    child.expect(r"! --sp-size 3 does not divide the 4 processes in total")
+    answer(child, r"Sequence-parallel size: .*\? \[2", "4")
+    out = finish(child)
+    assert child.exitstatus == 0, out
+    assert "Configuration: DeepSpeed ZeRO-2, no, 4 cpu process(es), sequence parallel over 4." in out
+    written = yaml.safe_load(target.read_text())["parallelism_config"]
+    assert written == {"parallelism_config_sp_size": 4, "parallelism_config_sp_backend": "deepspeed"}
+
+    child = spawn([*flags, "--strategy", "zero2", "--config_file", str(tmp_path / "image.yaml")], base_env(), tmp_path)
+    answer(child, r"video DiT.*\? \[no", "")
+    out = finish(child)  # no: no size asked, no section written
+    assert child.exitstatus == 0 and "Sequence-parallel size" not in out, out
+    assert "parallelism_config" not in yaml.safe_load((tmp_path / "image.yaml").read_text())
+
+    child = spawn(
+        [*flags, "--strategy", "zero3", "--zero3-init", "--config_file", str(tmp_path / "z3.yaml")],
+        base_env(),
+        tmp_path,
+    )
+    out = finish(child)  # every question answered by a flag; the video one not asked under ZeRO-3
+    assert child.exitstatus == 0 and "video DiT" not in out, out
 
 
 def test_wizard_ctrl_c_writes_nothing(tmp_path):
@@ -275,6 +312,7 @@ def test_wizard_multinode_npu_branches(tmp_path):
     )
     answer(child, r"share the training state\?.*Your choice \[2", "")
     answer(child, r"Offload to host \(CPU\) memory\?.*2\) optimizer.*Your choice \[1", "optimizer")
+    answer(child, r"video DiT.*\? \[no", "")
     answer(child, r"Mixed precision\?.*1\) bf16.*2\) fp16.*3\) no.*Your choice \[1", "")
     answer(child, r"Micro batch size.*\[auto", "")
     answer(child, r"Gradient accumulation steps.*\[auto", "")

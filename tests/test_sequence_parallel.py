@@ -111,7 +111,6 @@ def test_use_parallelism_config_beside_a_deepspeed_config_reaches_the_workers_wh
     ("distributed_type", "processes", "sp", "message"),
     [
         ("DEEPSPEED", 3, 2, "parallelism_config_sp_size 2 does not divide the 3 processes"),
-        ("FSDP", 2, 2, "runs under DeepSpeed ZeRO-1/2 for now, not FSDP2"),
         ("MULTI_CPU", 2, 2, "without `--use_fsdp` and `--fsdp_version=2`"),
     ],
 )
@@ -128,6 +127,7 @@ def test_the_launch_check_passes_a_dividing_sp_size_and_launches_without_paralle
 
     assert launch_problem(_validated(_launch_config(tmp_path, 4, sp=2))) is None
     assert launch_problem(_validated(_launch_config(tmp_path, 3))) is None  # no parallelism_config at all
+    assert launch_problem(_validated(_launch_config(tmp_path, 2, "FSDP", sp=2))) is None  # FSDP2: fsdp2.py
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_an_unsupported_setup_is_refused_at_prepare_before_any_group_is_built(
     assert built == []
 
 
-def test_sp_outside_deepspeed_is_refused_when_the_accelerator_is_built():
+def test_sp_outside_deepspeed_and_fsdp2_is_refused_when_the_accelerator_is_built():
     from accelerate.utils import DistributedType
 
     from accel_npu.plugins.sequence_parallel.prepare import validate_accelerator
@@ -213,12 +213,25 @@ def test_sp_outside_deepspeed_is_refused_when_the_accelerator_is_built():
     def upstream(*args, **kwargs):
         return None
 
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2)
-    with pytest.raises(ConfigError, match="runs under DeepSpeed ZeRO-1/2 for now; this launch is FSDP"):
-        validate_accelerator(upstream, SimpleNamespace(sp_size=2), (fsdp,), {})
-    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2)
+    ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, is_fsdp2=False)
+    with pytest.raises(ConfigError, match="runs under DeepSpeed ZeRO-1/2 or FSDP2 for now; this launch is MULTI_CPU"):
+        validate_accelerator(upstream, SimpleNamespace(sp_size=2), (ddp,), {})
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, is_fsdp2=False)
     validate_accelerator(upstream, SimpleNamespace(sp_size=2), (deepspeed,), {})
-    validate_accelerator(upstream, SimpleNamespace(sp_size=1), (fsdp,), {})  # no SP: nothing to refuse
+    validate_accelerator(upstream, SimpleNamespace(sp_size=1), (ddp,), {})  # no SP: nothing to refuse
+
+    # FSDP2: accelerate's own check refuses a config without dp_shard or cp (every sp one): not called there
+    def refusing(*args, **kwargs):
+        raise ValueError("FSDP is enabled but the parallelism config has no dimension for FSDP to shard across")
+
+    fsdp2 = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2, is_fsdp2=True)
+    validate_accelerator(refusing, SimpleNamespace(sp_size=2), (fsdp2,), {})
+    with pytest.raises(ConfigError, match="sp_size 2 does not divide the 3 processes"):
+        validate_accelerator(
+            refusing, SimpleNamespace(sp_size=2), (SimpleNamespace(**{**vars(fsdp2), "num_processes": 3}),), {}
+        )
+    with pytest.raises(ValueError, match="no dimension for FSDP to shard across"):
+        validate_accelerator(refusing, SimpleNamespace(sp_size=1), (fsdp2,), {})  # no SP: accelerate's own check
 
 
 def test_our_cogvideox_processor_is_diffusers_own_without_a_parallel_config():

@@ -1,23 +1,27 @@
 """Ulysses sequence parallelism for unchanged diffusers training scripts, switched on by accelerate's own
 parallelism config (``accelerate launch --use_parallelism_config --parallelism_config_sp_size N``, or
-``parallelism_config:`` with ``parallelism_config_sp_size: N`` in the accelerate YAML), under DeepSpeed.
+``parallelism_config:`` with ``parallelism_config_sp_size: N`` in the accelerate YAML), under DeepSpeed ZeRO-1/2
+or FSDP2.
 
 - the launcher: ``--use_parallelism_config`` beside a DeepSpeed config is accepted (accelerate refuses it
-  without FSDP2 before reading the config file); an sp_size that does not divide the processes, or sp under
-  FSDP2, is refused before any worker starts (launch.py, through the accel_npu_launch_args hook);
-- the Accelerator: sp_size > 1 outside DeepSpeed is refused when it is built (prepare.py);
+  without FSDP2 before reading the config file); an sp_size that does not divide the processes is refused
+  before any worker starts (launch.py, through the accel_npu_launch_args hook);
+- the Accelerator: sp_size > 1 outside DeepSpeed and FSDP2 is refused when it is built; under FSDP2 accelerate's
+  own refusal of a config without a dimension to shard over (every sp one) is skipped (prepare.py);
 - ``prepare`` of a diffusers model: accelerate's DeepSpeed Ulysses registers with transformers only and fails
   on a diffusers model (``'FrozenDict' object has no attribute 'get_text_config'``). Here the transformer's
   sequence is split by diffusers' own context-parallel hooks and Ulysses attention over DeepSpeed's SP groups
   (the model's ``_cp_plan``, or ours for CogVideoX, HunyuanVideo, SD3 and Cosmos:
   plans.py), DeepSpeed gets its own ``parallel_state_sp`` as
   ``mpu`` (gradients summed over an SP group, averaged over data-parallel groups), the DataLoader is sharded by
-  data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py);
+  data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py); under
+  FSDP2 the same split, and every ``fully_shard``-ed module divides its reduced gradients by the data-parallel
+  size instead of averaging over every rank (fsdp2.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
 
 This module declares the patches and hook implementations (accel_npu_launch_args; accel_npu_prepare_deepspeed, called
-by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py (plans.py,
-groups.py).
+by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py, fsdp2.py
+(plans.py, groups.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ VALIDATE_ACCELERATOR = Patch(
     target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
     supports=_ACCELERATE,
     stock_correct=_ACCELERATE_STOCK,
-    reason="sp_size > 1 outside DeepSpeed, or not dividing the processes, fails late or not at all: refused here.",
+    reason="sp_size > 1 outside DeepSpeed/FSDP2 or not dividing the processes fails late: refused; FSDP2 sp, which "
+    "accelerate refuses, passes.",
     remove_when="accelerate validates sp_size against the backend and the world size",
     wrapper=".prepare:validate_accelerator",
 )
@@ -67,7 +72,7 @@ PREPARE_DATA_LOADER = Patch(
     target="accelerate.accelerator:prepare_data_loader",
     supports=_ACCELERATE,
     stock_correct=_ACCELERATE_STOCK,
-    reason="under DeepSpeed SP the DataLoader is sharded over every rank; one SP group must read one batch: "
+    reason="under sequence parallelism the DataLoader is sharded over every rank; one SP group must read one batch: "
     "sharded by data-parallel rank.",
     remove_when=_REMOVE_WHEN,
     wrapper=".prepare:prepare_data_loader",
@@ -81,6 +86,17 @@ RESOLVE_PARALLEL_CONFIG = Patch(
     "is the CPU there.",
     remove_when="diffusers' _resolve_parallel_config handles a machine without an accelerator",
     wrapper=".prepare:resolve_parallel_config",
+)
+
+
+PREPARE_FSDP2 = Patch(
+    target="accelerate.accelerator:Accelerator._prepare_fsdp2",
+    supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
+    reason="FSDP2 with sp_size > 1 splits no diffusers model and averages the gradients an SP group must sum: "
+    "split, gradients summed.",
+    remove_when="accelerate splits a diffusers model's sequence under FSDP2 itself",
+    wrapper=".fsdp2:prepare_fsdp2",
 )
 
 
@@ -106,4 +122,5 @@ def accel_npu_register_patches():
         DATALOADER_ADAPTER,
         PREPARE_DATA_LOADER,
         RESOLVE_PARALLEL_CONFIG,
+        PREPARE_FSDP2,
     ]

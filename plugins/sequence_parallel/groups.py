@@ -52,6 +52,12 @@ def build(model, sp_size: int, device_type: str) -> SequenceParallel:
     from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    import deepspeed.comm
+
+    if not deepspeed.comm.is_initialized():
+        # under FSDP2 accelerate sets up torch.distributed only; parallel_state_sp makes its groups through
+        # deepspeed.comm, whose init_distributed wraps the process group already there (comm/comm.py)
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size=sp_size)
     # ("dp", "ring", "ulysses"): the "ulysses" groups are DeepSpeed's SP groups (contiguous ranks); diffusers'

@@ -5,9 +5,9 @@ unless ``--use_fsdp --fsdp_version 2`` are on the command line ("You cannot use 
 without `--use_fsdp` and `--fsdp_version=2`"), before it reads the config file, while a config file's own
 ``parallelism_config:`` section passes under DeepSpeed (the same function sets ``use_parallelism_config`` from
 it after the check), and its DeepSpeed path does run sequence parallelism (``sp_backend="deepspeed"``). Here the
-check runs on the launch as resolved with its config file: DeepSpeed or FSDP2 pass, anything else keeps
-accelerate's refusal; a sequence-parallel size that does not divide the processes is refused before any worker
-starts.
+check runs on the launch as resolved with its config file: DeepSpeed or FSDP2 pass (a diffusers model's sequence
+is split under both: prepare.py, fsdp2.py), anything else keeps accelerate's refusal; a sequence-parallel size that
+does not divide the processes is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ def launch_problem(launch_args) -> str | None:
     fsdp2 = bool(getattr(launch_args, "use_fsdp", False)) and str(getattr(launch_args, "fsdp_version", "1")) == "2"
     if not (getattr(launch_args, "use_deepspeed", False) or fsdp2):
         return STOCK_REFUSAL + "(accel-npu: or a DeepSpeed config, for sequence parallelism.)"
-    if sp > 1 and fsdp2:
-        return (
-            f"accel-npu: sequence parallelism (parallelism_config_sp_size {sp}) runs under DeepSpeed ZeRO-1/2 for "
-            "now, not FSDP2. Launch with a DeepSpeed config (launch_configs/cpu_zero2.yaml or npu_zero2.yaml)."
-        )
     processes = getattr(launch_args, "num_processes", None)
     if sp > 1 and processes and int(processes) % sp:
         return (

@@ -70,8 +70,9 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     sp = config.sp_size
     world = dist.get_world_size()
     check_world(sp, world)
-    stage = accelerator.deepspeed_plugin.zero_stage
-    if stage not in SUPPORTED_STAGES:
+    deepspeed_plugin = getattr(accelerator, "deepspeed_plugin", None)  # None under FSDP2 (fsdp2.py)
+    stage = deepspeed_plugin.zero_stage if deepspeed_plugin is not None else None
+    if deepspeed_plugin is not None and stage not in SUPPORTED_STAGES:
         raise ConfigError(
             f"accel-npu: sequence parallelism (sp_size {sp}) of a diffusers model runs under DeepSpeed ZeRO stage "
             f"0, 1 or 2 for now; this config has ZeRO stage {stage}. Set zero_optimization.stage to 2 in the "
@@ -151,17 +152,23 @@ def prepare_data_loader(wrapped, instance, args, kwargs):
 
 
 def validate_accelerator(wrapped, instance, args, kwargs):
-    """Refuse sp_size > 1 where it cannot run, when the Accelerator is built (before any model is prepared)."""
+    """Refuse sp_size > 1 where it cannot run, when the Accelerator is built (before any model is prepared).
+    Under FSDP2 accelerate's own check refuses a config with no ``dp_shard`` or ``cp`` dimension to shard over,
+    which is every sequence-parallel one (its mesh is not built for sp: fsdp2.py); its other checks do not apply
+    to sp there (the world-size check skips ``sp_backend="deepspeed"``, FSDP2 is a compatible type)."""
+    accelerator = argument(args, kwargs, 0, "accelerator")
+    if instance.sp_size > 1 and getattr(accelerator, "is_fsdp2", False):
+        check_world(instance.sp_size, accelerator.num_processes)
+        return None
     result = wrapped(*args, **kwargs)
     if instance.sp_size > 1:
-        accelerator = argument(args, kwargs, 0, "accelerator")
         from accelerate.utils import DistributedType
 
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise ConfigError(
                 f"accel-npu: sequence parallelism (parallelism_config_sp_size {instance.sp_size}) runs under "
-                f"DeepSpeed ZeRO-1/2 for now; this launch is {accelerator.distributed_type.value}. Launch with a "
-                "DeepSpeed config (launch_configs/cpu_zero2.yaml or npu_zero2.yaml)."
+                f"DeepSpeed ZeRO-1/2 or FSDP2 for now; this launch is {accelerator.distributed_type.value}. Launch "
+                "with a DeepSpeed config (launch_configs/cpu_zero2.yaml or npu_zero2.yaml) or FSDP2 (fsdp_version: 2)."
             )
         check_world(instance.sp_size, accelerator.num_processes)
     return result

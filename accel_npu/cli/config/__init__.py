@@ -27,6 +27,7 @@ _FIELDS = {
     "load_slots": "load_slots",
     "truncate": "truncate",
     "async_checkpoint": "async_checkpoint",
+    "sp_size": "sp_size",
     "hccl_socket_ifname": "hccl_socket_ifname",
 }
 _NPU_FLAGS = {
@@ -244,5 +245,11 @@ def add_parser(subparsers) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="ZeRO: ACCEL_NPU_ASYNC_CHECKPOINT=1, save_state writes its files in the background (default off)",
+    )
+    q.add_argument(
+        "--sp-size",
+        type=int,
+        help="ZeRO-2, a video DiT: sequence-parallel size, ranks splitting one sample's tokens (Ulysses); written "
+        "as accelerate's parallelism_config_sp_size (default 1: off)",
     )
     p.set_defaults(func=run)

@@ -112,6 +112,17 @@ def _checked(check: Callable[[str], str | None], keep_words: bool = False) -> Ca
     return convert
 
 
+def _sp_size(total: int, strategy: str) -> Callable[[str], int]:
+    def convert(answer: str) -> int:
+        value = _int_between(1, total, "the sequence-parallel size")(answer)
+        problem = wizard.sp_size_problem(value, total, strategy)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return convert
+
+
 def _auto_int(what: str) -> Callable[[str], str]:
     def convert(answer: str) -> str:
         problem = wizard.check_auto_int(answer, what)
@@ -240,6 +251,26 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
         s.zero3_init = p.confirm(
             "ZeRO-3: build models under deepspeed.zero.Init (each rank materializes only its shard)?", s.zero3_init
         )
+
+    if "sp_size" not in given:
+        if s.strategy in wizard.SEQUENCE_PARALLEL_STRATEGIES and total > 1:
+            video = p.confirm(
+                "Is the model you train a video DiT with long token sequences (CogVideoX, Wan, HunyuanVideo, LTX, "
+                "...)?",
+                s.sp_size > 1,
+            )
+            s.sp_size = (
+                p.ask(
+                    f"Sequence-parallel size: ranks splitting one sample's tokens (Ulysses; it divides the {total} "
+                    "processes and the model's attention heads)?",
+                    s.sp_size if s.sp_size > 1 else (2 if total % 2 == 0 else 1),
+                    _sp_size(total, s.strategy),
+                )
+                if video
+                else 1
+            )
+        else:
+            s.sp_size = 1  # a template's answer, once a strategy without sequence parallelism is chosen
 
     if "mixed_precision" not in given:
         choices = wizard.precision_choices(s.backend, machine)

@@ -35,6 +35,10 @@ BACKENDS = ("npu", "cuda", "cpu")
 STRATEGIES = ("ddp", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "all")
 PRECISIONS = ("bf16", "fp16", "no")
+#: the wizard's strategies Ulysses sequence parallelism of a diffusers model runs under (plugins/sequence_parallel/
+#: prepare.py SUPPORTED_STAGES: DeepSpeed ZeRO-1/2; ZeRO-3 and DDP are refused there; FSDP2 runs it too, a strategy
+#: the wizard does not write)
+SEQUENCE_PARALLEL_STRATEGIES = ("zero2",)
 
 #: accel-npu's own switches the wizard offers (see accel_npu/environment.py).
 ACCEL_NPU_SETTINGS = (
@@ -152,6 +156,8 @@ class Settings:
     truncate: str = ""
     #: ACCEL_NPU_ASYNC_CHECKPOINT=1 in the sidecar: save_state under ZeRO writes its files in the background
     async_checkpoint: bool = False
+    #: accelerate's ``parallelism_config_sp_size``: ranks splitting one sample's tokens (Ulysses); 1 = off
+    sp_size: int = 1
     #: Keys of a template's DeepSpeed JSON that the wizard does not ask about (kept as they are).
     ds_base: dict[str, Any] | None = None
 
@@ -348,7 +354,27 @@ def problems(s: Settings, machine: Machine) -> list[str]:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     if s.async_checkpoint and not s.uses_deepspeed:
         out.append("--async-checkpoint only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
+    out.extend(m for m in [sp_size_problem(s.sp_size, s.num_processes, s.strategy)] if m)
     return out
+
+
+def sp_size_problem(sp_size: int, num_processes: int, strategy: str) -> str | None:
+    """What is wrong with a sequence-parallel size for this job (None: nothing)."""
+    if sp_size < 1:
+        return f"--sp-size must be >= 1 (got {sp_size})"
+    if sp_size == 1:
+        return None
+    if strategy not in SEQUENCE_PARALLEL_STRATEGIES:
+        return (
+            f"--sp-size {sp_size}: sequence parallelism runs under --strategy "
+            f"{' or '.join(SEQUENCE_PARALLEL_STRATEGIES)} for now (got {strategy}); choose it or --sp-size 1"
+        )
+    if num_processes % sp_size:
+        return (
+            f"--sp-size {sp_size} does not divide the {num_processes} processes in total: every sequence-parallel "
+            f"group needs {sp_size} ranks; choose a size that divides {num_processes}"
+        )
+    return None
 
 
 def validate(s: Settings, machine: Machine) -> None:
@@ -432,6 +458,13 @@ def accelerate_dict(s: Settings, deepspeed_file: str | None) -> dict[str, Any]:
         cfg["main_process_port"] = s.main_process_port
         cfg["rdzv_backend"] = "static"
         cfg["same_network"] = True
+    if s.sp_size > 1:
+        # accelerate's own section (commands/config/config_args.py ``parallelism_config``; launch.py copies each
+        # key to its --parallelism_config_* argument and sets --use_parallelism_config)
+        cfg["parallelism_config"] = {
+            "parallelism_config_sp_size": s.sp_size,
+            "parallelism_config_sp_backend": "deepspeed",
+        }
     if not s.uses_deepspeed and s.backend != "cpu":
         cfg["gpu_ids"] = "all"
     cfg["main_training_function"] = "main"
@@ -457,6 +490,8 @@ _YAML_COMMENTS = {
     "rdzv_backend": "static rendezvous: every machine knows its rank",
     "same_network": "machines share one network",
     "gpu_ids": "all visible devices",
+    "parallelism_config_sp_size": "sequence parallelism: ranks splitting one sample's tokens (Ulysses)",
+    "parallelism_config_sp_backend": "DeepSpeed's sequence-parallel groups (accel-npu splits diffusers models)",
     "main_training_function": "only used by notebook_launcher",
     "use_cpu": "true: train on CPU even where an accelerator exists",
     "debug": "true: extra collective checks (slow)",
@@ -494,7 +529,8 @@ def title_of(s: Settings) -> str:
         f"{s.num_machines} machines x {s.processes_per_machine}" if s.num_machines > 1 else f"{s.processes_per_machine}"
     )
     off = {"none": "", "optimizer": ", optimizer offloaded to CPU", "all": ", optimizer+parameters offloaded to CPU"}
-    return f"{what}, {s.mixed_precision}, {where} {s.backend} process(es){off[s.offload]}"
+    sp = f", sequence parallel over {s.sp_size}" if s.sp_size > 1 else ""
+    return f"{what}, {s.mixed_precision}, {where} {s.backend} process(es){off[s.offload]}{sp}"
 
 
 def render_accelerate_yaml(s: Settings, deepspeed_file: str | None, header: str = "") -> str:
@@ -648,6 +684,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     s.load_slots = str(sidecar_vars.get("ACCEL_NPU_LOAD_SLOTS", ""))
     s.truncate = str(sidecar_vars.get("ACCEL_NPU_TRUNCATE", ""))
     s.async_checkpoint = str(sidecar_vars.get("ACCEL_NPU_ASYNC_CHECKPOINT", "0")).strip() == "1"
+    s.sp_size = int((cfg.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
     if dist == "DEEPSPEED":
         dsc = cfg.get("deepspeed_config") or {}
         ds_name = dsc.get("deepspeed_config_file")
