@@ -54,6 +54,10 @@ TEXT = 224  # text tokens (CogVideoX pads to 226; 224 divides by 4, as diffusers
 HEADS, HEAD_DIM = 4, 16
 
 
+#: the code measured besides this script (tests/test_docs_figures.py: a later change makes its results stale)
+MEASURES = ("plugins/sequence_parallel/", "benchmarks/_sequence_parallel_train.py")
+
+
 def geometry(tokens: int) -> tuple[int, int]:
     """Latent (height, width), patch 2, giving ``tokens`` video tokens over FRAMES latent frames."""
     area = tokens * 4 // FRAMES
@@ -169,6 +173,7 @@ def main() -> None:
     report = Report(
         "sequence_parallel_quick" if args.quick else "sequence_parallel",
         "Ulysses sequence parallelism on a video DiT: per-rank peak memory and step time, sp = 1, 2, 4",
+        MEASURES,
     )
     load = os.getloadavg()[0]
     if load > 0.5:
