@@ -864,8 +864,10 @@ SPECS = [
         ["--train_data_dir", "{work}/data", "--discriminator_config_name_or_path", "{work}/discriminator.json"],
         "full:VQModel:vqmodel",
         [
+            # the discriminator (tiny_kandinsky.vqgan: depth 4) halves the side four times; InstanceNorm2d needs
+            # more than one spatial element at the end
             "--resolution",
-            "16",
+            "32",
             "--train_batch_size",
             "2",
             "--learning_rate",

@@ -123,14 +123,32 @@ ZERO3_PARAM_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
     supports="deepspeed>=0.19.2,<0.20",
     # Before 0.19.2 _configure_distributed_model called module.bfloat16()/half() on every model, zero.Init
-    # partitions included (deepspeed 0.19.1 runtime/engine.py), which cast what a script cast after loading;
-    # 0.19.2 moved the cast into _cast_module_mixed_precision, which skips zero.Init models.
+    # partitions and buffers included (deepspeed 0.19.1 runtime/engine.py), which cast what a script cast after
+    # loading; 0.19.2 moved the cast into _cast_module_mixed_precision, which skips zero.Init models and keeps
+    # buffers fp32.
     stock_correct="deepspeed<0.19.2",
-    # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config.
-    reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
-    "loading trains in the wrong dtype; partitions are cast.",
-    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
-    wrapper=".input_dtype:cast_partitioned_params",
+    # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config; vqgan/train_vqgan.py's
+    # discriminator is spectral-normed.
+    reason="runtime/engine.py skips the dtype cast for a model built under zero.Init (a cast after loading trains "
+    "in the wrong dtype) and keeps spectral norm's u/v fp32 beside half weights ('addmv input tensors must have "
+    "the same dtype'); both cast.",
+    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype, and spectral norm's "
+    "buffers with their weight",
+    wrapper=".input_dtype:cast_what_deepspeed_skips",
+)
+
+
+# -- autograd passes through an engine's outputs that put nothing into its parameters ------------------------
+# diffusers v0.40.0's vqgan/train_vqgan.py: torch.autograd.grad for its adaptive weight and gradient penalty, and one
+# engine per model (engine_per_model.py) with the generator's loss through the discriminator.
+ENGINE_OUTPUT_BACKWARD_HOOK = Patch(
+    target="deepspeed.runtime.utils:OutputBackwardHookManager._make_backward_hook",
+    supports="deepspeed>=0.16.9,<0.20",
+    reason="A torch.autograd.grad through an engine's outputs is taken for its backward: the epilogue reduces no "
+    "gradient ('list index out of range') or the once-per-forward prologue is used up ('KeyError: 0' at the step).",
+    remove_when="DeepSpeed's PyTorch-style backward hooks skip passes that accumulate into none of the engine's "
+    "parameters",
+    wrapper=".torch_style_backward:output_backward_hook",
 )
 
 
@@ -169,6 +187,7 @@ def accel_npu_register_patches():
         PREPARE,
         ENGINE_INPUT_DTYPE,
         ZERO3_PARAM_DTYPE,
+        ENGINE_OUTPUT_BACKWARD_HOOK,
         ENGINE_PARAMETERS,
         ENGINE_NAMED_PARAMETERS,
     ]
