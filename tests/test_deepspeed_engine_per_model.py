@@ -30,7 +30,13 @@ def accelerator_factory(monkeypatch):
         from accelerate.utils import DeepSpeedPlugin
 
         config = {
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            # ZeRO-3 releases each parameter after its use (no reuse distance, no prefetch), as in a real-size model
+            "zero_optimization": {
+                "stage": stage,
+                "stage3_param_persistence_threshold": 0,
+                "stage3_max_reuse_distance": 0,
+                "stage3_prefetch_bucket_size": 0,
+            },
             "train_batch_size": "auto",
             "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": 1,
@@ -60,6 +66,7 @@ def _optimizers(generator, discriminator):
         torch.optim.AdamW(list(generator.parameters()), lr=1e-2),
         torch.optim.AdamW(list(discriminator.parameters()), lr=1e-2),
     )
+
 
 def _batches():
     import torch
@@ -163,6 +170,8 @@ def test_models_whose_optimizers_mix_them_keep_accelerates_assertion(accelerator
     generator, discriminator = _models()
     mixed = torch.optim.SGD(list(generator.parameters()) + list(discriminator[0].parameters()), lr=0.1)
     rest = torch.optim.SGD(list(discriminator[2].parameters()), lr=0.1)
-    with pytest.raises(AssertionError, match=STOCK + r".*no optimizer holds exactly the trainable parameters of model 0"):
+    with pytest.raises(
+        AssertionError, match=STOCK + r".*no optimizer holds exactly the trainable parameters of model 0"
+    ):
         accelerator.prepare(generator, discriminator, mixed, rest)
     assert accelerator._models == []

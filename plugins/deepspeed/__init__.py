@@ -21,13 +21,19 @@
   while the script holds it; writes refused (gathered_reads.py).
 - several models and one optimizer over them in one ``accelerator.prepare`` (accelerate: "multiple models
   when using DeepSpeed"): one engine over a container of the models, each position given the model's view
-  of it (models_together.py).
+  of it, stepping at the script's ``optimizer.step()`` (models_together.py); a gradient the script reads
+  between backward and step shown whole and written back (shown_gradients.py); several models each with its
+  own optimizer (a GAN): one engine each, one backward through all (engine_per_model.py).
+- ``torch.autograd.grad`` through an engine, or a backward into other engines' parameters only: not taken for
+  that engine's backward (torch_style_backward.py).
+- spectral norm's ``u``/``v`` buffers cast with their weight; a forward given fp32 activations hands back fp32, as
+  accelerate's autocast under DDP does (input_dtype.py).
 - inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
   scripts make them) are cast at the engine's boundary (input_dtype.py).
 
 This module declares the patches; the wrappers sit beside it: mixed_precision.py, config_file.py,
-inference_mode.py, prepare.py (auto_batch_size.py, models_together.py), input_dtype.py, gathered_reads.py
-(precision_config.py: what the configs say).
+inference_mode.py, prepare.py (auto_batch_size.py, models_together.py, engine_per_model.py, shown_gradients.py),
+input_dtype.py, torch_style_backward.py, gathered_reads.py (precision_config.py: what the configs say).
 """
 
 from __future__ import annotations
@@ -94,15 +100,16 @@ PREPARE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
     supports="accelerate>=1.10.1,<1.17",
     # Several models with one optimizer over all their trainable parameters (diffusers' custom_diffusion with
-    # --modifier_token) become one engine over a container of them (models_together.py); other multi-model
-    # calls keep accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
+    # --modifier_token) become one engine over a container of them (models_together.py); several models each with
+    # its own optimizer (vqgan/train_vqgan.py) one engine each (engine_per_model.py); other multi-model calls keep
+    # accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
     # LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no DataLoader (webdataset batches);
     # the engine's first training forward sets the value (a forward pre-hook on that engine, removed after).
     # A data_efficiency config is one error naming the key and file.
-    reason="accelerator.py prepare: one model per DeepSpeed engine even with one optimizer over several; 'auto' "
-    "micro batch only from DataLoader.batch_size. Both completed.",
-    remove_when="accelerate prepares models sharing one optimizer as one engine and resolves 'auto' micro "
-    "batch sizes without a DataLoader.batch_size",
+    reason="accelerator.py prepare: one model per Accelerator under DeepSpeed, whether one optimizer spans several or "
+    "each has its own; 'auto' micro batch only from DataLoader.batch_size. Completed.",
+    remove_when="accelerate prepares several models under DeepSpeed (one engine over models sharing an optimizer, "
+    "one per model otherwise) and resolves 'auto' micro batch sizes without a DataLoader.batch_size",
     wrapper=".prepare:prepare",
 )
 

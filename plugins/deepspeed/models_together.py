@@ -28,16 +28,17 @@ reads ``accel_npu._torch.markers.models_prepared_together``).
 The step is taken where the script takes it, at ``optimizer.step()``, as under DDP for which such a script is
 written, not inside ``accelerator.backward`` (accelerate's DeepSpeedEngineWrapper.backward steps there for its one
 model): such a script edits gradients between the two (train_custom_diffusion.py zeroes the embedding rows of all but
-its new tokens, lines 1192-1205). Where a parameter is whole (ZeRO-1/2) and DeepSpeed holds its gradient in its
-partitions (``param.grad`` None), the gradient is shown as ``param.grad`` (``deepspeed.utils.safe_get_full_grad``, in
-the dtype DeepSpeed keeps it) and what the script leaves there is written back (``safe_set_full_grad``) before
-``engine.step()``. Under ZeRO-3 a parameter is partitioned (shape [0]) and ``param.grad`` stays None. A backward at
-an accumulation boundary with a step still pending (the script never called ``optimizer.step()``) takes it first.
+its new tokens, lines 1192-1205). DeepSpeed holds those gradients in its partitions (``param.grad`` None; under ZeRO-3
+the parameter is a shape-[0] partition too): the gradient of a parameter the script reads there is shown as its
+``param.grad`` and written back before ``engine.step()`` (shown_gradients.py: ``safe_get_full_grad`` /
+``safe_set_full_grad``, the parameter gathered while shown under ZeRO-3). A backward at an accumulation boundary with a
+step still pending (the script never called ``optimizer.step()``) takes it first.
 
-Left as accelerate's assertion, with the reason appended: several optimizers (a GAN's generator and
-discriminator, diffusers' vqgan/train_vqgan.py), no optimizer, a trainable parameter of a model outside the
-optimizer (or an optimizer parameter outside the models), a model with nothing to train, models sharing
-parameters, and accelerate's ``DummyOptim``.
+Several models each with an optimizer of its own over exactly its trainable parameters (a GAN's generator and
+discriminator, diffusers' vqgan/train_vqgan.py) get one engine each (engine_per_model.py). Left as accelerate's
+assertion, with the reason appended: no optimizer, an optimizer over part of several models, a trainable parameter of
+a model outside every optimizer (or an optimizer parameter outside the models), a model with nothing to train, models
+sharing parameters, and accelerate's ``DummyOptim``.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ from __future__ import annotations
 _DECIDED = "_accel_npu_accumulates_in_task"
 #: engine instance-dict key: the graph task whose backward prologue the engine ran
 _PROLOGUE_TASK = "_accel_npu_prologue_task"
+#: engine instance-dict key: the graph task after which its modules' ZeRO-3 backward counts are put back
+_KEPT_TASK = "_accel_npu_backward_counts_task"
 
 
 def _accumulates(engine) -> bool:
@@ -77,6 +79,37 @@ def _engine_of(manager):
     return engine if isinstance(engine, DeepSpeedEngine) else None
 
 
+def _keep_backward_counts(engine) -> None:
+    """Under ZeRO-3: each submodule's backward bookkeeping as it was before this pass, put back when the pass ends.
+
+    ZeRO-3 gathers a submodule's parameters for its backward once per forward (``applied_pre_backward_ref_cnt``,
+    counted up by each forward, down by each backward through it: runtime/zero/parameter_offload.py
+    ``_run_before_backward_function``) and releases them when its inputs' gradients are done
+    (``ds_grads_remaining``). A ``torch.autograd.grad(..., retain_graph=True)`` through the module uses that count
+    up, so the backward after it runs the module with its shape-[0] partitions ("weight should have at least three
+    dimensions"), on GPUs too: train_vqgan.py asks two such gradients through the generator and the discriminator
+    before its backward."""
+    import torch
+
+    task = torch._C._current_graph_task_id()
+    if engine.__dict__.get(_KEPT_TASK) == task or not engine.zero_optimization_partition_weights():
+        return
+    engine.__dict__[_KEPT_TASK] = task
+    saved = [
+        (m, m.__dict__.get("applied_pre_backward_ref_cnt"), m.__dict__.get("ds_grads_remaining"))
+        for m in engine.module.modules()
+    ]
+
+    def put_back():
+        for module, pre, post in saved:
+            if pre is not None:
+                module.applied_pre_backward_ref_cnt = pre
+            if post is not None:
+                module.ds_grads_remaining = post
+
+    torch.autograd.Variable._execution_engine.queue_callback(put_back)
+
+
 def output_backward_hook(wrapped, instance, args, kwargs):
     """``OutputBackwardHookManager._make_backward_hook``: the hook lets a pass that accumulates nothing into the
     engine's parameters through untouched (no prologue, no division, and the manager's once-per-backward flag left
@@ -90,6 +123,7 @@ def output_backward_hook(wrapped, instance, args, kwargs):
         import torch
 
         if not getattr(engine, "_running_engine_backward", False) and not _accumulates(engine):
+            _keep_backward_counts(engine)
             return grad
         task = torch._C._current_graph_task_id()
         if not instance.preprocess_done:
