@@ -25,11 +25,12 @@ STOCK = "You can't use same `Accelerator\\(\\)` instance with multiple models wh
 def accelerator_factory(monkeypatch):
     from tests.launch_utils import accelerator_deepspeed_session
 
-    def make(stage: int):
+    def make(stage: int, bf16: bool = False):
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin
 
         config = {
+            "bf16": {"enabled": bf16},
             # ZeRO-3 releases each parameter after its use (no reuse distance, no prefetch), as in a real-size model
             "zero_optimization": {
                 "stage": stage,
@@ -175,3 +176,60 @@ def test_models_whose_optimizers_mix_them_keep_accelerates_assertion(accelerator
     ):
         accelerator.prepare(generator, discriminator, mixed, rest)
     assert accelerator._models == []
+
+
+def test_autograd_grad_through_an_engine_is_not_its_backward(accelerator_factory):
+    """The generator step's two ``torch.autograd.grad`` (train_vqgan.py's adaptive weight) run through both engines'
+    outputs before the backward. Without the output-hook patch DeepSpeed takes them for backwards: the step stops."""
+    import torch
+
+    from accel_npu.plugins.deepspeed import ENGINE_OUTPUT_BACKWARD_HOOK
+    from tests.inprocess import without
+
+    accelerator = accelerator_factory(2)
+    generator, discriminator = _models()
+    opt, d_opt = _optimizers(generator, discriminator)
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    p_gen, p_disc, p_opt, p_d_opt = accelerator.prepare(generator, discriminator, opt, d_opt)
+    before = _master(generator)
+    batches = _batches()
+    with without(ENGINE_OUTPUT_BACKWARD_HOOK):
+        with pytest.raises((IndexError, KeyError)):
+            _train(p_gen, p_disc, p_opt, p_d_opt, batches[:1], accelerator.backward, accelerator.unwrap_model)
+    assert all(torch.equal(v, before[k]) for k, v in _master(generator).items())  # no step was taken
+
+
+def test_a_bf16_engine_runs_a_spectral_normed_model_on_fp32_inputs_as_ddp_does(accelerator_factory):
+    """train_vqgan.py's discriminator is spectral-normed and gets fp32 images. DeepSpeed 0.19.2 casts the weights to
+    bf16 and keeps spectral norm's u/v fp32: its first forward stops ("addmv input tensors must have the same dtype").
+    With accel-npu u/v take the weights' dtype, the forward runs under autocast and returns fp32, as accelerate's
+    mixed precision returns it under DDP (the script hands the VQModel's output to an fp32 timm model)."""
+    import torch
+
+    from accel_npu.plugins.deepspeed import ZERO3_PARAM_DTYPE
+    from tests.inprocess import without
+
+    accelerator = accelerator_factory(2, bf16=True)
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    _generator, discriminator = _models()
+    stock_model = copy.deepcopy(discriminator)
+    optimizer = torch.optim.AdamW(discriminator.parameters(), lr=1e-3)
+    engine, _ = accelerator.prepare(discriminator, optimizer)
+    norm = engine.module[0]
+    assert norm.weight_orig.dtype == norm.weight_u.dtype == norm.weight_v.dtype == torch.bfloat16
+    out = engine(torch.randn(4, 6))
+    assert out.dtype == torch.float32
+    accelerator.backward(out.mean())  # the engine steps (accelerate's own engine wrapper: one model)
+    assert engine.global_steps == 1
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    stock_accelerator = accelerator_factory(2, bf16=True)
+    stock_accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    with without(ZERO3_PARAM_DTYPE):
+        stock_engine, _ = stock_accelerator.prepare(stock_model, torch.optim.AdamW(stock_model.parameters(), lr=1e-3))
+    assert stock_engine.module[0].weight_u.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        stock_engine(torch.randn(4, 6))

@@ -8,8 +8,10 @@ with multiple models when using DeepSpeed". accel-npu puts both under one engine
 state-dict hooks rename its keys) over two processors called directly, as the UNet calls them, and a
 CLIPTextModel whose token embedding alone trains, as the script freezes it.
 
-The engine steps at the script's ``optimizer.step()``; in between, under ZeRO-2, the script zeroes the embedding
-gradient of all but its new token, as train_custom_diffusion.py does (lines 1192-1205).
+The engine steps at the script's ``optimizer.step()``; in between, under ZeRO-2 and ZeRO-3 (the embedding a shape-[0]
+partition there), the script zeroes the embedding gradient of all but its new token, as train_custom_diffusion.py does
+(lines 1192-1205): the whole gradient is shown when read (a read under ``if accelerator.is_main_process:`` gets None,
+as stock) and written back before the step.
 
 In-process, one rank, stock beside ours. Witnesses: the models' parameters after two steps against the same
 steps (and gradient edits) taken without DeepSpeed, read from DeepSpeed's own fp32 master weights
@@ -168,8 +170,13 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
         with accelerator.accumulate(p_layers), accelerator.accumulate(p_text):
             loss = _loss(p_layers.module, p_text, ids)  # the script calls text_encoder(...) as prepare returned it
             accelerator.backward(loss)
+            if step == 0 and accelerator.is_main_process:
+                # a read on the main process alone would be a collective the other ranks do not join: None, as stock
+                guarded = p_text.module.get_input_embeddings().weight.grad
+                assert guarded is None
             # the script zeroes the embedding gradient of all but its new token before the step (lines 1192-1205)
             grad = p_text.module.get_input_embeddings().weight.grad
+            assert grad.shape == (40, 8) and p_text.module.get_input_embeddings().weight.grad is grad
             grad.data[others, :] = grad.data[others, :].fill_(0)
             assert engine.global_steps == step  # the step is the optimizer's, as the script takes it
             p_opt.step()

@@ -151,8 +151,9 @@ ZERO3_PARAM_DTYPE = Patch(
 ENGINE_OUTPUT_BACKWARD_HOOK = Patch(
     target="deepspeed.runtime.utils:OutputBackwardHookManager._make_backward_hook",
     supports="deepspeed>=0.16.9,<0.20",
-    reason="A torch.autograd.grad through an engine's outputs is taken for its backward: the epilogue reduces no "
-    "gradient ('list index out of range') or the once-per-forward prologue is used up ('KeyError: 0' at the step).",
+    # Also: an engine called twice before one backward enters its optimizer's backward once, not twice.
+    reason="A torch.autograd.grad through an engine is taken for its backward: an epilogue over no gradient ('list "
+    "index out of range'), the once-per-forward prologue or ZeRO-3's backward gathers used up for the real backward.",
     remove_when="DeepSpeed's PyTorch-style backward hooks skip passes that accumulate into none of the engine's "
     "parameters",
     wrapper=".torch_style_backward:output_backward_hook",

@@ -126,9 +126,9 @@ class GradientWindow:
 
     def show(self, param):
         """The whole gradient of ``param`` as its ``.grad`` (None where it cannot be shown on this rank alone)."""
-        self._withdraw(param)
         if not self._may_show():
-            return None
+            return None  # still offered: a read every rank makes later shows it
+        self._withdraw(param)
         from deepspeed.utils import safe_get_full_grad
 
         gathered = None
