@@ -103,8 +103,9 @@ ZERO3_PARAMETER_READ = Patch(
     supports="deepspeed>=0.16.9,<0.20",
     # In the step window (boundary.py) the paused ranks join the gather; rank 0 partitions it again as its
     # window closes.
-    reason="A ZeRO-3 parameter read outside a forward on rank 0 alone is a shape-[0] partition "
-    "(train_custom_diffusion.py's save_new_embed indexes the embedding: IndexError).",
+    # train_custom_diffusion.py's save_new_embed indexes the embedding on rank 0 alone.
+    reason="A ZeRO-3 parameter rank 0 reads alone outside a forward is a shape-[0] partition (IndexError); "
+    "gathered, served.",
     remove_when="accelerate/DeepSpeed serve ZeRO-3 parameters read on one rank",
     wrapper=".boundary:parameter_read",
 )
@@ -119,8 +120,9 @@ DIFFUSERS_SAVE_PRETRAINED = Patch(
 DIFFUSERS_SAVE_ATTN_PROCS = Patch(
     target="diffusers.loaders.unet:UNet2DConditionLoadersMixin.save_attn_procs",
     supports="diffusers>=0.35.2,<0.43",
-    reason="save_attn_procs of ZeRO-3 partitioned custom-diffusion processors writes shape-[0] tensors and exits 0 "
-    "(train_custom_diffusion.py's final save); the trained processors are lost.",
+    # train_custom_diffusion.py's final save.
+    reason="save_attn_procs of ZeRO-3 partitioned custom-diffusion processors writes shape-[0] tensors, exit 0; "
+    "written gathered.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_attn_procs",
     wrapper=".partitioned:diffusers_save_attn_procs",
 )

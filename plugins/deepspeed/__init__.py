@@ -106,10 +106,10 @@ PREPARE = Patch(
     # LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no DataLoader (webdataset batches);
     # the engine's first training forward sets the value (a forward pre-hook on that engine, removed after).
     # A data_efficiency config is one error naming the key and file.
-    reason="accelerator.py prepare: one model per Accelerator under DeepSpeed, whether one optimizer spans several or "
-    "each has its own; 'auto' micro batch only from DataLoader.batch_size. Completed.",
-    remove_when="accelerate prepares several models under DeepSpeed (one engine over models sharing an optimizer, "
-    "one per model otherwise) and resolves 'auto' micro batch sizes without a DataLoader.batch_size",
+    reason="accelerator.py prepare: one model per Accelerator under DeepSpeed, whatever the optimizers; 'auto' "
+    "micro batch only from DataLoader.batch_size. Both completed.",
+    remove_when="accelerate prepares several models under DeepSpeed and resolves 'auto' micro batch sizes "
+    "without a DataLoader.batch_size",
     wrapper=".prepare:prepare",
 )
 
@@ -136,9 +136,9 @@ ZERO3_PARAM_DTYPE = Patch(
     stock_correct="deepspeed<0.19.2",
     # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config; vqgan/train_vqgan.py's
     # discriminator is spectral-normed.
-    reason="runtime/engine.py skips the dtype cast for a model built under zero.Init (a cast after loading trains "
-    "in the wrong dtype) and keeps spectral norm's u/v fp32 beside half weights ('addmv input tensors must have "
-    "the same dtype'); both cast.",
+    # Spectral norm's u/v stay fp32 beside half weights: "addmv input tensors must have the same dtype".
+    reason="runtime/engine.py casts no zero.Init parameter (a cast after loading trains in the wrong dtype) and no "
+    "spectral-norm buffer; both cast.",
     remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype, and spectral norm's "
     "buffers with their weight",
     wrapper=".input_dtype:cast_what_deepspeed_skips",
@@ -151,9 +151,10 @@ ZERO3_PARAM_DTYPE = Patch(
 ENGINE_OUTPUT_BACKWARD_HOOK = Patch(
     target="deepspeed.runtime.utils:OutputBackwardHookManager._make_backward_hook",
     supports="deepspeed>=0.16.9,<0.20",
-    # Also: an engine called twice before one backward enters its optimizer's backward once, not twice.
-    reason="A torch.autograd.grad through an engine is taken for its backward: an epilogue over no gradient ('list "
-    "index out of range'), the once-per-forward prologue or ZeRO-3's backward gathers used up for the real backward.",
+    # Also: the once-per-forward prologue and ZeRO-3's backward gathers are not used up before the real backward, and
+    # an engine called twice before one backward enters its optimizer's backward once.
+    reason="A torch.autograd.grad through an engine is taken for its backward: its epilogue reduces no gradient "
+    "('list index out of range').",
     remove_when="DeepSpeed's PyTorch-style backward hooks skip passes that accumulate into none of the engine's "
     "parameters",
     wrapper=".torch_style_backward:output_backward_hook",
