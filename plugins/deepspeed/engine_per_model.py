@@ -65,16 +65,19 @@ def pairs_of(models: list, others: list):
         return None, "accelerate's DummyOptim / DummyScheduler (the optimizer from the DeepSpeed config)"
     if len(optimizers) != len(models):
         return None, f"{len(models)} models with {len(optimizers)} optimizers"
-    by_params = {frozenset(id(p) for p in _optimizer_params(o)): o for o in optimizers}
+    held = [(o, {id(p) for p in _optimizer_params(o)}) for o in optimizers]
     pairs, seen = [], set()
     for i, model in enumerate(models):
-        trainable = frozenset(id(p) for p in model.parameters() if p.requires_grad)
+        params = {id(p) for p in model.parameters()}
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
         if not trainable:
             return None, f"model {i} ({type(model).__name__}) has no trainable parameter"
-        if trainable & seen:
+        if params & seen:
             return None, f"model {i} ({type(model).__name__}) shares parameters with another model of the call"
-        seen |= trainable
-        optimizer = by_params.get(trainable)
+        seen |= params
+        # every trainable parameter of the model, nothing of another (frozen ones of its own may be there too:
+        # train_vqgan.py builds its optimizers over list(model.parameters()))
+        optimizer = next((o for o, ids in held if trainable <= ids <= params), None)
         if optimizer is None:
             return None, f"no optimizer holds exactly the trainable parameters of model {i} ({type(model).__name__})"
         schedulers = [o for o in others if getattr(o, "optimizer", None) is optimizer and o is not optimizer]

@@ -100,7 +100,7 @@ class GradientWindow:
     """The gradients of one backward at an accumulation boundary, offered to the script until the step."""
 
     def __init__(self):
-        self.offered: list = []  # [(param, its own class)]
+        self.offered: dict = {}  # {id(param): (param, its own class)}
         self.shown: list = []  # [(param, DeepSpeed's whole gradient, the gather holding the parameter or None)]
         self.met = False  # the first read met the other ranks
 
@@ -113,16 +113,14 @@ class GradientWindow:
                 own = type(param)
                 param.__class__ = _offered_class(own)
                 param.__dict__[_WINDOW] = window
-                window.offered.append((param, own))
+                window.offered[id(param)] = (param, own)
         return window
 
     def _withdraw(self, param) -> None:
-        for i, (offered, own) in enumerate(self.offered):
-            if offered is param:
-                param.__class__ = own
-                param.__dict__.pop(_WINDOW, None)
-                del self.offered[i]
-                return
+        entry = self.offered.pop(id(param), None)
+        if entry is not None:
+            param.__class__ = entry[1]
+            param.__dict__.pop(_WINDOW, None)
 
     def show(self, param):
         """The whole gradient of ``param`` as its ``.grad`` (None where it cannot be shown on this rank alone)."""
@@ -198,8 +196,8 @@ class GradientWindow:
     def close(self) -> None:
         """Before the step: every parameter its own class again, and each shown gradient, as the script left it,
         written back into DeepSpeed's partitions."""
-        while self.offered:
-            param, own = self.offered.pop()
+        offered, self.offered = self.offered, {}
+        for param, own in offered.values():
             param.__class__ = own
             param.__dict__.pop(_WINDOW, None)
         shown, self.shown = self.shown, []
