@@ -98,6 +98,17 @@ ZERO3_FORWARD_FETCH = Patch(
     remove_when="accelerate/DeepSpeed serve ZeRO-3 forwards made on one rank",
     wrapper=".boundary:pre_sub_module_forward",
 )
+ZERO3_PARAMETER_READ = Patch(
+    target="deepspeed.runtime.zero.parameter_offload:ZeROOrderedDict.__getitem__",
+    supports="deepspeed>=0.16.9,<0.20",
+    # In the step window (boundary.py) the paused ranks join the gather; rank 0 partitions it again as its
+    # window closes.
+    # train_custom_diffusion.py's save_new_embed indexes the embedding on rank 0 alone.
+    reason="A ZeRO-3 parameter rank 0 reads alone outside a forward is a shape-[0] partition (IndexError); "
+    "gathered, served.",
+    remove_when="accelerate/DeepSpeed serve ZeRO-3 parameters read on one rank",
+    wrapper=".boundary:parameter_read",
+)
 DIFFUSERS_SAVE_PRETRAINED = Patch(
     target="diffusers.models.modeling_utils:ModelMixin.save_pretrained",
     supports="diffusers>=0.35.2,<0.43",
@@ -105,6 +116,15 @@ DIFFUSERS_SAVE_PRETRAINED = Patch(
     "(train_text_to_image.py's final save); the trained model is lost.",
     remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_pretrained",
     wrapper=".partitioned:diffusers_save_pretrained",
+)
+DIFFUSERS_SAVE_ATTN_PROCS = Patch(
+    target="diffusers.loaders.unet:UNet2DConditionLoadersMixin.save_attn_procs",
+    supports="diffusers>=0.35.2,<0.43",
+    # train_custom_diffusion.py's final save.
+    reason="save_attn_procs of ZeRO-3 partitioned custom-diffusion processors writes shape-[0] tensors, exit 0; "
+    "written gathered.",
+    remove_when="diffusers gathers ZeRO-3 partitioned parameters in save_attn_procs",
+    wrapper=".partitioned:diffusers_save_attn_procs",
 )
 TRANSFORMERS_SAVE_PRETRAINED = Patch(
     target="transformers.modeling_utils:PreTrainedModel.save_pretrained",
@@ -214,7 +234,9 @@ def accel_npu_register_patches():
         END_TRAINING,
         GATHERED_ENTER,
         ZERO3_FORWARD_FETCH,
+        ZERO3_PARAMETER_READ,
         DIFFUSERS_SAVE_PRETRAINED,
+        DIFFUSERS_SAVE_ATTN_PROCS,
         TRANSFORMERS_SAVE_PRETRAINED,
         SAFETENSORS_SAVE_FILE,
         PEFT_STATE_DICT,

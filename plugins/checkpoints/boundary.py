@@ -82,6 +82,7 @@ class _Window:
         self.pinned = ()  # its prepared models' ZeRO-3 parameters, kept servable after the script drops them
         self.pinned_for = ()  # ids of the models pinned: re-pinned when the prepared models change
         self.traces = {}  # rank 0: id(coordinator) -> (coordinator, its trace as the window opened) (served forwards)
+        self.read = []  # rank 0: partitioned parameters its script read alone in the window, gathered (served reads)
 
 
 _w = _Window()
@@ -443,7 +444,9 @@ def _release(offload, coordinator) -> None:
 
 def _restore_traces() -> None:
     """Rank 0's window closes: its coordinators' traces as they were before the forwards it ran alone
-    (the others' are untouched), so the next step's fetches and prefetches pair up on every rank."""
+    (the others' are untouched), so the next step's fetches and prefetches pair up on every rank; the
+    parameters it read alone partitioned again."""
+    _release_read()
     traces, _w.traces = _w.traces, {}
     for offload, coordinator, trace in traces.values():
         _release(offload, coordinator)
@@ -483,6 +486,59 @@ def pre_sub_module_forward(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs)
     finally:
         setattr(coordinator, _CO + "prefetch_bucket_sz", prefetch)
+
+
+# --------------------------------------------------------------------------------------------
+# a ZeRO-3 parameter rank 0 reads alone in its window
+def parameter_read(wrapped, instance, args, kwargs):
+    """``ZeROOrderedDict.__getitem__`` (a module's ``self.weight``): on rank 0, in its window, outside a forward,
+    from a line under ``if accelerator.is_main_process:``, a partitioned parameter is gathered, the paused ranks
+    joining (a ``fetch`` gather, as a served forward's), and stays whole on rank 0 until its window closes.
+
+    diffusers v0.40.0's custom_diffusion/train_custom_diffusion.py saves its new token's embedding after the
+    final ``wait_for_everyone`` on the main process alone (save_new_embed: ``get_input_embeddings().weight[x]``,
+    lines 311-317): under ZeRO-3 that weight is a shape-[0] partition ("index 85 is out of bounds for dimension 0
+    with size 0"). Its rows, sliced or copied while it is whole, keep their values after it is partitioned again
+    (partitioning replaces the parameter's ``.data``; a slice keeps the gathered storage)."""
+    param = wrapped(*args, **kwargs)
+    if not (_w.open and _w.main) or _inside.get() or serving.in_request() or not serving.is_partitioned(param):
+        return param
+    if getattr(instance, "_in_forward", False) or getattr(
+        getattr(getattr(instance, "_parent_module", None), "_parameters", None), "_in_forward", False
+    ):
+        return param  # a forward's own read: DeepSpeed gathers it (external parameters)
+    _site, guard = guarded_caller(sys._getframe(1))
+    if guard is None or not _servable_read(param):
+        return param  # every rank reads it (their own partitions, as stock), or a fetch the others cannot join
+    with serving.requesting():
+        serving.before_gather([param], None, fetch=True)
+        param.all_gather_coalesced([param]).wait()  # what the paused ranks run (serving._serve_fetch)
+    _w.read.append(param)
+    return param
+
+
+def _servable_read(param) -> bool:
+    """One plain ``all_gather_coalesced`` the others join: not quantized, no hpZ secondary partition, not on NVMe."""
+    return (
+        getattr(param, "ds_secondary_tensor", None) is None
+        and not hasattr(param.ds_tensor, "ds_quant_scale")
+        and getattr(param, "nvme_swapper", None) is None
+    )
+
+
+def _release_read() -> None:
+    """Partition again what rank 0 read alone (local: partition() frees the data), unless a forward or a gather
+    holds it now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    read, _w.read = _w.read, []
+    for p in read:
+        if (
+            p.ds_status == ZeroParamStatus.AVAILABLE
+            and not p.ds_active_sub_modules
+            and not getattr(p, "_ds_z3_gathered_param_context_depth", 0)
+        ):
+            p.partition(param_list=[p], has_been_updated=False)
 
 
 def _guarded_caller():

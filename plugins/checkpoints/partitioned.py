@@ -13,6 +13,8 @@ Stock writes what each parameter holds on this rank: shape-[0] tensors, exit 0, 
   (``revert_weight_conversion``) and writes each shard with ``transformers.modeling_utils.safe_save_file``,
   its own alias of save_file, bound to the patched save_file: each meta entry is known by identity,
   so a renamed one is still gathered from its parameter;
+- diffusers ``save_attn_procs`` of custom-diffusion processors: the state dict it builds from them answers
+  the same meta tensors (keys ``<processor>.<parameter>``), written by the patched ``save_file``;
 - ``safetensors.torch.save_file`` given partitioned parameters themselves: the same;
 - what cannot be completed fails before anything is written, with the reason: ``torch.save``
   (pickle) shards, a weight conversion that computes new tensors from partitioned ones, no
@@ -89,15 +91,16 @@ def refuse(what: str, reason: str, fix: str):
 
 
 @contextlib.contextmanager
-def meta_state_dict(module):
+def meta_state_dict(module, method: str = "state_dict", by_name: dict | None = None):
     """Inside, ``module.state_dict()`` gives whole-shape meta tensors for partitioned parameters,
     and :func:`save_file` knows which parameter each such key (or meta tensor: a library may rename
-    the keys) stands for."""
+    the keys) stands for. ``method``: another method of ``module`` answering a state dict, whose keys
+    ``by_name`` maps to parameters (default: the module's own parameter names)."""
     import torch
 
-    original = module.state_dict
-    had_attr = "state_dict" in module.__dict__
-    by_name = dict(module.named_parameters(remove_duplicate=False))
+    original = getattr(module, method)
+    had_attr = method in module.__dict__
+    by_name = dict(module.named_parameters(remove_duplicate=False)) if by_name is None else by_name
     sources: dict = {}
     metas: dict = {}
     by_meta: dict = {}  # id(meta tensor) -> parameter; the meta tensors live as long as this context
@@ -115,16 +118,16 @@ def meta_state_dict(module):
                 sources[key] = param
         return out
 
-    module.state_dict = state_dict
+    setattr(module, method, state_dict)
     token = _sources.set((sources, by_meta))
     try:
         yield sources
     finally:
         _sources.reset(token)
         if had_attr:
-            module.state_dict = original
+            setattr(module, method, original)
         else:
-            del module.state_dict
+            delattr(module, method)
 
 
 def write_streaming(tensors: dict, sources: dict, filename, metadata=None) -> None:
@@ -223,6 +226,41 @@ def diffusers_save_pretrained(wrapped, instance, args, kwargs):
         )
     refuse_if_group_gone(what)
     with meta_state_dict(instance):
+        return wrapped(*args, **kwargs)
+
+
+def diffusers_save_attn_procs(wrapped, instance, args, kwargs):
+    """``UNet2DConditionLoadersMixin.save_attn_procs`` of custom-diffusion processors that are partitioned (they
+    trained in a ZeRO-3 engine: train_custom_diffusion.py's final save on the main process): the state dict
+    diffusers builds from them (``_get_custom_diffusion_state_dict``, keys ``<processor name>.<parameter name>``)
+    answers meta tensors, written gathered by :func:`save_file`. LoRA processors go through peft's state dict
+    (peft_state_dict)."""
+    import torch
+
+    processors = getattr(instance, "attn_processors", {})
+    by_name = {
+        f"{name}.{param_name}": param
+        for name, processor in processors.items()
+        if isinstance(processor, torch.nn.Module)
+        for param_name, param in processor.named_parameters(remove_duplicate=False)
+    }
+    if not any(serving.is_partitioned(p) for p in by_name.values()) or not hasattr(
+        instance, "_get_custom_diffusion_state_dict"
+    ):
+        return wrapped(*args, **kwargs)
+    try:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # stock raises its own error
+    what = f"{type(instance).__name__}.save_attn_procs({bound.arguments.get('save_directory')!r})"
+    if bound.arguments.get("save_function") is not None or not bound.arguments.get("safe_serialization", True):
+        refuse(
+            what,
+            "Only safetensors files written by diffusers' own save function can be written gathered slice by slice.",
+            "Pass safe_serialization=True (the default) and no save_function.",
+        )
+    refuse_if_group_gone(what)
+    with meta_state_dict(instance, "_get_custom_diffusion_state_dict", by_name):
         return wrapped(*args, **kwargs)
 
 

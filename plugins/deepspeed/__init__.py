@@ -21,13 +21,19 @@
   while the script holds it; writes refused (gathered_reads.py).
 - several models and one optimizer over them in one ``accelerator.prepare`` (accelerate: "multiple models
   when using DeepSpeed"): one engine over a container of the models, each position given the model's view
-  of it (models_together.py).
+  of it, stepping at the script's ``optimizer.step()`` (models_together.py); a gradient the script reads
+  between backward and step shown whole and written back (shown_gradients.py); several models each with its
+  own optimizer (a GAN): one engine each, one backward through all (engine_per_model.py).
+- ``torch.autograd.grad`` through an engine, or a backward into other engines' parameters only: not taken for
+  that engine's backward (torch_style_backward.py).
+- spectral norm's ``u``/``v`` buffers cast with their weight; a forward given fp32 activations hands back fp32, as
+  accelerate's autocast under DDP does (input_dtype.py).
 - inputs of the other half dtype (fp16 activations for a bf16 engine, as diffusers' CogVideoX LoRA
   scripts make them) are cast at the engine's boundary (input_dtype.py).
 
 This module declares the patches; the wrappers sit beside it: mixed_precision.py, config_file.py,
-inference_mode.py, prepare.py (auto_batch_size.py, models_together.py), input_dtype.py, gathered_reads.py
-(precision_config.py: what the configs say).
+inference_mode.py, prepare.py (auto_batch_size.py, models_together.py, engine_per_model.py, shown_gradients.py),
+input_dtype.py, torch_style_backward.py, gathered_reads.py (precision_config.py: what the configs say).
 """
 
 from __future__ import annotations
@@ -94,15 +100,16 @@ PREPARE = Patch(
     target="accelerate.accelerator:Accelerator.prepare",
     supports="accelerate>=1.10.1,<1.17",
     # Several models with one optimizer over all their trainable parameters (diffusers' custom_diffusion with
-    # --modifier_token) become one engine over a container of them (models_together.py); other multi-model
-    # calls keep accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
+    # --modifier_token) become one engine over a container of them (models_together.py); several models each with
+    # its own optimizer (vqgan/train_vqgan.py) one engine each (engine_per_model.py); other multi-model calls keep
+    # accelerate's assertion, with the reason. "auto" micro batch: diffusers' bucketing DreamBooth
     # LoRA scripts pass batch_sampler=; the LCM *_wds.py scripts prepare no DataLoader (webdataset batches);
     # the engine's first training forward sets the value (a forward pre-hook on that engine, removed after).
     # A data_efficiency config is one error naming the key and file.
-    reason="accelerator.py prepare: one model per DeepSpeed engine even with one optimizer over several; 'auto' "
+    reason="accelerator.py prepare: one model per Accelerator under DeepSpeed, whatever the optimizers; 'auto' "
     "micro batch only from DataLoader.batch_size. Both completed.",
-    remove_when="accelerate prepares models sharing one optimizer as one engine and resolves 'auto' micro "
-    "batch sizes without a DataLoader.batch_size",
+    remove_when="accelerate prepares several models under DeepSpeed and resolves 'auto' micro batch sizes "
+    "without a DataLoader.batch_size",
     wrapper=".prepare:prepare",
 )
 
@@ -123,14 +130,34 @@ ZERO3_PARAM_DTYPE = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine._cast_module_mixed_precision",
     supports="deepspeed>=0.19.2,<0.20",
     # Before 0.19.2 _configure_distributed_model called module.bfloat16()/half() on every model, zero.Init
-    # partitions included (deepspeed 0.19.1 runtime/engine.py), which cast what a script cast after loading;
-    # 0.19.2 moved the cast into _cast_module_mixed_precision, which skips zero.Init models.
+    # partitions and buffers included (deepspeed 0.19.1 runtime/engine.py), which cast what a script cast after
+    # loading; 0.19.2 moved the cast into _cast_module_mixed_precision, which skips zero.Init models and keeps
+    # buffers fp32.
     stock_correct="deepspeed<0.19.2",
-    # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config.
-    reason="runtime/engine.py skips the dtype cast for a model built under zero.Init, so a cast after "
-    "loading trains in the wrong dtype; partitions are cast.",
-    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype",
-    wrapper=".input_dtype:cast_partitioned_params",
+    # diffusers' cogvideo/train_cogvideox_lora.py casts .to(float16) under a bf16 config; vqgan/train_vqgan.py's
+    # discriminator is spectral-normed.
+    # Spectral norm's u/v stay fp32 beside half weights: "addmv input tensors must have the same dtype".
+    reason="runtime/engine.py casts no zero.Init parameter (a cast after loading trains in the wrong dtype) and no "
+    "spectral-norm buffer; both cast.",
+    remove_when="DeepSpeed casts zero.Init parameters that are not in the configured dtype, and spectral norm's "
+    "buffers with their weight",
+    wrapper=".input_dtype:cast_what_deepspeed_skips",
+)
+
+
+# -- autograd passes through an engine's outputs that put nothing into its parameters ------------------------
+# diffusers v0.40.0's vqgan/train_vqgan.py: torch.autograd.grad for its adaptive weight and gradient penalty, and one
+# engine per model (engine_per_model.py) with the generator's loss through the discriminator.
+ENGINE_OUTPUT_BACKWARD_HOOK = Patch(
+    target="deepspeed.runtime.utils:OutputBackwardHookManager._make_backward_hook",
+    supports="deepspeed>=0.16.9,<0.20",
+    # Also: the once-per-forward prologue and ZeRO-3's backward gathers are not used up before the real backward, and
+    # an engine called twice before one backward enters its optimizer's backward once.
+    reason="A torch.autograd.grad through an engine is taken for its backward: its epilogue reduces no gradient "
+    "('list index out of range').",
+    remove_when="DeepSpeed's PyTorch-style backward hooks skip passes that accumulate into none of the engine's "
+    "parameters",
+    wrapper=".torch_style_backward:output_backward_hook",
 )
 
 
@@ -169,6 +196,7 @@ def accel_npu_register_patches():
         PREPARE,
         ENGINE_INPUT_DTYPE,
         ZERO3_PARAM_DTYPE,
+        ENGINE_OUTPUT_BACKWARD_HOOK,
         ENGINE_PARAMETERS,
         ENGINE_NAMED_PARAMETERS,
     ]

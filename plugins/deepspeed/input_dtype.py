@@ -18,7 +18,10 @@ prompt embeddings rebuilt as fp32 in train_controlnet_sdxl.py, Cosmos 2.5's inpu
 accelerate runs its forward under ``torch.autocast`` (accelerate/accelerator.py ``native_amp``), under
 DeepSpeed it does not, and the first matmul fails ("expected m1 and m2 to have the same dtype"), on GPUs
 too. A forward given a floating fp32 tensor of two or more dimensions directly as an argument runs under
-``torch.autocast`` of the engine's dtype, as that script runs under DDP; engines given no such input run as before.
+``torch.autocast`` of the engine's dtype, and its floating outputs come back in fp32, as that script runs under DDP
+(accelerate wraps the model's forward in autocast and ``convert_outputs_to_fp32``): diffusers' vqgan/train_vqgan.py
+hands the VQModel's reconstruction to an fp32 timm model outside any engine. Engines given no such input run as
+before.
 """
 
 from __future__ import annotations
@@ -99,9 +102,11 @@ def cast_other_half_inputs(wrapped, instance, args, kwargs):
             names[other],
         )
     if fp32:
+        from accelerate.utils import convert_to_fp32
+
         _warn_autocast(fp32, half)
         with torch.autocast(device_type, dtype=half):
-            return wrapped(*new_args, **new_kwargs)
+            return convert_to_fp32(wrapped(*new_args, **new_kwargs))
     return wrapped(*new_args, **new_kwargs)
 
 
@@ -115,8 +120,8 @@ def _warn_autocast(names: list[str], half) -> None:
     where = f"{site[0]}:{site[1]}" if site else "the script"
     log.warning(
         "accel-npu: %s passes float32 %s to a DeepSpeed engine whose weights are %s: its forward runs under "
-        "torch.autocast(%s), as accelerate runs it under DDP with mixed precision (DeepSpeed casts no "
-        "float32 input).",
+        "torch.autocast(%s) and returns float32, as accelerate runs it under DDP with mixed precision (DeepSpeed "
+        "casts no float32 input).",
         where,
         ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""),
         "bfloat16" if half == torch.bfloat16 else "float16",
@@ -127,9 +132,48 @@ def _warn_autocast(names: list[str], half) -> None:
 _warned_cast: set = set()
 
 
-def cast_partitioned_params(wrapped, instance, args, kwargs):
-    """``DeepSpeedEngine._cast_module_mixed_precision`` that also casts a ZeRO-3 model built in
-    partitions (zero.Init) whose parameters are not in the configured dtype.
+def cast_what_deepspeed_skips(wrapped, instance, args, kwargs):
+    """``DeepSpeedEngine._cast_module_mixed_precision`` that also casts what DeepSpeed before 0.19.2 cast with
+    ``module.bfloat16()`` / ``half()`` and 0.19.2 skips: spectral norm's power-iteration vectors, and a ZeRO-3
+    model built in partitions (zero.Init) whose parameters are not in the configured dtype."""
+    result = wrapped(*args, **kwargs)
+    names = ("param_dtype", "buffer_dtype", "is_zero_init_model")
+    bound = dict(zip(names, args), **kwargs)
+    param_dtype = bound.get("param_dtype")
+    if param_dtype is None:
+        return result
+    _cast_spectral_norm_vectors(instance.module, param_dtype)
+    if bound.get("is_zero_init_model"):
+        _cast_partitioned_params(instance, param_dtype)
+    return result
+
+
+def _cast_spectral_norm_vectors(module, dtype) -> None:
+    """Spectral norm's ``u`` / ``v`` buffers in the dtype of the weight they multiply.
+
+    ``torch.nn.utils.spectral_norm`` computes ``torch.mv(weight_mat.t(), u, out=v)`` before each forward
+    (torch/nn/utils/spectral_norm.py), the parametrization form ``torch.mv(weight_mat, _v)``: DeepSpeed 0.19.2 casts
+    the weight to bf16 and keeps the buffers fp32 ("preserve fp32 buffers (e.g. rotary inv_freq)", runtime/engine.py
+    _configure_distributed_model), and the first forward stops ("addmv input tensors must have the same dtype"),
+    on GPUs too: diffusers v0.40.0's vqgan/discriminator.py spectral-norms every convolution. Under DDP with mixed
+    precision the weight stays fp32 beside them; under DeepSpeed both take the weight's dtype, as before 0.19.2."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    for sub in module.modules():
+        names = []
+        for hook in sub._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm):
+                names += [hook.name + "_u", hook.name + "_v"]
+        if type(sub).__name__ == "_SpectralNorm":  # torch.nn.utils.parametrizations.spectral_norm
+            names += ["_u", "_v"]
+        for name in names:
+            buffer = sub._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                sub._buffers[name] = buffer.to(dtype)
+
+
+def _cast_partitioned_params(instance, param_dtype) -> None:
+    """A ZeRO-3 model built in partitions (zero.Init) whose parameters are not in the configured dtype, cast.
 
     DeepSpeed skips the parameter cast for such a model ("ZeRO-Init params are already at the configured
     dtype", deepspeed/runtime/engine.py). That holds for a model built under its own zero.Init, not for
@@ -139,12 +183,6 @@ def cast_partitioned_params(wrapped, instance, args, kwargs):
     """
     import torch
 
-    result = wrapped(*args, **kwargs)
-    names = ("param_dtype", "buffer_dtype", "is_zero_init_model")
-    bound = dict(zip(names, args), **kwargs)
-    param_dtype = bound.get("param_dtype")
-    if param_dtype is None or not bound.get("is_zero_init_model"):
-        return result
     castable = (torch.float16, torch.bfloat16, torch.float32)
     cast = []
     for name, p in instance.module.named_parameters():
@@ -166,4 +204,3 @@ def cast_partitioned_params(wrapped, instance, args, kwargs):
             str(param_dtype).removeprefix("torch."),
             str(param_dtype).removeprefix("torch."),
         )
-    return result

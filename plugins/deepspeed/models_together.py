@@ -28,16 +28,17 @@ reads ``accel_npu._torch.markers.models_prepared_together``).
 The step is taken where the script takes it, at ``optimizer.step()``, as under DDP for which such a script is
 written, not inside ``accelerator.backward`` (accelerate's DeepSpeedEngineWrapper.backward steps there for its one
 model): such a script edits gradients between the two (train_custom_diffusion.py zeroes the embedding rows of all but
-its new tokens, lines 1192-1205). Where a parameter is whole (ZeRO-1/2) and DeepSpeed holds its gradient in its
-partitions (``param.grad`` None), the gradient is shown as ``param.grad`` (``deepspeed.utils.safe_get_full_grad``, in
-the dtype DeepSpeed keeps it) and what the script leaves there is written back (``safe_set_full_grad``) before
-``engine.step()``. Under ZeRO-3 a parameter is partitioned (shape [0]) and ``param.grad`` stays None. A backward at
-an accumulation boundary with a step still pending (the script never called ``optimizer.step()``) takes it first.
+its new tokens, lines 1192-1205). DeepSpeed holds those gradients in its partitions (``param.grad`` None; under ZeRO-3
+the parameter is a shape-[0] partition too): the gradient of a parameter the script reads there is shown as its
+``param.grad`` and written back before ``engine.step()`` (shown_gradients.py: ``safe_get_full_grad`` /
+``safe_set_full_grad``, the parameter gathered while shown under ZeRO-3). A backward at an accumulation boundary with a
+step still pending (the script never called ``optimizer.step()``) takes it first.
 
-Left as accelerate's assertion, with the reason appended: several optimizers (a GAN's generator and
-discriminator, diffusers' vqgan/train_vqgan.py), no optimizer, a trainable parameter of a model outside the
-optimizer (or an optimizer parameter outside the models), a model with nothing to train, models sharing
-parameters, and accelerate's ``DummyOptim``.
+Several models each with an optimizer of its own over exactly its trainable parameters (a GAN's generator and
+discriminator, diffusers' vqgan/train_vqgan.py) get one engine each (engine_per_model.py). Left as accelerate's
+assertion, with the reason appended: no optimizer, an optimizer over part of several models, a trainable parameter of
+a model outside every optimizer (or an optimizer parameter outside the models), a model with nothing to train, models
+sharing parameters, and accelerate's ``DummyOptim``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from __future__ import annotations
 import logging
 
 from accel_npu._torch.markers import MODELS_PREPARED_TOGETHER, STEPS_AT_OPTIMIZER_STEP
+from accel_npu.plugins.deepspeed.engine_per_model import pairs_of, prepare_engine_per_model
+from accel_npu.plugins.deepspeed.shown_gradients import GradientWindow
 
 log = logging.getLogger("accel_npu")
 
@@ -287,7 +290,7 @@ def _step_classes():
         def __init__(self, engine):
             super().__init__(engine)
             self.pending = False
-            self.shown: list = []
+            self.window = None  # the gradients shown between the backward and the step (shown_gradients.py)
             self.__dict__[STEPS_AT_OPTIMIZER_STEP] = []  # called after each step (the checkpoints' step boundary)
 
         def backward(self, loss, sync_gradients=True, **kwargs):
@@ -301,19 +304,14 @@ def _step_classes():
             self.engine.backward(loss, **kwargs)
             if sync_gradients:
                 self.pending = True
-                self.shown = _show_gradients(self.engine)
+                self.window = GradientWindow.open(self.engine.module)
 
         def step(self):
             if not self.pending:
                 return
-            import torch
-            from deepspeed.utils import safe_set_full_grad
-
-            shown, self.shown, self.pending = self.shown, [], False
-            for param, grad in shown:
-                edited = param.grad if param.grad is not None else torch.zeros_like(grad)  # set to None: zero
-                param.grad = None  # safe_set_full_grad writes into param.grad when there is one
-                safe_set_full_grad(param, edited)
+            window, self.window, self.pending = self.window, None, False
+            if window is not None:
+                window.close()
             self.engine.step()
             for after_step in list(self.__dict__[STEPS_AT_OPTIMIZER_STEP]):
                 after_step()
@@ -337,31 +335,6 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
-
-
-def _show_gradients(engine) -> list:
-    """Each whole trainable parameter whose gradient DeepSpeed holds in its partitions (ZeRO-1/2: ``param.grad``
-    None after its backward) given that gradient as ``param.grad``; [(param, shown gradient)]. Collective: every
-    rank reconstructs the same parameters in the same order (``safe_get_full_grad`` all-reduces)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    shown = []
-    for param in engine.module.parameters():
-        # _hp_mapping is None where the parameter lies outside this rank's partition: it still takes part
-        if (
-            not param.requires_grad
-            or param.grad is not None
-            or hasattr(param, "ds_id")
-            or not hasattr(param, "_hp_mapping")
-        ):
-            continue
-        grad = safe_get_full_grad(param)
-        if grad is None:
-            continue
-        grad = grad.to(param.dtype)  # the dtype DeepSpeed keeps it in (get_full_hp_grad upcasts that copy)
-        param.grad = grad
-        shown.append((param, grad))
-    return shown
 
 
 def _step_at_optimizer_step(accelerator, engine, prepared) -> bool:
@@ -392,9 +365,12 @@ def prepare_models_together(prepare, accelerator, args, kwargs):
     others = [a for a in args if not isinstance(a, torch.nn.Module)]
     why = why_not_together(models, others)
     if why is not None:
+        pairs, why_not_each = pairs_of(models, others)
+        if pairs is not None:
+            return prepare_engine_per_model(prepare, accelerator, args, kwargs, pairs, STOCK_MESSAGE)
         raise AssertionError(
-            f"{STOCK_MESSAGE} (accel-npu prepares several models as one engine only with one "
-            f"optimizer over all their trainable parameters: {why})"
+            f"{STOCK_MESSAGE} (accel-npu prepares several models as one engine with one optimizer over all their "
+            f"trainable parameters, or one engine per model each with its own optimizer: {why}; {why_not_each})"
         )
     container = _container_class()(models)
     inner = [container if i == positions[0] else a for i, a in enumerate(args) if i not in positions[1:]]

@@ -343,8 +343,16 @@ def load(cls, plan: _Plan):
 
 
 def tensors_on_meta(model) -> list[str]:
-    """Names of parameters, buffers and plain tensor attributes still on the meta device."""
+    """Names of parameters, buffers and plain tensor attributes still on the meta device.
+
+    A plain attribute that a forward pre-hook computes anew before every forward is not one: torch's
+    ``spectral_norm`` / ``weight_norm`` set ``module.weight`` from ``weight_orig`` (and ``u``/``v``) or
+    ``weight_g``/``weight_v`` that way (torch/nn/utils/spectral_norm.py, weight_norm.py), so under a meta
+    construction it stays meta until the first forward, with stock diffusers too (diffusers v0.40.0's
+    vqgan/discriminator.py)."""
     import torch
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
 
     left = []
     for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -355,8 +363,9 @@ def tensors_on_meta(model) -> list[str]:
         for name, b in module._buffers.items():
             if b is not None and b.is_meta:
                 left.append(prefix + name)
+        computed = {h.name for h in module._forward_pre_hooks.values() if isinstance(h, (SpectralNorm, WeightNorm))}
         for name, v in vars(module).items():
-            if isinstance(v, torch.Tensor) and not name.startswith("_") and v.is_meta:
+            if isinstance(v, torch.Tensor) and not name.startswith("_") and v.is_meta and name not in computed:
                 left.append(prefix + name)
     return sorted(set(left))
 
