@@ -233,3 +233,36 @@ def test_a_bf16_engine_runs_a_spectral_normed_model_on_fp32_inputs_as_ddp_does(a
     assert stock_engine.module[0].weight_u.dtype == torch.float32
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         stock_engine(torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_after_a_backward_discards_what_it_accumulated(accelerator_factory, stage):
+    """``optimizer.zero_grad()`` between a backward and the step, as under DDP: the gradients DeepSpeed accumulated for
+    that engine are dropped (the step then has nothing to apply, as torch.optim skips a parameter whose .grad is
+    None), and the next backward's gradient alone is stepped: the weights equal those of a run that never took the
+    dropped backward."""
+    import torch
+
+    accelerator = accelerator_factory(stage)
+    generator, discriminator = _models()
+    reference = copy.deepcopy(generator)
+    opt, d_opt = _optimizers(generator, discriminator)
+    accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
+    p_gen, p_disc, p_opt, p_d_opt = accelerator.prepare(generator, discriminator, opt, d_opt)
+    x, y = _batches()[:2]
+    before = _master(generator)
+    p_opt.zero_grad()
+    accelerator.backward(p_gen(x).pow(2).mean())
+    p_opt.zero_grad()  # drops it
+    p_opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in _master(generator).items())
+    assert p_gen.global_steps == 0
+    accelerator.backward(p_gen(y).pow(2).mean())
+    p_opt.step()
+    ref_opt = torch.optim.AdamW(list(reference.parameters()), lr=1e-2)
+    reference(y).pow(2).mean().backward()
+    ref_opt.step()
+    after = _master(generator)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(after[name], param.detach(), msg=name)
+        assert not torch.equal(after[name], before[name]), name
