@@ -115,13 +115,25 @@ def _flux2_args(pipe: Path, images: Path, out: Path) -> list[str]:
 def flux2_runs(tmp_path_factory):
     """{name: (CompletedProcess, output dir, witness records per rank)}: sp=2 on 2 ranks, the same global batch on
     1 rank, and sp=2 with torch's divide factor and sum-only switches made no-ops (FSDP2's own mean kept)."""
-    import tiny_flux2
+    import subprocess
 
     from tests.torchvision_site import with_torchvision
 
     root = tmp_path_factory.mktemp("sequence_parallel_fsdp2")
-    tiny_flux2.flux2_pipeline(str(root / "flux2"))
-    tiny_flux2.dreambooth_images(str(root / "images"))
+    # built in a process of its own: Flux2's PixtralProcessor needs torchvision, which the test venv may lack
+    build = (
+        "import tiny_flux2 as t; "
+        f"t.flux2_pipeline({str(root / 'flux2')!r}); t.dreambooth_images({str(root / 'images')!r})"
+    )
+    built = subprocess.run(
+        [sys.executable, "-c", build],
+        env=with_torchvision(base_env()),
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
     one, two_sp = _fsdp2_config(root, 1), _fsdp2_config(root, 2, sp=2)
     plans = {"sp2": (two_sp, WITNESS), "sp1": (one, WITNESS), "sp2_averaging": (two_sp, AVERAGING)}
 

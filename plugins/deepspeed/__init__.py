@@ -150,7 +150,10 @@ ZERO3_PARAM_DTYPE = Patch(
 # engine per model (engine_per_model.py) with the generator's loss through the discriminator.
 ENGINE_OUTPUT_BACKWARD_HOOK = Patch(
     target="deepspeed.runtime.utils:OutputBackwardHookManager._make_backward_hook",
-    supports="deepspeed>=0.16.9,<0.20",
+    supports="deepspeed>=0.18.3,<0.20",
+    # OutputBackwardHookManager came in 0.18.3 (not in 0.18.2's runtime/utils.py): before it no backward hook sits
+    # on an engine's outputs, so an autograd pass through one never enters the engine's backward.
+    stock_correct="deepspeed<0.18.3",
     # Also: the once-per-forward prologue and ZeRO-3's backward gathers are not used up before the real backward, and
     # an engine called twice before one backward enters its optimizer's backward once.
     reason="A torch.autograd.grad through an engine is taken for its backward: its epilogue reduces no gradient "
