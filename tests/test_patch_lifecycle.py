@@ -238,7 +238,9 @@ def test_unpatch_before_import_leaves_the_module_stock_until_the_next_patch():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
     assert out["imported_before"] == [], "accel-npu's own activation imported these: the case is untestable"
-    results = out["results"]
+    # a patch the installed release needs not (stock correct there) may still find its target: not compared
+    needless = {p.target for _, p in DECLARED if p.not_needed()}
+    results = {t: r for t, r in out["results"].items() if t not in needless}
     installed = {p.target for _, p in DECLARED if not not_installed(p) and not p.not_needed()}
     assert set(results) == installed
     assert [t for t, r in results.items() if not r["stock_after_import"]] == []
