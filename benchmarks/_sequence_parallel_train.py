@@ -22,14 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-
-def rss_anon_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from _proc import rss_anon  # benchmarks/: the script's own folder, first on sys.path
 
 
 class LatentVideos(torch.utils.data.Dataset):
@@ -96,7 +89,7 @@ def main() -> None:
     rope = get_3d_rotary_pos_embed(
         args.head_dim, ((0, 0), (grid_h, grid_w)), (grid_h, grid_w), args.frames, use_real=True
     )
-    before_step1 = rss_anon_bytes()
+    before_step1 = rss_anon()
     walls, cpus, losses = [], [], []
     model.train()
     for latents, text in loader:

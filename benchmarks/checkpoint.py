@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _proc import rss_anon
 from _results import Report
 
 #: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
@@ -46,14 +47,6 @@ MEASURES = (
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MB = 1024 * 1024
-
-
-def rss_anon(pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class Peak:

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _proc import mem_available, rss_anon
 from _results import Report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,25 +193,6 @@ def _numel(shape) -> int:
 # ------------------------------------------------------------------------------------------------
 # measuring
 # ------------------------------------------------------------------------------------------------
-def rss_anon(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _proc import mem_available, rss_anon
 from _results import Report, mb
 
 from tests.launch_utils import BIN, REPO, base_env, free_port
@@ -66,24 +67,6 @@ def geometry(tokens: int) -> tuple[int, int]:
     if FRAMES * (height // 2) * (width // 2) != tokens or height % 2 or width % 2:
         raise SystemExit(f"{tokens} video tokens are not {FRAMES} frames of an even latent grid")
     return height, width
-
-
-def rss_anon(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def launch_config(directory: Path, processes: int) -> Path:
