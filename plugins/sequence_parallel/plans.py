@@ -295,10 +295,27 @@ def _once(builder):
     return get
 
 
+def _attend(processor, query, key, value, attention_mask=None):
+    """diffusers' ``dispatch_attention_fn`` on (batch, tokens, heads, head_dim) with ``processor``'s backend and
+    parallel config: where Ulysses exchanges heads for tokens. Each processor below is upstream's, this call in
+    place of its ``F.scaled_dot_product_attention``."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    return dispatch_attention_fn(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        is_causal=False,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+
+
 @_once
 def cogvideox_processor_class():
     import torch
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
     class CogVideoXUlyssesAttnProcessor(CogVideoXAttnProcessor2_0):
@@ -334,16 +351,9 @@ def cogvideox_processor_class():
                 if not attn.is_cross_attention:
                     key[:, :, text_seq_length:] = apply_rotary_emb(key[:, :, text_seq_length:], image_rotary_emb)
 
-            # dispatch_attention_fn takes (batch, tokens, heads, head_dim)
-            hidden_states = dispatch_attention_fn(
-                query.transpose(1, 2),
-                key.transpose(1, 2),
-                value.transpose(1, 2),
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
+            # _attend takes (batch, tokens, heads, head_dim)
+            hidden_states = _attend(
+                self, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask
             )
             hidden_states = hidden_states.flatten(2, 3)
             hidden_states = attn.to_out[0](hidden_states)
@@ -358,7 +368,6 @@ def cogvideox_processor_class():
 
 @_once
 def joint_processor_class():
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
     class JointUlyssesAttnProcessor(JointAttnProcessor2_0):
@@ -393,15 +402,7 @@ def joint_processor_class():
                     context[1] = attn.norm_added_k(context[1])
                 query, key, value = (torch.cat([x, c], dim=1) for x, c in zip((query, key, value), context))
 
-            hidden_states = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            hidden_states = _attend(self, query, key, value)
             hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
             if encoder_hidden_states is not None:
                 hidden_states, encoder_hidden_states = hidden_states[:, :image_tokens], hidden_states[:, image_tokens:]
@@ -453,7 +454,6 @@ def hunyuan_video_processor_class():
 
 @_once
 def cosmos_self_attention_processor_class():
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
     from diffusers.models.transformers.transformer_cosmos import CosmosAttnProcessor2_0
 
     class CosmosUlyssesSelfAttnProcessor(CosmosAttnProcessor2_0):
@@ -478,15 +478,8 @@ def cosmos_self_attention_processor_class():
                 key = apply_rotary_emb(key, image_rotary_emb, use_real=True, use_real_unbind_dim=-2)
             key = key.repeat_interleave(query.size(3) // key.size(3), dim=3)
             value = value.repeat_interleave(query.size(3) // value.size(3), dim=3)
-            hidden_states = dispatch_attention_fn(
-                query.transpose(1, 2),
-                key.transpose(1, 2),
-                value.transpose(1, 2),
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
+            hidden_states = _attend(
+                self, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attention_mask
             )
             hidden_states = hidden_states.flatten(2, 3).type_as(query)
             hidden_states = attn.to_out[0](hidden_states)
