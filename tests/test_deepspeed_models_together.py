@@ -87,6 +87,10 @@ def _models():
     return layers, text_encoder
 
 
+def _text_module(text_encoder):
+    return text_encoder.text_model if hasattr(text_encoder, "text_model") else text_encoder
+
+
 def _optimizer(layers, text_encoder):
     import torch
 
@@ -238,7 +242,56 @@ def test_an_optimizer_missing_a_models_parameters_keeps_accelerates_assertion_wi
     layers, text_encoder = _models()
     only_layers = torch.optim.SGD(layers.parameters(), lr=0.1)
     with pytest.raises(
-        AssertionError, match=STOCK + r".*trainable parameters of model 1 \(CLIPTextModel\) are not.*2 models with 1"
+        AssertionError,
+        match=STOCK + r".*the trainable parameters of model 1 \(CLIPTextModel\) are not.*2 models with 1",
     ):
         accelerator.prepare(layers, text_encoder, only_layers)
     assert accelerator._models == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trainable_parameter_left_out_of_the_optimizer_keeps_its_value_as_under_ddp(accelerator_factory, stage):
+    """diffusers v0.40.0's textual_inversion_sdxl.py leaves CLIPTextModelWithProjection's ``text_projection``
+    requiring a gradient outside its optimizer (token embeddings only). Under DDP no step changes it; here the
+    final layer norm plays that part. Witnesses: the left-out weight equal to its initial value after two steps,
+    the optimized ones equal to the same steps taken without DeepSpeed, where the left-out weight does get a
+    gradient (so it did take part) and is not stepped."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    accelerator = accelerator_factory(stage)
+    layers, text_encoder = _models()
+    left_out = _text_module(text_encoder).final_layer_norm.weight
+    left_out.requires_grad_(True)
+    initial_left_out = left_out.detach().clone()
+    reference = copy.deepcopy((layers, text_encoder))
+    optimizer = _optimizer(layers, text_encoder)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.cat(_batches())), batch_size=2)
+    p_layers, p_text, p_opt, p_loader = accelerator.prepare(layers, text_encoder, optimizer, loader)
+
+    ref_layers, ref_text = reference
+    ref_opt = _optimizer(ref_layers, ref_text)
+    for (ids,) in list(p_loader)[:2]:
+        accelerator.backward(_loss(p_layers.module, p_text, ids))
+        p_opt.step()
+        p_opt.zero_grad()
+        _loss(ref_layers, ref_text, ids).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_left_out = _text_module(ref_text).final_layer_norm.weight
+    assert ref_left_out.grad is not None and ref_left_out.grad.abs().sum() > 0  # it takes part in the loss
+    assert torch.equal(ref_left_out.detach(), initial_left_out)  # and no step changes it under plain torch
+    from deepspeed import zero
+
+    with zero.GatheredParameters([left_out], enabled=stage == 3):
+        assert torch.equal(left_out.detach().float(), initial_left_out)
+    after = _master({"layers": layers, "text_encoder": text_encoder})
+    expected = {
+        f"{m}.{n}": p.detach()
+        for m, model in {"layers": ref_layers, "text_encoder": ref_text}.items()
+        for n, p in model.named_parameters()
+        if p.requires_grad and "final_layer_norm" not in n
+    }
+    assert set(after) == set(expected)
+    for key, value in after.items():
+        torch.testing.assert_close(value, expected[key], msg=key)

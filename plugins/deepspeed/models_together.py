@@ -35,10 +35,11 @@ the parameter is a shape-[0] partition too): the gradient of a parameter the scr
 step still pending (the script never called ``optimizer.step()``) takes it first.
 
 Several models each with an optimizer of its own over exactly its trainable parameters (a GAN's generator and
-discriminator, diffusers' vqgan/train_vqgan.py) get one engine each (engine_per_model.py). Left as accelerate's
-assertion, with the reason appended: no optimizer, an optimizer over part of several models, a trainable parameter of
-a model outside every optimizer (or an optimizer parameter outside the models), a model with nothing to train, models
-sharing parameters, and accelerate's ``DummyOptim``.
+discriminator, diffusers' vqgan/train_vqgan.py) get one engine each (engine_per_model.py). A trainable parameter the
+one optimizer leaves out of a model whose other parameters it holds never changes under DDP: it is frozen
+(``freeze_left_out``). Left as accelerate's assertion, with the reason appended: no optimizer, an optimizer over part
+of several models, a model none of whose trainable parameters is in the optimizer (or an optimizer parameter outside
+the models), a model with nothing to train, models sharing parameters, and accelerate's ``DummyOptim``.
 """
 
 from __future__ import annotations
@@ -85,12 +86,36 @@ def why_not_together(models: list, others: list) -> str | None:
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             return f"model {i} ({type(model).__name__}) has no trainable parameter: use it outside accelerator.prepare"
-        outside = sum(1 for p in trainable if id(p) not in in_optimizer)
-        if outside:
-            return f"{outside} trainable parameters of model {i} ({type(model).__name__}) are not in the optimizer"
+        if all(id(p) not in in_optimizer for p in trainable):
+            return f"the trainable parameters of model {i} ({type(model).__name__}) are not in the optimizer"
     if in_optimizer - seen:
         return f"the optimizer holds {len(in_optimizer - seen)} parameters of no model in the call"
     return None
+
+
+def freeze_left_out(models: list, optimizer) -> None:
+    """Freeze the trainable parameters of ``models`` the optimizer does not hold (it holds others of each model).
+
+    Under DDP such a parameter gets a gradient and never changes: no optimizer steps it. diffusers v0.40.0's
+    textual_inversion/textual_inversion_sdxl.py leaves CLIPTextModelWithProjection's ``text_projection`` so (it
+    freezes the encoder, the final norm and the position embedding, and optimizes the token embeddings only). One
+    DeepSpeed engine partitions and reduces what requires a gradient, and under ZeRO-3 autograd would accumulate a
+    full gradient into a released partition; frozen, the parameter keeps its value as under DDP, and gradients still
+    flow through it to the embeddings."""
+    in_optimizer = {id(p) for p in _optimizer_params(optimizer)}
+    for i, model in enumerate(models):
+        left_out = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_optimizer]
+        for _, param in left_out:
+            param.requires_grad_(False)
+        if left_out:
+            log.warning(
+                "accel-npu: %d parameter(s) of model %d (%s) require a gradient but are in no optimizer (%s): no "
+                "step changes them, as under DDP; frozen for the one DeepSpeed engine",
+                len(left_out),
+                i,
+                type(model).__name__,
+                ", ".join(n for n, _ in left_out[:4]) + (", ..." if len(left_out) > 4 else ""),
+            )
 
 
 def _container_class():
@@ -372,6 +397,7 @@ def prepare_models_together(prepare, accelerator, args, kwargs):
             f"{STOCK_MESSAGE} (accel-npu prepares several models as one engine with one optimizer over all their "
             f"trainable parameters, or one engine per model each with its own optimizer: {why}; {why_not_each})"
         )
+    freeze_left_out(models, next(o for o in others if isinstance(o, torch.optim.Optimizer)))
     container = _container_class()(models)
     inner = [container if i == positions[0] else a for i, a in enumerate(args) if i not in positions[1:]]
     result = prepare(*inner, **kwargs)
