@@ -135,6 +135,24 @@ def test_a_version_declared_stock_correct_leaves_the_target_stock_and_says_why(t
     other.unpatch_all()
 
 
+def test_a_module_absent_at_a_release_declared_stock_correct_is_reported_not_needed():
+    """deepspeed.runtime.sequence_parallel does not exist before deepspeed 0.18.2, where its patch's defect does not
+    either: the report says "not needed" (with the reason), not "not imported" as for a module not loaded yet."""
+    import pytest as installed
+
+    ledger = PatchLedger()
+    common = dict(supports="pytest>=99", reason="test", remove_when="test", wrapper=_times_ten)
+    absent = ledger.register(Patch(target="tests.fixtures.no_such_module:f", stock_correct="pytest<99", **common))
+    pending = ledger.register(Patch(target="tests.fixtures.no_such_module:g", stock_correct="pytest<7", **common))
+    ledger.arm()
+    statuses = {row["target"]: row["status"] for row in ledger.report()}
+    assert statuses[absent.target] == (
+        f"not needed: pytest {installed.__version__} is in pytest<99, where stock has no such defect"
+    )
+    assert statuses[pending.target] == NOT_IMPORTED  # a release the patch is for: the module is just not loaded
+    assert absent.status == NOT_IMPORTED  # the ledger's own state is unchanged: it is the report that says why
+
+
 def test_stock_correct_names_the_distribution_supports_names():
     with pytest.raises(ValueError, match="names another distribution"):
         Patch(

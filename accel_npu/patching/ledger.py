@@ -212,13 +212,23 @@ class PatchLedger:
                 "target": p.target,
                 "plugin": p.plugin,
                 "supports": p.supports,
-                "status": p.status,
+                "status": _reported_status(p),
                 "reason": p.reason,
                 "remove_when": p.remove_when,
                 **({"stock_correct": p.stock_correct} if p.stock_correct else {}),
             }
             for p in self.patches
         ]
+
+
+def _reported_status(patch: Patch) -> str:
+    """The patch's status; "not needed" for one not imported at a release it declares stock correct, where its
+    module may not even exist (deepspeed.runtime.sequence_parallel before 0.18.2) and would never be patched."""
+    if patch.status == NOT_IMPORTED:
+        needless = patch.not_needed()
+        if needless:
+            return f"{NOT_NEEDED}: {needless}"
+    return patch.status
 
 
 _ledger = PatchLedger()
