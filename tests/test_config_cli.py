@@ -282,10 +282,9 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
             "--sp-size 2 does not divide the 3 processes in total",
         ),
         (
-            ["--backend", "cpu", "--num-processes", "4", "--strategy", "zero3", "--sp-size", "2"],
-            "sequence parallelism runs under --strategy zero2 for now (got zero3)",
+            ["--backend", "cpu", "--strategy", "ddp", "--sp-size", "2"],
+            "runs under --strategy zero2 or zero3 for now (got ddp)",
         ),
-        (["--backend", "cpu", "--strategy", "ddp", "--sp-size", "2"], "runs under --strategy zero2 for now (got ddp)"),
         (["--backend", "cpu", "--sp-size", "0"], "--sp-size must be >= 1 (got 0)"),
     ],
 )
@@ -477,12 +476,12 @@ def test_sp_size_writes_accelerates_parallelism_config_which_its_launcher_resolv
 
 
 def test_the_wizard_offers_sequence_parallelism_only_where_it_runs():
-    """The strategies the wizard offers it under are the stages the sequence_parallel plugin accepts."""
+    """The strategies the wizard offers it under are those the sequence_parallel plugin runs under: every ZeRO
+    stage the wizard writes (DeepSpeed), not DDP (refused when the Accelerator is built)."""
     from accel_npu.cli.config import settings as wizard
-    from accel_npu.plugins.sequence_parallel.prepare import SUPPORTED_STAGES
 
-    offered = {wizard.Settings(strategy=strategy).zero_stage for strategy in wizard.SEQUENCE_PARALLEL_STRATEGIES}
-    assert offered <= set(SUPPORTED_STAGES)
-    refused = [strategy for strategy in wizard.STRATEGIES if strategy not in wizard.SEQUENCE_PARALLEL_STRATEGIES]
-    assert all(wizard.sp_size_problem(2, 4, strategy) for strategy in refused)
-    assert wizard.sp_size_problem(2, 4, "zero2") is None and wizard.sp_size_problem(1, 3, "ddp") is None
+    deepspeed = {strategy for strategy in wizard.STRATEGIES if wizard.Settings(strategy=strategy).uses_deepspeed}
+    assert set(wizard.SEQUENCE_PARALLEL_STRATEGIES) == deepspeed == {"zero2", "zero3"}
+    assert wizard.sp_size_problem(2, 4, "ddp")
+    assert all(wizard.sp_size_problem(2, 4, strategy) is None for strategy in deepspeed)
+    assert wizard.sp_size_problem(1, 3, "ddp") is None

@@ -119,6 +119,7 @@ def test_wizard_zero3_into_accelerates_default_file_then_plain_accelerate_launch
     answer(child, r"How many training processes on each machine\?.*\[2", "")
     answer(child, r"share the training state\?.*Your choice \[2", "zero3")
     answer(child, r"ZeRO-3: build models under deepspeed.zero.Init.*\[yes", "no")
+    answer(child, r"video DiT.*\? \[no", "")
     answer(child, r"Mixed precision\?.*Your choice \[1", "1")
     answer(child, r"Micro batch size per device.*\[auto", "4")
     answer(child, r"Gradient accumulation steps.*\[auto", "2")
@@ -212,8 +213,8 @@ def test_wizard_asks_whether_to_write_checkpoints_in_the_background(tmp_path, ty
 
 def test_wizard_asks_for_sequence_parallelism_when_the_model_is_a_video_dit(tmp_path):
     """Under ZeRO-2 the wizard asks whether the model is a video DiT; yes asks the sequence-parallel size, re-asks
-    one that does not divide the processes, and writes accelerate's parallelism_config section. Under ZeRO-3
-    (where sequence parallelism is refused) neither is asked."""
+    one that does not divide the processes, and writes accelerate's parallelism_config section. Under ZeRO-3 too;
+    under DDP (where sequence parallelism is refused) neither is asked."""
     flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "4", "--mixed-precision", "no"]
     flags += ["--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto"]
     flags += ["--load-slots", "auto", "--truncate", "none", "--no-async-checkpoint"]
@@ -240,7 +241,14 @@ def test_wizard_asks_for_sequence_parallelism_when_the_model_is_a_video_dit(tmp_
         base_env(),
         tmp_path,
     )
-    out = finish(child)  # every question answered by a flag; the video one not asked under ZeRO-3
+    answer(child, r"video DiT.*\? \[no", "yes")
+    answer(child, r"Sequence-parallel size: .*\? \[2", "")
+    out = finish(child)
+    assert child.exitstatus == 0 and "DeepSpeed ZeRO-3" in out and "sequence parallel over 2." in out, out
+    assert yaml.safe_load((tmp_path / "z3.yaml").read_text())["parallelism_config"]["parallelism_config_sp_size"] == 2
+
+    child = spawn([*flags, "--strategy", "ddp", "--config_file", str(tmp_path / "ddp.yaml")], base_env(), tmp_path)
+    out = finish(child)  # every question answered by a flag; the video one not asked under DDP
     assert child.exitstatus == 0 and "video DiT" not in out, out
 
 

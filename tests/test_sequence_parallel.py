@@ -9,8 +9,9 @@ Launched (slow, one shared set of launches): diffusers v0.40.0's train_dreamboot
 _sd3.py (``--use_parallelism_config --parallelism_config_sp_size 2`` on the command line) and
 cogvideo/train_cogvideox_lora.py (``parallelism_config:`` in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks
 against the same global batch on 1 rank; Flux at sp=2 x dp=2 on 4 ranks against dp=2 on 2; Flux checkpoints of
-sp=2 and sp=1 compared tensor by tensor, and each resumed with the other sp size. Witnesses that do not depend on
-accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single diffusers'
+sp=2 and sp=1 compared tensor by tensor, and each resumed with the other sp size. Flux under ZeRO-3 (gradient
+clipping on), sp=2 on 2 ranks against 1 rank: the same training, clip and checkpoint values. Witnesses that do not
+depend on accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single diffusers'
 Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the all_to_all calls,
 their sizes and groups, the squared gradient norm summed over the ranks' ZeRO partitions, the optimizer state
 each step starts from; TensorBoard's event file for the loss at every step; the saved LoRA files and DeepSpeed's
@@ -43,17 +44,26 @@ sys.path.insert(0, str(SCRIPTS))
 WITNESS = REPO / "tests" / "sp_witness"
 
 
-def _launch_config(directory: Path, processes: int, distributed_type: str = "DEEPSPEED", sp: int | None = None):
-    """An accelerate YAML (fp32 ZeRO-2 DeepSpeed JSON beside it), with ``parallelism_config`` when ``sp``."""
-    ds = directory / "ds_fp32_zero2.json"
+#: the ZeRO-3 launches' gradient clipping: below step 2's gradient norm of the Flux LoRA (0.23) and above the
+#: others' (0.11-0.13), so the clip, computed over every rank's gradient partition, acts at step 2 only
+ZERO3_CLIP = 0.2
+
+
+def _launch_config(
+    directory: Path, processes: int, distributed_type: str = "DEEPSPEED", sp: int | None = None, stage: int = 2
+):
+    """An accelerate YAML (fp32 ZeRO-2 DeepSpeed JSON beside it, or ZeRO-3 clipping at ZERO3_CLIP), with
+    ``parallelism_config`` when ``sp``."""
+    ds = directory / f"ds_fp32_zero{stage}.json"
     ds.write_text(
         json.dumps(
             {
-                "zero_optimization": {"stage": 2},
+                "zero_optimization": {"stage": stage},
                 "bf16": {"enabled": False},
                 "train_batch_size": "auto",
                 "train_micro_batch_size_per_gpu": "auto",
                 "gradient_accumulation_steps": "auto",
+                **({"gradient_clipping": ZERO3_CLIP} if stage == 3 else {}),
             }
         )
     )
@@ -72,7 +82,7 @@ def _launch_config(directory: Path, processes: int, distributed_type: str = "DEE
         cfg["fsdp_config"] = {"fsdp_version": 2}
     if sp:
         cfg["parallelism_config"] = {"parallelism_config_sp_size": sp}
-    path = directory / f"{distributed_type.lower()}_n{processes}{f'_sp{sp}' if sp else ''}.yaml"
+    path = directory / f"{distributed_type.lower()}_n{processes}{f'_sp{sp}' if sp else ''}_zero{stage}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -184,7 +194,6 @@ def _accelerator(stage: int = 2, dataloaders=()):
     ("world", "stage", "dp", "dataloaders", "message"),
     [
         (3, 2, 1, (), "sp_size 2 does not divide the 3 processes"),
-        (2, 3, 1, (), "this config has ZeRO stage 3. Set zero_optimization.stage to 2"),
         (4, 2, 3, (), "data-parallel size 3 beside sp_size 2 on 4 processes; it must be 2"),
         (2, 2, 1, ("a DataLoader",), "Prepare the DataLoader in the same accelerator.prepare call as the model"),
     ],
@@ -205,6 +214,47 @@ def test_an_unsupported_setup_is_refused_at_prepare_before_any_group_is_built(
     assert built == []
 
 
+def test_zero3_is_not_refused_and_reaches_the_split(monkeypatch):
+    import torch.distributed as dist
+
+    from accel_npu.plugins.sequence_parallel import groups, prepare
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(groups, "build", build)
+    accelerator = _accelerator(stage=3)
+    accelerator.device = SimpleNamespace(type="cpu")
+    with pytest.raises(Built):
+        prepare.enable(accelerator, _tiny_flux(), SimpleNamespace(sp_size=2, data_parallel_size=1))
+
+
+@pytest.mark.parametrize(("split", "sp", "factor"), [(True, 2, 2.0), (False, 2, 1.0), (True, 1, 1.0)])
+def test_zero3s_reduce_scatter_is_multiplied_by_sp_for_a_split_diffusers_model_only(monkeypatch, split, sp, factor):
+    """ZeRO-3's default reduce-scatter divides by every rank; the gradients of a split diffusers model's SP group
+    must be summed: multiplied by sp. Not for accelerate's own Ulysses (no diffusers split: ALST's loss recipe
+    sums over the SP group itself) nor without SP."""
+    import torch
+
+    from accel_npu.plugins.sequence_parallel import groups
+    from accel_npu.plugins.sequence_parallel.zero3 import scatter_gradients_summed_within_sp_groups
+
+    monkeypatch.setattr(groups, "ACTIVE", SimpleNamespace(sp_size=sp) if split else None)
+    averaged = [torch.tensor([1.0, -2.0]), torch.tensor([0.5])]
+
+    def reduce_scatter(params, communication_data_type):
+        return [t.clone() for t in averaged]
+
+    optimizer = SimpleNamespace(sequence_parallel_size=sp)
+    result = scatter_gradients_summed_within_sp_groups(reduce_scatter, optimizer, (["p1", "p2"], torch.float32), {})
+    for got, want in zip(result, averaged, strict=True):
+        torch.testing.assert_close(got, want * factor)
+
+
 def test_sp_outside_deepspeed_and_fsdp2_is_refused_when_the_accelerator_is_built():
     from accelerate.utils import DistributedType
 
@@ -214,7 +264,7 @@ def test_sp_outside_deepspeed_and_fsdp2_is_refused_when_the_accelerator_is_built
         return None
 
     ddp = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2, is_fsdp2=False)
-    with pytest.raises(ConfigError, match="runs under DeepSpeed ZeRO-1/2 or FSDP2 for now; this launch is MULTI_CPU"):
+    with pytest.raises(ConfigError, match="runs under DeepSpeed or FSDP2 for now; this launch is MULTI_CPU"):
         validate_accelerator(upstream, SimpleNamespace(sp_size=2), (ddp,), {})
     deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2, is_fsdp2=False)
     validate_accelerator(upstream, SimpleNamespace(sp_size=2), (deepspeed,), {})
@@ -369,8 +419,8 @@ RESUMES = {"resume_sp2_as_sp1": "flux_sp2", "resume_sp1_as_sp2": "flux_dp2"}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (CompletedProcess, output dir, witness records per rank)}: Flux, CogVideoX, Qwen-Image and SD3 at
-    sp=2 and on one rank, Flux at sp=2 x dp=2 on 4 ranks and dp=2 on 2, two resumes of a Flux checkpoint with
-    the other sp size, and the two stock launches."""
+    sp=2 and on one rank, Flux at sp=2 x dp=2 on 4 ranks and dp=2 on 2, Flux under ZeRO-3 at sp=2 and on one
+    rank, two resumes of a Flux checkpoint with the other sp size, and the two stock launches."""
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
@@ -389,6 +439,7 @@ def runs(tmp_path_factory):
     tiny_models.qwen_image_pipeline(str(root / "qwen"))
     one, two, two_sp = _launch_config(root, 1), _launch_config(root, 2), _launch_config(root, 2, sp=2)
     four_sp = _launch_config(root, 4, sp=2)
+    one_zero3, two_zero3 = _launch_config(root, 1, stage=3), _launch_config(root, 2, stage=3)
     cli_sp = ["--use_parallelism_config", "--parallelism_config_sp_size", "2"]
     flux, images = root / "flux", root / "images"
     plans = {
@@ -397,6 +448,8 @@ def runs(tmp_path_factory):
         "flux_dp2": (two, [], _flux_args(flux, images, root / "flux_dp2", checkpointing=2), {}),
         "flux_sp1": (one, [], _flux_args(flux, images, root / "flux_sp1", checkpointing=2), {}),
         "flux_sp2dp2": (four_sp, [], _flux_args(flux, images, root / "flux_sp2dp2", checkpointing=2), {}),
+        "flux_z3_sp2": (two_zero3, cli_sp, _flux_args(flux, images, root / "flux_z3_sp2", checkpointing=2), {}),
+        "flux_z3_sp1": (one_zero3, [], _flux_args(flux, images, root / "flux_z3_sp1", checkpointing=2), {}),
         "cog_sp2": (two_sp, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp2"), {}),
         "cog_sp1": (one, [], _cogvideox_args(root / "cogvideox", root / "videos", root / "cog_sp1"), {}),
         "qwen_sp2": (two, cli_sp, _qwen_args(root / "qwen", images, root / "qwen_sp2"), {}),
@@ -449,10 +502,16 @@ def _attention(record: dict, head_dim: int = 16) -> set[tuple[int, int]]:
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
     ("family", "heads", "head_dim", "tokens", "attentions"),
-    # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block; CogVideoX: 16 text + 3 frames x 2x2 patches,
-    # 1 block; Qwen-Image: 32 text + image tokens, 2 blocks; SD3 (accel-npu's plan): 77 CLIP + 17 T5 text + 16x16
-    # latent tokens, 1 joint block
-    [("flux", 2, 16, 80, 2), ("cog", 2, 16, 28, 1), ("qwen", 2, 16, 32, 2), ("sd3", 4, 8, 350, 1)],
+    # Flux: 16 text + 8x8 latent tokens, 1 double + 1 single block (flux_z3: the same under ZeRO-3); CogVideoX: 16
+    # text + 3 frames x 2x2 patches, 1 block; Qwen-Image: 32 text + image tokens, 2 blocks; SD3 (accel-npu's
+    # plan): 77 CLIP + 17 T5 text + 16x16 latent tokens, 1 joint block
+    [
+        ("flux", 2, 16, 80, 2),
+        ("flux_z3", 2, 16, 80, 2),
+        ("cog", 2, 16, 28, 1),
+        ("qwen", 2, 16, 32, 2),
+        ("sd3", 4, 8, 350, 1),
+    ],
 )
 def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(
     runs, family, heads, head_dim, tokens, attentions
@@ -475,7 +534,7 @@ def test_sp2_on_two_ranks_trains_as_one_rank_with_the_same_global_batch(
 
 def _assert_same_training(reference, split, loss_tolerance=1e-5):
     """The same loss at every step (TensorBoard's event file), the same squared gradient norm summed over the
-    ranks' ZeRO-2 partitions, the same LoRA after the last step (max |diff| <= 1e-4), trained, in fp32."""
+    ranks' ZeRO partitions, the same LoRA after the last step (max |diff| <= 1e-4), trained, in fp32."""
     import torch
 
     loss1, loss2 = _losses(reference[1]), _losses(split[1])
@@ -589,6 +648,79 @@ def _lora_file(directory: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(directory / "pytorch_lora_weights.safetensors"))
+
+
+def _zero3_checkpoint(checkpoint: Path, interleaved: bool = True) -> dict:
+    """A DeepSpeed ZeRO-3 checkpoint's fp32 weights, exp_avg and exp_avg_sq, every parameter reassembled from the
+    ranks' flat partitions: rank r holds elements [r*c, (r+1)*c) of each parameter (c = ceil(numel / ranks), the
+    last padded), in the order of the model states' ``param_shapes``. ``interleaved=False`` concatenates the
+    partitions instead (the negative). {"fp32", "exp_avg", "exp_avg_sq", "partitions", "step"}."""
+    import math
+
+    import torch
+
+    tag = checkpoint / "pytorch_model"
+    files = sorted(tag.glob("zero_pp_rank_*_optim_states.pt"), key=lambda f: int(f.name.split("_")[3]))
+    parts = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in files]
+    states = torch.load(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert all(len(part["fp32_flat_groups"]) == 1 for part in parts)  # one sub-group: the LoRA's few parameters
+    shapes = [shape for group in states["param_shapes"] for shape in group.values()]
+    flats = {"fp32": [part["fp32_flat_groups"][0] for part in parts]}
+    for key in ("exp_avg", "exp_avg_sq"):
+        flats[key] = [part["optimizer_state_dict"]["state"][0][key] for part in parts]
+    merged = {"partitions": [part["partition_count"] for part in parts]}
+    merged["step"] = [float(part["optimizer_state_dict"]["state"][0]["step"]) for part in parts]
+    for key, flat in flats.items():
+        if not interleaved:
+            merged[key] = torch.cat(flat)
+            continue
+        offset, tensors = 0, []
+        for shape in shapes:
+            numel = math.prod(shape)
+            chunk = math.ceil(numel / len(flat))
+            tensors.append(torch.cat([partition[offset : offset + chunk] for partition in flat])[:numel])
+            offset += chunk
+        assert offset == flat[0].numel()
+        merged[key] = torch.cat(tensors)
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_zero3_at_sp2_clips_by_the_norm_over_every_rank_and_checkpoints_the_sp1_values(runs):
+    """ZeRO-3 beside its training check above: the clip (gradient_clipping ZERO3_CLIP) acts at the same step with
+    the same norm as on one rank; the comparison fails on the halved gradient stock ZeRO-3 trains with (its default
+    reduce-scatter averages over every rank without the sp factor; measured: a quarter of the squared norm);
+    checkpoint-2, merged over the ranks' partitions, holds sp=1's fp32 weights and Adam state."""
+    import torch
+
+    sp2, sp1 = runs["flux_z3_sp2"], runs["flux_z3_sp1"]
+    for proc, _, _ in (sp2, sp1):
+        assert proc.returncode == 0, explain(proc)
+    for run in (sp2, sp1):
+        squared = _summed(run[2], "grad_sq")
+        # clipped to the norm: DeepSpeed scales by clip / (norm + 1e-6) (stage3.py unscale_and_clip_grads), 9e-6
+        # relative below clip^2 here
+        assert abs(squared[1] - ZERO3_CLIP**2) <= 1e-4 * ZERO3_CLIP**2, squared
+        assert all(g < ZERO3_CLIP**2 for i, g in enumerate(squared) if i != 1), squared  # not clipped
+    # the negative: the checker fed sp=2's gradients halved (squared norms / 4) fails at step 1's norm
+    halved = [{**record, "grad_sq": [g / 4 for g in record["grad_sq"]]} for record in sp2[2]]
+    with pytest.raises(AssertionError, match=r"^\(0, "):
+        _assert_same_training(sp1, (sp2[0], sp2[1], halved))
+
+    split, reference = (_zero3_checkpoint(run[1] / "checkpoint-2") for run in (sp2, sp1))
+    assert split["partitions"] == [2, 2] and reference["partitions"] == [1]
+    assert split["step"] == [2.0, 2.0] and reference["step"] == [2.0]
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert split[key].shape == reference[key].shape
+        assert (split[key] - reference[key]).abs().max().item() <= 1e-4, key
+    # the negative: the partitions concatenated, not reassembled per parameter, do not match
+    concatenated = _zero3_checkpoint(sp2[1] / "checkpoint-2", interleaved=False)
+    assert (concatenated["fp32"] - reference["fp32"]).abs().max().item() > 1e-2
+    lora_split, lora_one = (_lora_file(run[1] / "checkpoint-2") for run in (sp2, sp1))
+    assert lora_split.keys() == lora_one.keys() and lora_split
+    assert max((lora_split[k] - lora_one[k]).abs().max().item() for k in lora_one) <= 1e-4
+    assert all(v.dtype == torch.float32 and v.numel() > 0 for v in lora_split.values())
 
 
 @pytest.mark.slow

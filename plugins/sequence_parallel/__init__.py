@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism for unchanged diffusers training scripts, switched on by accelerate's own
 parallelism config (``accelerate launch --use_parallelism_config --parallelism_config_sp_size N``, or
-``parallelism_config:`` with ``parallelism_config_sp_size: N`` in the accelerate YAML), under DeepSpeed ZeRO-1/2
-or FSDP2.
+``parallelism_config:`` with ``parallelism_config_sp_size: N`` in the accelerate YAML), under DeepSpeed ZeRO-0
+to 3 or FSDP2.
 
 - the launcher: ``--use_parallelism_config`` beside a DeepSpeed config is accepted (accelerate refuses it
   without FSDP2 before reading the config file); an sp_size that does not divide the processes is refused
@@ -15,13 +15,14 @@ or FSDP2.
   plans.py), DeepSpeed gets its own ``parallel_state_sp`` as
   ``mpu`` (gradients summed over an SP group, averaged over data-parallel groups), the DataLoader is sharded by
   data-parallel rank and the ranks of one SP group share their random state (prepare.py, groups.py); under
+  ZeRO-3 the default reduce-scatter's gradients are multiplied by sp_size, as stage 1/2 scale them (zero3.py); under
   FSDP2 the same split, and every ``fully_shard``-ed module divides its reduced gradients by the data-parallel
   size instead of averaging over every rank (fsdp2.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
 
 This module declares the patches and hook implementations (accel_npu_launch_args; accel_npu_prepare_deepspeed, called
-by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py, fsdp2.py
-(plans.py, groups.py).
+by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py, zero3.py,
+fsdp2.py (plans.py, groups.py).
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ RESOLVE_PARALLEL_CONFIG = Patch(
 )
 
 
+ZERO3_SCATTER_GRADIENTS = Patch(
+    target="deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+    supports=_DEEPSPEED,
+    stock_correct=_DEEPSPEED_STOCK,
+    reason="ZeRO-3's default reduce-scatter averages gradients over all ranks, without stage 1/2's sp factor: "
+    "sp=2 gets half of sp=1's gradient; multiplied by sp_size.",
+    remove_when="DeepSpeed's ZeRO-3 __avg_scatter_grads scales by sequence_parallel_size, as its contiguous path does",
+    wrapper=".zero3:scatter_gradients_summed_within_sp_groups",
+)
+
 PREPARE_FSDP2 = Patch(
     target="accelerate.accelerator:Accelerator._prepare_fsdp2",
     supports=_ACCELERATE,
@@ -122,5 +133,6 @@ def accel_npu_register_patches():
         DATALOADER_ADAPTER,
         PREPARE_DATA_LOADER,
         RESOLVE_PARALLEL_CONFIG,
+        ZERO3_SCATTER_GRADIENTS,
         PREPARE_FSDP2,
     ]

@@ -12,7 +12,8 @@ script's batch is pixels and prompts; its sequence exists only inside the transf
   groups, with the model's ``_cp_plan`` or ours (plans.py); a token count that does not divide by sp_size is
   refused at the first forward, before the split, naming the fix;
 - DeepSpeed gets DeepSpeed's own ``parallel_state_sp`` as ``mpu``: ZeRO reduces gradients over every rank and
-  divides by world/sp_size (stage_1_and_2.py ``average_tensor``, stage3.py), i.e. sums the partial gradients of
+  divides by world/sp_size (stage_1_and_2.py ``average_tensor``; stage3.py, its default reduce-scatter
+  corrected in zero3.py), i.e. sums the partial gradients of
   one SP group's sequence shards and averages over data-parallel groups: the gradient of the sp=1 run;
 - the DataLoader is sharded by data-parallel rank (the ranks of one SP group read the same batch), not wrapped;
 - the ranks of one SP group continue from their first rank's random state (groups.py).
@@ -29,11 +30,6 @@ from accel_npu.patching import argument, with_argument
 from accel_npu.plugins.sequence_parallel import groups, plans
 
 log = logging.getLogger("accel_npu")
-
-# ZeRO-3 reduces gradients with reduce_scatter_coalesced (deepspeed 0.19.8 runtime/zero/stage3.py
-# __avg_scatter_grads), which averages over every rank without the sequence-parallel factor the stage 1/2 and the
-# contiguous stage-3 paths apply: a Flux LoRA at sp=2 got half the sp=1 gradient. Refused until corrected.
-SUPPORTED_STAGES = (0, 1, 2)
 
 
 def _diffusers_model(objects):
@@ -70,14 +66,6 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     sp = config.sp_size
     world = dist.get_world_size()
     check_world(sp, world)
-    deepspeed_plugin = getattr(accelerator, "deepspeed_plugin", None)  # None under FSDP2 (fsdp2.py)
-    stage = deepspeed_plugin.zero_stage if deepspeed_plugin is not None else None
-    if deepspeed_plugin is not None and stage not in SUPPORTED_STAGES:
-        raise ConfigError(
-            f"accel-npu: sequence parallelism (sp_size {sp}) of a diffusers model runs under DeepSpeed ZeRO stage "
-            f"0, 1 or 2 for now; this config has ZeRO stage {stage}. Set zero_optimization.stage to 2 in the "
-            f"DeepSpeed config, or launch without parallelism_config_sp_size."
-        )
     dp = world // sp
     if config.data_parallel_size not in (1, dp):
         raise ConfigError(
@@ -167,7 +155,7 @@ def validate_accelerator(wrapped, instance, args, kwargs):
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise ConfigError(
                 f"accel-npu: sequence parallelism (parallelism_config_sp_size {instance.sp_size}) runs under "
-                f"DeepSpeed ZeRO-1/2 or FSDP2 for now; this launch is {accelerator.distributed_type.value}. Launch "
+                f"DeepSpeed or FSDP2 for now; this launch is {accelerator.distributed_type.value}. Launch "
                 "with a DeepSpeed config (launch_configs/cpu_zero2.yaml or npu_zero2.yaml) or FSDP2 (fsdp_version: 2)."
             )
         check_world(instance.sp_size, accelerator.num_processes)

@@ -249,7 +249,7 @@ def add_parser(subparsers) -> None:
     q.add_argument(
         "--sp-size",
         type=int,
-        help="ZeRO-2, a video DiT: sequence-parallel size, ranks splitting one sample's tokens (Ulysses); written "
+        help="ZeRO-2/3, a video DiT: sequence-parallel size, ranks splitting one sample's tokens (Ulysses); written "
         "as accelerate's parallelism_config_sp_size (default 1: off)",
     )
     p.set_defaults(func=run)

@@ -35,10 +35,9 @@ BACKENDS = ("npu", "cuda", "cpu")
 STRATEGIES = ("ddp", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer", "all")
 PRECISIONS = ("bf16", "fp16", "no")
-#: the wizard's strategies Ulysses sequence parallelism of a diffusers model runs under (plugins/sequence_parallel/
-#: prepare.py SUPPORTED_STAGES: DeepSpeed ZeRO-1/2; ZeRO-3 and DDP are refused there; FSDP2 runs it too, a strategy
-#: the wizard does not write)
-SEQUENCE_PARALLEL_STRATEGIES = ("zero2",)
+#: the wizard's strategies Ulysses sequence parallelism of a diffusers model runs under (plugins/sequence_parallel:
+#: DeepSpeed ZeRO-0 to 3; DDP is refused there; FSDP2 runs it too, a strategy the wizard does not write)
+SEQUENCE_PARALLEL_STRATEGIES = ("zero2", "zero3")
 
 #: accel-npu's own switches the wizard offers (see accel_npu/environment.py).
 ACCEL_NPU_SETTINGS = (
