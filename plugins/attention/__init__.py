@@ -1,5 +1,5 @@
 """Attention on NPU / CPU: CUDA-only flags (diffusers' xformers switch, transformers' flash_attention_2) and
-the backward of diffusers' NPU attention backend.
+the backward of diffusers' NPU and native attention backends under context parallelism.
 
 - ``--enable_xformers_memory_efficient_attention`` (diffusers' official scripts) /
   ``model.enable_xformers_memory_efficient_attention()``: xformers needs CUDA, and stock diffusers

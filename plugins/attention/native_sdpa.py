@@ -5,8 +5,8 @@ diffusers hands ``_native_attention_forward_op`` / ``_native_attention_backward_
 ``ctx.backward_op``). Stock, the forward op keeps only query, key and value, and the backward op runs
 ``scaled_dot_product_attention`` again under autograd to differentiate it: every training step computes each
 attention forward twice. At long sequences attention is most of a step (its cost grows with the tokens squared),
-so the second forward costs what sequence parallelism was meant to save: a CPU rank's attention forward and
-backward at 2 of 4 heads and 8k-16k tokens took ~1.3x of torch's own SDPA autograd on the same tensors.
+so a sequence-parallel rank paid one attention forward more per step than the unsplit model pays for the same
+heads (docs/sequence-parallel.md, "Measured").
 
 Here the forward op runs stock's own op under autograd on detached query, key and value, and keeps that graph on
 the ctx: what torch keeps for SDPA without context parallelism (query, key, value, the output and its
