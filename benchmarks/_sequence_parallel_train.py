@@ -7,9 +7,10 @@ AdamW on every parameter; each sample is a latent video of ``--frames`` x 16 cha
 index by the Dataset; noise, timesteps and the rotary tables are drawn and built in the loop, as
 diffusers' ``cogvideo/train_cogvideox_lora.py`` does.
 
-Each rank writes ``--out``/rank<R>.json: its pid, its anonymous RSS (/proc/self/status RssAnon) after ``prepare``
-(before step 1), the wall and CPU seconds of each step, the losses, and the (heads, tokens) of the attention calls
-it made (torch's SDPA, wrapped here: the witness that the sequence was split).
+Each rank writes ``--out``/rank<R>.json: its pid, its anonymous RSS (/proc/self/status RssAnon) once the libraries
+are loaded, before the model is built (``libraries``), and after ``prepare`` (``before_step1``), the wall and CPU
+(``time.process_time``: every thread of the rank) seconds of each step, the losses, and the (heads, tokens) of the
+attention calls it made (torch's SDPA, wrapped here: the witness that the sequence was split).
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ class LatentVideos(torch.utils.data.Dataset):
         return torch.randn(self.shape, generator=generator), torch.randn(self.text, generator=generator)
 
 
+def load_lazy_libraries() -> None:
+    """Import what ``prepare`` would import later, so that the ``libraries`` RssAnon holds every library's own
+    memory: DeepSpeed's ZeRO optimizer check imports its Muon optimizer (deepspeed/runtime/zero/utils.py
+    ``is_zero_supported_optimizer``), whose ``@compiler.compile()`` loads torch's inductor (~50 MB of Python
+    objects on every rank, with or without sequence parallelism)."""
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401 - imported for its memory only
+    except ImportError:  # a DeepSpeed without Muon imports nothing more in prepare
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--frames", type=int, required=True, help="latent frames")
@@ -56,6 +68,9 @@ def main() -> None:
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
     accelerator = Accelerator()
+    load_lazy_libraries()
+    # torch, accelerate, DeepSpeed, diffusers and the process group: host memory, not device memory, on an NPU
+    libraries = rss_anon()
     torch.manual_seed(0)
     width = args.heads * args.head_dim
     model = CogVideoXTransformer3DModel(
@@ -110,6 +125,7 @@ def main() -> None:
     result = {
         "rank": accelerator.process_index,
         "pid": os.getpid(),
+        "libraries": libraries,
         "before_step1": before_step1,
         "wall": walls,
         "cpu": cpus,

@@ -1,5 +1,5 @@
 """Attention on NPU / CPU: CUDA-only flags (diffusers' xformers switch, transformers' flash_attention_2) and
-the backward of diffusers' NPU attention backend.
+the backward of diffusers' NPU and native attention backends under context parallelism.
 
 - ``--enable_xformers_memory_efficient_attention`` (diffusers' official scripts) /
   ``model.enable_xformers_memory_efficient_attention()``: xformers needs CUDA, and stock diffusers
@@ -10,6 +10,8 @@ the backward of diffusers' NPU attention backend.
   SDPA instead of an ImportError (``transformers.py``).
 - diffusers' NPU attention backend under context parallelism (Ulysses / ring): its backward op raises
   NotImplementedError; it gets one from torch_npu's ``npu_fusion_attention_grad`` (``npu_fusion.py``).
+- diffusers' native (SDPA) backend under Ulysses: its backward op runs the attention forward again; the forward
+  op keeps SDPA's autograd graph for it instead (``native_sdpa.py``).
 
 For the flags one log line per process says what ran; on a machine with CUDA their wrappers pass straight
 through (docs/cuda-compat.md, "Attention flags"). The NPU backend's ops pass through wherever diffusers found
@@ -93,6 +95,35 @@ NPU_ATTENTION_BACKWARD_OP = Patch(
 )
 
 
+# 0.35.2 has no context-parallel attention; from 0.36.0 the native forward op is 0.42.1's, and so is its backward
+# op's recomputation from 0.38.0 (0.36.0 and 0.37.x differentiate outside enable_grad, which fails)
+_NATIVE_CONTEXT_PARALLEL = "diffusers>=0.36.0,<0.43"
+_NATIVE_NO_CONTEXT_PARALLEL = "diffusers<0.36.0"
+_NATIVE_REMOVE_WHEN = (
+    "diffusers' _native_attention_backward_op reuses the forward's attention instead of recomputing it"
+)
+
+NATIVE_ATTENTION_FORWARD_OP = Patch(
+    target="diffusers.models.attention_dispatch:_native_attention_forward_op",
+    supports=_NATIVE_CONTEXT_PARALLEL,
+    stock_correct=_NATIVE_NO_CONTEXT_PARALLEL,
+    reason="Under Ulysses the native (SDPA) backend keeps only q, k, v for its backward (attention_dispatch.py): "
+    "the same call, its autograd graph kept.",
+    remove_when=_NATIVE_REMOVE_WHEN,
+    wrapper=".native_sdpa:forward_op",
+)
+
+NATIVE_ATTENTION_BACKWARD_OP = Patch(
+    target="diffusers.models.attention_dispatch:_native_attention_backward_op",
+    supports=_NATIVE_CONTEXT_PARALLEL,
+    stock_correct=_NATIVE_NO_CONTEXT_PARALLEL,
+    reason="Under Ulysses the native (SDPA) backend's backward runs every attention forward a second time: the "
+    "forward's kept graph is differentiated instead.",
+    remove_when=_NATIVE_REMOVE_WHEN,
+    wrapper=".native_sdpa:backward_op",
+)
+
+
 @hookimpl
 def accel_npu_register_patches():
     return [
@@ -102,4 +133,6 @@ def accel_npu_register_patches():
         FLASH_ATTENTION_2,
         NPU_ATTENTION_FORWARD_OP,
         NPU_ATTENTION_BACKWARD_OP,
+        NATIVE_ATTENTION_FORWARD_OP,
+        NATIVE_ATTENTION_BACKWARD_OP,
     ]
