@@ -143,7 +143,9 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
     }
     state["views"][0].__dict__["note"] = "kept"  # torch.save writes a tensor's Python attributes too
     assert background.snapshot_bytes(state) == 12 * 4 + 3 * 4 + 2 * 4 + 2 * 8
-    copy = background.snapshot(state)
+    host = background.snapshot(state)
+    host.fill()
+    copy = host.state_dict
     torch.save(state, tmp_path / "original.pt")
     # training goes on: the originals change
     with torch.no_grad():
@@ -161,6 +163,34 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
     torch.save(state, tmp_path / "changed.pt")
     found = differences(_load(tmp_path / "changed.pt"), _load(tmp_path / "copy.pt"))
     assert any("views[0]" in d for d in found) and any("lists/lr" in d for d in found), found
+
+
+def test_snapshot_copies_the_storages_left_for_later_when_filled_and_the_others_at_once(tmp_path):
+    """``later`` storages (those only an optimizer step changes) are copied by fill(), in the background: what
+    they hold then is what is written; every other storage (buffers) is copied by snapshot() itself."""
+    import torch
+
+    from accel_npu.plugins.checkpoints import background
+
+    partition = torch.arange(6, dtype=torch.float32)  # an fp32 partition: changed only by the step
+    buffer = torch.zeros(3)  # a buffer: a forward changes it in place (BatchNorm's running statistics)
+    state = {"partition": partition[1:], "buffer": buffer}
+    host = background.snapshot(state, later={background.storage_key(partition.untyped_storage())})
+    with torch.no_grad():
+        buffer.add_(1)  # the next forward, before the copy is filled
+    assert torch.equal(host.state_dict["buffer"], torch.zeros(3))  # copied at once
+    host.fill()
+    assert torch.equal(host.state_dict["partition"], torch.arange(1, 6, dtype=torch.float32))
+    with torch.no_grad():
+        partition.add_(100)  # the step, after the fill
+    assert torch.equal(host.state_dict["partition"], torch.arange(1, 6, dtype=torch.float32))
+    # negative: a change made to a later storage before the fill reaches the copy (what the step's wait prevents)
+    host = background.snapshot(state, later={background.storage_key(partition.untyped_storage())})
+    with torch.no_grad():
+        partition.add_(1)
+    host.fill()
+    assert torch.equal(host.state_dict["partition"], partition[1:])
+    assert host.state_dict["partition"].untyped_storage().data_ptr() != partition.untyped_storage().data_ptr()
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +215,10 @@ def trained(monkeypatch, request):
         }
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
         set_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        # BatchNorm: buffers a forward changes in place (its running statistics)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 2))
         loader = torch.utils.data.DataLoader(data, batch_size=2)
@@ -245,6 +278,72 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     key = _tamper_one_tensor(tmp_path / "tampered")
     found = checkpoint_differences(tmp_path / "sync", tmp_path / "tampered")
     assert len(found) == 1 and key in found[0] and "values differ" in found[0], found
+
+
+@pytest.mark.parametrize("trained", [2, 3], indirect=True, ids=["zero2", "zero3"])
+def test_the_step_after_an_async_save_state_waits_for_its_copy_and_the_checkpoint_holds_the_state_as_saved(
+    trained, tmp_path, monkeypatch
+):
+    """The host copy of the parameters and optimizer states is made by the writer thread after save_state
+    returns; the next step (DeepSpeedEngine.step, which updates them in place) waits for it, and the forward
+    before it (which changes BatchNorm's running statistics in place) finds the buffers copied already. The
+    checkpoint equals a synchronous one saved at the same state, bit for bit. Negative: without the step's wait,
+    or with the buffers left for later, the checkpoint holds the state after the step, and differs."""
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, step = trained
+    release = threading.Event()
+    fill = background.HostCopy.fill
+
+    def held_fill(self):
+        assert release.wait(60), "the test never released the copy"
+        fill(self)
+
+    monkeypatch.setattr(background.HostCopy, "fill", held_fill)
+
+    def save_async_then_step(name: str, step_waits: bool) -> None:
+        accelerator.save_state(tmp_path / f"{name}_sync")
+        monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
+        release.clear()
+        accelerator.save_state(tmp_path / name)
+        monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        stepping.join(1.0)
+        assert stepping.is_alive() == step_waits, "the step must wait for the copy, and only for it"
+        release.set()
+        stepping.join(60)
+        assert not stepping.is_alive()
+        background.wait_for_pending()
+
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+    save_async_then_step("async", step_waits=True)
+    assert checkpoint_differences(tmp_path / "async_sync", tmp_path / "async") == []
+    accelerator.save_state(tmp_path / "after_step")
+    stepped = checkpoint_differences(tmp_path / "async", tmp_path / "after_step")
+    assert any("optim_states" in d for d in stepped), "the step must have changed the optimizer states"
+    assert any("running_mean" in d for d in stepped), "the forward must have changed the running statistics"
+
+    # negative: the step does not wait; the copy is filled after it changed the state
+    wait_for_snapshot = background.wait_for_snapshot
+    monkeypatch.setattr(background, "wait_for_snapshot", lambda: None)
+    save_async_then_step("unwaited", step_waits=False)
+    found = checkpoint_differences(tmp_path / "unwaited_sync", tmp_path / "unwaited")
+    assert any("optim_states" in d and "values differ" in d for d in found), found
+    monkeypatch.setattr(background, "wait_for_snapshot", wait_for_snapshot)
+
+    # negative: the buffers left for the writer too; the forward's change reaches the checkpoint
+    changed_only_by_step = background.changed_only_by_step
+
+    def with_buffers(module, optimizer):
+        buffers = {background.storage_key(b.untyped_storage()) for b in module.buffers()}
+        return changed_only_by_step(module, optimizer) | buffers
+
+    monkeypatch.setattr(background, "changed_only_by_step", with_buffers)
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+    save_async_then_step("buffers_later", step_waits=True)
+    found = checkpoint_differences(tmp_path / "buffers_later_sync", tmp_path / "buffers_later")
+    assert found and all("running_mean" in d or "running_var" in d or "num_batches" in d for d in found), found
 
 
 @pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
