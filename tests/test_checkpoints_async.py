@@ -397,11 +397,13 @@ def _launch(tmp_path: Path, stage: int, mode: str, out: Path):
 @pytest.mark.slow
 def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
     """ZeRO-2 and ZeRO-3, one launch each (tests/scripts/async_save.py main): the asynchronous checkpoint
-    equals the synchronous one file for file and tensor for tensor (both ranks' shards and RNG states); with
-    the writer slowed it is not published when save_state returns and is when the next save_state returns;
+    equals the synchronous one file for file and tensor for tensor (both ranks' shards and RNG states), although
+    the step after save_state ran before the copy was made (a second late: the step waited for it); with the
+    writer slowed it is not published when save_state returns and is when the next save_state returns;
     resuming from either trains on with the same losses; a background write failing on rank 1 is raised at the
     next save_state on both ranks, and the checkpoint it was overwriting is intact (still equal to the
-    synchronous one). Negative: one changed tensor is reported."""
+    synchronous one). Negatives: one changed tensor is reported; without the step's wait the checkpoint holds the
+    state after the step."""
     import shutil
 
     from tests.launch_utils import explain, results, run_concurrently
@@ -414,6 +416,7 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
         assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
         for r in ranks:
             assert r["published_at_return"] is False and r["published_when_next_returned"] is True, (stage, r)
+            assert r["step_after_save_s"] >= 0.9 > r["unwaited_step_s"], (stage, r)  # the step waited for the copy
             assert r["losses_sync"] == r["losses_async"], (stage, r)
             assert r["error"] == "CheckpointError", (stage, r)
             assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
@@ -421,6 +424,9 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
         shards = {p.name for p in (out / "async" / "pytorch_model").iterdir()}
         assert any("rank_1" in n for n in shards) and (out / "async" / "random_states_1.pkl").is_file(), shards
         assert checkpoint_differences(out / "sync", out / "async") == [], stage
+        # negative: without the step's wait the late copy holds the state after the step
+        unwaited = checkpoint_differences(out / "unwaited_sync", out / "unwaited")
+        assert any("optim_states" in d and "values differ" in d for d in unwaited), (stage, unwaited)
         assert not (out / "after_failure").exists()
         assert "host copy of its state" in proc.stdout + proc.stderr  # the snapshot's size, said once per rank
     shutil.copytree(outs[3] / "sync", tmp_path / "tampered")
@@ -489,13 +495,14 @@ def fsdp_checkpoint_differences(a: Path, b: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
-    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards staged by DCP's
-    stager and written by the background writer's dcp.save equal the synchronous checkpoint tensor for tensor
-    (model and optimizer, read whole from the DCP files), and the other files object for object, although
-    training stepped on while they were written; with the writer slowed the checkpoint is not published when
+    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards copied after
+    save_state returned and written by the background writer's dcp.save equal the synchronous checkpoint tensor
+    for tensor (model and optimizer, read whole from the DCP files), and the other files object for object,
+    although training stepped on while they were written (its optimizer step before the copy was made, a second
+    late: the step waited for it); with the writer slowed the checkpoint is not published when
     save_state returns and is when the next save_state returns; resuming from either trains on with the same
-    losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negative: one changed
-    tensor is reported."""
+    losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negatives: one changed
+    tensor is reported; without the optimizer step's wait the checkpoint holds the state after the step."""
     import shutil
 
     import torch
@@ -516,6 +523,7 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
     for r in ranks:
         assert r["published_at_return"] is False and r["published_when_next_returned"] is True, r
+        assert r["step_after_save_s"] >= 0.9 > r["unwaited_step_s"], r  # the optimizer step waited for the copy
         assert r["losses_sync"] == r["losses_async"], r
         assert r["error"] == "CheckpointError", r
         assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
@@ -523,6 +531,9 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     names = {p.relative_to(out / "async").as_posix() for p in (out / "async").rglob("*")}
     assert {"pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "random_states_1.pkl"} <= names, names
     assert fsdp_checkpoint_differences(out / "sync", out / "async") == []
+    # negative: without the optimizer step's wait the late copy holds the state after the step
+    unwaited = fsdp_checkpoint_differences(out / "unwaited_sync", out / "unwaited")
+    assert any(d.startswith("optimizer_0") and "values differ" in d for d in unwaited), unwaited
     assert not (out / "after_failure").exists()
     assert "host copy of its state" in proc.stdout + proc.stderr
     # negative: one element of one optimizer tensor changed, written back as a DCP checkpoint (by one process:

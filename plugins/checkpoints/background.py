@@ -22,6 +22,7 @@ rank's own state. A file the host cannot hold (MemAvailable read as it is saved)
 from __future__ import annotations
 
 import atexit
+import contextvars
 import copy
 import functools
 import logging
@@ -348,13 +349,16 @@ def queue_job(save: PendingSave, write, what: str, collective: bool = False) -> 
     """Queue ``write()`` (a callable writing files under ``save.tmp``); its failure fails the save. A
     ``collective`` job (one every rank's writer runs in the same order, e.g. a torch.distributed.checkpoint
     save over a process group) runs even after an earlier failure, so no other rank waits for it in vain; any
-    other is skipped then (one failure fails the save: the later files are not worth writing)."""
+    other is skipped then (one failure fails the save: the later files are not worth writing). It runs in the
+    context it was queued from (save_state's): its collectives are the save's own, never the clean point after an
+    optimizer step where a rank pauses for a save made on rank 0 alone (boundary.py's window is the training's)."""
+    context = contextvars.copy_context()
 
     def job():
         if save.error is not None and not collective:
             return
         try:
-            write()
+            context.run(write)
         except BaseException as exc:  # noqa: BLE001 - recorded: raised at the next checkpoint call on every rank
             if save.error is None:
                 save.error = f"writing {what}: {type(exc).__name__}: {exc}"
