@@ -197,6 +197,28 @@ def test_snapshot_copies_the_storages_left_for_later_when_filled_and_the_others_
 # in-process, one rank
 
 
+def _nice(tid: int) -> int:
+    """A thread's nice value as the kernel reports it (/proc/self/task/TID/stat, field 19)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_nice_reads_the_kernels_value_of_one_thread():
+    """The reader of _nice, against os.getpriority on a thread whose nice value was changed alone."""
+    seen = {}
+
+    def lowered():
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 7)
+        seen["lowered"] = (_nice(tid), os.getpriority(os.PRIO_PROCESS, tid))
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen["lowered"] == (7, 7)
+    assert _nice(threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 7
+
+
 @pytest.fixture()
 def trained(monkeypatch, request):
     """An Accelerator over a tiny MLP under DeepSpeed ZeRO-``request.param`` (one rank), one step taken."""
@@ -263,10 +285,14 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     assert partial.is_dir() and (partial / "random_states_0.pkl").is_file()  # accelerate's own: synchronous
     # training goes on while the files are pending: the snapshot holds the state as saved
     step()
+    writer = background._writer.native_id
+    assert _nice(writer) == 10, "the writer yields the CPU to training while it runs"
     waiter = threading.Thread(target=background.wait_for_pending)
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive(), "the next checkpoint call must wait for the pending write"
+    if os.geteuid() == 0:  # raising a nice value back needs root or CAP_SYS_NICE
+        assert _nice(writer) == 0, "training waits for the writer: its priority is restored"
     release.set()
     waiter.join(60)
     assert (tmp_path / "async").is_dir() and not partial.exists() and written

@@ -635,8 +635,16 @@ def changed_only_by_step(module, optimizer) -> frozenset:
     return frozenset(keys)
 
 
+def _no_tag_validation() -> bool:
+    return False
+
+
 class engines_snapshotting:
-    """While active, each DeepSpeed engine in ``models`` saves through a :class:`SnapshotCheckpointEngine`."""
+    """While active, each DeepSpeed engine in ``models`` saves through a :class:`SnapshotCheckpointEngine`, and
+    skips the check that its tag is the same on every rank: accelerate's save_state names the tags itself
+    (``pytorch_model``, ``pytorch_model_1``, ...: accelerate/accelerator.py ``save_state``), the same on every
+    rank, so DeepSpeed's two all-reduces of the tag's hash (engine.py ``_checkpoint_tag_validation``) cannot
+    fail and only hold training up."""
 
     def __init__(self, models, save: PendingSave):
         self.models, self.save = list(models), save
@@ -651,12 +659,14 @@ class engines_snapshotting:
             if isinstance(model, DeepSpeedEngine) and inner is not None and not inner.is_decoupled():
                 later = changed_only_by_step(model.module, model.optimizer)
                 model.checkpoint_engine = SnapshotCheckpointEngine(inner, self.save, later)
+                model.checkpoint_tag_validation_enabled = _no_tag_validation  # shadows the method, this save only
                 self.swapped.append((model, inner))
         return self.save
 
     def __exit__(self, *exc):
         for model, inner in self.swapped:
             model.checkpoint_engine = inner
+            del model.checkpoint_tag_validation_enabled
         return False
 
 
