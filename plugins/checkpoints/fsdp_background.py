@@ -89,6 +89,7 @@ def _dcp_save(state_dict, directory: str, group) -> None:
 
 def _dcp_save_copy(copied, directory: str, group) -> None:
     _dcp_save(copied.state_dict, directory, group)
+    copied.release()
 
 
 def _state_dicts(accelerator, models: list, optimizers: list) -> list[tuple[str, dict]]:
@@ -161,7 +162,7 @@ def async_save_state(wrapped, accelerator, output_dir, safe_serialization=True, 
         parts = _state_dicts(accelerator, accelerator._models, accelerator._optimizers)
         nbytes = sum(background.snapshot_bytes(sd) for _, sd in parts)
         free = available_memory()
-        room = free is None or nbytes <= free * background._HOST_HEADROOM
+        room = free is None or nbytes <= (free + background.pooled_bytes()) * background._HOST_HEADROOM
         if not room and _said("no room"):
             log.warning(
                 "accel-npu: asynchronous save_state: the FSDP shards need a %s host copy but %s are available; "
