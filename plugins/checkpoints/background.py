@@ -129,7 +129,7 @@ class HostCopy:
 
     def __init__(self, state_dict, later_pairs: list, events: list, pageable: list):
         self.state_dict = state_dict
-        self._later = later_pairs  # (host tensor, source tensor): flat byte views of one storage each
+        self._later = later_pairs  # (host storage, source storage)
         self._events = events  # device events recorded after the non-blocking device-to-host copies
         self._pageable = pageable  # the host storages it made, for the next save once its file is written
 
@@ -145,7 +145,7 @@ class HostCopy:
         device stream at save time, so they read the state as saved)."""
         while self._later:
             host, source = self._later.pop()
-            host.copy_(source)  # Tensor.copy_ releases the GIL: training's thread runs on
+            _byte_view(host).copy_(_byte_view(source))  # Tensor.copy_ releases the GIL: training's thread runs on
         while self._events:
             self._events.pop().synchronize()
 
@@ -175,19 +175,20 @@ def _drop_pool() -> None:
 
 
 def _host_storage(nbytes: int, pinned: bool):
+    """(host storage of ``nbytes``, whether it is pinned): pinned for a device's copy where the runtime has
+    pinned memory, else pageable, the last save's where it left one of that size."""
     import torch
 
-    if not pinned:
-        with _pool_lock:
-            free = _pool.get(nbytes)
-            if free:
-                return free.pop()
     if pinned:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage(), True
         except RuntimeError:  # no pinned memory here (no accelerator runtime): pageable, copied synchronously
             pass
-    return torch.UntypedStorage(nbytes, device="cpu")
+    with _pool_lock:
+        free = _pool.get(nbytes)
+        if free:
+            return free.pop(), False
+    return torch.UntypedStorage(nbytes, device="cpu"), False
 
 
 def _device_event(device):
@@ -229,14 +230,14 @@ def snapshot(state_dict, later=frozenset()) -> HostCopy:
         copied = storages.get(key)
         if copied is None:
             on_device = source.device.type != "cpu"
-            copied = _host_storage(source.nbytes(), pinned=on_device)
-            if not copied.is_pinned():
+            copied, pinned = _host_storage(source.nbytes(), pinned=on_device)
+            if not pinned:
                 pageable.append(copied)
             if on_device:
-                _byte_view(copied).copy_(_byte_view(source), non_blocking=copied.is_pinned())
+                _byte_view(copied).copy_(_byte_view(source), non_blocking=pinned)
                 devices.add(source.device)
             elif key in later:
-                later_pairs.append((_byte_view(copied), _byte_view(source)))
+                later_pairs.append((copied, source))
             else:
                 copied.copy_(source)
             storages[key] = copied
