@@ -1,16 +1,18 @@
-"""Asynchronous save_state under DeepSpeed ZeRO-2 and ZeRO-3 (ACCEL_NPU_ASYNC_CHECKPOINT=1), against the
-synchronous save_state, in one run.
+"""Asynchronous save_state under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 (ACCEL_NPU_ASYNC_CHECKPOINT=1), against
+the synchronous save_state and stock's, in one run.
 
-One launch per ZeRO stage (``accelerate launch``, N = 2 CPU ranks, gloo, fp32), a DiT-shaped model (a stack
-of ``nn.TransformerEncoderLayer`` over patch tokens with a timestep embedding; AdamW). Each launch measures,
-on every rank: the step time without a write in flight; ``save_state`` synchronously (the time training is
-blocked: the whole write); ``save_state`` asynchronously (the time it blocks: snapshot and accelerate's small
-files) followed by training steps, those started while the background write was in flight timed apart; and
-how long the background write took. The synchronous column is accel-npu's atomic save_state with the switch
-off (stock accelerate sees CPU ranks as single processes: docs/checkpoints.md, Measured).
+One launch per shape (``accelerate launch``, N = 2 CPU ranks, gloo, fp32), a DiT-shaped model (a stack of
+``nn.TransformerEncoderLayer`` over patch tokens with a timestep embedding; AdamW). Each launch measures, on
+every rank: ``save_state`` synchronously (the time training is blocked: the whole write); ``save_state``
+asynchronously (the time it blocks: the state dicts, the copies made at once, accelerate's small files) and the
+time the next step waited for the copies made after it returned, followed by training steps, those begun while
+a background write was in flight on any rank timed apart from those begun once every rank's had ended (the
+baseline, in the same minutes); and how long the background write took. Synchronous is accel-npu's atomic save_state with the switch off; stock is a second
+launch of the same worker with ``ACCEL_NPU_DISABLE=1``, synchronous saves only (ZeRO only: stock accelerate
+trains an FSDP config as DDP on CPU ranks, docs/checkpoints.md).
 
-Usage: python benchmarks/checkpoint_async.py [--dim 512] [--layers 6] [--saves 3]
-Writes benchmarks/results/checkpoint_async.md. A few minutes on 2 cores.
+Usage: python benchmarks/checkpoint_async.py [--dim 512] [--layers 6] [--saves 3] [--shapes zero2,zero3,fsdp2]
+Writes benchmarks/results/checkpoint_async.md. About 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -84,32 +86,38 @@ def worker(a) -> None:
         step()
     quiet = [step() for _ in range(a.steps)]
     out = Path(a.out)
-    sync_s, async_s, during, write_s = [], [], [], []
+    sync_s, async_s, waited_s, during, after, write_s = [], [], [], [], [], []
     for i in range(a.saves):
         os.environ["ACCEL_NPU_ASYNC_CHECKPOINT"] = "0"
         accelerator.wait_for_everyone()
         started = time.perf_counter()
         accelerator.save_state(out / f"sync_{i}")
         sync_s.append(time.perf_counter() - started)
+        if a.stock:
+            step()
+            continue
         os.environ["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
         accelerator.wait_for_everyone()
         started = time.perf_counter()
         accelerator.save_state(out / f"async_{i}")
         returned = time.perf_counter()
         async_s.append(returned - started)
+        pending = background._pending  # its waited_s: how long the next step waited for the copies
         # every rank takes the same number of steps (a rank whose write ended first must not stop early: the
-        # other would wait alone in the next step's collectives); those begun while the write was in flight
-        # are the ones timed apart, and the write took until the first step that began without it
+        # other would wait alone in the next step's collectives); those begun while a write was in flight on any
+        # rank are timed apart from those begun after every rank's had ended (the baseline, in the same minutes:
+        # the machine's load drifts), and this rank's write took until the first step that began without it
         finished = None
         for _ in range(a.steps * 4):
             begun = time.perf_counter()
-            in_flight = background._writer.jobs.unfinished_tasks > 0
-            took = step()
-            if in_flight:
-                during.append(took)
-            elif finished is None:
+            mine = background._writer.jobs.unfinished_tasks > 0
+            if mine is False and finished is None:
                 finished = begun
+            anyone = torch.tensor([float(mine)])
+            torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
+            (during if anyone.item() else after).append(step())
         background.wait_for_pending()
+        waited_s.append(pending.waited_s if pending is not None else 0.0)
         write_s.append((finished if finished is not None else time.perf_counter()) - returned)
     accelerator.wait_for_everyone()
     files = sum(p.stat().st_size for p in (out / "sync_0").rglob("*") if p.is_file())
@@ -123,7 +131,9 @@ def worker(a) -> None:
                 "quiet": quiet,
                 "sync": sync_s,
                 "async": async_s,
+                "waited": waited_s,
                 "during": during,
+                "after": after,
                 "write": write_s,
             }
         ),
@@ -132,25 +142,48 @@ def worker(a) -> None:
     accelerator.end_training()
 
 
-def launch(a, tmp: Path, stage: int) -> list[dict]:
-    ds = {
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "train_batch_size": 4,
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-    }
-    d = tmp / f"zero{stage}"
-    cfg = write_deepspeed_config(d, ds, "ds.json")
+FSDP2 = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "NO_WRAP",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    },
+    "num_machines": 1,
+    "num_processes": 2,
+    "mixed_precision": "no",
+}
+
+
+def launch(a, tmp: Path, shape: str, stock: bool = False) -> list[dict]:
+    d = tmp / (f"{shape}_stock" if stock else shape)
+    if shape == "fsdp2":
+        d.mkdir(parents=True)
+        cfg = d / "fsdp2.yaml"
+        cfg.write_text(json.dumps(FSDP2))  # YAML reads JSON
+    else:
+        ds = {
+            "zero_optimization": {"stage": int(shape[-1]), "stage3_param_persistence_threshold": 0},
+            "train_batch_size": 4,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+        }
+        cfg = write_deepspeed_config(d, ds, "ds.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_NPU_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if stock:
+        env["ACCEL_NPU_DISABLE"] = "1"
     args = ["--worker", "--out", str(d / "out"), "--dim", str(a.dim), "--layers", str(a.layers)]
     args += ["--tokens", str(a.tokens), "--saves", str(a.saves), "--steps", str(a.steps)]
+    args += ["--stock"] if stock else []
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(cfg)]
     cmd += ["--main_process_port", str(free_port()), __file__, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     recs = results(p)
     if p.returncode != 0 or len(recs) != 2:
-        sys.exit(f"benchmark launch zero{stage} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+        sys.exit(f"benchmark launch {d.name} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
     return recs
 
 
@@ -163,54 +196,80 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="patch tokens per sample")
     ap.add_argument("--saves", type=int, default=3, help="saves of each kind")
     ap.add_argument("--steps", type=int, default=5, help="steps timed without a write in flight")
+    ap.add_argument("--shapes", default="zero2,zero3,fsdp2", help="which of zero2, zero3, fsdp2 (comma-separated)")
+    ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    shapes = [x for x in a.shapes.split(",") if x]
     report = Report(
-        "checkpoint_async", "Asynchronous save_state under DeepSpeed ZeRO-2 / ZeRO-3 (2 CPU ranks)", MEASURES
+        "checkpoint_async", "Asynchronous save_state under DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2 (2 CPU ranks)", MEASURES
     )
     rows, step_rows = [], []
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1000:.0f} ms"
+
     with tempfile.TemporaryDirectory(prefix="accel_npu_async_bench_") as tmpdir:
-        for stage in (2, 3):
-            recs = launch(a, Path(tmpdir), stage)
-            # a save blocks training until its slowest rank returns; steps are the slower rank's
+        for shape in shapes:
+            recs = launch(a, Path(tmpdir), shape)
+            stock = launch(a, Path(tmpdir), shape, stock=True) if shape != "fsdp2" else None
+            # a save blocks training until its slowest rank returns (and, asynchronously, until the next step
+            # has waited for the copies); steps are the slower rank's
             sync = [max(r["sync"][i] for r in recs) for i in range(a.saves)]
-            blocked = [max(r["async"][i] for r in recs) for i in range(a.saves)]
+            blocked = [max(r["async"][i] + r["waited"][i] for r in recs) for i in range(a.saves)]
+            waited = [max(r["waited"][i] for r in recs) for i in range(a.saves)]
             write = [max(r["write"][i] for r in recs) for i in range(a.saves)]
-            quiet = statistics.median(max(vals) for vals in zip(*(r["quiet"] for r in recs)))
-            during = [t for r in recs for t in r["during"]]
+            # both ranks classify each step alike (any rank's write in flight): the slower rank's time per step
+            during = [max(vals) for vals in zip(*(r["during"] for r in recs))]
+            after = [max(vals) for vals in zip(*(r["after"] for r in recs))]
+            quiet = statistics.median(after or [max(vals) for vals in zip(*(r["quiet"] for r in recs))])
             params, size = recs[0]["params"], recs[0]["checkpoint_bytes"]
             s, b = statistics.median(sync), statistics.median(blocked)
+            st = statistics.median(max(r["sync"][i] for r in stock) for i in range(a.saves)) if stock else None
+            name = {"zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp2": "FSDP2"}[shape]
             rows.append(
                 [
-                    f"ZeRO-{stage}",
+                    name,
                     f"{params / 1e6:.1f} M / {size / 2**20:.0f} MB",
-                    f"{s * 1000:.0f} ms",
-                    f"{b * 1000:.0f} ms",
-                    f"{s / b:.1f}×",
-                    f"{statistics.median(write) * 1000:.0f} ms",
+                    ms(st) if st is not None else "n/a",
+                    ms(s),
+                    f"{ms(b)} ({ms(statistics.median(waited))})",
+                    f"{st / b:.0f}×" if st is not None else "n/a",
+                    f"{s / b:.0f}×",
+                    ms(statistics.median(write)),
                 ]
             )
             d = statistics.median(during) if during else float("nan")
-            step_rows.append(
-                [f"ZeRO-{stage}", f"{quiet * 1000:.0f} ms", f"{d * 1000:.0f} ms", f"{d / quiet:.2f}×", str(len(during))]
-            )
+            step_rows.append([name, ms(quiet), ms(d), f"{d / quiet:.2f}×", f"{len(during)} / {len(after)}"])
     report.text(
         f"Model: DiT-shaped, {a.layers} `TransformerEncoderLayer({a.dim}, 8 heads, {4 * a.dim})` over {a.tokens} "
         f"patch tokens, fp32, AdamW; N = 2 CPU ranks (gloo), `accelerate launch`, {a.saves} saves of each kind per "
-        "launch (medians; a save counts as long as its slower rank). Synchronous = accel-npu's atomic save_state "
-        "with ACCEL_NPU_ASYNC_CHECKPOINT=0; asynchronous = 1. Smaller than the issue's ~300M-parameter DiT: "
-        "the machine is 2 shared cores."
+        "launch (medians; a save counts as long as its slower rank). Stock = `ACCEL_NPU_DISABLE=1`, a launch of its "
+        "own (ZeRO only: stock trains an FSDP config as DDP on CPU ranks); synchronous = accel-npu's atomic "
+        "save_state with ACCEL_NPU_ASYNC_CHECKPOINT=0; asynchronous = 1, blocked = save_state's return plus the "
+        "next step's wait for the copies the writer makes (in brackets). Smaller than the issue's "
+        "~300M-parameter DiT: the machine is 2 shared cores."
     )
     report.table(
-        ["ZeRO", "parameters / checkpoint", "sync save_state", "async save_state (blocked)", "less blocked", "write"],
+        [
+            "shape",
+            "parameters / checkpoint",
+            "stock save_state",
+            "sync save_state",
+            "async: blocked (step's wait)",
+            "less blocked than stock",
+            "than sync",
+            "write",
+        ],
         rows,
         caption="1. Training blocked per save (write: the background write's duration after save_state returned)",
     )
     report.table(
-        ["ZeRO", "step, no write", "step, write in flight", "ratio", "steps measured in flight"],
+        ["shape", "step, no write", "step, write in flight", "ratio", "steps in flight / without"],
         step_rows,
-        caption="2. Step time (slower rank's median) while a background write is in flight",
+        caption="2. Step time (slower rank's median) while a background write is in flight on any rank, against the "
+        "steps of the same loops that began once every rank's write had ended",
     )
     path = report.write()
     print(path.read_text())

@@ -143,7 +143,9 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
     }
     state["views"][0].__dict__["note"] = "kept"  # torch.save writes a tensor's Python attributes too
     assert background.snapshot_bytes(state) == 12 * 4 + 3 * 4 + 2 * 4 + 2 * 8
-    copy = background.snapshot(state)
+    host = background.snapshot(state)
+    host.fill()
+    copy = host.state_dict
     torch.save(state, tmp_path / "original.pt")
     # training goes on: the originals change
     with torch.no_grad():
@@ -163,8 +165,58 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
     assert any("views[0]" in d for d in found) and any("lists/lr" in d for d in found), found
 
 
+def test_snapshot_copies_the_storages_left_for_later_when_filled_and_the_others_at_once(tmp_path):
+    """``later`` storages (those only an optimizer step changes) are copied by fill(), in the background: what
+    they hold then is what is written; every other storage (buffers) is copied by snapshot() itself."""
+    import torch
+
+    from accel_npu.plugins.checkpoints import background
+
+    partition = torch.arange(6, dtype=torch.float32)  # an fp32 partition: changed only by the step
+    buffer = torch.zeros(3)  # a buffer: a forward changes it in place (BatchNorm's running statistics)
+    state = {"partition": partition[1:], "buffer": buffer}
+    host = background.snapshot(state, later={background.storage_key(partition.untyped_storage())})
+    with torch.no_grad():
+        buffer.add_(1)  # the next forward, before the copy is filled
+    assert torch.equal(host.state_dict["buffer"], torch.zeros(3))  # copied at once
+    host.fill()
+    assert torch.equal(host.state_dict["partition"], torch.arange(1, 6, dtype=torch.float32))
+    with torch.no_grad():
+        partition.add_(100)  # the step, after the fill
+    assert torch.equal(host.state_dict["partition"], torch.arange(1, 6, dtype=torch.float32))
+    # negative: a change made to a later storage before the fill reaches the copy (what the step's wait prevents)
+    host = background.snapshot(state, later={background.storage_key(partition.untyped_storage())})
+    with torch.no_grad():
+        partition.add_(1)
+    host.fill()
+    assert torch.equal(host.state_dict["partition"], partition[1:])
+    assert host.state_dict["partition"].untyped_storage().data_ptr() != partition.untyped_storage().data_ptr()
+
+
 # --------------------------------------------------------------------------------------------
 # in-process, one rank
+
+
+def _nice(tid: int) -> int:
+    """A thread's nice value as the kernel reports it (/proc/self/task/TID/stat, field 19)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+def test_nice_reads_the_kernels_value_of_one_thread():
+    """The reader of _nice, against os.getpriority on a thread whose nice value was changed alone."""
+    seen = {}
+
+    def lowered():
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 7)
+        seen["lowered"] = (_nice(tid), os.getpriority(os.PRIO_PROCESS, tid))
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen["lowered"] == (7, 7)
+    assert _nice(threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 7
 
 
 @pytest.fixture()
@@ -185,7 +237,10 @@ def trained(monkeypatch, request):
         }
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
         set_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        # BatchNorm: buffers a forward changes in place (its running statistics)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         data = torch.utils.data.TensorDataset(torch.randn(8, 8), torch.randn(8, 2))
         loader = torch.utils.data.DataLoader(data, batch_size=2)
@@ -230,10 +285,14 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     assert partial.is_dir() and (partial / "random_states_0.pkl").is_file()  # accelerate's own: synchronous
     # training goes on while the files are pending: the snapshot holds the state as saved
     step()
+    writer = background._writer.native_id
+    assert _nice(writer) == 10, "the writer yields the CPU to training while it runs"
     waiter = threading.Thread(target=background.wait_for_pending)
     waiter.start()
     waiter.join(0.5)
     assert waiter.is_alive(), "the next checkpoint call must wait for the pending write"
+    if os.geteuid() == 0:  # raising a nice value back needs root or CAP_SYS_NICE
+        assert _nice(writer) == 0, "training waits for the writer: its priority is restored"
     release.set()
     waiter.join(60)
     assert (tmp_path / "async").is_dir() and not partial.exists() and written
@@ -245,6 +304,72 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     key = _tamper_one_tensor(tmp_path / "tampered")
     found = checkpoint_differences(tmp_path / "sync", tmp_path / "tampered")
     assert len(found) == 1 and key in found[0] and "values differ" in found[0], found
+
+
+@pytest.mark.parametrize("trained", [2, 3], indirect=True, ids=["zero2", "zero3"])
+def test_the_step_after_an_async_save_state_waits_for_its_copy_and_the_checkpoint_holds_the_state_as_saved(
+    trained, tmp_path, monkeypatch
+):
+    """The host copy of the parameters and optimizer states is made by the writer thread after save_state
+    returns; the next step (DeepSpeedEngine.step, which updates them in place) waits for it, and the forward
+    before it (which changes BatchNorm's running statistics in place) finds the buffers copied already. The
+    checkpoint equals a synchronous one saved at the same state, bit for bit. Negative: without the step's wait,
+    or with the buffers left for later, the checkpoint holds the state after the step, and differs."""
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, step = trained
+    release = threading.Event()
+    fill = background.HostCopy.fill
+
+    def held_fill(self):
+        assert release.wait(60), "the test never released the copy"
+        fill(self)
+
+    monkeypatch.setattr(background.HostCopy, "fill", held_fill)
+
+    def save_async_then_step(name: str, step_waits: bool) -> None:
+        accelerator.save_state(tmp_path / f"{name}_sync")
+        monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
+        release.clear()
+        accelerator.save_state(tmp_path / name)
+        monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+        stepping = threading.Thread(target=step)
+        stepping.start()
+        stepping.join(1.0)
+        assert stepping.is_alive() == step_waits, "the step must wait for the copy, and only for it"
+        release.set()
+        stepping.join(60)
+        assert not stepping.is_alive()
+        background.wait_for_pending()
+
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+    save_async_then_step("async", step_waits=True)
+    assert checkpoint_differences(tmp_path / "async_sync", tmp_path / "async") == []
+    accelerator.save_state(tmp_path / "after_step")
+    stepped = checkpoint_differences(tmp_path / "async", tmp_path / "after_step")
+    assert any("optim_states" in d for d in stepped), "the step must have changed the optimizer states"
+    assert any("running_mean" in d for d in stepped), "the forward must have changed the running statistics"
+
+    # negative: the step does not wait; the copy is filled after it changed the state
+    wait_for_snapshot = background.wait_for_snapshot
+    monkeypatch.setattr(background, "wait_for_snapshot", lambda: None)
+    save_async_then_step("unwaited", step_waits=False)
+    found = checkpoint_differences(tmp_path / "unwaited_sync", tmp_path / "unwaited")
+    assert any("optim_states" in d and "values differ" in d for d in found), found
+    monkeypatch.setattr(background, "wait_for_snapshot", wait_for_snapshot)
+
+    # negative: the buffers left for the writer too; the forward's change reaches the checkpoint
+    changed_only_by_step = background.changed_only_by_step
+
+    def with_buffers(module, optimizer):
+        buffers = {background.storage_key(b.untyped_storage()) for b in module.buffers()}
+        return changed_only_by_step(module, optimizer) | buffers
+
+    monkeypatch.setattr(background, "changed_only_by_step", with_buffers)
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
+    save_async_then_step("buffers_later", step_waits=True)
+    found = checkpoint_differences(tmp_path / "buffers_later_sync", tmp_path / "buffers_later")
+    assert found and all("running_mean" in d or "running_var" in d or "num_batches" in d for d in found), found
 
 
 @pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
@@ -298,11 +423,13 @@ def _launch(tmp_path: Path, stage: int, mode: str, out: Path):
 @pytest.mark.slow
 def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
     """ZeRO-2 and ZeRO-3, one launch each (tests/scripts/async_save.py main): the asynchronous checkpoint
-    equals the synchronous one file for file and tensor for tensor (both ranks' shards and RNG states); with
-    the writer slowed it is not published when save_state returns and is when the next save_state returns;
+    equals the synchronous one file for file and tensor for tensor (both ranks' shards and RNG states), although
+    the step after save_state ran before the copy was made (a second late: the step waited for it); with the
+    writer slowed it is not published when save_state returns and is when the next save_state returns;
     resuming from either trains on with the same losses; a background write failing on rank 1 is raised at the
     next save_state on both ranks, and the checkpoint it was overwriting is intact (still equal to the
-    synchronous one). Negative: one changed tensor is reported."""
+    synchronous one). Negatives: one changed tensor is reported; without the step's wait the checkpoint holds the
+    state after the step."""
     import shutil
 
     from tests.launch_utils import explain, results, run_concurrently
@@ -315,6 +442,7 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
         assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
         for r in ranks:
             assert r["published_at_return"] is False and r["published_when_next_returned"] is True, (stage, r)
+            assert r["step_after_save_s"] >= 0.9 > r["unwaited_step_s"], (stage, r)  # the step waited for the copy
             assert r["losses_sync"] == r["losses_async"], (stage, r)
             assert r["error"] == "CheckpointError", (stage, r)
             assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
@@ -322,6 +450,9 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
         shards = {p.name for p in (out / "async" / "pytorch_model").iterdir()}
         assert any("rank_1" in n for n in shards) and (out / "async" / "random_states_1.pkl").is_file(), shards
         assert checkpoint_differences(out / "sync", out / "async") == [], stage
+        # negative: without the step's wait the late copy holds the state after the step
+        unwaited = checkpoint_differences(out / "unwaited_sync", out / "unwaited")
+        assert any("optim_states" in d and "values differ" in d for d in unwaited), (stage, unwaited)
         assert not (out / "after_failure").exists()
         assert "host copy of its state" in proc.stdout + proc.stderr  # the snapshot's size, said once per rank
     shutil.copytree(outs[3] / "sync", tmp_path / "tampered")
@@ -390,13 +521,14 @@ def fsdp_checkpoint_differences(a: Path, b: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
-    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards staged by DCP's
-    stager and written by the background writer's dcp.save equal the synchronous checkpoint tensor for tensor
-    (model and optimizer, read whole from the DCP files), and the other files object for object, although
-    training stepped on while they were written; with the writer slowed the checkpoint is not published when
+    """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards copied after
+    save_state returned and written by the background writer's dcp.save equal the synchronous checkpoint tensor
+    for tensor (model and optimizer, read whole from the DCP files), and the other files object for object,
+    although training stepped on while they were written (its optimizer step before the copy was made, a second
+    late: the step waited for it); with the writer slowed the checkpoint is not published when
     save_state returns and is when the next save_state returns; resuming from either trains on with the same
-    losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negative: one changed
-    tensor is reported."""
+    losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negatives: one changed
+    tensor is reported; without the optimizer step's wait the checkpoint holds the state after the step."""
     import shutil
 
     import torch
@@ -417,6 +549,7 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     assert [r["rank"] for r in ranks] == [0, 1], explain(proc)
     for r in ranks:
         assert r["published_at_return"] is False and r["published_when_next_returned"] is True, r
+        assert r["step_after_save_s"] >= 0.9 > r["unwaited_step_s"], r  # the optimizer step waited for the copy
         assert r["losses_sync"] == r["losses_async"], r
         assert r["error"] == "CheckpointError", r
         assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
@@ -424,6 +557,9 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     names = {p.relative_to(out / "async").as_posix() for p in (out / "async").rglob("*")}
     assert {"pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "random_states_1.pkl"} <= names, names
     assert fsdp_checkpoint_differences(out / "sync", out / "async") == []
+    # negative: without the optimizer step's wait the late copy holds the state after the step
+    unwaited = fsdp_checkpoint_differences(out / "unwaited_sync", out / "unwaited")
+    assert any(d.startswith("optimizer_0") and "values differ" in d for d in unwaited), unwaited
     assert not (out / "after_failure").exists()
     assert "host copy of its state" in proc.stdout + proc.stderr
     # negative: one element of one optimizer tensor changed, written back as a DCP checkpoint (by one process:

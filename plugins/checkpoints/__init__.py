@@ -145,6 +145,17 @@ SAFETENSORS_SAVE_FILE = Patch(
 )
 
 
+ENGINE_STEP = Patch(
+    target="deepspeed.runtime.engine:DeepSpeedEngine.step",
+    supports="deepspeed>=0.16.9,<0.20",
+    # The copy is made in the background after save_state returns; only this step changes what it reads.
+    reason="An asynchronous save_state copies the parameters and optimizer states after it returns; the next "
+    "step, which updates them in place, waits for that copy.",
+    remove_when="never while save_state copies the engine's state in the background (accel-npu's own)",
+    wrapper=".background:engine_step",
+)
+
+
 PEFT_STATE_DICT = Patch(
     target="peft.utils.save_and_load:get_peft_model_state_dict",
     supports="peft>=0.17,<0.22",
@@ -239,6 +250,7 @@ def accel_npu_register_patches():
         DIFFUSERS_SAVE_ATTN_PROCS,
         TRANSFORMERS_SAVE_PRETRAINED,
         SAFETENSORS_SAVE_FILE,
+        ENGINE_STEP,
         PEFT_STATE_DICT,
         PEFT_LOAD_ADAPTER,
         DIFFUSERS_LOAD_LORA_ADAPTER,

@@ -6,9 +6,13 @@ Stock FSDP2 ``save_state`` with ``SHARDED_STATE_DICT`` (accelerate/utils/fsdp_ut
 ``pytorch_model_fsdp_<i>`` / ``optimizer_<i>`` of the output directory itself. Asynchronously:
 
 - every rank takes the same state dicts stock takes (``get_model_state_dict`` / ``get_optimizer_state_dict``
-  with accelerate's options) and stages them to host memory with DCP's own stager (``DefaultStager``, as
-  ``dcp.async_save`` does: DTensor shards copied, their placement kept);
-- the writer thread ``dcp.save``-s each staged dict into the hidden sibling directory over a gloo process
+  with accelerate's options) and makes their host copy (``background.snapshot``: each DTensor's local shard
+  copied, its placement kept, as DCP's stager keeps it). The shards and optimizer states, which only the
+  optimizer step changes, are copied by a thread after save_state returns and the next optimizer step waits for
+  that (a torch optimizer step pre-hook), as ``dcp.async_save`` with asynchronous staging asks its caller to
+  wait for ``staging_completion``; buffers, which a forward may change in place, are copied at once (DCP's own
+  background staging would copy them while the next forward runs);
+- the writer thread ``dcp.save``-s each copy into the hidden sibling directory over a gloo process
   group of its own: DCP's save is a collective (plans gathered by the coordinator, ``.metadata`` written after
   every rank's data), and ``dcp.async_save`` runs it in a thread for the same reason (its docstring asks for a
   CPU backend); the training's collectives stay on the default group, in the main thread. ``FileSystemWriter``
@@ -70,25 +74,6 @@ def _writer_group():
     return _group
 
 
-def _local_bytes(state_dict) -> int:
-    """Host bytes the staged copy takes: each distinct storage of the local shards once."""
-    from torch.distributed.tensor import DTensor
-
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in background.tensors_of(state_dict))
-    return background.storage_bytes(t for t in local if t.device.type != "meta")
-
-
-def _stage(state_dict):
-    """A host copy of ``state_dict`` made by DCP's own stager (what ``dcp.async_save`` stages)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
-        return stager.stage(state_dict)
-    finally:
-        stager.close()  # drops its cache of storages; the staged copy lives as long as the queued job
-
-
 def _dcp_save(state_dict, directory: str, group) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -100,6 +85,11 @@ def _dcp_save(state_dict, directory: str, group) -> None:
         planner=DefaultSavePlanner(),
         process_group=group,
     )
+
+
+def _dcp_save_copy(copied, directory: str, group) -> None:
+    _dcp_save(copied.state_dict, directory, group)
+    copied.release()
 
 
 def _state_dicts(accelerator, models: list, optimizers: list) -> list[tuple[str, dict]]:
@@ -170,9 +160,9 @@ def async_save_state(wrapped, accelerator, output_dir, safe_serialization=True, 
     pc.automatic_checkpoint_naming = False
     try:
         parts = _state_dicts(accelerator, accelerator._models, accelerator._optimizers)
-        nbytes = sum(_local_bytes(sd) for _, sd in parts)
+        nbytes = sum(background.snapshot_bytes(sd) for _, sd in parts)
         free = available_memory()
-        room = free is None or nbytes <= free * background._HOST_HEADROOM
+        room = free is None or nbytes <= (free + background.pooled_bytes()) * background._HOST_HEADROOM
         if not room and _said("no room"):
             log.warning(
                 "accel-npu: asynchronous save_state: the FSDP shards need a %s host copy but %s are available; "
@@ -180,18 +170,23 @@ def async_save_state(wrapped, accelerator, output_dir, safe_serialization=True, 
                 background._size(nbytes),
                 background._size(free),
             )
+        later = frozenset().union(
+            *(background.changed_only_by_step(m, o) for m, o in zip(accelerator._models, accelerator._optimizers))
+        )
         for name, sd in parts:
             directory = os.path.join(tmp, name)
             if room:
-                staged = _stage(sd)
-                background.queue_job(
-                    pending, functools.partial(_dcp_save, staged, directory, group), directory, collective=True
-                )
+                # the shards and states are copied by a thread of the writer's after save_state returns; the next
+                # optimizer step waits for that (background.wait_before_optimizer_steps)
+                copied = background.snapshot(sd, later)
+                pending.copies.append(copied)
+                pending.writes.append((functools.partial(_dcp_save_copy, copied, directory, group), directory, True))
             else:
                 _dcp_save(sd, directory, group)
         if room:
             pending.snapshot_bytes, pending.files = nbytes, len(parts)
-        del parts  # the queued jobs hold the staged copies
+            background.wait_before_optimizer_steps()
+        del parts  # the staged writes hold the copies
         with _models_saved_here(accelerator):
             wrapped(tmp, safe_serialization=safe_serialization, **kwargs)
     except BaseException:
@@ -199,7 +194,7 @@ def async_save_state(wrapped, accelerator, output_dir, safe_serialization=True, 
         raise
     finally:
         pc.automatic_checkpoint_naming = automatic
-    accelerator.wait_for_everyone()
+    # rank 0's writer publishes once every rank has said its files are durable: no barrier here
     publish = None
     if accelerator.is_main_process:
         keep = pc.total_limit if automatic else None

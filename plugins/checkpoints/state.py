@@ -244,16 +244,17 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
         for handle, hook in saved_hooks.items():
             if handle in hooks:
                 hooks[handle] = hook
-    # every rank's shards are on disk (synchronous), or copied to host memory and queued (asynchronous)
-    accelerator.wait_for_everyone()
+    if pending is None:
+        accelerator.wait_for_everyone()  # every rank's shards are on disk
+    # (asynchronously rank 0's writer publishes once every rank has said its files are durable: no barrier here)
     publish = None
     if accelerator.is_main_process:
         tags = [_tag(i) for i in range(len(accelerator._models))]
-        if accelerator._models:
-            record_components(accelerator.unwrap_model(accelerator._models[0]), tmp)
+        module = accelerator.unwrap_model(accelerator._models[0]) if accelerator._models else None
         keep = pc.total_limit if automatic and asynchronous else None
         publish = functools.partial(
-            publish_checkpoint,
+            _record_and_publish,
+            module,
             tmp,
             final,
             {"tags": tags, "world_size": accelerator.num_processes, "zero_stage": zero_stage(accelerator)},
@@ -267,6 +268,13 @@ def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True,
         publish()
     accelerator.wait_for_everyone()
     return final
+
+
+def _record_and_publish(module, tmp: str, final: str, fields: dict, keep: int | None, latest: str) -> None:
+    # the components' configs are written here, by the writer thread when asynchronous: write_json fsyncs
+    if module is not None:
+        record_components(module, tmp)
+    publish_checkpoint(tmp, final, fields, keep, latest=latest)
 
 
 def publish_checkpoint(tmp: str, final: str, fields: dict, keep: int | None, latest: str | None = None) -> None:

@@ -6,12 +6,17 @@ Its test hook, on the background writer's thread (not the main one): the write o
 under DeepSpeed; DCP's ``FileSystemWriter.write_data`` under FSDP2) is slowed by ``slow`` seconds, fails on
 rank 1 while ``fail`` is set, or, while ``kill`` is set, SIGKILLs rank 1 once its save_state has returned
 (under DeepSpeed after leaving half a file, under FSDP2 after writing its shard of a checkpoint not yet published).
+On the thread that copies the state to host memory after save_state returns, the copy (which the next optimizer
+step waits for) is made ``hold_copy`` seconds late.
 
 MODE main: two steps; save_state synchronously into OUT_DIR/sync, then asynchronously into OUT_DIR/async
-with the writer slowed (is OUT_DIR/async there when save_state returns?); one more step while it is written;
+with the writer slowed and the host copy made a second late (is OUT_DIR/async there when save_state returns?);
+one more step while it is written (its optimizer step waits for the copy: how long it took);
 save_state into OUT_DIR/next (is OUT_DIR/async published when that returns?); load_state(sync) and two steps,
 load_state(async) and the same two steps (their losses); then an asynchronous save_state into OUT_DIR/async
-again that fails on rank 1, and the next save_state (into OUT_DIR/after_failure), whose error every rank reports.
+again that fails on rank 1, and the next save_state (into OUT_DIR/after_failure), whose error every rank reports;
+last, a negative: the optimizer step's wait switched off, save_state synchronously into OUT_DIR/unwaited_sync and
+asynchronously into OUT_DIR/unwaited with the copy late, and a step before the copy is made.
 MODE kill: two steps; save_state synchronously into OUT_DIR/reference and asynchronously into OUT_DIR/ckpt
 (published at the next call); one step; save_state into OUT_DIR/ckpt again, during whose background write
 rank 1 dies.
@@ -32,8 +37,10 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.distributed.checkpoint import FileSystemWriter
 
+from accel_npu.plugins.checkpoints import background
+
 mode, out_dir = sys.argv[1], sys.argv[2]
-hook = {"slow": 0.0, "fail": False, "kill": False}
+hook = {"slow": 0.0, "fail": False, "kill": False, "hold_copy": 0.0}
 returned = threading.Event()  # the main thread is back from save_state: the write is in the background
 _save = torch.save
 _write_data = FileSystemWriter.write_data
@@ -68,6 +75,16 @@ def write_data_in_test(self, plan, planner):
     return _write_data(self, plan, planner)
 
 
+_fill = background.HostCopy.fill
+
+
+def fill_in_test(self):
+    """The copy of the state the next optimizer step waits for, made late by ``hold_copy`` seconds."""
+    time.sleep(hook["hold_copy"])
+    return _fill(self)
+
+
+background.HostCopy.fill = fill_in_test
 accelerator = Accelerator()
 if accelerator.distributed_type == DistributedType.FSDP:
     FileSystemWriter.write_data = write_data_in_test  # DCP writes FSDP's shards
@@ -114,12 +131,14 @@ if mode in ("main", "kill"):
     accelerator.save_state(path("sync" if mode == "main" else "reference"))
     asynchronous(True)
 if mode == "main":
-    hook["slow"] = 2.0
+    hook["slow"], hook["hold_copy"] = 2.0, 1.0
     started = time.monotonic()
     accelerator.save_state(path("async"))
     result["returned_s"] = time.monotonic() - started
     result["published_at_return"] = os.path.isdir(path("async"))
-    step()  # training goes on while the files are written
+    started = time.monotonic()
+    step()  # training goes on while the files are written; its optimizer step waits for the late copy
+    result["step_after_save_s"] = time.monotonic() - started
     started = time.monotonic()
     accelerator.save_state(path("next"))
     result["next_s"] = time.monotonic() - started
@@ -135,6 +154,17 @@ if mode == "main":
         result["error"] = type(exc).__name__
         result["message"] = str(exc)
     hook["fail"] = False
+    # negative: the optimizer step does not wait for the late copy, which then holds the state after the step
+    wait_for_snapshot, background.wait_for_snapshot = background.wait_for_snapshot, lambda: None
+    asynchronous(False)
+    accelerator.save_state(path("unwaited_sync"))
+    asynchronous(True)
+    accelerator.save_state(path("unwaited"))
+    started = time.monotonic()
+    step()
+    result["unwaited_step_s"] = time.monotonic() - started
+    background.wait_for_snapshot = wait_for_snapshot
+    hook["hold_copy"] = 0.0
     accelerator.end_training()
 elif mode == "kill":
     accelerator.save_state(path("ckpt"))
