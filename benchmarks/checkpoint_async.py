@@ -7,7 +7,8 @@ every rank: ``save_state`` synchronously (the time training is blocked: the whol
 asynchronously (the time it blocks: the state dicts, the copies made at once, accelerate's small files) and the
 time the next step waited for the copies made after it returned, followed by training steps, those begun while
 a background write was in flight on any rank timed apart from those begun once every rank's had ended (the
-baseline, in the same minutes); and how long the background write took. Synchronous is accel-npu's atomic save_state with the switch off; stock is a second
+baseline, in the same minutes); and how long the background write took. Synchronous is accel-npu's atomic
+save_state with the switch off; stock is a second
 launch of the same worker with ``ACCEL_NPU_DISABLE=1``, synchronous saves only (ZeRO only: stock accelerate
 trains an FSDP config as DDP on CPU ranks, docs/checkpoints.md).
 
