@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import Report
 
-from tests.launch_utils import BIN, free_port, results, write_deepspeed_config
+from tests.launch_utils import BIN, FSDP2_CPU_CONFIG, free_port, results, write_deepspeed_config
 
 #: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
 MEASURES = ("plugins/checkpoints/", "accel_npu/_torch/")
@@ -143,27 +143,12 @@ def worker(a) -> None:
     accelerator.end_training()
 
 
-FSDP2 = {
-    "compute_environment": "LOCAL_MACHINE",
-    "distributed_type": "FSDP",
-    "fsdp_config": {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "NO_WRAP",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-    },
-    "num_machines": 1,
-    "num_processes": 2,
-    "mixed_precision": "no",
-}
-
-
 def launch(a, tmp: Path, shape: str, stock: bool = False) -> list[dict]:
     d = tmp / (f"{shape}_stock" if stock else shape)
     if shape == "fsdp2":
         d.mkdir(parents=True)
         cfg = d / "fsdp2.yaml"
-        cfg.write_text(json.dumps(FSDP2))  # YAML reads JSON
+        cfg.write_text(json.dumps(FSDP2_CPU_CONFIG))  # YAML reads JSON
     else:
         ds = {
             "zero_optimization": {"stage": int(shape[-1]), "stage3_param_persistence_threshold": 0},

@@ -120,6 +120,24 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: accelerate's FSDP2 config for 2 CPU ranks, fp32: sharded state dicts, no auto wrap (the test models are tiny)
+FSDP2_CPU_CONFIG = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "NO_WRAP",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    },
+    "num_machines": 1,
+    "num_processes": 2,
+    "machine_rank": 0,
+    "mixed_precision": "no",
+    "use_cpu": False,
+}
+
+
 def write_deepspeed_config(
     directory: Path,
     ds_config: dict,

@@ -17,7 +17,7 @@ from accel_npu import environment
 from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.consolidate import consolidate
 from accel_npu.plugins.checkpoints.state import CheckpointError, CollectiveMisuseError
-from tests.launch_utils import ended_by_launcher
+from tests.launch_utils import FSDP2_CPU_CONFIG, ended_by_launcher
 
 #: the rendezvous timeout the workers run with: rank 1 waits up to this long for rank 0, which comes
 #: one second late in rounds 3 and 4, so it leaves three seconds of slack for a loaded CI machine
@@ -462,23 +462,6 @@ def test_transformers_save_pretrained_of_zero3_partitions_loads_and_stock_writes
         Qwen2ForCausalLM.from_pretrained(tmp_path / "stock")
 
 
-FSDP2_CONFIG = {
-    "compute_environment": "LOCAL_MACHINE",
-    "distributed_type": "FSDP",
-    "fsdp_config": {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "NO_WRAP",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-    },
-    "num_machines": 1,
-    "num_processes": 2,
-    "machine_rank": 0,
-    "mixed_precision": "no",
-    "use_cpu": False,
-}
-
-
 def _dcp_tensors(directory):
     """A torch.distributed.checkpoint folder read back whole, offline (torch's own converter)."""
     import torch
@@ -512,7 +495,7 @@ def test_rank0_only_save_state_under_fsdp2_equals_the_fixed_copy_and_mid_step_fa
     from tests.official_scripts import StreamedLaunch
 
     cfg = tmp_path / "fsdp2.yaml"
-    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    cfg.write_text(yaml.safe_dump(FSDP2_CPU_CONFIG))
     script = SCRIPTS / "rank0_only_save.py"
     env = base_env(ACCEL_NPU_COLLECTIVE_TIMEOUT="5")
     stock_env = dict(

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.launch_utils import (
+    FSDP2_CPU_CONFIG,
     REPO,
     SCRIPTS,
     accelerate_launch,
@@ -184,25 +185,7 @@ def test_fsdp2_config_shards_on_cpu_ranks_instead_of_falling_back_to_ddp(tmp_pat
     import yaml
 
     cfg = tmp_path / "fsdp2.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "compute_environment": "LOCAL_MACHINE",
-                "distributed_type": "FSDP",
-                "fsdp_config": {
-                    "fsdp_version": 2,
-                    "fsdp_auto_wrap_policy": "NO_WRAP",
-                    "fsdp_reshard_after_forward": True,
-                    "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                },
-                "num_machines": 1,
-                "num_processes": 2,
-                "machine_rank": 0,
-                "mixed_precision": "no",
-                "use_cpu": False,
-            }
-        )
-    )
+    cfg.write_text(yaml.safe_dump(FSDP2_CPU_CONFIG))
     args = ["--config_file", str(cfg), TRAIN, "--steps", "2"]
     # the three launches are independent: run side by side
     cpu_backend_only = base_env(ACCEL_NPU_DISABLED_PATCHES="accelerate.state:AcceleratorState.__init__")
