@@ -489,3 +489,46 @@ def test_test_markers_are_strict_and_process_starting_tests_are_guarded():
     assert {"slow", "contract", "official_matrix"} <= declared, declared
     conftest = (REPO / "tests" / "conftest.py").read_text()
     assert "process_guard.install(" in conftest and 'get_closest_marker("slow")' in conftest
+
+
+def _missing_cross_imports(sources: dict[str, str]) -> list[str]:
+    """``from tests.X import name`` (at any depth: most are inside test functions) naming what tests/X.py does
+    not define at its top level. Such an import fails only when that test runs, so a rename breaks tests
+    that nothing else exercises until CI; ``sources`` maps a module name (``tests.launch_utils``) to its text."""
+    defined = {}
+    for module, text in sources.items():
+        names = set()
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        defined[module] = names
+    missing = []
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module in defined:
+                missing += [
+                    f"{module}: {node.module}.{a.name}" for a in node.names if a.name not in defined[node.module]
+                ]
+    return missing
+
+
+def _test_helper_sources() -> dict[str, str]:
+    files = [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"), *(REPO / "tools").rglob("*.py")]
+    return {".".join(f.relative_to(REPO).with_suffix("").parts): f.read_text() for f in files}
+
+
+def test_names_imported_from_test_modules_exist():
+    assert _missing_cross_imports(_test_helper_sources()) == []
+
+
+def test_the_cross_import_checker_sees_a_renamed_name():
+    sources = {
+        "tests.a": "X = 1\ndef f(): pass\nfrom os import path\n",
+        "tests.b": "def test():\n    from tests.a import X, f, path, GONE\n",
+    }
+    assert _missing_cross_imports(sources) == ["tests.b: tests.a.GONE"]

@@ -535,11 +535,10 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
     import torch.distributed.checkpoint as dcp
     import yaml
 
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results
-    from tests.test_checkpoints import FSDP2_CONFIG
+    from tests.launch_utils import FSDP2_CPU_CONFIG, SCRIPTS, accelerate_launch, base_env, explain, results
 
     cfg = tmp_path / "fsdp2.yaml"
-    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    cfg.write_text(yaml.safe_dump(FSDP2_CPU_CONFIG))
     out = tmp_path / "out"
     proc = accelerate_launch(
         ["--config_file", str(cfg), str(SCRIPTS / "async_save.py"), "main", str(out)], env=base_env(), timeout=300
@@ -584,11 +583,10 @@ def test_fsdp2_rank_killed_during_its_background_write_leaves_the_previous_check
     on with the reference's losses."""
     import yaml
 
-    from tests.launch_utils import SCRIPTS, accelerate_launch, base_env, explain, results
-    from tests.test_checkpoints import FSDP2_CONFIG
+    from tests.launch_utils import FSDP2_CPU_CONFIG, SCRIPTS, accelerate_launch, base_env, explain, results
 
     cfg = tmp_path / "fsdp2.yaml"
-    cfg.write_text(yaml.safe_dump(FSDP2_CONFIG))
+    cfg.write_text(yaml.safe_dump(FSDP2_CPU_CONFIG))
     out = tmp_path / "out"
 
     def launch(mode):
