@@ -10,7 +10,9 @@ _sd3.py (``--use_parallelism_config --parallelism_config_sp_size 2`` on the comm
 cogvideo/train_cogvideox_lora.py (``parallelism_config:`` in the YAML), unchanged, fp32 ZeRO-2: sp=2 on 2 ranks
 against the same global batch on 1 rank; Flux at sp=2 x dp=2 on 4 ranks against dp=2 on 2; Flux checkpoints of
 sp=2 and sp=1 compared tensor by tensor, and each resumed with the other sp size. Flux under ZeRO-3 (gradient
-clipping on), sp=2 on 2 ranks against 1 rank: the same training, clip and checkpoint values. Witnesses that do not
+clipping on), sp=2 on 2 ranks against 1 rank: the same training, clip and checkpoint values. A transformer and an
+action head trained on its gathered output (tests/scripts/sp_action_head.py), sp=2 against 1 rank: every parameter
+moves as on one rank, and, the loss average over the SP group off, the head's does not. Witnesses that do not
 depend on accel-npu (tests/sp_witness/sitecustomize.py wraps torch's SDPA, the functional all_to_all_single diffusers'
 Ulysses attention calls, and Adam(W).step): the attention's heads and tokens on each rank, the all_to_all calls,
 their sizes and groups, the squared gradient norm summed over the ranks' ZeRO partitions, the optimizer state
@@ -43,6 +45,13 @@ sys.path.insert(0, str(SCRIPTS))
 
 WITNESS = REPO / "tests" / "sp_witness"
 
+
+#: plugins/sequence_parallel's loss average over the SP group and the gather's summed backward (loss_average.py)
+LOSS_AVERAGE_PATCHES = (
+    "accelerate.accelerator:Accelerator.backward",
+    "diffusers.hooks.context_parallel:AllGatherFunction.backward",
+    "diffusers.hooks.context_parallel:AllGatherAnythingFunction.backward",
+)
 
 #: the ZeRO-3 launches' gradient clipping: below step 2's gradient norm of the Flux LoRA (0.23) and above the
 #: others' (0.11-0.13), so the clip, computed over every rank's gradient partition, acts at step 2 only
@@ -463,6 +472,15 @@ def runs(tmp_path_factory):
             _flux_args(flux, images, root / "plugin_off_yaml"),
             {"ACCEL_NPU_DISABLED_PLUGINS": "sequence_parallel"},
         ),
+        # a transformer and an action head trained on its gathered output (tests/scripts/sp_action_head.py)
+        "head_sp2": (two_sp, [], [str(SCRIPTS / "sp_action_head.py")], {}),
+        "head_sp1": (one, [], [str(SCRIPTS / "sp_action_head.py")], {}),
+        "head_sliced": (
+            two_sp,
+            [],
+            [str(SCRIPTS / "sp_action_head.py")],
+            {"ACCEL_NPU_DISABLED_PATCHES": ",".join(LOSS_AVERAGE_PATCHES)},
+        ),
         # one step more from the other sp size's checkpoint-2 (copied into the output dir before the launch)
         "resume_sp2_as_sp1": (two, [], _flux_args(flux, images, root / "resume_sp2_as_sp1", 100, 3, True), {}),
         "resume_sp1_as_sp2": (two, cli_sp, _flux_args(flux, images, root / "resume_sp1_as_sp2", 100, 3, True), {}),
@@ -746,6 +764,35 @@ def test_a_checkpoint_resumes_with_the_other_sp_size(runs, resumed):
     exchanged = [bool(record["all_to_all"]) for record in records]
     assert exchanged == ([True, True] if resumed == "resume_sp1_as_sp2" else [False, False])
     assert [bool(record["all_to_all"]) for record in runs[source][2]] == [not e for e in exchanged]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_module_trained_on_the_gathered_output_gets_the_gradient_of_one_rank(runs):
+    """tests/scripts/sp_action_head.py: a Flux transformer and an action head reading its output, prepared together
+    with one AdamW (its eps far above every gradient: each parameter's change is its gradient, scaled), one step
+    at fp32 ZeRO-2 with accelerate's gradient clipping at 1.0; sp=2 on 2 ranks against 1 rank. Every parameter,
+    the head's and the transformer's, changes as on one rank. The negative, diffusers' gather backward and the
+    loss as the script computes it: the head gets twice its gradient on each rank (the clip, over the whole norm,
+    then moves every parameter: here the head 1.27x, the transformer 0.64x)."""
+    from tests.launch_utils import results
+
+    (one,), split, sliced = (results(runs[name][0]) for name in ("head_sp1", "head_sp2", "head_sliced"))
+    for name in ("head_sp1", "head_sp2", "head_sliced"):
+        assert runs[name][0].returncode == 0, explain(runs[name][0])
+    assert [r["rank"] for r in split] == [r["rank"] for r in sliced] == [0, 1]
+    reference = one["changes"]
+    moved = [k for k, v in reference.items() if v > 0]  # some norms' weights get no gradient in one step
+    assert {k.split(".")[0] for k in moved} == {"head", "transformer"} and len(moved) > 0.8 * len(reference)
+    for rank in split:
+        assert rank["loss"] == one["loss"]
+        assert rank["changes"].keys() == reference.keys()
+        for key, value in reference.items():
+            assert abs(rank["changes"][key] - value) <= 1e-5 * value, (key, rank["changes"][key], value)
+    # the negative: the head's change differs from one rank's by the clip of a doubled gradient
+    for rank in sliced:
+        assert rank["loss"] == one["loss"]
+        assert rank["head"] > 1.1 * one["head"] and rank["transformer"] < 0.9 * one["transformer"], (rank, one)
 
 
 @pytest.mark.slow

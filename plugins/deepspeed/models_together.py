@@ -130,11 +130,12 @@ def _container_class():
             for i, model in enumerate(models):
                 self.add_module(str(i), model)
             self.__dict__[MODELS_PREPARED_TOGETHER] = tuple(models)
-            sizes = [_hidden_size(m) for m in models]
-            if any(sizes):  # accelerate fills "auto" bucket sizes from model.config.hidden_size (_prepare_deepspeed)
-                import types
+            import types
 
-                self.config = types.SimpleNamespace(hidden_size=max(s for s in sizes if s))
+            # accelerate fills "auto" bucket sizes from model.config.hidden_size, and its sequence parallelism
+            # requires a model.config (_prepare_deepspeed)
+            sizes = [s for s in (_hidden_size(m) for m in models) if s]
+            self.config = types.SimpleNamespace(**({"hidden_size": max(sizes)} if sizes else {}))
 
         def forward(self, *args, **kwargs):
             raise RuntimeError(

@@ -18,11 +18,13 @@ to 3 or FSDP2.
   ZeRO-3 the default reduce-scatter's gradients are multiplied by sp_size, as stage 1/2 scale them (zero3.py); under
   FSDP2 the same split, and every ``fully_shard``-ed module divides its reduced gradients by the data-parallel
   size instead of averaging over every rank (fsdp2.py);
+- ``Accelerator.backward`` averages the loss over the SP group and diffusers' gather backward sums over it, so a
+  module trained on the gathered output (an action head) gets the gradient of one rank (loss_average.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
 
 This module declares the patches and hook implementations (accel_npu_launch_args; accel_npu_prepare_deepspeed, called
 by ``Accelerator.prepare`` before ``_prepare_deepspeed``); the wrappers sit beside it: launch.py, prepare.py, zero3.py,
-fsdp2.py (plans.py, groups.py).
+fsdp2.py, loss_average.py (plans.py, groups.py).
 """
 
 from __future__ import annotations
@@ -110,6 +112,36 @@ PREPARE_FSDP2 = Patch(
     wrapper=".fsdp2:prepare_fsdp2",
 )
 
+# loss_average.py: a module trained on the gathered output gets sp_size times its gradient otherwise
+_LOSS_AVERAGE_REASON = (
+    "under sequence parallelism what runs after the split model's gathered output runs on every rank of the group; "
+    "a module trained there (an action head) gets sp_size times its gradient: the loss is averaged over the group"
+)
+BACKWARD_LOSS_AVERAGED = Patch(
+    target="accelerate.accelerator:Accelerator.backward",
+    supports=_ACCELERATE,
+    stock_correct=_ACCELERATE_STOCK,
+    reason=_LOSS_AVERAGE_REASON + ", with the gather's backward summing over it.",
+    remove_when=_REMOVE_WHEN,
+    wrapper=".loss_average:backward_with_the_loss_averaged",
+)
+
+
+def _gather_backward_patch(function: str, since: str) -> Patch:
+    # diffusers before ``since`` has no such gather (context parallelism came in 0.36, uneven gathers in 0.37)
+    return Patch(
+        target=f"diffusers.hooks.context_parallel:{function}.backward",
+        supports=f"diffusers>={since},<0.43",
+        stock_correct=f"diffusers<{since}",
+        reason=_LOSS_AVERAGE_REASON + " and the gathered output's gradient summed over it (a reduce-scatter).",
+        remove_when=_REMOVE_WHEN,
+        wrapper=".loss_average:gathered_gradient_summed",
+    )
+
+
+GATHER_BACKWARD = _gather_backward_patch("AllGatherFunction", "0.36")
+GATHER_ANYTHING_BACKWARD = _gather_backward_patch("AllGatherAnythingFunction", "0.37")
+
 
 @hookimpl
 def accel_npu_launch_args(backend, launch_args, resolved):
@@ -135,4 +167,7 @@ def accel_npu_register_patches():
         RESOLVE_PARALLEL_CONFIG,
         ZERO3_SCATTER_GRADIENTS,
         PREPARE_FSDP2,
+        BACKWARD_LOSS_AVERAGED,
+        GATHER_BACKWARD,
+        GATHER_ANYTHING_BACKWARD,
     ]

@@ -37,9 +37,17 @@ def _diffusers_model(objects):
 
     if "diffusers" not in sys.modules:
         return None
+    import torch
     from diffusers import ModelMixin
 
-    return next((obj for obj in objects if isinstance(obj, ModelMixin)), None)
+    def candidates():
+        for obj in objects:
+            yield obj
+            # the models of one prepare call trained by one engine (plugins/deepspeed's container of them)
+            if isinstance(obj, torch.nn.Module) and not isinstance(obj, ModelMixin):
+                yield from obj.children()
+
+    return next((obj for obj in candidates() if isinstance(obj, ModelMixin)), None)
 
 
 def before_deepspeed_prepare(accelerator, objects) -> None:
@@ -117,7 +125,8 @@ def register_with_transformers(wrapped, instance, args, kwargs):
     """DeepSpeed's ``mpu`` for the diffusers model set up above, instead of transformers' attention registry."""
     state = groups.active()
     model = argument(args, kwargs, 0, "model_name_or_path")
-    if state is not None and model is state.model:
+    children = model.children() if hasattr(model, "children") else ()  # a transformers model, or its name
+    if state is not None and (model is state.model or any(child is state.model for child in children)):
         return state.mpu
     return wrapped(*args, **kwargs)
 
