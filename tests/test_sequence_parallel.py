@@ -48,7 +48,7 @@ WITNESS = REPO / "tests" / "sp_witness"
 
 #: plugins/sequence_parallel's loss average over the SP group and the gather's summed backward (loss_average.py)
 LOSS_AVERAGE_PATCHES = (
-    "accelerate.accelerator:Accelerator.backward",
+    "deepspeed.runtime.engine:DeepSpeedEngine.backward",
     "diffusers.hooks.context_parallel:AllGatherFunction.backward",
     "diffusers.hooks.context_parallel:AllGatherAnythingFunction.backward",
 )
@@ -262,6 +262,37 @@ def test_zero3s_reduce_scatter_is_multiplied_by_sp_for_a_split_diffusers_model_o
     result = scatter_gradients_summed_within_sp_groups(reduce_scatter, optimizer, (["p1", "p2"], torch.float32), {})
     for got, want in zip(result, averaged, strict=True):
         torch.testing.assert_close(got, want * factor)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_loss_is_averaged_over_the_sp_group_only_while_a_model_is_split(monkeypatch, split):
+    """DeepSpeed's engine.backward back-propagates loss / sp_size while a diffusers model is split, the loss itself
+    otherwise, and returns what it did at the script's scale; the gather's backward sums over the group only inside
+    such a backward (outside, e.g. FSDP2's plain ``loss.backward()``, diffusers' slice: no collective, which this
+    process has no group for)."""
+    import torch
+
+    from accel_npu.plugins.sequence_parallel import groups, loss_average
+
+    monkeypatch.setattr(groups, "ACTIVE", SimpleNamespace(sp_size=2) if split else None)
+    seen = []
+
+    def backward(loss, **kwargs):
+        seen.append((loss, loss_average._AVERAGED))
+        return loss
+
+    loss = torch.tensor(3.0)
+    returned = loss_average.backward_with_the_loss_averaged(backward, None, (loss,), {})
+    ((got, depth),) = seen
+    assert (got.item(), depth, returned.item()) == ((1.5, 1, 3.0) if split else (3.0, 0, 3.0))
+    assert loss_average._AVERAGED == 0 and loss.item() == 3.0
+
+    def diffusers_backward(ctx, grad_output):
+        return grad_output.chunk(ctx.world_size)[ctx.rank], None, None
+
+    ctx = SimpleNamespace(world_size=2, rank=1, group=None)
+    (piece, _, _) = loss_average.gathered_gradient_summed(diffusers_backward, None, (ctx, torch.arange(4.0)), {})
+    assert piece.tolist() == [2.0, 3.0]
 
 
 def test_sp_outside_deepspeed_and_fsdp2_is_refused_when_the_accelerator_is_built():

@@ -18,8 +18,8 @@ to 3 or FSDP2.
   ZeRO-3 the default reduce-scatter's gradients are multiplied by sp_size, as stage 1/2 scale them (zero3.py); under
   FSDP2 the same split, and every ``fully_shard``-ed module divides its reduced gradients by the data-parallel
   size instead of averaging over every rank (fsdp2.py);
-- ``Accelerator.backward`` averages the loss over the SP group and diffusers' gather backward sums over it, so a
-  module trained on the gathered output (an action head) gets the gradient of one rank (loss_average.py);
+- under DeepSpeed the engine's backward averages the loss over the SP group and diffusers' gather backward sums over
+  it, so a module trained on the gathered output (an action head) gets the gradient of one rank (loss_average.py);
 - diffusers' ``enable_parallelism`` on CPU ranks (a division by the accelerator count, 0 there).
 
 This module declares the patches and hook implementations (accel_npu_launch_args; accel_npu_prepare_deepspeed, called
@@ -118,9 +118,9 @@ _LOSS_AVERAGE_REASON = (
     "a module trained there (an action head) gets sp_size times its gradient: the loss is averaged over the group"
 )
 BACKWARD_LOSS_AVERAGED = Patch(
-    target="accelerate.accelerator:Accelerator.backward",
-    supports=_ACCELERATE,
-    stock_correct=_ACCELERATE_STOCK,
+    target="deepspeed.runtime.engine:DeepSpeedEngine.backward",
+    supports=_DEEPSPEED,
+    stock_correct=_DEEPSPEED_STOCK,
     reason=_LOSS_AVERAGE_REASON + ", with the gather's backward summing over it.",
     remove_when=_REMOVE_WHEN,
     wrapper=".loss_average:backward_with_the_loss_averaged",

@@ -8,12 +8,12 @@ model (each rank's slice is a partial gradient, which the reduction sums over th
 gather gets its whole gradient on every rank of the group, and the reduction (ZeRO's, FSDP2's: summed over the
 group, averaged over data-parallel groups) hands it sp_size times its gradient.
 
-So, as DeepSpeed's Ulysses recipe for transformers does (the loss averaged over the SP group, its gather's
-backward a reduce-scatter): ``Accelerator.backward`` back-propagates loss / sp_size, and the gather's backward sums
-the gradients of the group's ranks before taking the rank's slice. A module after the gather gets 1 / sp_size of
-its gradient per rank (its whole gradient once summed); everything before the gather gets the slice of the summed
-gradient it got before. A backward not run by ``Accelerator.backward`` (``loss.backward()`` in the script) keeps
-diffusers' slice, as before.
+So, under DeepSpeed, as its Ulysses recipe for transformers does (the loss averaged over the SP group, its
+gather's backward a reduce-scatter): ``DeepSpeedEngine.backward`` (what ``accelerator.backward`` calls)
+back-propagates loss / sp_size, and the gather's backward sums the gradients of the group's ranks before taking the
+rank's slice. A module after the gather gets 1 / sp_size of its gradient per rank (its whole gradient once summed);
+everything before the gather gets the slice of the summed gradient it got before. Under FSDP2 (the script's
+backward is a plain ``loss.backward()`` inside accelerate) the gather keeps diffusers' slice, as before.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from __future__ import annotations
 from accel_npu.patching import argument, with_argument
 from accel_npu.plugins.sequence_parallel import groups
 
-# backward passes of Accelerator.backward in progress, loss scaled; module-level, not thread-local: a device's
+# backward passes of DeepSpeedEngine.backward in progress, loss scaled; module-level, not thread-local: a device's
 # autograd runs the gather's backward on the engine's device thread
 _AVERAGED = 0
 
 
 def backward_with_the_loss_averaged(wrapped, instance, args, kwargs):
-    """``Accelerator.backward(loss)``: loss / sp_size while a diffusers model is split."""
+    """``DeepSpeedEngine.backward(loss)``: loss / sp_size while a diffusers model is split. What it returns (the
+    loss it back-propagated, after DeepSpeed's own scaling) is given back at the script's scale."""
     global _AVERAGED
     state = groups.active()
     if state is None or state.sp_size <= 1:
@@ -36,9 +37,10 @@ def backward_with_the_loss_averaged(wrapped, instance, args, kwargs):
     args, kwargs = with_argument(args, kwargs, 0, "loss", loss / state.sp_size)
     _AVERAGED += 1
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
     finally:
         _AVERAGED -= 1
+    return result * state.sp_size if hasattr(result, "mul") else result
 
 
 def gathered_gradient_summed(wrapped, instance, args, kwargs):
