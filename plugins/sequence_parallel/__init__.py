@@ -114,14 +114,13 @@ PREPARE_FSDP2 = Patch(
 
 # loss_average.py: a module trained on the gathered output gets sp_size times its gradient otherwise
 _LOSS_AVERAGE_REASON = (
-    "under sequence parallelism what runs after the split model's gathered output runs on every rank of the group; "
-    "a module trained there (an action head) gets sp_size times its gradient: the loss is averaged over the group"
+    "a module trained on the gathered output (an action head) runs on every SP rank, sp_size times its gradient"
 )
 BACKWARD_LOSS_AVERAGED = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.backward",
     supports=_DEEPSPEED,
     stock_correct=_DEEPSPEED_STOCK,
-    reason=_LOSS_AVERAGE_REASON + ", with the gather's backward summing over it.",
+    reason=_LOSS_AVERAGE_REASON + ": the loss is averaged over the SP group.",
     remove_when=_REMOVE_WHEN,
     wrapper=".loss_average:backward_with_the_loss_averaged",
 )
@@ -133,7 +132,7 @@ def _gather_backward_patch(function: str, since: str) -> Patch:
         target=f"diffusers.hooks.context_parallel:{function}.backward",
         supports=f"diffusers>={since},<0.43",
         stock_correct=f"diffusers<{since}",
-        reason=_LOSS_AVERAGE_REASON + " and the gathered output's gradient summed over it (a reduce-scatter).",
+        reason=_LOSS_AVERAGE_REASON + ": the output's gradient summed over the SP group.",
         remove_when=_REMOVE_WHEN,
         wrapper=".loss_average:gathered_gradient_summed",
     )
