@@ -495,10 +495,11 @@ def _missing_cross_imports(sources: dict[str, str]) -> list[str]:
     """``from tests.X import name`` (at any depth: most are inside test functions) naming what tests/X.py does
     not define at its top level. Such an import fails only when that test runs, so a rename breaks tests
     that nothing else exercises until CI; ``sources`` maps a module name (``tests.launch_utils``) to its text."""
+    trees = {module: ast.parse(text) for module, text in sources.items()}
     defined = {}
-    for module, text in sources.items():
+    for module, tree in trees.items():
         names = set()
-        for node in ast.parse(text).body:
+        for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -508,8 +509,8 @@ def _missing_cross_imports(sources: dict[str, str]) -> list[str]:
                 names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         defined[module] = names
     missing = []
-    for module, text in sources.items():
-        for node in ast.walk(ast.parse(text)):
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in defined:
                 missing += [
                     f"{module}: {node.module}.{a.name}" for a in node.names if a.name not in defined[node.module]

@@ -12,7 +12,7 @@ import json
 
 import torch
 from accelerate import Accelerator
-from diffusers import FluxTransformer2DModel
+from tiny_sd3_flux import flux_transformer
 
 EPS = 1e6
 LR = 1e4  # a step of ~1e-2 * gradient
@@ -21,17 +21,7 @@ LR = 1e4  # a step of ~1e-2 * gradient
 def main():
     accelerator = Accelerator()
     torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=4,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8],
-    )
+    transformer = flux_transformer()  # the tiny Flux of the official scripts' tests (tests/scripts/tiny_sd3_flux.py)
     head = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
     before = {f"transformer.{n}": p.detach().clone() for n, p in transformer.named_parameters()}
     before.update({f"head.{n}": p.detach().clone() for n, p in head.named_parameters()})

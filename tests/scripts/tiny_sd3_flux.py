@@ -151,14 +151,12 @@ def sd3_pipeline(folder: str, num_layers: int = 1):
     return pipe
 
 
-def flux_pipeline(folder: str):
-    """FluxPipeline.save_pretrained of a tiny Flux (transformer, VAE, CLIP + T5)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+def flux_transformer():
+    """The tiny FluxTransformer2DModel (1 double + 1 single block, 2 heads of 16, 4 latent channels), drawn from
+    torch's global generator as it stands."""
+    from diffusers import FluxTransformer2DModel
 
-    parts = _encoders(folder, [CLIPTextModel])
-    torch.manual_seed(0)
-    transformer = FluxTransformer2DModel(
+    return FluxTransformer2DModel(
         patch_size=1,
         in_channels=4,
         num_layers=1,
@@ -169,6 +167,16 @@ def flux_pipeline(folder: str):
         pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8],
     )
+
+
+def flux_pipeline(folder: str):
+    """FluxPipeline.save_pretrained of a tiny Flux (transformer, VAE, CLIP + T5)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextModel
+
+    parts = _encoders(folder, [CLIPTextModel])
+    torch.manual_seed(0)
+    transformer = flux_transformer()
     vae = AutoencoderKL(latent_channels=1, **VAE)
     pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(), **parts)
     pipe.save_pretrained(folder)
