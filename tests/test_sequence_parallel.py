@@ -268,13 +268,15 @@ def test_zero3s_reduce_scatter_is_multiplied_by_sp_for_a_split_diffusers_model_o
 def test_the_loss_is_averaged_over_the_sp_group_only_while_a_model_is_split(monkeypatch, split):
     """DeepSpeed's engine.backward back-propagates loss / sp_size while a diffusers model is split, the loss itself
     otherwise, and returns what it did at the script's scale; the gather's backward sums over the group only inside
-    such a backward (outside, e.g. FSDP2's plain ``loss.backward()``, diffusers' slice: no collective, which this
-    process has no group for)."""
+    such a backward (outside, diffusers' slice: no collective, which this process has no group for), or in every
+    backward under FSDP2 (its reduction averages: the sum, the all-reduce stood in for here, then the slice)."""
     import torch
+    import torch.distributed as dist
 
     from accel_npu.plugins.sequence_parallel import groups, loss_average
 
-    monkeypatch.setattr(groups, "ACTIVE", SimpleNamespace(sp_size=2) if split else None)
+    state = SimpleNamespace(sp_size=2, sum_every_gathered_gradient=False)
+    monkeypatch.setattr(groups, "ACTIVE", state if split else None)
     seen = []
 
     def backward(loss, **kwargs):
@@ -293,6 +295,22 @@ def test_the_loss_is_averaged_over_the_sp_group_only_while_a_model_is_split(monk
     ctx = SimpleNamespace(world_size=2, rank=1, group=None)
     (piece, _, _) = loss_average.gathered_gradient_summed(diffusers_backward, None, (ctx, torch.arange(4.0)), {})
     assert piece.tolist() == [2.0, 3.0]
+
+    # FSDP2: summed over the group in any backward (the other rank's gradient the same: twice the slice)
+    state.sum_every_gathered_gradient = True
+    reduced = []
+
+    def all_reduce(tensor, op, group):
+        reduced.append((op, group))
+        tensor.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    ctx.group = "the SP group"
+    grad_output = torch.arange(4.0)
+    (piece, _, _) = loss_average.gathered_gradient_summed(diffusers_backward, None, (ctx, grad_output), {})
+    assert piece.tolist() == ([4.0, 6.0] if split else [2.0, 3.0])
+    assert reduced == ([(dist.ReduceOp.SUM, "the SP group")] if split else [])
+    assert grad_output.tolist() == [0.0, 1.0, 2.0, 3.0]  # autograd's buffer left as it was
 
 
 def test_sp_outside_deepspeed_and_fsdp2_is_refused_when_the_accelerator_is_built():

@@ -1,11 +1,12 @@
 """Ulysses sequence parallelism under FSDP2 (plugins/sequence_parallel/fsdp2.py, docs/sequence-parallel.md).
 
-The fact it corrects, torch's (tests/scripts/fsdp2_gradient_reduction.py never imports accel_npu), on 2 gloo ranks:
-``fully_shard`` averages gradients over its ranks, where the ranks of one sequence-parallel group must sum their
-partial gradients; a divide factor with sum-only collectives sums them. Launched (slow): diffusers v0.40.0's
-train_dreambooth_lora_flux2.py, unchanged, fp32 FSDP2, sp=2 on 2 ranks against 1 rank, with the witnesses of
-tests/test_sequence_parallel.py (tests/sp_witness), and the negative with FSDP2's own mean kept
-(tests/sp_fsdp2_averaging)."""
+The fact it builds on, torch's (tests/scripts/fsdp2_gradient_reduction.py never imports accel_npu), on 2 gloo
+ranks: ``fully_shard`` averages gradients over its ranks, where the ranks of one sequence-parallel group must sum
+their partial gradients: the gather's backward sums the output's gradient over the group first. Launched (slow):
+diffusers v0.40.0's train_dreambooth_lora_flux2.py, unchanged, fp32 FSDP2, sp=2 on 2 ranks against 1 rank, with the
+witnesses of tests/test_sequence_parallel.py (tests/sp_witness); a Flux transformer and an action head trained on
+its gathered output, one model (tests/scripts/sp_action_head.py --together); each with the negative, diffusers'
+gather backward as upstream has it (FSDP2's own mean alone)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ from tests.launch_utils import (
 sys.path.insert(0, str(SCRIPTS))
 
 WITNESS = REPO / "tests" / "sp_witness"
-AVERAGING = REPO / "tests" / "sp_fsdp2_averaging"
+#: the patches that sum the gathered output's gradient over the SP group (plugins/sequence_parallel/loss_average.py)
+GATHER_PATCHES = ",".join(
+    f"diffusers.hooks.context_parallel:{name}.backward" for name in ("AllGatherFunction", "AllGatherAnythingFunction")
+)
 
 
 @pytest.mark.slow
@@ -114,7 +118,7 @@ def _flux2_args(pipe: Path, images: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def flux2_runs(tmp_path_factory):
     """{name: (CompletedProcess, output dir, witness records per rank)}: sp=2 on 2 ranks, the same global batch on
-    1 rank, and sp=2 with torch's divide factor and sum-only switches made no-ops (FSDP2's own mean kept)."""
+    1 rank, and sp=2 with diffusers' gather backward as upstream has it (FSDP2's own mean alone)."""
     import subprocess
 
     from tests.torchvision_site import with_torchvision
@@ -135,15 +139,19 @@ def flux2_runs(tmp_path_factory):
     )
     assert built.returncode == 0, built.stderr[-3000:]
     one, two_sp = _fsdp2_config(root, 1), _fsdp2_config(root, 2, sp=2)
-    plans = {"sp2": (two_sp, WITNESS), "sp1": (one, WITNESS), "sp2_averaging": (two_sp, AVERAGING)}
+    plans = {
+        "sp2": (two_sp, {}),
+        "sp1": (one, {}),
+        "sp2_averaging": (two_sp, {"ACCEL_NPU_DISABLED_PATCHES": GATHER_PATCHES}),
+    }
 
     def launch(name):
-        config, site = plans[name]
+        config, extra = plans[name]
         out, witness = root / name, root / f"{name}_witness"
         out.mkdir()
         witness.mkdir()
-        env = with_torchvision(base_env(SP_WITNESS_DIR=str(witness)))
-        env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(site)
+        env = with_torchvision(base_env(SP_WITNESS_DIR=str(witness), **extra))
+        env["PYTHONPATH"] = f"{WITNESS}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(WITNESS)
         args = ["--config_file", str(config), *_flux2_args(root / "flux2", root / "images", out)]
         proc = accelerate_launch(args, env=env, timeout=900, cwd=root)
         return proc, out, [json.loads(p.read_text()) for p in sorted(witness.glob("rank*.json"))]
@@ -163,7 +171,8 @@ def test_flux2_lora_sp2_under_fsdp2_trains_as_one_rank_with_the_same_global_batc
     """diffusers v0.40.0's train_dreambooth_lora_flux2.py, unchanged, fp32 FSDP2 (each transformer block its own
     fully_shard group), ``parallelism_config_sp_size: 2`` on 2 ranks against 1 rank: the split is seen by torch's
     SDPA and all_to_all; the loss at every step, the squared gradient norm (summed over the two ranks' shards) and
-    the LoRA after 4 steps are the one rank's. With FSDP2's own mean kept, the gradient is half."""
+    the LoRA after 4 steps are the one rank's. With the gather's backward as upstream has it (FSDP2's own mean
+    alone), the gradient is half."""
     import torch
 
     from tests.test_sequence_parallel import _lora, _losses
@@ -191,7 +200,8 @@ def test_flux2_lora_sp2_under_fsdp2_trains_as_one_rank_with_the_same_global_batc
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora2.items())
     assert all(v.dtype == torch.float32 for v in lora2.values())
 
-    # the negative: the same split with fully_shard's mean over both ranks: a quarter of the squared norm at step 1
+    # the negative: the same split, the gather's gradient not summed: fully_shard's mean over both ranks halves the
+    # group's summed gradient, a quarter of the squared norm at step 1
     a0, a1 = averaging[2]
     assert (1, 80) in _attention(a0) and len(a0["all_to_all"]) == 8 * 2 * STEPS
     g = w1["grad_sq"][0]
@@ -199,3 +209,48 @@ def test_flux2_lora_sp2_under_fsdp2_trains_as_one_rank_with_the_same_global_batc
     # Adam's step barely depends on the gradient's scale (measured: 6.8e-4 apart), yet out of the proof's 1e-4
     lora_avg = _lora(averaging[1])
     assert max((lora1[k] - lora_avg[k]).abs().max().item() for k in lora1) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def head_runs(tmp_path_factory):
+    """{name: CompletedProcess}: tests/scripts/sp_action_head.py --together (the transformer and its action head one
+    model) under fp32 FSDP2, sp=2 on 2 ranks, 1 rank, and sp=2 with the gather's backward as upstream has it."""
+    root = tmp_path_factory.mktemp("sequence_parallel_fsdp2_head")
+    one, two_sp = _fsdp2_config(root, 1), _fsdp2_config(root, 2, sp=2)
+    plans = {"sp2": (two_sp, {}), "sp1": (one, {}), "sliced": (two_sp, {"ACCEL_NPU_DISABLED_PATCHES": GATHER_PATCHES})}
+
+    def launch(name):
+        config, extra = plans[name]
+        args = ["--config_file", str(config), str(SCRIPTS / "sp_action_head.py"), "--together"]
+        return accelerate_launch(args, env=base_env(**extra), timeout=600, cwd=root)
+
+    names = list(plans)
+    return dict(zip(names, run_concurrently(*[lambda n=n: launch(n) for n in names])))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_module_trained_on_the_gathered_output_gets_the_gradient_of_one_rank_under_fsdp2(head_runs):
+    """A Flux transformer and an action head reading its gathered output, one model (FSDP2 prepares one), one
+    AdamW whose eps is far above every gradient (each parameter's change is its gradient, scaled), one step at fp32
+    FSDP2, sp=2 on 2 ranks against 1 rank: every parameter, the head's and the transformer's, changes as on one
+    rank. The negative, the gather's backward as upstream has it: the transformer gets half its gradient (FSDP2's
+    mean over the two ranks of its partial gradients), the head its own (measured: 0.50x and 1.00x)."""
+    from tests.launch_utils import results
+
+    for name, proc in head_runs.items():
+        assert proc.returncode == 0, (name, explain(proc))
+    (one,), split, sliced = (results(head_runs[name]) for name in ("sp1", "sp2", "sliced"))
+    assert [r["rank"] for r in split] == [r["rank"] for r in sliced] == [0, 1]
+    reference = one["changes"]
+    moved = [k for k, v in reference.items() if v > 0]
+    assert {k.split(".")[0] for k in moved} == {"head", "transformer"} and len(moved) > 0.8 * len(reference)
+    for rank in split:
+        assert rank["loss"] == one["loss"]
+        assert rank["changes"].keys() == reference.keys()
+        for key, value in reference.items():
+            assert abs(rank["changes"][key] - value) <= 1e-5 * value, (key, rank["changes"][key], value)
+    for rank in sliced:
+        assert rank["loss"] == one["loss"]
+        assert abs(rank["transformer"] / one["transformer"] - 0.5) < 0.01, (rank, one)
+        assert abs(rank["head"] / one["head"] - 1) < 1e-5, (rank, one)

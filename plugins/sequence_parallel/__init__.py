@@ -107,32 +107,32 @@ PREPARE_FSDP2 = Patch(
     supports=_ACCELERATE,
     stock_correct=_ACCELERATE_STOCK,
     reason="FSDP2 with sp_size > 1 splits no diffusers model and averages the gradients an SP group must sum: "
-    "split, gradients summed.",
+    "split, every gathered gradient summed.",
     remove_when="accelerate splits a diffusers model's sequence under FSDP2 itself",
     wrapper=".fsdp2:prepare_fsdp2",
 )
 
 # loss_average.py: a module trained on the gathered output gets sp_size times its gradient otherwise
-_LOSS_AVERAGE_REASON = (
-    "a module trained on the gathered output (an action head) runs on every SP rank, sp_size times its gradient"
-)
 BACKWARD_LOSS_AVERAGED = Patch(
     target="deepspeed.runtime.engine:DeepSpeedEngine.backward",
     supports=_DEEPSPEED,
     stock_correct=_DEEPSPEED_STOCK,
-    reason=_LOSS_AVERAGE_REASON + ": the loss is averaged over the SP group.",
+    reason="a module trained on the gathered output (an action head) runs on every SP rank, sp_size times its "
+    "gradient: the loss is averaged over the SP group.",
     remove_when=_REMOVE_WHEN,
     wrapper=".loss_average:backward_with_the_loss_averaged",
 )
 
 
 def _gather_backward_patch(function: str, since: str) -> Patch:
-    # diffusers before ``since`` has no such gather (context parallelism came in 0.36, uneven gathers in 0.37)
+    # diffusers before ``since`` has no such gather (context parallelism came in 0.36, uneven gathers in 0.37); the
+    # versions between are outside the diffusers range this plugin is run and declared at (_DIFFUSERS)
     return Patch(
         target=f"diffusers.hooks.context_parallel:{function}.backward",
-        supports=f"diffusers>={since},<0.43",
+        supports=_DIFFUSERS,
         stock_correct=f"diffusers<{since}",
-        reason=_LOSS_AVERAGE_REASON + ": the output's gradient summed over the SP group.",
+        reason="FSDP2 averages an SP group's partial gradients; under DeepSpeed a module on the gathered output "
+        "gets sp_size times its gradient: summed over the SP group.",
         remove_when=_REMOVE_WHEN,
         wrapper=".loss_average:gathered_gradient_summed",
     )

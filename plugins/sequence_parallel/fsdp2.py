@@ -1,15 +1,16 @@
 """Sequence parallelism for a diffusers model under FSDP2: accelerate 1.16's ``Accelerator._prepare_fsdp2``, with
-the split set up before it and the gradient reduction corrected after it.
+the split set up before it.
 
 With ``sp_backend="deepspeed"`` and ``sp_size > 1`` accelerate builds no device mesh
 (``ParallelismConfig.build_device_mesh``), so ``fsdp2_prepare_model`` calls ``fully_shard`` without one: every rank
 is one shard group, and its reduce-scatter averages the gradients over every rank (torch
 ``_fsdp_collectives._get_gradient_divide_factors``: ``ReduceOp.AVG``). The ranks of one SP group hold partial
-gradients of the same samples (each from its share of the tokens), which must be summed, and the data-parallel
-groups averaged: every ``fully_shard``-ed module divides by processes / sp_size instead
-(``FSDPModule.set_gradient_divide_factor``), with sum-only collectives
-(``set_force_sum_reduction_for_comms``: a custom factor otherwise asks for ``PREMUL_SUM``, which gloo and HCCL
-lack) — the gradient of the sp=1 run with the same global batch, as DeepSpeed's SP scaling gives under ZeRO-1/2.
+gradients of the same samples (each from its share of the tokens), which must be summed. So every backward through
+the split model's gather sums the output's gradient over the SP group before diffusers takes the rank's slice
+(loss_average.py): the split model's partial gradients come out ``sp_size`` times larger, and FSDP2's mean over
+every rank gives their sum averaged over the data-parallel groups, the gradient of the sp=1 run with the same global
+batch. A module trained on the gathered output (an action head, prepared in one container with the transformer, as
+FSDP2 takes one model) has the same gradient on every rank of a group, and the mean gives it once.
 The split, the groups, the DataLoader sharded by data-parallel rank and the shared random state are the DeepSpeed
 path's (prepare.enable), set up before accelerate prepares the DataLoaders among the objects.
 """
@@ -45,29 +46,11 @@ def prepare_fsdp2(wrapped, instance, args, kwargs):
     state = groups.active()
     if state is None:
         state = prepare.enable(instance, model, config)
-    result = wrapped(*args, **kwargs)
-    sum_gradients_within_sp_groups(result, state)
-    return result
-
-
-def sum_gradients_within_sp_groups(prepared, state: groups.SequenceParallel) -> None:
-    """Every FSDP module of the prepared objects divides its reduced gradients by the data-parallel size."""
-    from torch.distributed.fsdp import FSDPModule
-
-    objects = prepared if isinstance(prepared, (tuple, list)) else (prepared,)
-    count = 0
-    for obj in objects:
-        if not hasattr(obj, "modules"):
-            continue
-        for module in obj.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(float(state.dp_size))
-                module.set_force_sum_reduction_for_comms(True)
-                count += 1
+    state.sum_every_gathered_gradient = True
     log.info(
-        "accel-npu: sequence parallelism under FSDP2: %d FSDP module(s) sum gradients over each group of %d rank(s), "
-        "divided by the %d data-parallel group(s)",
-        count,
+        "accel-npu: sequence parallelism under FSDP2: the gathered output's gradient is summed over each group of "
+        "%d rank(s); FSDP2 averages over all %d",
         state.sp_size,
-        state.dp_size,
+        state.world_size,
     )
+    return wrapped(*args, **kwargs)

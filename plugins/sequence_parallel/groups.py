@@ -25,6 +25,9 @@ class SequenceParallel:
     model: object  # the diffusers model whose sequence is split
     mpu: object  # deepspeed.runtime.sequence_parallel.parallel_state_sp
     mesh: object  # DeviceMesh ("dp", "ring", "ulysses"), what diffusers' ContextParallelConfig takes
+    # every backward through the gather sums the output's gradient over the SP group (loss_average.py), not only
+    # DeepSpeed's engine backward, which averages the loss first: set under FSDP2, whose reduction averages
+    sum_every_gathered_gradient: bool = False
 
     @property
     def dp_size(self) -> int:

@@ -13,7 +13,8 @@ gather's backward a reduce-scatter): ``DeepSpeedEngine.backward`` (what ``accele
 back-propagates loss / sp_size, and the gather's backward sums the gradients of the group's ranks before taking the
 rank's slice. A module after the gather gets 1 / sp_size of its gradient per rank (its whole gradient once summed);
 everything before the gather gets the slice of the summed gradient it got before. Under FSDP2 (the script's
-backward is a plain ``loss.backward()`` inside accelerate) the gather keeps diffusers' slice, as before.
+backward is a plain ``loss.backward()`` inside accelerate, and the reduction a mean over every rank) every backward
+through the gather sums: fsdp2.py.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def gathered_gradient_summed(wrapped, instance, args, kwargs):
     gradients summed, then diffusers' slice."""
     state = groups.active()
     ctx = argument(args, kwargs, 0, "ctx")
-    if not _AVERAGED or state is None or getattr(ctx, "world_size", None) != state.sp_size:
+    if state is None or not (_AVERAGED or state.sum_every_gathered_gradient):
+        return wrapped(*args, **kwargs)
+    if getattr(ctx, "world_size", None) != state.sp_size:
         return wrapped(*args, **kwargs)
     import torch
     import torch.distributed as dist
