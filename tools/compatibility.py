@@ -12,7 +12,10 @@ diffusers' own tests) × config:
   FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
   ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs);
 - ``zero2_async``, ``zero3_t0_async``, ``fsdp2_async``: the same with ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` (save_state
-  written in the background), for one script per shape (ASYNC_SCRIPTS).
+  written in the background), for one script per shape (ASYNC_SCRIPTS);
+- ``zero2_sp2``: cpu_zero2 with ``parallelism_config: {parallelism_config_sp_size: 2}`` (Ulysses sequence
+  parallelism, one group of the 2 ranks, docs/sequence-parallel.md), for the scripts whose trained transformer
+  sequence parallelism splits (SP_SCRIPTS).
 
 it launches the vendored script (third_party/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, then a third time straight to
@@ -85,7 +88,16 @@ from tests.launch_utils import (  # noqa: E402 - after sys.path names the reposi
 RESULT_FILE = RESULTS / "compatibility.md"
 #: the code this tool measures besides itself (tests/test_docs_figures.py: a later change makes its results stale)
 MEASURES = ("accel_npu/", "plugins/", "_accel_npu_startup.py", "launch_configs/", "third_party/")
-CONFIGS = ("zero2", "zero3_t0", "stock_zero2", "fsdp2", "zero2_async", "zero3_t0_async", "fsdp2_async")
+CONFIGS = (
+    "zero2",
+    "zero3_t0",
+    "stock_zero2",
+    "fsdp2",
+    "zero2_async",
+    "zero3_t0_async",
+    "fsdp2_async",
+    "zero2_sp2",
+)
 # the asynchronous save_state column (ACCEL_NPU_ASYNC_CHECKPOINT=1, docs/checkpoints.md § 2c): one script per
 # shape — a LoRA saved on every rank, a LoRA saved by rank 0 alone (its save_state served by the other ranks),
 # a full fine-tune, a video LoRA
@@ -94,6 +106,23 @@ ASYNC_SCRIPTS = (
     "train_dreambooth_lora_sdxl.py",
     "train_text_to_image.py",
     "train_cogvideox_lora.py",
+)
+# the sequence-parallel column: the scripts that train a transformer with a plan (diffusers' _cp_plan or
+# plugins/sequence_parallel/plans.py), a LoRA or the whole model
+SP_SCRIPTS = (
+    "train_dreambooth_lora_flux.py",
+    "train_dreambooth_flux.py",
+    "train_dreambooth_lora_flux_kontext.py",
+    "train_dreambooth_lora_flux2.py",
+    "train_dreambooth_lora_flux2_img2img.py",
+    "train_dreambooth_lora_flux2_klein.py",
+    "train_dreambooth_lora_flux2_klein_img2img.py",
+    "train_dreambooth_lora_qwen_image.py",
+    "train_dreambooth_lora_sd3.py",
+    "train_dreambooth_sd3.py",
+    "train_cogvideox_lora.py",
+    "train_cogvideox_image_to_video_lora.py",
+    "train_cosmos_predict25_lora.py",
 )
 # stock on CPU: ACCEL_NPU_DISABLE=1 makes every rank rank 0 of 1 (stock accelerate starts no gloo group
 # without an accelerator), so stock runs with every plugin off but those that form the 2 CPU ranks
@@ -1579,6 +1608,12 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         config_file = "zero2" if config == "stock_zero2" else config
     cfgs["fsdp2"] = root / "fsdp2.yaml"
     cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML
+    import yaml
+
+    cfgs["zero2_sp2"] = root / "zero2_sp2.yaml"
+    sp2 = yaml.safe_load(cfgs["zero2"].read_text())
+    sp2["parallelism_config"] = {"parallelism_config_sp_size": 2}
+    cfgs["zero2_sp2"].write_text(yaml.safe_dump(sp2))
     cfg = cfgs[config_file]
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
@@ -1771,7 +1806,10 @@ def _write_rows(new: dict, argv: list[str], path: Path) -> Path:
         "`stage3_param_persistence_threshold: 0`; `stock_zero2` = cpu_zero2 with accel-npu's plugins off but "
         "those forming the 2 CPU ranks (tools/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
         "that handle FSDP (tools/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
-        "SHARDED_STATE_DICT, bf16). ✔ = every launch exits 0, the resumed launch resumes from `latest`, and "
+        "SHARDED_STATE_DICT, bf16); `*_async` with ACCEL_NPU_ASYNC_CHECKPOINT=1 for one script per shape; "
+        "`zero2_sp2` = cpu_zero2 with `parallelism_config_sp_size: 2` (Ulysses sequence parallelism over the 2 "
+        "ranks) for the scripts whose transformer it splits. ✔ = every launch exits 0, the resumed launch "
+        "resumes from `latest`, and "
         "the checks the row's `checks` cell names hold: `master` = the final artifact, loaded as a user loads it, "
         "equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last checkpoint, or under fsdp2 its model "
         "folder consolidated by torch's dcp_to_torch_save (or their bf16 rounding); `trained` = every tensor the "
@@ -1885,6 +1923,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             if config.endswith("_async") and spec.name not in ASYNC_SCRIPTS:
                 continue  # the asynchronous column: one script per shape
+            if config.endswith("_sp2") and spec.name not in SP_SCRIPTS:
+                continue  # the sequence-parallel column: transformers with a plan
             print(f"{spec.name} × {config} ...", flush=True)
             row = run_row(spec, config, root, args.steps, args.checkpointing_steps, args.resume_to, args.timeout)
             new[key] = [
