@@ -1,6 +1,6 @@
 """accel-npu's sequence-parallel plans for the diffusers transformers upstream gives no ``_cp_plan``
 (plugins/sequence_parallel/plans.py, docs/sequence-parallel.md): HunyuanVideo, SD3-family, Cosmos (1.0 and
-Predict 2.5).
+Predict 2.5), and CogVideoX and SD3 with a text token count that does not divide (padded with masked tokens).
 
 The split model against the same model unsplit, on a 2-process gloo group spawned here (Ulysses degree 2): the
 output equal within 1e-5 (fp32), and the gradients of every parameter, summed over the two ranks (what ZeRO's
@@ -20,7 +20,8 @@ import pytest
 from accel_npu.errors import ConfigError
 
 # (batch 1) HunyuanVideo: 2 frames x 2 x 2 latent = 8 video tokens, 6 text tokens of which the last 2 padding;
-# SD3: 4 x 4 = 16 image tokens, 6 text tokens; Cosmos: 2 frames x (8/2) x (8/2) = 32 video tokens
+# SD3: 4 x 4 = 16 image tokens, 6 text tokens (7 in sd35_odd_text); Cosmos: 2 frames x (8/2) x (8/2) = 32 video
+# tokens; CogVideoX: 2 frames x (4/2) x (4/2) = 8 video tokens with RoPE, 5 text tokens
 HUNYUAN = dict(
     in_channels=4,
     out_channels=4,
@@ -65,6 +66,20 @@ COSMOS = dict(
     concat_padding_mask=False,
     extra_pos_embed_type="learnable",
 )
+COGVIDEOX = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,  # CogVideoX's 3D RoPE splits it 1/4, 3/8, 3/8 into even parts
+    in_channels=4,
+    out_channels=4,
+    time_embed_dim=16,
+    text_embed_dim=16,
+    num_layers=2,
+    sample_width=4,
+    sample_height=4,
+    sample_frames=5,
+    max_text_seq_length=5,
+    use_rotary_positional_embeddings=True,
+)
 # Predict 2.5's shape (tests/scripts/tiny_dits.py COSMOS25_TRANSFORMER, without the padding-mask channel, which
 # needs torchvision): a condition-mask channel and a per-frame timestep [B, 1, T, 1, 1]
 COSMOS25 = {**COSMOS, "in_channels": 4 + 1, "rope_scale": (2.0, 1.0, 1.0)}
@@ -86,15 +101,26 @@ def _model_and_inputs(name: str):
             encoder_attention_mask=mask,
             pooled_projections=torch.randn(1, 8),
         )
-    elif name == "sd35":
+    elif name in ("sd35", "sd35_odd_text"):
         from diffusers import SD3Transformer2DModel
 
         model = SD3Transformer2DModel(**SD35)
         inputs = dict(
             hidden_states=torch.randn(1, 4, 4, 4),
-            encoder_hidden_states=torch.randn(1, 6, 16),
+            encoder_hidden_states=torch.randn(1, 6 if name == "sd35" else 7, 16),
             pooled_projections=torch.randn(1, 16),
             timestep=torch.tensor([500]),
+        )
+    elif name == "cogvideox":
+        from diffusers import CogVideoXTransformer3DModel
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        model = CogVideoXTransformer3DModel(**COGVIDEOX)
+        inputs = dict(
+            hidden_states=torch.randn(1, 2, 4, 4, 4),
+            encoder_hidden_states=torch.randn(1, 5, 16),
+            timestep=torch.tensor([500]),
+            image_rotary_emb=get_3d_rotary_pos_embed(16, ((0, 0), (2, 2)), (2, 2), 2, use_real=True),
         )
     elif name == "cosmos":
         from diffusers import CosmosTransformer3DModel
@@ -147,7 +173,7 @@ def _model_and_inputs(name: str):
     return model, inputs
 
 
-MODELS = ("hunyuan_video", "sd35", "cosmos", "cosmos25")
+MODELS = ("hunyuan_video", "sd35", "cosmos", "cosmos25", "sd35_odd_text", "cogvideox")
 
 
 def _split_equals_unsplit(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -197,7 +223,9 @@ def _split_equals_unsplit(rank: int, world: int, port: int, out_dir: str) -> Non
         (out_unsplit * weights).sum().backward()
 
         plan, source = plans.plan_for(model)
-        plans.install_processors(model)
+        # as plugins/sequence_parallel/prepare.py installs them
+        padding = plans.install_text_padding(model, world)
+        plans.install_processors(model, padding)
         plans.install_token_checks(model, plan, world)
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world, mesh=mesh), cp_plan=plan)
         seen["sdpa"].clear()
@@ -267,7 +295,15 @@ def split_runs(tmp_path_factory):
 
 
 # (video or image tokens, text tokens in the joint attention: 0 where the text is not in it)
-TOKENS = {"hunyuan_video": (8, 6), "sd35": (16, 6), "cosmos": (32, 0), "cosmos25": (32, 0)}
+# (the text padded to a multiple of 2 where our plan pads it: SD3's 7 to 8, CogVideoX's 5 to 6)
+TOKENS = {
+    "hunyuan_video": (8, 6),
+    "sd35": (16, 6),
+    "cosmos": (32, 0),
+    "cosmos25": (32, 0),
+    "sd35_odd_text": (16, 8),
+    "cogvideox": (8, 6),
+}
 
 
 @pytest.mark.slow
@@ -328,6 +364,49 @@ def test_a_token_count_that_does_not_divide_is_refused_at_the_first_forward_nami
         with pytest.raises(ConfigError, match=message) as err:
             model(**inputs)
     assert "Choose sizes giving a multiple of 2" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["sd35_odd_text", "cogvideox"])
+def test_text_that_does_not_divide_is_padded_before_the_token_count_check(name):
+    """In prepare.py's order (the padding's pre-hook, then the checks), CogVideoX's 5 and SD3's 7 text tokens at
+    sp_size 2 reach the split padded to 6 and 8; the checks alone (the negative) refuse them."""
+    import torch
+
+    from accel_npu.plugins.sequence_parallel import plans
+
+    model, inputs = _model_and_inputs(name)
+    plan, _ = plans.plan_for(model)
+    unpadded = _model_and_inputs(name)[0]
+    plans.install_token_checks(unpadded, plans.plan_for(unpadded)[0], 2)
+    with torch.no_grad(), pytest.raises(ConfigError, match="text tokens, which do not divide by 2"):
+        unpadded(**inputs)
+
+    padding = plans.install_text_padding(model, 2)
+    plans.install_token_checks(model, plan, 2)
+    with torch.no_grad():
+        model(**inputs)  # no split installed here: the padded text runs through the model whole
+    real = inputs["encoder_hidden_states"].shape[1]
+    assert (padding.real, padding.padded) == (real, real + 1)
+
+
+def test_the_padding_mask_follows_the_keys_as_ulysses_orders_them():
+    """After Ulysses' exchange the keys are rank 0's tokens, then rank 1's, ...: each rank's text then video
+    (CogVideoX) or image then text (SD3); the padding, the text's last tokens, is on the last ranks."""
+    from accel_npu.plugins.sequence_parallel.plans import TextPadding
+
+    T, F = True, False
+    padding = TextPadding(2, text_first=True)
+    padding.real, padding.padded = 5, 6
+    assert padding.key_mask(3, 2, "cpu").flatten().tolist() == [T, T, T, T, T, T, T, F, T, T]
+    padding = TextPadding(2, text_first=False)
+    padding.real, padding.padded = 5, 6
+    assert padding.key_mask(3, 2, "cpu").flatten().tolist() == [T, T, T, T, T, T, T, T, T, F]
+    padding = TextPadding(4, text_first=True)  # 226 -> 228: the last rank's last 2 text tokens
+    padding.real, padding.padded = 226, 228
+    mask = padding.key_mask(57, 1, "cpu").flatten().tolist()
+    assert len(mask) == 4 * 58 and mask.count(False) == 2 and mask[3 * 58 + 55 : 3 * 58 + 57] == [F, F]
+    padding.real = 228  # divisible: no mask
+    assert padding.key_mask(57, 1, "cpu") is None
 
 
 def test_hunyuan_video_token_replace_is_refused():

@@ -13,9 +13,9 @@ diffusers' own tests) × config:
   ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs);
 - ``zero2_async``, ``zero3_t0_async``, ``fsdp2_async``: the same with ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` (save_state
   written in the background), for one script per shape (ASYNC_SCRIPTS);
-- ``zero2_sp2``: cpu_zero2 with ``parallelism_config: {parallelism_config_sp_size: 2}`` (Ulysses sequence
-  parallelism, one group of the 2 ranks, docs/sequence-parallel.md), for the scripts whose trained transformer
-  sequence parallelism splits (SP_SCRIPTS).
+- ``zero2_sp2``, ``zero3_t0_sp2``, ``fsdp2_sp2``: the same with ``parallelism_config: {parallelism_config_sp_size:
+  2}`` (Ulysses sequence parallelism, one group of the 2 ranks, docs/sequence-parallel.md), for the scripts whose
+  trained transformer sequence parallelism splits (SP_SCRIPTS).
 
 it launches the vendored script (third_party/) for ``--steps`` steps with ``--checkpointing_steps``,
 then again with ``--resume_from_checkpoint latest`` to ``--resume-to``, then a third time straight to
@@ -97,6 +97,8 @@ CONFIGS = (
     "zero3_t0_async",
     "fsdp2_async",
     "zero2_sp2",
+    "zero3_t0_sp2",
+    "fsdp2_sp2",
 )
 # the asynchronous save_state column (ACCEL_NPU_ASYNC_CHECKPOINT=1, docs/checkpoints.md § 2c): one script per
 # shape — a LoRA saved on every rank, a LoRA saved by rank 0 alone (its save_state served by the other ranks),
@@ -1608,12 +1610,14 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         config_file = "zero2" if config == "stock_zero2" else config
     cfgs["fsdp2"] = root / "fsdp2.yaml"
     cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML
-    import yaml
+    if config_file.endswith("_sp2"):
+        import yaml
 
-    cfgs["zero2_sp2"] = root / "zero2_sp2.yaml"
-    sp2 = yaml.safe_load(cfgs["zero2"].read_text())
-    sp2["parallelism_config"] = {"parallelism_config_sp_size": 2}
-    cfgs["zero2_sp2"].write_text(yaml.safe_dump(sp2))
+        base_config = config_file.removesuffix("_sp2")
+        sp2 = yaml.safe_load(cfgs[base_config].read_text())
+        sp2["parallelism_config"] = {"parallelism_config_sp_size": 2}
+        cfgs[config_file] = root / f"{config_file}.yaml"
+        cfgs[config_file].write_text(yaml.safe_dump(sp2))
     cfg = cfgs[config_file]
     out = root / f"{spec.name}-{config}"
     shutil.rmtree(out, ignore_errors=True)
@@ -1807,8 +1811,8 @@ def _write_rows(new: dict, argv: list[str], path: Path) -> Path:
         "those forming the 2 CPU ranks (tools/compatibility.py STOCK_ENV); `fsdp2` only for scripts "
         "that handle FSDP (tools/compatibility.py FSDP2_CONFIG: fsdp_version 2, TRANSFORMER_BASED_WRAP, "
         "SHARDED_STATE_DICT, bf16); `*_async` with ACCEL_NPU_ASYNC_CHECKPOINT=1 for one script per shape; "
-        "`zero2_sp2` = cpu_zero2 with `parallelism_config_sp_size: 2` (Ulysses sequence parallelism over the 2 "
-        "ranks) for the scripts whose transformer it splits. ✔ = every launch exits 0, the resumed launch "
+        "`*_sp2` with `parallelism_config_sp_size: 2` (Ulysses sequence parallelism over the 2 ranks) for the "
+        "scripts whose transformer it splits. ✔ = every launch exits 0, the resumed launch "
         "resumes from `latest`, and "
         "the checks the row's `checks` cell names hold: `master` = the final artifact, loaded as a user loads it, "
         "equals DeepSpeed's fp32 master weights (zero_to_fp32) of the last checkpoint, or under fsdp2 its model "

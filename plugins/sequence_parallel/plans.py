@@ -12,10 +12,12 @@ processor that is upstream's own, calling it so.
   side through its blocks; CogVideoXAttnProcessor2_0 (models/attention_processor.py) concatenates them, applies
   RoPE to the video part and calls ``F.scaled_dot_product_attention`` itself. Both streams are split at the first
   block, the rotary tables at every block, the video tokens gathered at ``proj_out``.
+  The text (226 tokens as the official scripts pad it) is padded to a multiple of sp_size with masked tokens.
 - SD3Transformer2DModel (models/transformers/transformer_sd3.py): joint attention of image and text tokens
   (JointAttnProcessor2_0, calling SDPA itself; SD3.5's second, image-only attention too), no RoPE (positions are
   added at the patch embedding), no mask: both streams split as they leave their embeddings (``pos_embed``,
-  ``context_embedder``), the image tokens gathered at ``proj_out``.
+  ``context_embedder``), the image tokens gathered at ``proj_out``. The text (77 CLIP + the T5 length, odd for any
+  even T5 length) is padded to a multiple of sp_size with masked tokens.
 - HunyuanVideoTransformer3DModel (models/transformers/transformer_hunyuan_video.py): its processor calls
   ``dispatch_attention_fn`` with a parallel config already; dual-stream then single-stream blocks on [video, text]
   with RoPE on the video part and a key mask over the text padding built for the whole sequence, ``[video, text]``.
@@ -161,6 +163,75 @@ def check_heads(model, sp_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# text tokens padded to a multiple of sp_size, for the models our plans cover
+# ------------------------------------------------------------------------------------------------
+#: where the text enters the split: (module, the text's position among its forward's arguments, its name), and
+#: whether a rank's attention puts its text tokens before its image or video tokens
+_TEXT_INPUTS = {
+    "CogVideoXTransformer3DModel": ("transformer_blocks.0", 1, "encoder_hidden_states", True),
+    # the Linear's input, padded with zero rows: it acts per token, and its output is what the plan splits
+    "SD3Transformer2DModel": ("context_embedder", 0, "input", False),
+}
+
+
+class TextPadding:
+    """The text tokens of the forward in progress: how many the model was given (``real``) and how many after
+    padding to a multiple of sp_size (``padded``), set at the text's split, read by the model's attention
+    processors. The padding tokens are zeros, never attended to: every op but attention acts per token, so the
+    real tokens compute what they compute unpadded, and the padding's own outputs leave the model with the text
+    stream (only the image or video tokens are gathered)."""
+
+    def __init__(self, sp_size: int, text_first: bool):
+        self.sp_size, self.text_first = sp_size, text_first
+        self.real = self.padded = 0
+
+    def key_mask(self, text_local: int, other_local: int, device):
+        """None without padding; else the attention mask over the keys as Ulysses' exchange orders them
+        (rank 0's tokens, rank 1's, ...: each rank's text and other tokens in its processor's order), True where
+        a key is a real token: ``[1, 1, 1, keys]``, the same on every rank. Built here rather than as a local mask
+        diffusers would all-gather (attention_dispatch.py ``TemplatedUlyssesAttention``): no collective."""
+        if self.padded == self.real:
+            return None
+        import torch
+
+        parts = []
+        for rank in range(self.sp_size):
+            text = torch.arange(rank * text_local, (rank + 1) * text_local, device=device) < self.real
+            other = torch.ones(other_local, dtype=torch.bool, device=device)
+            parts += [text, other] if self.text_first else [other, text]
+        return torch.cat(parts).view(1, 1, 1, -1)
+
+
+def install_text_padding(model, sp_size: int) -> TextPadding | None:
+    """A forward pre-hook padding the text where it enters the split (before the token-count check and
+    diffusers' split, which torch runs after it); None for a model whose text our plan does not pad."""
+    spot = _TEXT_INPUTS.get(type(model).__name__)
+    if spot is None:
+        return None
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+
+    module_name, position, name, text_first = spot
+    padding = TextPadding(sp_size, text_first)
+
+    def pad(module, args, kwargs):
+        import torch
+
+        in_kwargs = name in kwargs
+        text = kwargs[name] if in_kwargs else args[position]
+        padding.real = text.shape[1]
+        padding.padded = -(-padding.real // sp_size) * sp_size
+        if padding.padded == padding.real:
+            return None
+        text = torch.nn.functional.pad(text, (0, 0, 0, padding.padded - padding.real))
+        if in_kwargs:
+            return args, {**kwargs, name: text}
+        return (*args[:position], text, *args[position + 1 :]), kwargs
+
+    _get_submodule_by_name(model, module_name).register_forward_pre_hook(pad, with_kwargs=True)
+    return padding
+
+
+# ------------------------------------------------------------------------------------------------
 # token counts: diffusers' EquipartitionSharder asserts divisibility deep inside the first forward
 # ------------------------------------------------------------------------------------------------
 #: what sets a split tensor's token count, by the input's name or the module whose output is split, for the fix
@@ -253,13 +324,14 @@ def install_token_checks(model, plan: dict, sp_size: int) -> None:
 # ------------------------------------------------------------------------------------------------
 # attention processors: upstream's, with Ulysses
 # ------------------------------------------------------------------------------------------------
-def install_processors(model) -> None:
-    """Our Ulysses-capable processors on the attention layers of a model our plan covers."""
+def install_processors(model, padding: TextPadding | None = None) -> None:
+    """Our Ulysses-capable processors on the attention layers of a model our plan covers (with the model's text
+    padding, where its text is padded)."""
     name = type(model).__name__
     if name == "CogVideoXTransformer3DModel":
-        _set_processors(model, cogvideox_processor_class())
+        _set_processors(model, cogvideox_processor_class(), padding)
     elif name == "SD3Transformer2DModel":
-        _set_processors(model, joint_processor_class())
+        _set_processors(model, joint_processor_class(), padding)
     elif name == "HunyuanVideoTransformer3DModel":
         # the blocks' attention only: the token refiner's runs on the whole text before the split
         processor = hunyuan_video_processor_class()()
@@ -272,10 +344,11 @@ def install_processors(model) -> None:
             block.attn1.set_processor(processor)
 
 
-def _set_processors(model, cls) -> None:
+def _set_processors(model, cls, padding: TextPadding | None = None) -> None:
     from diffusers.models.attention_processor import Attention
 
     processor = cls()
+    processor.text_padding = padding
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_processor(processor)
@@ -326,14 +399,27 @@ def cogvideox_processor_class():
 
         _attention_backend = None
         _parallel_config = None
+        text_padding = None
 
         def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
             text_seq_length = encoder_hidden_states.size(1)
+            padding_mask = None
+            if self.text_padding is not None:
+                padding_mask = self.text_padding.key_mask(text_seq_length, hidden_states.size(1), hidden_states.device)
             hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
             batch_size, sequence_length, _ = hidden_states.shape
             if attention_mask is not None:
+                if padding_mask is not None:
+                    raise ConfigError(
+                        "accel-npu: sequence parallelism padded CogVideoX's text to a multiple of sp_size, and an "
+                        "attention mask was given too (attention_kwargs), which the padding cannot be merged "
+                        "into. Choose a text length that divides by sp_size, or pass no attention mask."
+                    )
                 attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
                 attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+            else:
+                # upstream's model passes none: only the padding's keys are masked
+                attention_mask = padding_mask
 
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
             head_dim = key.shape[-1] // attn.heads
@@ -377,11 +463,16 @@ def joint_processor_class():
 
         _attention_backend = None
         _parallel_config = None
+        text_padding = None
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
             import torch
 
             image_tokens = hidden_states.shape[1]
+            mask = None
+            if encoder_hidden_states is not None and self.text_padding is not None:
+                # the joint attention's keys: each rank's image tokens, then its text tokens
+                mask = self.text_padding.key_mask(encoder_hidden_states.shape[1], image_tokens, hidden_states.device)
             batch_size = hidden_states.shape[0]
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
             head_dim = key.shape[-1] // attn.heads
@@ -402,7 +493,7 @@ def joint_processor_class():
                     context[1] = attn.norm_added_k(context[1])
                 query, key, value = (torch.cat([x, c], dim=1) for x, c in zip((query, key, value), context))
 
-            hidden_states = _attend(self, query, key, value)
+            hidden_states = _attend(self, query, key, value, mask)
             hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
             if encoder_hidden_states is not None:
                 hidden_states, encoder_hidden_states = hidden_states[:, :image_tokens], hidden_states[:, image_tokens:]

@@ -96,9 +96,11 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     state = groups.build(model, sp, accelerator.device.type)
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
-    plans.install_processors(model)
     # before enable_parallelism: torch runs a module's forward pre-hooks before diffusers' split (which wraps
-    # forward), so a token count that does not divide is refused with its fix instead of diffusers' assert
+    # forward), in the order they were registered: the text is padded, then a token count that does not divide
+    # is refused with its fix instead of diffusers' assert
+    padding = plans.install_text_padding(model, sp)
+    plans.install_processors(model, padding)
     plans.install_token_checks(model, plan, sp)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=state.mesh), cp_plan=plan)
     groups.share_random_state(state)
