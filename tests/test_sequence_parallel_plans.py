@@ -1,6 +1,6 @@
 """accel-npu's sequence-parallel plans for the diffusers transformers upstream gives no ``_cp_plan``
 (plugins/sequence_parallel/plans.py, docs/sequence-parallel.md): HunyuanVideo, SD3-family, Cosmos (1.0 and
-Predict 2.5), and CogVideoX and SD3 with a text token count that does not divide (padded with masked tokens).
+Predict 2.5), and CogVideoX and SD3 with token counts that do not divide (padded with masked tokens).
 
 The split model against the same model unsplit, on a 2-process gloo group spawned here (Ulysses degree 2): the
 output equal within 1e-5 (fp32), and the gradients of every parameter, summed over the two ranks (what ZeRO's
@@ -21,7 +21,7 @@ from accel_npu.errors import ConfigError
 
 # (batch 1) HunyuanVideo: 2 frames x 2 x 2 latent = 8 video tokens, 6 text tokens of which the last 2 padding;
 # SD3: 4 x 4 = 16 image tokens, 6 text tokens (7 in sd35_odd_text); Cosmos: 2 frames x (8/2) x (8/2) = 32 video
-# tokens; CogVideoX: 2 frames x (4/2) x (4/2) = 8 video tokens with RoPE, 5 text tokens
+# tokens; CogVideoX: 3 frames x (6/2) x (2/2) = 9 video tokens with RoPE, 5 text tokens
 HUNYUAN = dict(
     in_channels=4,
     out_channels=4,
@@ -74,9 +74,9 @@ COGVIDEOX = dict(
     time_embed_dim=16,
     text_embed_dim=16,
     num_layers=2,
-    sample_width=4,
-    sample_height=4,
-    sample_frames=5,
+    sample_width=2,
+    sample_height=6,
+    sample_frames=9,
     max_text_seq_length=5,
     use_rotary_positional_embeddings=True,
 )
@@ -117,10 +117,10 @@ def _model_and_inputs(name: str):
 
         model = CogVideoXTransformer3DModel(**COGVIDEOX)
         inputs = dict(
-            hidden_states=torch.randn(1, 2, 4, 4, 4),
+            hidden_states=torch.randn(1, 3, 4, 6, 2),
             encoder_hidden_states=torch.randn(1, 5, 16),
             timestep=torch.tensor([500]),
-            image_rotary_emb=get_3d_rotary_pos_embed(16, ((0, 0), (2, 2)), (2, 2), 2, use_real=True),
+            image_rotary_emb=get_3d_rotary_pos_embed(16, ((0, 0), (3, 1)), (3, 1), 3, use_real=True),
         )
     elif name == "cosmos":
         from diffusers import CosmosTransformer3DModel
@@ -224,7 +224,7 @@ def _split_equals_unsplit(rank: int, world: int, port: int, out_dir: str) -> Non
 
         plan, source = plans.plan_for(model)
         # as plugins/sequence_parallel/prepare.py installs them
-        padding = plans.install_text_padding(model, world)
+        padding = plans.install_padding(model, world)
         plans.install_processors(model, padding)
         plans.install_token_checks(model, plan, world)
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world, mesh=mesh), cp_plan=plan)
@@ -295,14 +295,15 @@ def split_runs(tmp_path_factory):
 
 
 # (video or image tokens, text tokens in the joint attention: 0 where the text is not in it)
-# (the text padded to a multiple of 2 where our plan pads it: SD3's 7 to 8, CogVideoX's 5 to 6)
+# (padded to a multiple of 2 where our plan pads them: SD3's 7 text tokens to 8, CogVideoX's 9 video to 10 and 5
+# text to 6)
 TOKENS = {
     "hunyuan_video": (8, 6),
     "sd35": (16, 6),
     "cosmos": (32, 0),
     "cosmos25": (32, 0),
     "sd35_odd_text": (16, 8),
-    "cogvideox": (8, 6),
+    "cogvideox": (10, 6),
 }
 
 
@@ -367,9 +368,10 @@ def test_a_token_count_that_does_not_divide_is_refused_at_the_first_forward_nami
 
 
 @pytest.mark.parametrize("name", ["sd35_odd_text", "cogvideox"])
-def test_text_that_does_not_divide_is_padded_before_the_token_count_check(name):
-    """In prepare.py's order (the padding's pre-hook, then the checks), CogVideoX's 5 and SD3's 7 text tokens at
-    sp_size 2 reach the split padded to 6 and 8; the checks alone (the negative) refuse them."""
+def test_tokens_that_do_not_divide_are_padded_before_the_token_count_check(name):
+    """In prepare.py's order (the padding's pre-hooks, then the checks), SD3's 7 text tokens and CogVideoX's 5
+    text and 9 video tokens at sp_size 2 reach the split padded to 8, 6 and 10, and CogVideoX's output has the
+    unpadded shape (its padding cut after the gather); the checks alone (the negative) refuse them."""
     import torch
 
     from accel_npu.plugins.sequence_parallel import plans
@@ -378,34 +380,39 @@ def test_text_that_does_not_divide_is_padded_before_the_token_count_check(name):
     plan, _ = plans.plan_for(model)
     unpadded = _model_and_inputs(name)[0]
     plans.install_token_checks(unpadded, plans.plan_for(unpadded)[0], 2)
-    with torch.no_grad(), pytest.raises(ConfigError, match="text tokens, which do not divide by 2"):
+    with torch.no_grad(), pytest.raises(ConfigError, match="tokens, which do not divide by 2"):
         unpadded(**inputs)
 
-    padding = plans.install_text_padding(model, 2)
+    padding = plans.install_padding(model, 2)
     plans.install_token_checks(model, plan, 2)
     with torch.no_grad():
-        model(**inputs)  # no split installed here: the padded text runs through the model whole
-    real = inputs["encoder_hidden_states"].shape[1]
-    assert (padding.real, padding.padded) == (real, real + 1)
+        out = model(**inputs, return_dict=False)[0]  # no split installed here: the padded streams run whole
+    assert out.shape == inputs["hidden_states"].shape
+    text = inputs["encoder_hidden_states"].shape[1]
+    assert (padding.text_real, padding.text_padded) == (text, text + 1)
+    if name == "cogvideox":
+        assert (padding.video_real, padding.video_padded) == (9, 10)
 
 
 def test_the_padding_mask_follows_the_keys_as_ulysses_orders_them():
     """After Ulysses' exchange the keys are rank 0's tokens, then rank 1's, ...: each rank's text then video
-    (CogVideoX) or image then text (SD3); the padding, the text's last tokens, is on the last ranks."""
-    from accel_npu.plugins.sequence_parallel.plans import TextPadding
+    (CogVideoX) or image then text (SD3); a stream's padding, its last tokens, is on the last ranks."""
+    from accel_npu.plugins.sequence_parallel.plans import TokenPadding
 
     T, F = True, False
-    padding = TextPadding(2, text_first=True)
-    padding.real, padding.padded = 5, 6
+    padding = TokenPadding(2, text_first=True)
+    padding.text_real, padding.text_padded = 5, 6
     assert padding.key_mask(3, 2, "cpu").flatten().tolist() == [T, T, T, T, T, T, T, F, T, T]
-    padding = TextPadding(2, text_first=False)
-    padding.real, padding.padded = 5, 6
+    padding.video_real, padding.video_padded = 3, 4  # and the video's: rank 1's last video token
+    assert padding.key_mask(3, 2, "cpu").flatten().tolist() == [T, T, T, T, T, T, T, F, T, F]
+    padding = TokenPadding(2, text_first=False)
+    padding.text_real, padding.text_padded = 5, 6
     assert padding.key_mask(3, 2, "cpu").flatten().tolist() == [T, T, T, T, T, T, T, T, T, F]
-    padding = TextPadding(4, text_first=True)  # 226 -> 228: the last rank's last 2 text tokens
-    padding.real, padding.padded = 226, 228
+    padding = TokenPadding(4, text_first=True)  # 226 -> 228: the last rank's last 2 text tokens
+    padding.text_real, padding.text_padded = 226, 228
     mask = padding.key_mask(57, 1, "cpu").flatten().tolist()
     assert len(mask) == 4 * 58 and mask.count(False) == 2 and mask[3 * 58 + 55 : 3 * 58 + 57] == [F, F]
-    padding.real = 228  # divisible: no mask
+    padding.text_real = 228  # divisible: no mask
     assert padding.key_mask(57, 1, "cpu") is None
 
 

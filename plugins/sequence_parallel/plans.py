@@ -12,7 +12,8 @@ processor that is upstream's own, calling it so.
   side through its blocks; CogVideoXAttnProcessor2_0 (models/attention_processor.py) concatenates them, applies
   RoPE to the video part and calls ``F.scaled_dot_product_attention`` itself. Both streams are split at the first
   block, the rotary tables at every block, the video tokens gathered at ``proj_out``.
-  The text (226 tokens as the official scripts pad it) is padded to a multiple of sp_size with masked tokens.
+  The text (226 tokens as the official scripts pad it) and the video tokens (CogVideoX-5B at 480x720: 17550) are
+  padded to a multiple of sp_size with masked tokens, the video's padding cut off the gathered output.
 - SD3Transformer2DModel (models/transformers/transformer_sd3.py): joint attention of image and text tokens
   (JointAttnProcessor2_0, calling SDPA itself; SD3.5's second, image-only attention too), no RoPE (positions are
   added at the patch embedding), no mask: both streams split as they leave their embeddings (``pos_embed``,
@@ -33,6 +34,8 @@ processor that is upstream's own, calling it so.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from accel_npu.errors import ConfigError
 
@@ -163,71 +166,127 @@ def check_heads(model, sp_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# text tokens padded to a multiple of sp_size, for the models our plans cover
+# tokens padded to a multiple of sp_size, for the models our plans cover
 # ------------------------------------------------------------------------------------------------
-#: where the text enters the split: (module, the text's position among its forward's arguments, its name), and
-#: whether a rank's attention puts its text tokens before its image or video tokens
-_TEXT_INPUTS = {
-    "CogVideoXTransformer3DModel": ("transformer_blocks.0", 1, "encoder_hidden_states", True),
+@dataclass(frozen=True)
+class _Padded:
+    """Where a model's token streams enter the split: (module, position among its forward's arguments, name).
+    ``video`` also pads the rotary tables every block takes (``rope``: position, name) and cuts the padding off
+    the gathered output at ``gather``; ``text_first``: a rank's attention puts its text before its other tokens."""
+
+    text: tuple[str, int, str]
+    text_first: bool
+    video: tuple[str, int, str] | None = None
+    rope: tuple[int, str] | None = None
+    gather: str | None = None
+
+
+_PADDED = {
+    # CogVideoX-5B at 480x720: 13 latent frames x 30 x 45 = 17550 video tokens, 226 text tokens, neither a
+    # multiple of 4
+    "CogVideoXTransformer3DModel": _Padded(
+        text=("transformer_blocks.0", 1, "encoder_hidden_states"),
+        text_first=True,
+        video=("transformer_blocks.0", 0, "hidden_states"),
+        rope=(3, "image_rotary_emb"),
+        gather="proj_out",
+    ),
     # the Linear's input, padded with zero rows: it acts per token, and its output is what the plan splits
-    "SD3Transformer2DModel": ("context_embedder", 0, "input", False),
+    "SD3Transformer2DModel": _Padded(text=("context_embedder", 0, "input"), text_first=False),
 }
 
 
-class TextPadding:
-    """The text tokens of the forward in progress: how many the model was given (``real``) and how many after
-    padding to a multiple of sp_size (``padded``), set at the text's split, read by the model's attention
-    processors. The padding tokens are zeros, never attended to: every op but attention acts per token, so the
-    real tokens compute what they compute unpadded, and the padding's own outputs leave the model with the text
-    stream (only the image or video tokens are gathered)."""
+class TokenPadding:
+    """The token counts of the forward in progress, as the model was given them (``*_real``) and padded to a
+    multiple of sp_size (``*_padded``), set where the streams enter the split, read by the model's attention
+    processors. The padding tokens are zeros (their rotary rows too), never attended to: every op but attention
+    acts per token, so the real tokens compute what they compute unpadded; the text's padding leaves the model
+    with the text stream, the video's is cut off the gathered output."""
 
     def __init__(self, sp_size: int, text_first: bool):
         self.sp_size, self.text_first = sp_size, text_first
-        self.real = self.padded = 0
+        self.text_real = self.text_padded = self.video_real = self.video_padded = 0
 
     def key_mask(self, text_local: int, other_local: int, device):
         """None without padding; else the attention mask over the keys as Ulysses' exchange orders them
         (rank 0's tokens, rank 1's, ...: each rank's text and other tokens in its processor's order), True where
         a key is a real token: ``[1, 1, 1, keys]``, the same on every rank. Built here rather than as a local mask
         diffusers would all-gather (attention_dispatch.py ``TemplatedUlyssesAttention``): no collective."""
-        if self.padded == self.real:
+        if self.text_padded == self.text_real and self.video_padded == self.video_real:
             return None
         import torch
 
         parts = []
         for rank in range(self.sp_size):
-            text = torch.arange(rank * text_local, (rank + 1) * text_local, device=device) < self.real
-            other = torch.ones(other_local, dtype=torch.bool, device=device)
+            text = torch.arange(rank * text_local, (rank + 1) * text_local, device=device) < self.text_real
+            other = torch.arange(rank * other_local, (rank + 1) * other_local, device=device)
+            other = other < self.video_real if self.video_padded > self.video_real else torch.ones_like(other) > 0
             parts += [text, other] if self.text_first else [other, text]
         return torch.cat(parts).view(1, 1, 1, -1)
 
 
-def install_text_padding(model, sp_size: int) -> TextPadding | None:
-    """A forward pre-hook padding the text where it enters the split (before the token-count check and
-    diffusers' split, which torch runs after it); None for a model whose text our plan does not pad."""
-    spot = _TEXT_INPUTS.get(type(model).__name__)
+def _padded(tensor, to: int, dim: int):
+    import torch
+
+    pad = [0, 0] * (tensor.dim() - dim - 1) + [0, to - tensor.shape[dim]]
+    return torch.nn.functional.pad(tensor, pad)
+
+
+def install_padding(model, sp_size: int) -> TokenPadding | None:
+    """Forward pre-hooks padding the streams where they enter the split (before the token-count check and
+    diffusers' split, which torch runs after them), and a forward hook cutting the video's padding off the
+    gathered output (after diffusers' gather, inside the hook-wrapped ``forward``); None for a model our plans do
+    not pad."""
+    spot = _PADDED.get(type(model).__name__)
     if spot is None:
         return None
     from diffusers.hooks.context_parallel import _get_submodule_by_name
 
-    module_name, position, name, text_first = spot
-    padding = TextPadding(sp_size, text_first)
+    padding = TokenPadding(sp_size, spot.text_first)
 
-    def pad(module, args, kwargs):
-        import torch
+    def replaced(args, kwargs, position, name, value):
+        if name in kwargs:
+            return args, {**kwargs, name: value}
+        return (*args[:position], value, *args[position + 1 :]), kwargs
 
-        in_kwargs = name in kwargs
-        text = kwargs[name] if in_kwargs else args[position]
-        padding.real = text.shape[1]
-        padding.padded = -(-padding.real // sp_size) * sp_size
-        if padding.padded == padding.real:
+    def given(args, kwargs, position, name):
+        return kwargs[name] if name in kwargs else args[position] if len(args) > position else None
+
+    def pad_streams(module, args, kwargs):
+        _, position, name = spot.text
+        text = given(args, kwargs, position, name)
+        padding.text_real = text.shape[1]
+        padding.text_padded = -(-padding.text_real // sp_size) * sp_size
+        if padding.text_padded > padding.text_real:
+            args, kwargs = replaced(args, kwargs, position, name, _padded(text, padding.text_padded, 1))
+        if spot.video is not None:
+            _, position, name = spot.video
+            video = given(args, kwargs, position, name)
+            padding.video_real = video.shape[1]
+            padding.video_padded = -(-padding.video_real // sp_size) * sp_size
+            if padding.video_padded > padding.video_real:
+                args, kwargs = replaced(args, kwargs, position, name, _padded(video, padding.video_padded, 1))
+        return args, kwargs
+
+    def pad_rope(module, args, kwargs):
+        position, name = spot.rope
+        rope = given(args, kwargs, position, name)
+        if rope is None or padding.video_padded == padding.video_real or rope[0].shape[0] != padding.video_real:
             return None
-        text = torch.nn.functional.pad(text, (0, 0, 0, padding.padded - padding.real))
-        if in_kwargs:
-            return args, {**kwargs, name: text}
-        return (*args[:position], text, *args[position + 1 :]), kwargs
+        return replaced(args, kwargs, position, name, tuple(_padded(t, padding.video_padded, 0) for t in rope))
 
-    _get_submodule_by_name(model, module_name).register_forward_pre_hook(pad, with_kwargs=True)
+    def cut_video(module, args, output):
+        if padding.video_padded > padding.video_real and output.shape[1] == padding.video_padded:
+            return output[:, : padding.video_real]
+        return None
+
+    # the streams' hook first: it reads the counts the rotary tables' hook pads to
+    _get_submodule_by_name(model, spot.text[0]).register_forward_pre_hook(pad_streams, with_kwargs=True)
+    if spot.rope is not None:
+        for block in model.transformer_blocks:
+            block.register_forward_pre_hook(pad_rope, with_kwargs=True)
+    if spot.gather is not None:
+        _get_submodule_by_name(model, spot.gather).register_forward_hook(cut_video)
     return padding
 
 
@@ -324,7 +383,7 @@ def install_token_checks(model, plan: dict, sp_size: int) -> None:
 # ------------------------------------------------------------------------------------------------
 # attention processors: upstream's, with Ulysses
 # ------------------------------------------------------------------------------------------------
-def install_processors(model, padding: TextPadding | None = None) -> None:
+def install_processors(model, padding: TokenPadding | None = None) -> None:
     """Our Ulysses-capable processors on the attention layers of a model our plan covers (with the model's text
     padding, where its text is padded)."""
     name = type(model).__name__
@@ -344,11 +403,11 @@ def install_processors(model, padding: TextPadding | None = None) -> None:
             block.attn1.set_processor(processor)
 
 
-def _set_processors(model, cls, padding: TextPadding | None = None) -> None:
+def _set_processors(model, cls, padding: TokenPadding | None = None) -> None:
     from diffusers.models.attention_processor import Attention
 
     processor = cls()
-    processor.text_padding = padding
+    processor.token_padding = padding
     for module in model.modules():
         if isinstance(module, Attention):
             module.set_processor(processor)
@@ -399,21 +458,21 @@ def cogvideox_processor_class():
 
         _attention_backend = None
         _parallel_config = None
-        text_padding = None
+        token_padding = None
 
         def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
             text_seq_length = encoder_hidden_states.size(1)
             padding_mask = None
-            if self.text_padding is not None:
-                padding_mask = self.text_padding.key_mask(text_seq_length, hidden_states.size(1), hidden_states.device)
+            if self.token_padding is not None:
+                padding_mask = self.token_padding.key_mask(text_seq_length, hidden_states.size(1), hidden_states.device)
             hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
             batch_size, sequence_length, _ = hidden_states.shape
             if attention_mask is not None:
                 if padding_mask is not None:
                     raise ConfigError(
-                        "accel-npu: sequence parallelism padded CogVideoX's text to a multiple of sp_size, and an "
-                        "attention mask was given too (attention_kwargs), which the padding cannot be merged "
-                        "into. Choose a text length that divides by sp_size, or pass no attention mask."
+                        "accel-npu: sequence parallelism padded CogVideoX's tokens to a multiple of sp_size, and "
+                        "an attention mask was given too (attention_kwargs), which the padding cannot be merged "
+                        "into. Choose text and video lengths that divide by sp_size, or pass no attention mask."
                     )
                 attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
                 attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
@@ -463,16 +522,16 @@ def joint_processor_class():
 
         _attention_backend = None
         _parallel_config = None
-        text_padding = None
+        token_padding = None
 
         def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
             import torch
 
             image_tokens = hidden_states.shape[1]
             mask = None
-            if encoder_hidden_states is not None and self.text_padding is not None:
+            if encoder_hidden_states is not None and self.token_padding is not None:
                 # the joint attention's keys: each rank's image tokens, then its text tokens
-                mask = self.text_padding.key_mask(encoder_hidden_states.shape[1], image_tokens, hidden_states.device)
+                mask = self.token_padding.key_mask(encoder_hidden_states.shape[1], image_tokens, hidden_states.device)
             batch_size = hidden_states.shape[0]
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
             head_dim = key.shape[-1] // attn.heads

@@ -97,9 +97,9 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
     # before enable_parallelism: torch runs a module's forward pre-hooks before diffusers' split (which wraps
-    # forward), in the order they were registered: the text is padded, then a token count that does not divide
-    # is refused with its fix instead of diffusers' assert
-    padding = plans.install_text_padding(model, sp)
+    # forward), in the order they were registered: the streams our plans pad are padded, then a token count that
+    # does not divide is refused with its fix instead of diffusers' assert
+    padding = plans.install_padding(model, sp)
     plans.install_processors(model, padding)
     plans.install_token_checks(model, plan, sp)
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp, mesh=state.mesh), cp_plan=plan)
