@@ -166,6 +166,36 @@ def check_heads(model, sp_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+# position ids in the form the plan splits
+# ------------------------------------------------------------------------------------------------
+#: models whose forward takes its position ids with or without a batch dimension (and drops it), by the number
+#: of dimensions their _cp_plan splits: transformer_flux.py (2: "Passing `txt_ids` 3d torch.Tensor is
+#: deprecated", still what train_dreambooth_flux.py passes) and transformer_flux2.py (3)
+_ID_DIMS = {"FluxTransformer2DModel": 2, "Flux2Transformer2DModel": 3}
+
+
+def install_id_forms(model) -> None:
+    """A forward pre-hook giving ``img_ids`` / ``txt_ids`` the dimensions the model's plan splits, as the model's
+    own forward would take them: otherwise diffusers leaves them whole ("Expected input tensor to have 2
+    dimensions ... split will not be applied") and the rank's RoPE covers more tokens than it holds."""
+    dims = _ID_DIMS.get(type(model).__name__)
+    if dims is None:
+        return
+
+    def reshape(module, args, kwargs):
+        changed = {}
+        for name in ("img_ids", "txt_ids"):
+            ids = kwargs.get(name)
+            if ids is not None and ids.dim() == dims + 1:
+                changed[name] = ids[0]
+            elif ids is not None and ids.dim() == dims - 1:
+                changed[name] = ids.unsqueeze(0)
+        return (args, {**kwargs, **changed}) if changed else None
+
+    model.register_forward_pre_hook(reshape, with_kwargs=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # tokens padded to a multiple of sp_size, for the models our plans cover
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ def enable(accelerator, model, config) -> groups.SequenceParallel:
     # before enable_parallelism: torch runs a module's forward pre-hooks before diffusers' split (which wraps
     # forward), in the order they were registered: the streams our plans pad are padded, then a token count that
     # does not divide is refused with its fix instead of diffusers' assert
+    plans.install_id_forms(model)
     padding = plans.install_padding(model, sp)
     plans.install_processors(model, padding)
     plans.install_token_checks(model, plan, sp)
