@@ -1388,8 +1388,6 @@ def load_without_accel_npu(spec: Spec, model: Path, dirs: list[Path] = (), pretr
     end of its output when it fails."""
     import torch
 
-    from tests.torchvision_site import with_torchvision
-
     with tempfile.TemporaryDirectory() as tmp:
         answer = Path(tmp) / "loaded.pt"
         request = {
@@ -1401,10 +1399,7 @@ def load_without_accel_npu(spec: Spec, model: Path, dirs: list[Path] = (), pretr
         }
         done = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--load-without-accel-npu", json.dumps(request)],
-            # the packages the launches had (Flux2's pipeline loads PixtralProcessor, which needs torchvision)
-            env=with_torchvision(
-                base_env(ACCEL_NPU_DISABLE="1", PYTHONPATH=os.environ.get("PYTHONPATH", "")), *spec.site
-            ),
+            env=base_env(ACCEL_NPU_DISABLE="1", PYTHONPATH=os.environ.get("PYTHONPATH", "")),
             cwd=REPO,
             capture_output=True,
             text=True,
