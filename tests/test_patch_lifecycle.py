@@ -83,24 +83,39 @@ CHECK = textwrap.dedent(r"""
         accel_npu.patch()
         for module_name in modules:
             load(module_name)
-    results = {}
+    # each step of the lifecycle is taken by every patch at once (one patch()/unpatch() per step, not per patch:
+    # those arm and disarm the whole ledger), and the whole cycle twice: the second round starts from the first's
+    # repatch. A patch's result holds only if it held in both rounds.
+    results, applied = {}, []
     for patch in [p for p in get_ledger().patches if p.module in modules]:
         out = results.setdefault(patch.module, {}).setdefault(patch.target, {"status": patch.status})
-        if patch.status != "applied":
-            continue
-        parent, attribute, original = patch._parent, patch._attribute, patch._original
-        own_before = patch._had_own_attribute
-        out["wrapped_once"] = ours(lookup(patch)[2], original)
-        accel_npu.patch(); get_ledger().apply(patch)          # double patch
-        out["still_wrapped_once"] = ours(lookup(patch)[2], original)
+        if patch.status == "applied":
+            applied.append((patch, out, patch._parent, patch._attribute, patch._original, patch._had_own_attribute))
+
+    def record(out, key, value):
+        out[key] = out.get(key, True) and value
+
+    for _round in range(2):
+        for patch, out, parent, attribute, original, own_before in applied:
+            record(out, "wrapped_once", ours(lookup(patch)[2], original))
+        accel_npu.patch()                                      # double patch
+        for patch, *_ in applied:
+            get_ledger().apply(patch)
+        for patch, out, parent, attribute, original, own_before in applied:
+            record(out, "still_wrapped_once", ours(lookup(patch)[2], original))
         accel_npu.unpatch()
-        out["restored_identical"] = lookup(patch)[2] is pristine.get(patch.target, original) is original \
-            and not isinstance(original, wrapt.FunctionWrapper)
+        restored = {}
+        for patch, out, parent, attribute, original, own_before in applied:
+            restored[patch.target] = lookup(patch)[2] is pristine.get(patch.target, original) is original \
+                and not isinstance(original, wrapt.FunctionWrapper)
         accel_npu.unpatch()                                    # double unpatch: nothing more to undo
-        out["restored_identical"] = out["restored_identical"] and lookup(patch)[2] is original
-        out["own_attribute_restored"] = (attribute in vars(parent)) == own_before if inspect.isclass(parent) else True
+        for patch, out, parent, attribute, original, own_before in applied:
+            record(out, "restored_identical", restored[patch.target] and lookup(patch)[2] is original)
+            record(out, "own_attribute_restored",
+                   (attribute in vars(parent)) == own_before if inspect.isclass(parent) else True)
         accel_npu.patch()                                      # unpatch -> repatch
-        out["repatched"] = ours(lookup(patch)[2], original) and patch.status == "applied"
+        for patch, out, parent, attribute, original, own_before in applied:
+            record(out, "repatched", ours(lookup(patch)[2], original) and patch.status == "applied")
     print("RESULT " + json.dumps({"imported_before_arming": already if order == "patch-then-import" else {},
                                   "results": results, "absent": absent}))
 """)

@@ -224,7 +224,7 @@ def _loaded_lora(pipe, lora_dir) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_pipe, tmp_path, stage):
+def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_pipe, tmp_path, stage, capfd):
     import torch
     from safetensors import safe_open
 
@@ -263,29 +263,30 @@ def test_qwen_lora_trains_checkpoints_resumes_and_saves_a_lora_that_loads(qwen_p
     row = _doc_row({2: "cpu_zero2 / npu_zero2", 3: "ZeRO-3, threshold 0, `zero3_init_flag: false`"}[stage])
     assert "trains, checkpoints, resumes from `latest`; the final LoRA loads" in row
     if stage == 3:  # consolidate the same checkpoint (every parameter partitioned: the hardest case)
-        _check_consolidate(pipe, out / "checkpoint-6", final, tmp_path)
+        _check_consolidate(pipe, out / "checkpoint-6", final, tmp_path, capfd)
 
 
 # ------------------------------------------------------------------------------------------------
 # accel-npu consolidate of the LoRA checkpoint
 # ------------------------------------------------------------------------------------------------
-def _check_consolidate(pipe, ckpt, master, tmp_path):
-    """``accel-npu consolidate`` as a user runs it: the adapter loads with load_lora_weights and equals
-    DeepSpeed's master weights; ``--merge-lora``'s model loads with from_pretrained and equals
-    base + alpha/r * B @ A computed here."""
-    import subprocess
-
+def _check_consolidate(pipe, ckpt, master, tmp_path, capfd):
+    """``accel-npu consolidate`` with a user's arguments (its entry point, in this process): the adapter loads
+    with load_lora_weights and equals DeepSpeed's master weights; ``--merge-lora``'s model loads with
+    from_pretrained and equals base + alpha/r * B @ A computed here."""
     import torch
     from diffusers import QwenImageTransformer2DModel
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    cli = os.path.join(os.path.dirname(sys.executable), "accel-npu")
+    from accel_npu.cli import main
+
+    # the command's own entry point, in this process (as tests/test_checkpoints_dit4dit.py runs it): deepspeed and
+    # diffusers are imported once here, not once per call
     for args in ([str(ckpt), str(tmp_path / "adapter")], [str(ckpt), str(tmp_path / "merged"), "--merge-lora"]):
-        done = subprocess.run(
-            [cli, "consolidate", *args, "--no-progress"], capture_output=True, text=True, env=base_env(), timeout=300
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+        capfd.readouterr()
+        rc = main(["consolidate", *args, "--no-progress"])
+        out, err = capfd.readouterr()
+        assert rc == 0, out + err
 
     adapter = tmp_path / "adapter"
     assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]

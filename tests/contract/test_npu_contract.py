@@ -202,19 +202,52 @@ def test_decord_fix_holds_with_transfer_to_npu_imported(tmp_path):
     assert stock.returncode != 0 and "CUDA not enabled" in stock.stderr, explain(stock)
 
 
+def py_probes(probes: dict[str, str], env: dict) -> dict[str, subprocess.CompletedProcess]:
+    """Each of ``probes`` (name: code) run in turn in one ``py`` process, each in a namespace of its own, for
+    probes that need the stand-in's import and accel-npu's activation behind them but no process of their own.
+    Returns, per probe, the process with the stdout that probe printed (stderr and exit status: the process's)."""
+    code = "".join(
+        f"print('PROBE-BEGIN {name}', flush=True)\n"
+        f"exec(compile({source!r}, {name!r}, 'exec'), {{'__name__': '__main__'}})\n"
+        f"print('PROBE-END {name}', flush=True)\n"
+        for name, source in probes.items()
+    )
+    proc = py(code, env)
+    out = {}
+    for name in probes:
+        printed = proc.stdout.split(f"PROBE-BEGIN {name}\n", 1)[-1].split(f"PROBE-END {name}\n", 1)
+        stdout = printed[0] if len(printed) == 2 else ""  # a probe that did not finish printed nothing of use
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, proc.stderr)
+    return out
+
+
+INTERNAL_FORMAT_PROBE = (
+    "import torch, torch_npu\n"
+    "try:\n    torch.npu.config.allow_internal_format\n    readable = True\n"
+    "except AttributeError:\n    readable = False\n"
+    "print('RESULT', readable, torch_npu._C.options_set)"
+)
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """The allow_internal_format, AdamW/autocast and GradScaler probes: one process with accel-npu (the
+    allow_internal_format one first: the options set before any probe ran), one stock."""
+    site = make_site(tmp_path_factory.mktemp("probes"))
+    return {
+        "ours": py_probes(
+            {"internal_format": INTERNAL_FORMAT_PROBE, "adamw": ADAMW_PROBE, "scaler": SCALER_PROBE}, env_with(site)
+        ),
+        "stock": py_probes({"adamw": ADAMW_PROBE, "scaler": SCALER_PROBE}, env_with(site, ACCEL_NPU_DISABLE="1")),
+    }
+
+
 @pytest.mark.slow
-def test_allow_internal_format_is_left_as_torch_npu_sets_it(tmp_path):
+def test_allow_internal_format_is_left_as_torch_npu_sets_it(probes):
     """torch_npu's default is already "disable" and its config is write-only (upstream
     npu_config.py `_npuConfig`): accel-npu sets nothing, so nothing in a script that reads or sets it
     changes. Witness: the options the stand-in's `_npu_setOption` received."""
-    site = make_site(tmp_path)
-    code = (
-        "import torch, torch_npu\n"
-        "try:\n    torch.npu.config.allow_internal_format\n    readable = True\n"
-        "except AttributeError:\n    readable = False\n"
-        "print('RESULT', readable, torch_npu._C.options_set)"
-    )
-    proc = py(code, env_with(site))
+    proc = probes["ours"]["internal_format"]
     assert proc.returncode == 0, explain(proc)
     assert "RESULT False []" in proc.stdout, explain(proc)
 
@@ -455,10 +488,8 @@ print("RESULT " + json.dumps({"autocast": autocast, "fused": opt.param_groups[0]
 
 
 @pytest.mark.slow
-def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step(tmp_path):
-    site = make_site(tmp_path)
-    ours = results(py(ADAMW_PROBE, env_with(site)))[0]
-    stock = results(py(ADAMW_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]
+def test_npu_autocast_remap_and_adamw_fused_without_grad_scale_in_the_fused_step(probes):
+    ours, stock = (results(probes[side]["adamw"])[0] for side in ("ours", "stock"))
     assert ours["autocast"] == ["npu", "torch.bfloat16", True]  # autocast("cuda") remapped on the npu backend
     assert stock["autocast"] == ["cuda", "torch.bfloat16", False]  # stock: disabled
     assert ours["fused"] is True and ours["scaling_into_step"] is False
@@ -477,13 +508,12 @@ print("RESULT " + json.dumps({"scalers": [[s._device, s.is_enabled()] for s in s
 
 
 @pytest.mark.slow
-def test_npu_cuda_grad_scaler_scales_on_npu(tmp_path):
+def test_npu_cuda_grad_scaler_scales_on_npu(probes):
     """A "cuda" GradScaler is torch's GradScaler on "npu" where autocast('cuda') runs on npu (torch_npu
     implements its _amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ kernels: Ascend/pytorch
     test/custom_ops/test_amp_foreach_non_finite_check_and_unscale.py); stock disables it."""
-    site = make_site(tmp_path)
-    assert results(py(SCALER_PROBE, env_with(site)))[0]["scalers"] == [["npu", True]] * 3
-    assert results(py(SCALER_PROBE, env_with(site, ACCEL_NPU_DISABLE="1")))[0]["scalers"] == [["cuda", False]] * 3
+    assert results(probes["ours"]["scaler"])[0]["scalers"] == [["npu", True]] * 3
+    assert results(probes["stock"]["scaler"])[0]["scalers"] == [["cuda", False]] * 3
 
 
 @pytest.mark.slow
