@@ -124,13 +124,12 @@ BACKWARD_LOSS_AVERAGED = Patch(
 )
 
 
-def _gather_backward_patch(function: str, since: str) -> Patch:
-    # diffusers before ``since`` has no such gather (context parallelism came in 0.36, uneven gathers in 0.37); the
-    # versions between are outside the diffusers range this plugin is run and declared at (_DIFFUSERS)
+def _gather_backward_patch(function: str) -> Patch:
+    # diffusers' context parallelism (0.36) and its uneven gathers (0.37) predate the range this plugin runs at
     return Patch(
         target=f"diffusers.hooks.context_parallel:{function}.backward",
         supports=_DIFFUSERS,
-        stock_correct=f"diffusers<{since}",
+        stock_correct=_DIFFUSERS_STOCK,
         reason="FSDP2 averages an SP group's partial gradients; under DeepSpeed a module on the gathered output "
         "gets sp_size times its gradient: summed over the SP group.",
         remove_when=_REMOVE_WHEN,
@@ -138,8 +137,8 @@ def _gather_backward_patch(function: str, since: str) -> Patch:
     )
 
 
-GATHER_BACKWARD = _gather_backward_patch("AllGatherFunction", "0.36")
-GATHER_ANYTHING_BACKWARD = _gather_backward_patch("AllGatherAnythingFunction", "0.37")
+GATHER_BACKWARD = _gather_backward_patch("AllGatherFunction")
+GATHER_ANYTHING_BACKWARD = _gather_backward_patch("AllGatherAnythingFunction")
 
 
 @hookimpl
