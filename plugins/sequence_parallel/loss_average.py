@@ -49,9 +49,8 @@ def gathered_gradient_summed(wrapped, instance, args, kwargs):
     gradients summed, then diffusers' slice."""
     state = groups.active()
     ctx = argument(args, kwargs, 0, "ctx")
-    if state is None or not (_AVERAGED or state.sum_every_gathered_gradient):
-        return wrapped(*args, **kwargs)
-    if getattr(ctx, "world_size", None) != state.sp_size:
+    summing = state is not None and (_AVERAGED or state.sum_every_gathered_gradient)
+    if not summing or getattr(ctx, "world_size", None) != state.sp_size:
         return wrapped(*args, **kwargs)
     import torch
     import torch.distributed as dist

@@ -282,20 +282,20 @@ def install_padding(model, sp_size: int) -> TokenPadding | None:
     def given(args, kwargs, position, name):
         return kwargs[name] if name in kwargs else args[position] if len(args) > position else None
 
+    def pad_stream(args, kwargs, where):
+        """(args, kwargs) with the stream at ``where`` padded, its real and padded token counts."""
+        _, position, name = where
+        tokens = given(args, kwargs, position, name)
+        real = tokens.shape[1]
+        padded = -(-real // sp_size) * sp_size
+        if padded > real:
+            args, kwargs = replaced(args, kwargs, position, name, _padded(tokens, padded, 1))
+        return args, kwargs, real, padded
+
     def pad_streams(module, args, kwargs):
-        _, position, name = spot.text
-        text = given(args, kwargs, position, name)
-        padding.text_real = text.shape[1]
-        padding.text_padded = -(-padding.text_real // sp_size) * sp_size
-        if padding.text_padded > padding.text_real:
-            args, kwargs = replaced(args, kwargs, position, name, _padded(text, padding.text_padded, 1))
+        args, kwargs, padding.text_real, padding.text_padded = pad_stream(args, kwargs, spot.text)
         if spot.video is not None:
-            _, position, name = spot.video
-            video = given(args, kwargs, position, name)
-            padding.video_real = video.shape[1]
-            padding.video_padded = -(-padding.video_real // sp_size) * sp_size
-            if padding.video_padded > padding.video_real:
-                args, kwargs = replaced(args, kwargs, position, name, _padded(video, padding.video_padded, 1))
+            args, kwargs, padding.video_real, padding.video_padded = pad_stream(args, kwargs, spot.video)
         return args, kwargs
 
     def pad_rope(module, args, kwargs):
