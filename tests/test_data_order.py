@@ -9,6 +9,8 @@ rank drew per step, printed by the script. The unit tests hold where the next ep
 
 from __future__ import annotations
 
+import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,9 @@ import torch
 
 from accel_npu.plugins.checkpoints import data_order as order
 from tests.launch_utils import base_env, explain, results, run_concurrently, torchrun_launch
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import upstream_samplers as upstream
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_data_order.py"
 
@@ -72,7 +77,7 @@ def test_a_loader_without_a_synchronized_generator_keeps_its_counter_only():
     loader = _Loader()
     loader.synchronized_generator = None
     loader.iteration = 3
-    assert order.loader_position(loader) == {"iteration": 3, "generator": None}
+    assert order.loader_position(loader) == {"iteration": 3, "generator": None, "samplers": {}}
     fresh = _Loader()
     order.restore_position(fresh, {"iteration": 3, "generator": None})
     assert fresh.iteration == 3
@@ -111,6 +116,81 @@ def test_a_checkpoint_without_the_file_or_with_other_loaders_restores_nothing(tm
     assert "2 DataLoaders' order, this run prepared 1" in caplog.text
 
 
+def _epoch(loader) -> list[int]:
+    """One epoch's samples, drawn as a prepared loader's iterator draws them (its start noted first)."""
+    order.note_epoch_start(loader)
+    return [int(batch[0]) for batch in loader]
+
+
+@pytest.mark.parametrize("make", [upstream.kontext_sampler, upstream.flux2_sampler], ids=["kontext", "flux2"])
+@pytest.mark.parametrize("mid_epoch", [False, True], ids=["epoch_end", "mid_epoch"])
+def test_diffusers_bucket_samplers_resume_with_the_order_the_straight_run_draws(make, mid_epoch):
+    """The script's sampler is rebuilt on resume; restored, its next epoch is the straight run's. accelerate
+    restores the global ``random`` as it was at the save (its random_states file), as here."""
+    random.seed(0)
+    straight = torch.utils.data.DataLoader(upstream.OneBucket(), batch_sampler=make())
+    first = _epoch(straight)
+    if mid_epoch:  # saved after the second epoch's first batch: a resume replays that epoch
+        order.note_epoch_start(straight)
+        batches = iter(straight)
+        expected = [int(next(batches)[0])]
+        state, position = random.getstate(), order.loader_position(straight)
+        expected += [int(batch[0]) for batch in batches]
+    else:
+        straight.end_of_dataloader = True  # as accelerate's DataLoaderShard at an epoch's last batch
+        state, position = random.getstate(), order.loader_position(straight)
+        straight.end_of_dataloader = False
+        expected = _epoch(straight)
+    assert position["samplers"], "the script's sampler was not found under the loader"
+    assert first != expected
+
+    def rebuilt():
+        random.seed(0)  # the resumed run's set_seed, before the script builds its sampler
+        loader = torch.utils.data.DataLoader(upstream.OneBucket(), batch_sampler=make())
+        random.setstate(state)  # accelerate's load_state
+        return loader
+
+    resumed = rebuilt()
+    order.restore_position(resumed, position)
+    if mid_epoch and make is upstream.kontext_sampler:
+        # its order is drawn from the global random, which accelerate restores as it was at the save, not at the
+        # epoch's start: the replayed epoch is another order of the same batches
+        assert sorted(_epoch(resumed)) == sorted(expected)
+        return
+    assert _epoch(resumed) == expected
+    assert _epoch(rebuilt()) != expected  # the negative: rebuilt and not restored, the sampler draws another order
+
+
+def test_the_scripts_sampler_is_found_below_accelerates_shard_and_the_module_random_is_left_out():
+    from accelerate.data_loader import BatchSamplerShard
+
+    sampler = upstream.kontext_sampler()
+    loader = torch.utils.data.DataLoader(upstream.OneBucket(), batch_sampler=BatchSamplerShard(sampler, 2, 0))
+    assert set(order.samplers_state(loader)) == {"batch_sampler.batch_sampler"}
+    saved = order.samplers_state(loader)["batch_sampler.batch_sampler"]
+    assert set(saved) == {"batches", "bucket_indices"}  # lists of index batches and of indices; ints left out
+    random.seed(0)
+    unseeded = upstream.bucket_batch_sampler(upstream.FLUX2)(upstream.OneBucket(), batch_size=1)
+    assert (
+        "generator"
+        not in order.samplers_state(torch.utils.data.DataLoader(upstream.OneBucket(), batch_sampler=unseeded))[
+            "batch_sampler"
+        ]
+    )  # seed None: its generator is the random module, accelerate's to restore
+
+
+def test_a_sampler_that_does_not_match_the_checkpoint_is_left_as_it_is(caplog):
+    loader = torch.utils.data.DataLoader(upstream.OneBucket(), batch_sampler=upstream.flux2_sampler())
+    generator = loader.batch_sampler.generator.getstate()
+    position = {"iteration": 0, "generator": None, "samplers": {"batch_sampler": {"generator": ("list", [1, 2])}}}
+    position["samplers"]["batch_sampler.batch_sampler"] = {"batches": ("list", [[0]])}
+    with caplog.at_level("WARNING", logger="accel_npu"):
+        order.restore_position(loader, position)
+    assert loader.batch_sampler.generator.getstate() == generator
+    assert "batch_sampler.generator of BucketBatchSampler does not hold what the checkpoint saved" in caplog.text
+    assert "a sampler at batch_sampler.batch_sampler, this loader has none there" in caplog.text
+
+
 def _launch(mode, out, **env):
     proc = torchrun_launch([str(SCRIPT), mode, str(out)], env=base_env(**env), timeout=240)
     assert proc.returncode == 0, explain(proc)
@@ -142,5 +222,11 @@ def test_resume_draws_the_uninterrupted_runs_batches_and_noise_where_stock_repla
         # mid-epoch, skipping the epoch's first batches: the same samples (the noise differs: the DataLoader's
         # own base-seed draw at the restarted epoch takes one value of the global RNG the straight run did not)
         assert [s[:2] for s in resumed_mid[rank]] == [s[:2] for s in straight[rank][6:]]
-    # stock replays epoch 0's order after the resume (the same steps, other samples)
-    assert [s[1] for r in stock_end for s in r] != [s[1] for r in straight for s in r[4:]]
+        # diffusers' BucketBatchSamplers (Kontext's in-place list, Flux2's private Random): from an epoch's last
+        # batch as straight; mid-epoch Flux2's replays its epoch's order (Kontext's draws with the global random,
+        # restored by accelerate as it was at the save: unit-tested above)
+        assert [s[3:] for s in resumed_end[rank]] == [s[3:] for s in straight[rank][4:]]
+        assert [s[4] for s in resumed_mid[rank]] == [s[4] for s in straight[rank][6:]]
+    # stock replays epoch 0's order after the resume (the same steps, other samples), the samplers' too
+    for column in (1, 3, 4):
+        assert [s[column] for r in stock_end for s in r] != [s[column] for r in straight for s in r[4:]]

@@ -15,12 +15,21 @@ accelerate writes whatever the backend; ``load_state`` restores them. A checkpoi
 batch resumes with the next epoch's order; one taken mid-epoch restores the order the epoch began with, so a
 script that skips the batches it has seen continues with the same samples. A checkpoint without the file
 (written by stock accelerate) loads as stock does.
+
+A script's own batch sampler or sampler keeps its order in itself, where accelerate saves nothing of it: diffusers'
+``BucketBatchSampler`` (examples/dreambooth, 9 scripts at v0.40.0) either reorders its ``batches`` list in place
+with the global ``random`` each epoch, or shuffles copies with a private ``random.Random(seed)``. Rebuilt on resume,
+the first replays its initial order, the second its first epoch's. The file also holds such an object's
+``random.Random`` and ``torch.Generator`` attributes and its lists of indices or of index batches, as they were when
+the next epoch's order will be drawn (mid-epoch: as the epoch began; the global ``random`` is accelerate's, restored
+as it was at the save).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 
 import torch
 
@@ -33,6 +42,8 @@ FILE_NAME = "accel_npu_data_order.pt"
 #: and that epoch's counter
 _EPOCH_START = "_accel_npu_epoch_start_generator"
 _EPOCH_STARTED = "_accel_npu_epoch_started"
+#: the script's samplers' state as the current epoch began
+_EPOCH_START_SAMPLERS = "_accel_npu_epoch_start_samplers"
 #: on the Accelerator: the hooks are registered
 _HOOKED = "_accel_npu_data_order_hooks"
 
@@ -47,7 +58,60 @@ def note_epoch_start(loader) -> None:
     generator = _generator(loader)
     if generator is not None:
         loader.__dict__[_EPOCH_START] = generator.get_state()
-        loader.__dict__[_EPOCH_STARTED] = getattr(loader, "iteration", 0)
+    loader.__dict__[_EPOCH_STARTED] = getattr(loader, "iteration", 0)
+    loader.__dict__[_EPOCH_START_SAMPLERS] = samplers_state(loader)
+
+
+def _scripts_samplers(loader) -> dict:
+    """The objects below a loader that draw its order and are the script's own, by attribute path
+    (``batch_sampler.batch_sampler``: the one accelerate's BatchSamplerShard wraps). torch's and accelerate's
+    samplers are walked through: their order comes from the generators accelerate and the file above keep."""
+    found, pending = {}, [("", loader)]
+    while pending:
+        path, obj = pending.pop()
+        for name in ("batch_sampler", "sampler"):
+            child = getattr(obj, name, None)
+            if child is None or child is obj:
+                continue
+            child_path = f"{path}.{name}" if path else name
+            module = type(child).__module__
+            if module.startswith(("torch.", "accelerate.")):
+                if len(child_path) < 80:  # a wrapper that points at itself through a chain
+                    pending.append((child_path, child))
+            else:
+                found[child_path] = child
+    return found
+
+
+def _index_list(value) -> bool:
+    """A list of indices or of index batches (a sampler's precomputed order)."""
+    if not isinstance(value, list) or not value:
+        return False
+    if all(type(item) is int for item in value):
+        return True
+    return all(isinstance(item, (list, tuple)) and all(type(i) is int for i in item) for item in value)
+
+
+def _copy_index_list(value: list) -> list:
+    return [list(item) if isinstance(item, list) else item for item in value]  # ints and tuples are immutable
+
+
+def _sampler_state(sampler) -> dict:
+    state = {}
+    for name, value in getattr(sampler, "__dict__", {}).items():
+        if isinstance(value, random.Random):  # not the random module itself: accelerate restores that
+            state[name] = ("random", value.getstate())
+        elif isinstance(value, torch.Generator):
+            state[name] = ("torch", value.get_state())
+        elif _index_list(value):
+            state[name] = ("list", _copy_index_list(value))
+    return state
+
+
+def samplers_state(loader) -> dict:
+    """{path: {attribute: (kind, state)}} for the script's own samplers below the loader; {} for none."""
+    states = {path: _sampler_state(sampler) for path, sampler in _scripts_samplers(loader).items()}
+    return {path: state for path, state in states.items() if state}
 
 
 def prepare_data_loader(wrapped, instance, args, kwargs):
@@ -68,11 +132,15 @@ def loader_position(loader) -> dict:
     started = loader.__dict__.get(_EPOCH_STARTED)
     if started is None or iteration > started:  # never iterated, or its last epoch ran to the end
         state = generator.get_state() if generator is not None else None
-        return {"iteration": iteration, "generator": state}
+        return {"iteration": iteration, "generator": state, "samplers": samplers_state(loader)}
     if getattr(loader, "end_of_dataloader", False):  # the epoch's last batch was handed out
         state = generator.get_state() if generator is not None else None
-        return {"iteration": iteration + 1, "generator": state}
-    return {"iteration": iteration, "generator": loader.__dict__.get(_EPOCH_START)}
+        return {"iteration": iteration + 1, "generator": state, "samplers": samplers_state(loader)}
+    return {
+        "iteration": iteration,
+        "generator": loader.__dict__.get(_EPOCH_START),
+        "samplers": loader.__dict__.get(_EPOCH_START_SAMPLERS, {}),
+    }
 
 
 def _save_hook(accelerator):
@@ -112,3 +180,26 @@ def restore_position(loader, position: dict) -> None:
     generator = _generator(loader)
     if generator is not None and position["generator"] is not None:
         generator.set_state(position["generator"])
+    samplers = _scripts_samplers(loader)
+    for path, state in position.get("samplers", {}).items():  # absent: written before samplers were kept
+        sampler = samplers.get(path)
+        if sampler is None:
+            log.warning(
+                "accel-npu: the checkpoint holds the order of a sampler at %s, this loader has none there", path
+            )
+            continue
+        for name, (kind, value) in state.items():
+            current = getattr(sampler, name, None)
+            if kind == "random" and isinstance(current, random.Random):
+                current.setstate(value)
+            elif kind == "torch" and isinstance(current, torch.Generator):
+                current.set_state(value)
+            elif kind == "list" and isinstance(current, list):
+                current[:] = _copy_index_list(value)  # in place: the sampler's __iter__ may hold the list
+            else:
+                log.warning(
+                    "accel-npu: %s.%s of %s does not hold what the checkpoint saved; its order is not restored",
+                    path,
+                    name,
+                    type(sampler).__name__,
+                )
