@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def worker(a) -> None:
 
     from accel_npu.plugins.checkpoints import background
 
+    if a.writer_nice is not None:  # a value to compare with the writer's own (background._WRITER_NICE)
+        background._WRITER_NICE = a.writer_nice
     accelerator = Accelerator()
     set_seed(0)
 
@@ -164,12 +167,14 @@ def launch(a, tmp: Path, shape: str, stock: bool = False) -> list[dict]:
     args = ["--worker", "--out", str(d / "out"), "--dim", str(a.dim), "--layers", str(a.layers)]
     args += ["--tokens", str(a.tokens), "--saves", str(a.saves), "--steps", str(a.steps)]
     args += ["--stock"] if stock else []
+    args += ["--writer-nice", str(a.writer_nice)] if a.writer_nice is not None else []
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(cfg)]
     cmd += ["--main_process_port", str(free_port()), __file__, *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     recs = results(p)
     if p.returncode != 0 or len(recs) != 2:
         sys.exit(f"benchmark launch {d.name} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    shutil.rmtree(d / "out", ignore_errors=True)  # at the size a launch's checkpoints take ~20 GB of disk
     return recs
 
 
@@ -184,6 +189,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps timed without a write in flight")
     ap.add_argument("--shapes", default="zero2,zero3,fsdp2", help="which of zero2, zero3, fsdp2 (comma-separated)")
     ap.add_argument("--stock", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--writer-nice", type=int, default=None, help="the writer thread's nice value (default: accel-npu's own)"
+    )
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -234,8 +242,9 @@ def main() -> None:
         "launch (medians; a save counts as long as its slower rank). Stock = `ACCEL_NPU_DISABLE=1`, a launch of its "
         "own (ZeRO only: stock trains an FSDP config as DDP on CPU ranks); synchronous = accel-npu's atomic "
         "save_state with ACCEL_NPU_ASYNC_CHECKPOINT=0; asynchronous = 1, blocked = save_state's return plus the "
-        "next step's wait for the copies the writer makes (in brackets). Smaller than the issue's "
-        "~300M-parameter DiT: the machine is 2 shared cores."
+        "next step's wait for the copies the writer makes (in brackets). The writer thread's nice value: "
+        + (f"{a.writer_nice} (set by --writer-nice)" if a.writer_nice is not None else "accel-npu's own")
+        + "."
     )
     report.table(
         [
