@@ -202,6 +202,10 @@ class Spec:
     # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
     # MockSafetyChecker): the witness passes a stand-in too
     stand_ins: tuple = ()
+    # components the ACCEL_NPU_DISABLE=1 load gets stand-ins for because this machine cannot build them without
+    # accel-npu, and the artifact never touches them (Flux2's PixtralProcessor needs torchvision, whose only wheel
+    # here is a CUDA build that stock cannot import); the row names them
+    stock_load_stand_ins: tuple = ()
     epoch_steps: int = 0  # > 0: optimizer steps per epoch of a script counting epochs ({epochs}, {resume_epochs})
     env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
     site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
@@ -656,6 +660,7 @@ SPECS = [
         DREAMBOOTH,
         "lora:Flux2Pipeline:transformer",
         LORA_T + FLUX2_TEXT,
+        stock_load_stand_ins=("tokenizer",),
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux2_img2img.py",
@@ -664,6 +669,7 @@ SPECS = [
         IMG2IMG,
         "lora:Flux2Pipeline:transformer",
         LORA_T + FLUX2_TEXT,
+        stock_load_stand_ins=("tokenizer",),
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux2_klein.py",
@@ -1364,7 +1370,8 @@ def _initial(spec: Spec, model: Path) -> dict:
 def _loaded_without_accel_npu(request: dict) -> dict:
     """Runs in the fresh interpreter ``load_without_accel_npu`` starts (ACCEL_NPU_DISABLE=1): the artifacts and
     the initial weights it asks for, and whether accel-npu was active after all (it must not be)."""
-    spec = Spec(**{**request["spec"], "stand_ins": tuple(request["spec"]["stand_ins"])})
+    given = request["spec"]
+    spec = Spec(**{**given, "stand_ins": tuple(given["stand_ins"]) + tuple(given["stock_load_stand_ins"])})
     model = Path(request["model"])
     # no torchvision here: the paired wheel this machine's launches use is a CUDA build, which dies on import
     # without accel-npu's torchvision_compat (pytorch/vision#9085); a box without torchvision loads these too
@@ -1551,7 +1558,7 @@ def compare_artifact(
     results.append(trained_check(spec, got, answer["initial"], earlier, first.name if first else "no checkpoint"))
     if straight:
         results.append(resume_check(got, loaded[-1], spec.resume_tolerance))
-    results.append((True, "loaded without accel-npu"))
+    results.append((True, stock_loaded(spec)))
     ordered = [r for r in results if not r[0]] + [r for r in results if r[0]]
     return all(ok for ok, _ in results), "; ".join(what for _, what in ordered)
 
@@ -1666,7 +1673,7 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     if spec.checkpoint is None:
         try:
             ok, what = load_without_accel_npu(spec, work / "model", pretrained=out)["pretrained"]
-            what += "; loaded without accel-npu"
+            what += "; " + stock_loaded(spec)
         except Exception as exc:  # noqa: BLE001 - the row records it
             ok, what = False, f"loading the final artifact: {type(exc).__name__}: {str(exc)[:200]}"
         return {**row, "ok": ok, "what": what, "whose": "" if ok else "unknown"}
@@ -1739,6 +1746,13 @@ HEADER = [
 # existed cover "master" and a resume seen in the output only
 CHECKS = ("master", "trained", "resume = straight", "stock load")
 OLD_CHECKS = "master (older runner)"
+
+
+def stock_loaded(spec: Spec) -> str:
+    if not spec.stock_load_stand_ins:
+        return "loaded without accel-npu"
+    names = ", ".join(spec.stock_load_stand_ins)
+    return f"loaded without accel-npu ({names}: a stand-in there, stock cannot import this machine's torchvision)"
 
 
 def row_checks(spec: Spec) -> str:
