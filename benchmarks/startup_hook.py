@@ -64,6 +64,9 @@ def add_times(directory: Path, hook_first: bool, importtime: bool = False) -> tu
     flags = ["-X", "importtime"] if importtime else []
     proc = subprocess.run(
         [sys.executable, "-S", *flags, "-c", ADD, str(directory), str(int(hook_first))],
+        # -c puts the working directory first on sys.path: from the repository root that would import its
+        # _accel_npu_startup.py source (no bytecode beside it) instead of the compiled copy measured here
+        cwd=directory,
         check=True,
         capture_output=True,
         text=True,
