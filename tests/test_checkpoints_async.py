@@ -140,6 +140,7 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
         "grad_leaf": torch.zeros(2, requires_grad=True),
         "ints": torch.tensor([1, 2], dtype=torch.int64),
         "lists": {"lr": [0.1, 0.2]},
+        "shapes": {"w": torch.Size([3, 4])},  # ZeRO-3's param_shapes: one torch.Size per parameter
     }
     state["views"][0].__dict__["note"] = "kept"  # torch.save writes a tensor's Python attributes too
     assert background.snapshot_bytes(state) == 12 * 4 + 3 * 4 + 2 * 4 + 2 * 8
@@ -159,6 +160,8 @@ def test_snapshot_is_a_host_copy_the_originals_no_longer_reach_and_saves_as_they
     assert loaded["views"][0].untyped_storage().data_ptr() == loaded["views"][1].untyped_storage().data_ptr()
     assert isinstance(loaded["param"], torch.nn.Parameter) and loaded["grad_leaf"].requires_grad
     assert loaded["views"][0].note == "kept"
+    # an immutable torch.Size is shared, not rebuilt; the mutable list is a copy
+    assert copy["shapes"]["w"] is state["shapes"]["w"] and copy["lists"]["lr"] is not state["lists"]["lr"]
     # negative: the checker sees the change made to the originals
     torch.save(state, tmp_path / "changed.pt")
     found = differences(_load(tmp_path / "changed.pt"), _load(tmp_path / "copy.pt"))

@@ -71,8 +71,9 @@ def _copyable(tensor) -> bool:
     )
 
 
-def _tensors(obj, out: list, seen: set) -> None:
-    """The tensors inside the containers a checkpoint's state dict is made of."""
+def _tensors(obj, out: list, seen: set, sizes: list | None = None) -> None:
+    """The tensors inside the containers a checkpoint's state dict is made of (and, into ``sizes``, its
+    ``torch.Size`` values)."""
     import torch
 
     if id(obj) in seen:
@@ -80,12 +81,15 @@ def _tensors(obj, out: list, seen: set) -> None:
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         out.append(obj)
+    elif isinstance(obj, torch.Size):
+        if sizes is not None:
+            sizes.append(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
-            _tensors(value, out, seen)
+            _tensors(value, out, seen, sizes)
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
-            _tensors(value, out, seen)
+            _tensors(value, out, seen, sizes)
 
 
 def tensors_of(state_dict) -> list:
@@ -216,8 +220,11 @@ def snapshot(state_dict, later=frozenset()) -> HostCopy:
     (the next optimizer step) cannot change what they read; :meth:`HostCopy.fill` waits for them."""
     import torch
 
-    found = tensors_of(state_dict)
-    memo: dict = {}
+    found, sizes = [], []
+    _tensors(state_dict, found, set(), sizes)
+    # a torch.Size is an immutable tuple: the copy shares it (deepcopy would rebuild each one through
+    # __reduce_ex__; ZeRO-3's param_shapes hold one per parameter)
+    memo: dict = {id(size): size for size in sizes}
     storages: dict = {}
     later_pairs, devices, pageable = [], set(), []
     dtensors = [t for t in found if local_tensor(t) is not t]
@@ -285,7 +292,10 @@ class PendingSave:
 
 
 class _Writer:
-    def __init__(self):
+    """A thread of its own running queued jobs in order (started at the first job, kept for the next saves)."""
+
+    def __init__(self, name: str):
+        self.name = name
         self.jobs: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
         self.native_id: int | None = None
@@ -295,7 +305,7 @@ class _Writer:
         with self.lock:
             if self.thread is None or not self.thread.is_alive():
                 # a daemon: the interpreter's exit waits for it through at_exit(), not through threading's join
-                self.thread = threading.Thread(target=self._run, name="accel-npu checkpoint writer", daemon=True)
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self.thread.start()
         self.jobs.put(job)
 
@@ -336,7 +346,10 @@ def _stop_yielding() -> None:
     _set_nice(_writer.native_id, 0)
 
 
-_writer = _Writer()
+_writer = _Writer("accel-npu checkpoint writer")
+# the copies training waits for are made at training's priority, on a thread of their own; kept from save to save:
+# Thread.start() waits until the new thread runs, a scheduler wake-up inside save_state on a busy host
+_copier = _Writer("accel-npu checkpoint copy")
 _pending: PendingSave | None = None
 _count = 0
 _lock = threading.Lock()
@@ -462,9 +475,8 @@ def submit(save: PendingSave, publish) -> None:
     save.submitted = True
     _drop_pool()
     if save.copies:
-        # the copies training waits for (engine_step) are made at training's priority, on a thread of their own;
-        # the writer's first job waits for them
-        threading.Thread(target=fill_copies, args=(save,), name="accel-npu checkpoint copy", daemon=True).start()
+        # the copies training waits for (engine_step), on the copy thread; the writer's first job waits for them
+        _copier.put(functools.partial(fill_copies, save))
     else:
         save.copied.set()
     _writer.put(_yield_to_training)
