@@ -42,9 +42,10 @@ log = logging.getLogger("accel_npu")
 _KEY = "accel_npu/async_save"
 _POLL_S = 1.0  # store waits are made in slices, so a signal still reaches a waiting main thread
 _HOST_HEADROOM = 0.9  # a snapshot may take at most this share of MemAvailable; the rest is for training
-# on a core training keeps busy a nice-10 thread gets about a tenth of it (CFS weights 110 against 1024,
-# kernel/sched/core.c sched_prio_to_weight): steps during a write stay within ~1.1x; idle cores it uses whole
-_WRITER_NICE = 10
+# on a core training keeps busy a nice-19 thread gets about 1.5 % of it (CFS weights 15 against 1024,
+# kernel/sched/core.c sched_prio_to_weight; nice 10's 110 would be about a tenth, the whole 1.1x step budget);
+# idle cores it uses whole, and while training waits for it its priority is restored (_stop_yielding)
+_WRITER_NICE = 19
 _said = FirstTime()
 
 
@@ -335,8 +336,8 @@ def _set_nice(tid: int | None, nice: int) -> None:
 
 
 def _yield_to_training() -> None:
-    """The writer's first job for a save: while training runs it gets only the CPU training leaves idle, or a
-    tenth of a busy core (its serialization, its copies into the page cache, its fsyncs)."""
+    """The writer's first job for a save: while training runs it gets only the CPU training leaves idle, or
+    about 1.5 % of a busy core (its serialization, its copies into the page cache, its fsyncs)."""
     _set_nice(threading.get_native_id(), _WRITER_NICE)
 
 
