@@ -202,7 +202,7 @@ class Spec:
     # optional pipeline components the script itself passes to from_pretrained as stand-ins (Cosmos 2.5's
     # MockSafetyChecker): the witness passes a stand-in too
     stand_ins: tuple = ()
-    # components the ACCEL_NPU_DISABLE=1 load gets stand-ins for because this machine cannot build them without
+    # components the ACCEL_NPU_DISABLE=1 load leaves out (None) because this machine cannot build them without
     # accel-npu, and the artifact never touches them (Flux2's PixtralProcessor needs torchvision, whose only wheel
     # here is a CUDA build that stock cannot import); the row names them
     stock_load_stand_ins: tuple = ()
@@ -1282,6 +1282,7 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
     kind, cls_name, where, *below = spec.artifact.split(":")  # lora:...:<component>[:<folder under the artifact dir>]
     if kind == "lora":
         stand_ins = {name: _StandIn() for name in spec.stand_ins}
+        stand_ins.update(dict.fromkeys(spec.stock_load_stand_ins))  # None: from_pretrained leaves them out
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
         pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
@@ -1371,7 +1372,13 @@ def _loaded_without_accel_npu(request: dict) -> dict:
     """Runs in the fresh interpreter ``load_without_accel_npu`` starts (ACCEL_NPU_DISABLE=1): the artifacts and
     the initial weights it asks for, and whether accel-npu was active after all (it must not be)."""
     given = request["spec"]
-    spec = Spec(**{**given, "stand_ins": tuple(given["stand_ins"]) + tuple(given["stock_load_stand_ins"])})
+    spec = Spec(
+        **{
+            **given,
+            "stand_ins": tuple(given["stand_ins"]),
+            "stock_load_stand_ins": tuple(given["stock_load_stand_ins"]),
+        }
+    )
     model = Path(request["model"])
     # no torchvision here: the paired wheel this machine's launches use is a CUDA build, which dies on import
     # without accel-npu's torchvision_compat (pytorch/vision#9085); a box without torchvision loads these too
@@ -1752,7 +1759,7 @@ def stock_loaded(spec: Spec) -> str:
     if not spec.stock_load_stand_ins:
         return "loaded without accel-npu"
     names = ", ".join(spec.stock_load_stand_ins)
-    return f"loaded without accel-npu ({names}: a stand-in there, stock cannot import this machine's torchvision)"
+    return f"loaded without accel-npu ({names} left out there: stock cannot import this machine's torchvision)"
 
 
 def row_checks(spec: Spec) -> str:
