@@ -102,12 +102,13 @@ CONFIGS = (
 )
 # the asynchronous save_state column (ACCEL_NPU_ASYNC_CHECKPOINT=1, docs/checkpoints.md § 2c): one script per
 # shape — a LoRA saved on every rank, a LoRA saved by rank 0 alone (its save_state served by the other ranks),
-# a full fine-tune, a video LoRA
+# a full fine-tune, a video LoRA, and a LoRA script that handles FSDP (the fsdp2_async rows need one)
 ASYNC_SCRIPTS = (
     "train_dreambooth_lora_sd3.py",
     "train_dreambooth_lora_sdxl.py",
     "train_text_to_image.py",
     "train_cogvideox_lora.py",
+    "train_dreambooth_lora_z_image.py",
 )
 # the sequence-parallel column: the scripts that train a transformer with a plan (diffusers' _cp_plan or
 # plugins/sequence_parallel/plans.py), a LoRA or the whole model
