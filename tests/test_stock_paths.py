@@ -257,8 +257,10 @@ def test_torch_compile_of_the_cuda_idiom_in_a_launched_rank_and_a_plain_process(
 
 # -- where the façade answers ----------------------------------------------------------------------------
 SEES = r"""
-import json, torch, diffusers
-import accelerate.accelerator, transformers.modeling_utils, torch.distributed.launcher.api, torch.nn.parallel
+import json, sys, torch
+if sys.argv[1:] != ["torch-only"]:
+    import diffusers, accelerate.accelerator, transformers.modeling_utils
+import torch.distributed.launcher.api, torch.nn.parallel
 from accel_npu.patching import get_ledger
 facade = [p for p in get_ledger().patches if p.scope is not None]
 print("RESULT " + json.dumps({
@@ -271,16 +273,30 @@ print("RESULT " + json.dumps({
 """
 
 
-def _sees(**env):
+def _sees(*flags, **env):
     proc = subprocess.run(
-        [sys.executable, "-c", SEES], env=base_env(**env), capture_output=True, text=True, timeout=300, cwd="/"
+        [sys.executable, "-c", SEES, *flags], env=base_env(**env), capture_output=True, text=True, timeout=300, cwd="/"
     )
     return _result(proc), proc
 
 
 @pytest.mark.slow
 def test_where_the_facade_answers():
-    plain, proc = _sees()
+    # the seven processes are independent (each reads only its own environment): they run side by side. Every
+    # façade patch's status is read where diffusers, accelerate and transformers are imported (plain, stock, a
+    # launched rank, the value named once); the other three switches decide the one scope every patch consults,
+    # read on the patches of torch's own targets (all but three) without those imports, a third of the CPU each
+    variants = (
+        ((), {}),
+        ((), {"ACCEL_NPU_DISABLE": "1"}),
+        ((), {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}),
+        (("torch-only",), {"ACCEL_NPU_CUDA_FACADE": "1"}),
+        (("torch-only",), {"ACCELERATE_USE_CPU": "False"}),
+        (("torch-only",), {"LOCAL_RANK": "0", "ACCEL_NPU_CUDA_FACADE": "0"}),
+        ((), {"LOCAL_RANK": "0", "ACCEL_NPU_CUDA_FACADE": "maybe"}),
+    )
+    seen = run_concurrently(*(lambda flags=flags, env=env: _sees(*flags, **env) for flags, env in variants))
+    (plain, proc), (stock, _), *launched, (off, _), (bad, bad_proc) = seen
     # a process that merely imports diffusers: stock torch, every façade patch inactive and saying why
     assert plain["is_available"] is False and plain["device_count"] == 0 and plain["stock_objects"], plain
     assert plain["autocast_cuda_enabled"] is False  # stock disables autocast("cuda") without CUDA
@@ -288,27 +304,19 @@ def test_where_the_facade_answers():
         "inactive here: not a launched rank (accelerate launch / torchrun); ACCEL_NPU_CUDA_FACADE=1 turns it on here"
     ]
     assert "torch.cuda answers" not in proc.stderr
-    stock, _ = _sees(ACCEL_NPU_DISABLE="1")
     assert {k: plain[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")} == {
         k: stock[k] for k in ("is_available", "device_count", "stock_objects", "autocast_cuda_enabled")
     }
     # a launched rank (torchrun, accelerate launch, the DeepSpeed launcher set LOCAL_RANK), or opted in
-    for env in (
-        {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-        {"ACCEL_NPU_CUDA_FACADE": "1"},
-        {"ACCELERATE_USE_CPU": "False"},
-    ):
-        on, _ = _sees(**env)
+    for (_, env), (on, _) in zip(variants[2:5], launched, strict=True):
         assert on["is_available"] is True and on["autocast_cuda_enabled"] is True, env
         assert not on["stock_objects"] and on["facade_statuses"] == ["applied"], env
         if "LOCAL_WORLD_SIZE" in env:
             assert on["device_count"] == 2, on
     # opted out of a launched rank; a value that means nothing is named once and leaves torch stock
-    off, _ = _sees(LOCAL_RANK="0", ACCEL_NPU_CUDA_FACADE="0")
     assert off["is_available"] is False and off["facade_statuses"] == ["inactive here: ACCEL_NPU_CUDA_FACADE=0"]
-    bad, proc = _sees(LOCAL_RANK="0", ACCEL_NPU_CUDA_FACADE="maybe")
     assert bad["is_available"] is False and bad["stock_objects"], bad
-    assert proc.stderr.count("ACCEL_NPU_CUDA_FACADE='maybe' is not one of auto, 1, 0") == 1, proc.stderr[-2000:]
+    assert bad_proc.stderr.count("ACCEL_NPU_CUDA_FACADE='maybe' is not one of auto, 1, 0") == 1, bad_proc.stderr[-2000:]
 
 
 @pytest.mark.slow
