@@ -206,7 +206,7 @@ class Spec:
     # components the ACCEL_NPU_DISABLE=1 load leaves out (None) because this machine cannot build them without
     # accel-npu, and the artifact never touches them (Flux2's PixtralProcessor needs torchvision, whose only wheel
     # here is a CUDA build that stock cannot import); the row names them
-    stock_load_stand_ins: tuple = ()
+    left_out_of_stock_load: tuple = ()
     epoch_steps: int = 0  # > 0: optimizer steps per epoch of a script counting epochs ({epochs}, {resume_epochs})
     env: dict[str, str] = field(default_factory=dict)  # set for the launches, {work} substituted
     site: list[str] = field(default_factory=list)  # "name==version" put on PYTHONPATH (torchvision_site.package_site)
@@ -661,7 +661,7 @@ SPECS = [
         DREAMBOOTH,
         "lora:Flux2Pipeline:transformer",
         LORA_T + FLUX2_TEXT,
-        stock_load_stand_ins=("tokenizer",),
+        left_out_of_stock_load=("tokenizer",),
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux2_img2img.py",
@@ -670,7 +670,7 @@ SPECS = [
         IMG2IMG,
         "lora:Flux2Pipeline:transformer",
         LORA_T + FLUX2_TEXT,
-        stock_load_stand_ins=("tokenizer",),
+        left_out_of_stock_load=("tokenizer",),
     ),
     Spec(
         "dreambooth/train_dreambooth_lora_flux2_klein.py",
@@ -1283,7 +1283,7 @@ def _load_artifact(spec: Spec, model: Path, where_dir: Path) -> dict:
     kind, cls_name, where, *below = spec.artifact.split(":")  # lora:...:<component>[:<folder under the artifact dir>]
     if kind == "lora":
         stand_ins = {name: _StandIn() for name in spec.stand_ins}
-        stand_ins.update(dict.fromkeys(spec.stock_load_stand_ins))  # None: from_pretrained leaves them out
+        stand_ins.update(dict.fromkeys(spec.left_out_of_stock_load))  # None: from_pretrained leaves them out
         pipe = getattr(diffusers, cls_name).from_pretrained(str(model), torch_dtype=torch.float32, **stand_ins)
         pipe.load_lora_weights(str(where_dir.joinpath(*below)))
         return {_norm(k): v for k, v in getattr(pipe, where).state_dict().items() if ".lora_" in k}
@@ -1372,14 +1372,8 @@ def _initial(spec: Spec, model: Path) -> dict:
 def _loaded_without_accel_npu(request: dict) -> dict:
     """Runs in the fresh interpreter ``load_without_accel_npu`` starts (ACCEL_NPU_DISABLE=1): the artifacts and
     the initial weights it asks for, and whether accel-npu was active after all (it must not be)."""
-    given = request["spec"]
-    spec = Spec(
-        **{
-            **given,
-            "stand_ins": tuple(given["stand_ins"]),
-            "stock_load_stand_ins": tuple(given["stock_load_stand_ins"]),
-        }
-    )
+    given = request["spec"]  # JSON made the tuple fields lists
+    spec = Spec(**{**given, **{f.name: tuple(given[f.name]) for f in dataclasses.fields(Spec) if f.default == ()}})
     model = Path(request["model"])
     # no torchvision here: the paired wheel this machine's launches use is a CUDA build, which dies on import
     # without accel-npu's torchvision_compat (pytorch/vision#9085); a box without torchvision loads these too
@@ -1757,9 +1751,9 @@ OLD_CHECKS = "master (older runner)"
 
 
 def stock_loaded(spec: Spec) -> str:
-    if not spec.stock_load_stand_ins:
+    if not spec.left_out_of_stock_load:
         return "loaded without accel-npu"
-    names = ", ".join(spec.stock_load_stand_ins)
+    names = ", ".join(spec.left_out_of_stock_load)
     return f"loaded without accel-npu ({names} left out there: stock cannot import this machine's torchvision)"
 
 
