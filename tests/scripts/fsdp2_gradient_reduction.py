@@ -38,4 +38,7 @@ for mode in ("default", "divide_by_1_sum_only"):
     ratios[mode] = (layer.weight.grad.full_tensor() / summed).mean().item()
 if rank == 0:
     print("REDUCED " + json.dumps({"world": world, **ratios}), flush=True)
+# Every rank's gloo work is done before any rank tears its group down: a rank that exits while its peer's last
+# collective is still in flight aborted once in CI ("terminate called without an active exception", torch 2.13).
+dist.barrier()
 dist.destroy_process_group()
