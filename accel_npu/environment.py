@@ -75,9 +75,10 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "ACCEL_NPU_ASYNC_CHECKPOINT",
-        "0",
-        "1: under DeepSpeed and FSDP2, save_state returns once each rank's state is copied to host memory; the "
-        "files are written in the background and the checkpoint is published atomically once every rank's are durable.",
+        "auto",
+        "Under DeepSpeed and FSDP2, save_state returns once each rank's state is copied to host memory; the files are "
+        "written in the background and the checkpoint is published atomically once every rank's are durable: auto = "
+        "launched ranks only, 1 = also plain processes, 0 = nowhere (save_state writes its files before it returns).",
     ),
     EnvVar(
         "ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT",
@@ -202,18 +203,29 @@ def forced_backend(env=None) -> str | None:
     return get("ACCEL_NPU_BACKEND", env).strip().lower() or None
 
 
-_FACADE_MODES = {"auto": "auto", "": "auto", **{v: "on" for v in _YES}, **{v: "off" for v in _NO}}
+_AUTO_MODES = {"auto": "auto", "": "auto", **{v: "on" for v in _YES}, **{v: "off" for v in _NO}}
 
 
-def cuda_facade(env=None) -> str:
-    """ACCEL_NPU_CUDA_FACADE as "auto", "on" or "off"; any other value is one ConfigError naming it."""
-    raw = get("ACCEL_NPU_CUDA_FACADE", env)
-    mode = _FACADE_MODES.get(raw.strip().lower())
+def _auto_switch(name: str, env=None) -> str:
+    """A variable that is auto (launched ranks only), 1 or 0, as "auto", "on" or "off"; any other value is one
+    ConfigError naming it."""
+    raw = get(name, env)
+    mode = _AUTO_MODES.get(raw.strip().lower())
     if mode is None:
         from accel_npu.errors import ConfigError
 
-        raise ConfigError(f"accel-npu: ACCEL_NPU_CUDA_FACADE={raw!r} is not one of auto, 1, 0")
+        raise ConfigError(f"accel-npu: {name}={raw!r} is not one of auto, 1, 0")
     return mode
+
+
+def cuda_facade(env=None) -> str:
+    """ACCEL_NPU_CUDA_FACADE as "auto", "on" or "off"."""
+    return _auto_switch("ACCEL_NPU_CUDA_FACADE", env)
+
+
+def async_checkpoint(env=None) -> str:
+    """ACCEL_NPU_ASYNC_CHECKPOINT as "auto", "on" or "off"."""
+    return _auto_switch("ACCEL_NPU_ASYNC_CHECKPOINT", env)
 
 
 def opt_into_cuda_facade(env: dict) -> None:

@@ -269,6 +269,7 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     from accel_npu.plugins.checkpoints import background
 
     accelerator, step = trained
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "0")
     accelerator.save_state(tmp_path / "sync")
     monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
     release = threading.Event()
@@ -307,6 +308,64 @@ def test_async_save_state_equals_the_synchronous_one_and_returns_before_its_file
     key = _tamper_one_tensor(tmp_path / "tampered")
     found = checkpoint_differences(tmp_path / "sync", tmp_path / "tampered")
     assert len(found) == 1 and key in found[0] and "values differ" in found[0], found
+
+
+def _blocked(call, seconds: float = 0.5):
+    """Run ``call`` on a thread; (whether it was still running after ``seconds``, the thread, its result box)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(call()))
+    thread.start()
+    thread.join(seconds)
+    return thread.is_alive(), thread, box
+
+
+@pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
+def test_reading_a_pending_checkpoint_or_waiting_for_everyone_waits_for_its_publication(trained, tmp_path, monkeypatch):
+    """A launched rank saves in the background by default (the fixture stands in for one: LOCAL_RANK is set). A
+    script reading what it just saved (a file inside, a listing of it or of the folder holding it, as diffusers'
+    checkpoints_total_limit pruning lists output_dir) or calling wait_for_everyone waits for the publication and
+    finds what a synchronous save_state leaves; reads elsewhere do not wait (the negative)."""
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, _ = trained
+    monkeypatch.delenv("ACCEL_NPU_ASYNC_CHECKPOINT", raising=False)
+    assert background.enabled(), "a launched rank's default"
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    assert not background.enabled(), "a plain process (a notebook, a test) saves synchronously by default"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "note.txt").write_text("x")
+    original = background.write_file
+    states = tmp_path / "ckpt" / "pytorch_model" / "mp_rank_00_model_states.pt"
+    reads = {  # what each read finds once it returns: what a synchronous save_state would have left
+        "listing the folder holding it": (lambda: os.listdir(tmp_path), lambda found: "ckpt" in found),
+        "listing it": (lambda: os.listdir(tmp_path / "ckpt"), lambda found: "pytorch_model" in found),
+        "opening a file in it": (lambda: states.open("rb").read(2), lambda found: found == b"PK"),
+        "wait_for_everyone": (lambda: accelerator.wait_for_everyone(), lambda found: states.is_file()),
+    }
+    for what, (read, check) in reads.items():
+        release = threading.Event()
+
+        def held_write(obj, path, zipfile, release=release):
+            assert release.wait(60), "the test never released the writer"
+            original(obj, path, zipfile)
+
+        monkeypatch.setattr(background, "write_file", held_write)
+        if (tmp_path / "ckpt").exists():
+            import shutil
+
+            shutil.rmtree(tmp_path / "ckpt")
+        accelerator.save_state(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists(), "returned before its files are written"
+        # negative: reading anything else does not wait
+        assert os.listdir(tmp_path / "elsewhere") == ["note.txt"]
+        assert (tmp_path / "elsewhere" / "note.txt").read_text() == "x"
+        waiting, thread, box = _blocked(read)
+        assert waiting, f"{what}: must wait for the pending checkpoint's publication"
+        release.set()
+        thread.join(60)
+        assert box and check(box[0]), (what, box)
 
 
 @pytest.mark.parametrize("trained", [2, 3], indirect=True, ids=["zero2", "zero3"])

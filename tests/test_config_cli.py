@@ -274,7 +274,6 @@ def test_refuses_to_overwrite_without_yes_and_keeps_a_backup_with_yes(tmp_path):
         (["--backend", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be 'auto' or a whole number"),
         (["--backend", "cpu", "--truncate", "QwenImage:two"], "not a comma-separated list of Class:layers pairs"),
         (["--backend", "cpu", "--strategy", "ddp", "--frozen-modules", "vae"], "only applies to ZeRO"),
-        (["--backend", "cpu", "--strategy", "ddp", "--async-checkpoint"], "--async-checkpoint only applies to ZeRO"),
         (["--backend", "npu", "--task-queue-enable", "3"], "TASK_QUEUE_ENABLE must be 0, 1 or 2 (got '3')"),
         (["--backend", "npu", "--hccl-exec-timeout", "soon"], "HCCL_EXEC_TIMEOUT must be a number of seconds"),
         (
@@ -344,23 +343,29 @@ def test_from_template_starts_from_its_tuned_values(tmp_path):
     assert "cpu_zero3" in proc.stderr
 
 
-def test_async_checkpoint_flag_writes_the_sidecar_variable_and_no_writes_nothing(tmp_path):
-    """--async-checkpoint: ACCEL_NPU_ASYNC_CHECKPOINT '1' in the sidecar's env (applied at accelerate launch), read
-    back by --from; --no-async-checkpoint and no flag (the default, no) write nothing about it."""
+def test_no_async_checkpoint_writes_the_sidecar_variable_and_the_default_writes_nothing(tmp_path):
+    """Background checkpoints are accel-npu's default: --no-async-checkpoint writes ACCEL_NPU_ASYNC_CHECKPOINT '0'
+    into the sidecar's env (applied at accelerate launch), read back by --from; --async-checkpoint and no flag
+    write nothing about it; under DDP (no background save there) nothing either way."""
     from accel_npu.cli.config import settings as wizard
 
     sidecars = {}
-    for name, flag in (("on", ["--async-checkpoint"]), ("off", ["--no-async-checkpoint"]), ("default", [])):
+    for name, strategy, flag in (
+        ("on", "zero2", ["--async-checkpoint"]),
+        ("off", "zero2", ["--no-async-checkpoint"]),
+        ("default", "zero3", []),
+        ("ddp", "ddp", ["--no-async-checkpoint"]),
+    ):
         target = tmp_path / f"{name}.yaml"
         proc = config(
-            "--non-interactive", "--backend", "cpu", "--strategy", "zero2", *flag, "--config_file", str(target)
+            "--non-interactive", "--backend", "cpu", "--strategy", strategy, *flag, "--config_file", str(target)
         )
         assert proc.returncode == 0, proc.stderr
         sidecars[name] = yaml.safe_load((tmp_path / f"{name}.accel-npu.yaml").read_text())
-    assert sidecars["on"]["env"] == {"ACCEL_NPU_ASYNC_CHECKPOINT": "1"}
-    assert sidecars["off"] == sidecars["default"] == {"backend": "cpu", "env": {}}
-    text = (tmp_path / "on.accel-npu.yaml").read_text()
-    assert "ACCEL_NPU_ASYNC_CHECKPOINT: '1'" in text and "# 1: save_state writes its files in the background" in text
+    assert sidecars["off"]["env"] == {"ACCEL_NPU_ASYNC_CHECKPOINT": "0"}
+    assert sidecars["on"] == sidecars["default"] == sidecars["ddp"] == {"backend": "cpu", "env": {}}
+    text = (tmp_path / "off.accel-npu.yaml").read_text()
+    assert "ACCEL_NPU_ASYNC_CHECKPOINT: '0'" in text and "# 0: save_state writes its files before it returns" in text
     machine = wizard.Machine(backend="cpu", device_count=0)
     assert wizard.settings_from_files(tmp_path / "on.yaml", machine).async_checkpoint is True
     assert wizard.settings_from_files(tmp_path / "off.yaml", machine).async_checkpoint is False

@@ -75,7 +75,7 @@ def test_wizard_zero2_then_accelerate_launch_trains_on_two_cpu_ranks(tmp_path):
     child.expect(r"! load slots must be 'auto' or a whole number >= 1 \(got 'zero'\)")
     answer(child, r"How many ranks per machine may load model weights.*\[auto", "1")
     answer(child, r"Truncate models while loading.*\[none", "TinyNet:1")
-    answer(child, r"Write checkpoints in the background.*\[no", "")
+    answer(child, r"Write checkpoints in the background.*\[yes", "")
     out = finish(child)
     assert child.exitstatus == 0, out
     assert "Configuration: DeepSpeed ZeRO-2, bf16, 2 cpu process(es)." in out
@@ -126,7 +126,7 @@ def test_wizard_zero3_into_accelerates_default_file_then_plain_accelerate_launch
     answer(child, r"Frozen sub-models.*\[auto", "")
     answer(child, r"load model weights.*\[auto", "")
     answer(child, r"Truncate models while loading.*\[none", "")
-    answer(child, r"Write checkpoints in the background.*\[no", "")
+    answer(child, r"Write checkpoints in the background.*\[yes", "")
     out = finish(child)
     assert child.exitstatus == 0, out
     default_file = hf_home / "accelerate" / "default_config.yaml"
@@ -191,16 +191,16 @@ def test_wizard_asks_before_replacing_a_file_and_keeps_a_backup(tmp_path):
     assert yaml.safe_load(target.read_text())["distributed_type"] == "DEEPSPEED"
 
 
-@pytest.mark.parametrize(("typed", "written"), [("", None), ("y", "1")])
+@pytest.mark.parametrize(("typed", "written"), [("", None), ("n", "0")])
 def test_wizard_asks_whether_to_write_checkpoints_in_the_background(tmp_path, typed, written):
-    """Under ZeRO the wizard asks (default no); yes writes ACCEL_NPU_ASYNC_CHECKPOINT '1' into the sidecar's env,
-    no writes nothing about it. Under DDP it is not asked."""
+    """Under ZeRO the wizard asks (default yes, accel-npu's default); no writes ACCEL_NPU_ASYNC_CHECKPOINT '0' into
+    the sidecar's env, yes writes nothing about it. Under DDP it is not asked."""
     flags = ["--backend", "cpu", "--num-machines", "1", "--num-processes", "2", "--mixed-precision", "bf16"]
     flags += ["--micro-batch-size", "auto", "--gradient-accumulation-steps", "auto", "--frozen-modules", "auto"]
     flags += ["--load-slots", "auto", "--truncate", "none", "--sp-size", "1"]
     target = tmp_path / "zero.yaml"
     child = spawn([*flags, "--strategy", "zero2", "--config_file", str(target)], base_env(), tmp_path)
-    answer(child, r"Write checkpoints in the background \(save_state returns .*\? \[no", typed)
+    answer(child, r"Write checkpoints in the background \(save_state returns .*\? \[yes", typed)
     out = finish(child)
     assert child.exitstatus == 0, out
     env = yaml.safe_load((tmp_path / "zero.accel-npu.yaml").read_text())["env"]
@@ -335,7 +335,7 @@ def test_wizard_multinode_npu_branches(tmp_path):
     answer(child, r"Frozen sub-models.*\[auto", "vae,text_encoder")
     answer(child, r"load model weights.*\[auto", "")
     answer(child, r"Truncate models.*\[none", "")
-    answer(child, r"Write checkpoints in the background.*\[no", "")
+    answer(child, r"Write checkpoints in the background.*\[yes", "")
     out = finish(child)
     assert child.exitstatus == 0, out
     assert "Configuration: DeepSpeed ZeRO-2, bf16, 2 machines x 8 npu process(es), optimizer offloaded to CPU." in out

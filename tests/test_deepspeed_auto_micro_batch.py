@@ -83,6 +83,7 @@ def test_auto_micro_batch_size_from_the_first_training_forward(accelerator_facto
     assert engine.global_steps == 2 and engine.global_samples == 12
 
     accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.wait_for_everyone()  # written in the background (a launched rank's default): on disk from here
     (states,) = (tmp_path / "ckpt").rglob("*mp_rank_00_model_states.pt")  # ZeRO-3: zero_pp_rank_0_...
     saved = torch.load(states, map_location="cpu", weights_only=False)["ds_config"]
     assert saved[KEY] == 3 and saved["train_batch_size"] == 6, saved

@@ -153,6 +153,7 @@ def test_each_model_with_its_optimizer_trains_in_an_engine_of_its_own(accelerato
 
     # one DeepSpeed checkpoint per engine; load_state puts both back
     accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.wait_for_everyone()  # written in the background (a launched rank's default): on disk from here
     states = sorted(p.parent.name for p in (tmp_path / "ckpt").rglob("*mp_rank_00_model_states.pt"))
     assert states == ["pytorch_model", "pytorch_model_1"], states
     _train(p_gen, p_disc, p_opt, p_d_opt, batches[:2], accelerator.backward, accelerator.unwrap_model)

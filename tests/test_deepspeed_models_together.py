@@ -213,6 +213,7 @@ def test_one_optimizer_over_two_models_trains_both_in_one_engine(accelerator_fac
 
     # one DeepSpeed checkpoint holding both models (each under its index, keys as the model names them)
     accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.wait_for_everyone()  # written in the background (a launched rank's default): on disk from here
     assert saved_by_hooks[0] == [layers, text_encoder]  # save hooks get the models, as under DDP
     (states,) = (tmp_path / "ckpt").rglob("*mp_rank_00_model_states.pt")
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]

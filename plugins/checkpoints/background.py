@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -36,6 +37,7 @@ from accel_npu._torch import dist as _dist
 from accel_npu._torch.memory import available_memory
 from accel_npu._torch.once import FirstTime
 from accel_npu.errors import CheckpointError
+from accel_npu.scopes import launched_rank
 
 log = logging.getLogger("accel_npu")
 
@@ -50,7 +52,10 @@ _said = FirstTime()
 
 
 def enabled() -> bool:
-    return environment.flag("ACCEL_NPU_ASYNC_CHECKPOINT")
+    """Whether save_state writes in the background here: by default in a launched rank (a training job), not in a
+    plain process (a notebook, a test) that may read what it saved as soon as save_state returns."""
+    mode = environment.async_checkpoint()
+    return mode == "on" or (mode == "auto" and launched_rank())
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +305,7 @@ class _Writer:
         self.jobs: queue.Queue = queue.Queue()
         self.thread: threading.Thread | None = None
         self.native_id: int | None = None
+        self.ident: int | None = None
         self.lock = threading.Lock()
 
     def put(self, job) -> None:
@@ -315,6 +321,7 @@ class _Writer:
 
     def _run(self) -> None:
         self.native_id = threading.get_native_id()
+        self.ident = threading.get_ident()
         while True:
             job = self.jobs.get()
             try:
@@ -375,6 +382,7 @@ def begin(tmp: str, final: str) -> PendingSave:
         _count += 1
         _pending = PendingSave(_count, tmp, final, store, rank, world)
     _exit_hooks()
+    _watch_reads()
     return _pending
 
 
@@ -584,6 +592,62 @@ def wait_for_pending(raise_failure: bool = True) -> None:
         )
     if outcome != "ok":
         log.error("accel-npu: the asynchronous save_state into %s failed: %s", save.final, outcome)
+
+
+# --------------------------------------------------------------------------------------------
+# reads of a pending checkpoint
+# A script may read the checkpoint it just saved (torch.load of a file, a listing of the folder or of the folder
+# holding it) before the background write has published it. Python's audit hooks (PEP 578) see the opens and
+# listings made through Python; such a read waits for the pending save first, so it finds what a synchronous
+# save_state would have left. A hook cannot be removed: it is added at the first asynchronous save and does nothing
+# while no save is pending.
+_OPENS = frozenset({"open"})
+_LISTINGS = frozenset({"os.listdir", "os.scandir"})
+_reads_hooked = False
+_waiting_for_read = threading.local()
+
+
+def _watch_reads() -> None:
+    global _reads_hooked
+    if not _reads_hooked:
+        _reads_hooked = True
+        sys.addaudithook(_read_of_pending)
+
+
+def _read_of_pending(event: str, args: tuple) -> None:
+    if event not in _OPENS and event not in _LISTINGS:
+        return
+    save = _pending
+    if save is None or not save.submitted or getattr(_waiting_for_read, "on", False):
+        return
+    if threading.get_ident() in (_writer.ident, _copier.ident):
+        return  # the save's own files
+    path = args[0] if args else None
+    if path is None and event in _LISTINGS:
+        path = "."
+    if isinstance(path, int) or path is None:
+        return
+    try:
+        path = os.path.abspath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return
+    final = os.path.abspath(save.final)
+    inside = path == final or path.startswith(final + os.sep)
+    # listing the folder that holds it: a synchronous save_state would have listed the new checkpoint there
+    beside = event in _LISTINGS and path == os.path.dirname(final)
+    if inside or beside:
+        _waiting_for_read.on = True
+        try:
+            wait_for_submitted()
+        finally:
+            _waiting_for_read.on = False
+
+
+def wait_for_submitted() -> None:
+    """Wait for the pending save once save_state has handed it to the writer (never from inside that save_state)."""
+    save = _pending
+    if save is not None and save.submitted:
+        wait_for_pending()
 
 
 def wait_for_snapshot() -> None:

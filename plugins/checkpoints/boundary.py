@@ -577,6 +577,10 @@ def _idle_point(name: str, reopens: bool):
             serving.idle(name)
         if not reopens:
             background.wait_for_pending()  # end_training: an asynchronous save_state is published (or raised) first
+        elif not _inside.get():
+            # a script's barrier after save_state (rank 0 then reads or uploads the checkpoint): as synchronously,
+            # every rank's files are there once it returns
+            background.wait_for_submitted()
         result = wrapped(*args, **kwargs)
         if reopens and _w.enabled and not _inside.get() and _called_by_the_script():
             open_window(f"accelerator.{name}()")  # every rank calls it from the same line: the windows stay paired

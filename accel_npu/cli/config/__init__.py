@@ -244,7 +244,8 @@ def add_parser(subparsers) -> None:
         "--async-checkpoint",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="ZeRO: ACCEL_NPU_ASYNC_CHECKPOINT=1, save_state writes its files in the background (default off)",
+        help="ZeRO: save_state writes its files in the background (default on; --no-async-checkpoint writes "
+        "ACCEL_NPU_ASYNC_CHECKPOINT=0)",
     )
     q.add_argument(
         "--sp-size",

@@ -331,5 +331,5 @@ def interview(p: Prompter, machine: Machine, base: Settings, given: set[str]) ->
             s.async_checkpoint,
         )
     elif not s.uses_deepspeed and "async_checkpoint" not in given:
-        s.async_checkpoint = False  # a ZeRO template's answer, once DDP is chosen
+        s.async_checkpoint = True  # a ZeRO template's answer, once DDP is chosen: nothing to write
     return s

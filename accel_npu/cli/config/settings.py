@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from accel_npu import environment
 from accel_npu.config_files import DEEPSPEED_SUFFIX, SIDECAR_SUFFIX, WorkerTuning
 from accel_npu.errors import ConfigError
 
@@ -44,7 +45,7 @@ ACCEL_NPU_SETTINGS = (
     ("ACCEL_NPU_FROZEN_MODULES", "child modules kept out of DeepSpeed (unset: frozen children auto-detected)"),
     ("ACCEL_NPU_LOAD_SLOTS", "ranks of one machine that may materialize weights at once (unset: from free memory)"),
     ("ACCEL_NPU_TRUNCATE", "Class:layers pairs: from_pretrained of that class builds and reads only N blocks"),
-    ("ACCEL_NPU_ASYNC_CHECKPOINT", "1: save_state writes its files in the background, published once all are durable"),
+    ("ACCEL_NPU_ASYNC_CHECKPOINT", "0: save_state writes its files before it returns (default: in the background)"),
 )
 
 #: comments of the sidecar's variables that are not a backend's tuning
@@ -153,8 +154,9 @@ class Settings:
     frozen_modules: str = ""
     load_slots: str = ""
     truncate: str = ""
-    #: ACCEL_NPU_ASYNC_CHECKPOINT=1 in the sidecar: save_state under ZeRO writes its files in the background
-    async_checkpoint: bool = False
+    #: save_state under ZeRO writes its files in the background (accel-npu's default); False: the sidecar says
+    #: ACCEL_NPU_ASYNC_CHECKPOINT=0
+    async_checkpoint: bool = True
     #: accelerate's ``parallelism_config_sp_size``: ranks splitting one sample's tokens (Ulysses); 1 = off
     sp_size: int = 1
     #: Keys of a template's DeepSpeed JSON that the wizard does not ask about (kept as they are).
@@ -351,8 +353,6 @@ def problems(s: Settings, machine: Machine) -> list[str]:
             out.append(tuning.interface_problem(s.hccl_socket_ifname))
     if s.frozen_modules and not s.uses_deepspeed:
         out.append("--frozen-modules only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
-    if s.async_checkpoint and not s.uses_deepspeed:
-        out.append("--async-checkpoint only applies to ZeRO (DeepSpeed); drop it or use --strategy zero2/zero3")
     out.extend(m for m in [sp_size_problem(s.sp_size, s.num_processes, s.strategy)] if m)
     return out
 
@@ -583,8 +583,8 @@ def sidecar_env(s: Settings) -> dict[str, str]:
         variables["ACCEL_NPU_LOAD_SLOTS"] = str(int(s.load_slots))
     if s.truncate:
         variables["ACCEL_NPU_TRUNCATE"] = ",".join(p.replace(" ", "") for p in s.truncate.split(","))
-    if s.async_checkpoint:
-        variables["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
+    if s.uses_deepspeed and not s.async_checkpoint:
+        variables["ACCEL_NPU_ASYNC_CHECKPOINT"] = "0"
     return variables
 
 
@@ -682,7 +682,7 @@ def settings_from_files(config_file: Path, machine: Machine) -> Settings:
     s.frozen_modules = str(sidecar_vars.get("ACCEL_NPU_FROZEN_MODULES", ""))
     s.load_slots = str(sidecar_vars.get("ACCEL_NPU_LOAD_SLOTS", ""))
     s.truncate = str(sidecar_vars.get("ACCEL_NPU_TRUNCATE", ""))
-    s.async_checkpoint = str(sidecar_vars.get("ACCEL_NPU_ASYNC_CHECKPOINT", "0")).strip() == "1"
+    s.async_checkpoint = not environment.falsy(str(sidecar_vars.get("ACCEL_NPU_ASYNC_CHECKPOINT", "auto")))
     s.sp_size = int((cfg.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1))
     if dist == "DEEPSPEED":
         dsc = cfg.get("deepspeed_config") or {}
