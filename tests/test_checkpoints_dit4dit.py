@@ -270,7 +270,11 @@ def test_zero3_kill_resume_consolidate_and_rank0_only_gather(work, launches, cap
     # after writing its shards)
     assert run_a.returncode != 0
     assert _kind(run_a, "dying"), explain(run_a)
-    assert [r["step"] for r in _kind(run_a, "saved")] == [2, 2]
+    saved = sorted((r["step"], r["rank"]) for r in _kind(run_a, "saved"))
+    # in a launched rank save_state writes in the background by default: rank 0's step-4 save_state may return
+    # (its files handed to its writer) before rank 1 dies; that checkpoint is never published (the resume below
+    # equals run A's steps 3 and 4 only from step 2's state)
+    assert saved in ([(2, 0), (2, 1)], [(2, 0), (2, 1), (4, 0)]), saved
     manifest = json.loads((ckpt / "accel_npu_checkpoint.json").read_text())
     assert manifest["world_size"] == 2 and manifest["zero_stage"] == 3
     assert (ckpt / "latest").read_text() == "pytorch_model"

@@ -12,7 +12,8 @@ diffusers' own tests) × config:
   FSDP2_CONFIG below (torch's ``fully_shard``, each ``_no_split_modules`` block its own group, sharded
   ``torch.distributed.checkpoint`` state, bf16 mixed precision as the zero configs);
 - ``zero2_async``, ``zero3_t0_async``, ``fsdp2_async``: the same with ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` (save_state
-  written in the background), for one script per shape (ASYNC_SCRIPTS);
+  written in the background, accel-npu's default in launched ranks), for one script per shape (ASYNC_SCRIPTS); the
+  other columns run with ``0`` (synchronous);
 - ``zero2_sp2``, ``zero3_t0_sp2``, ``fsdp2_sp2``: the same with ``parallelism_config: {parallelism_config_sp_size:
   2}`` (Ulysses sequence parallelism, one group of the 2 ranks, docs/sequence-parallel.md), for the scripts whose
   trained transformer sequence parallelism splits (SP_SCRIPTS).
@@ -1615,10 +1616,13 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     )
     if config == "stock_zero2":
         env.update(STOCK_ENV)
+    # accel-npu writes checkpoints in the background by default in launched ranks; the other columns keep the
+    # synchronous save_state they were measured with, so each column measures one path
     if config.endswith("_async"):
         env["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
         config_file = config.removesuffix("_async")
     else:
+        env["ACCEL_NPU_ASYNC_CHECKPOINT"] = "0"
         config_file = "zero2" if config == "stock_zero2" else config
     cfgs["fsdp2"] = root / "fsdp2.yaml"
     cfgs["fsdp2"].write_text(json.dumps(FSDP2_CONFIG))  # JSON is YAML

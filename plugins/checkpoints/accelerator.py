@@ -40,7 +40,7 @@ def save_state(wrapped, instance, args, kwargs):
 def _fsdp_save_state(wrapped, instance, args, kwargs):
     """Under FSDP save_state is collective too (accelerate's save_fsdp_model / save_fsdp_optimizer: every
     rank writes or gathers its shards). Rank 0 alone at a step boundary is served by the others; anywhere
-    else it fails in time, naming the line, instead of hanging. With ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` FSDP2's
+    else it fails in time, naming the line, instead of hanging. Asynchronously (``background.enabled()``) FSDP2's
     shards are written in the background and published atomically (``fsdp_background.py``)."""
     output_dir = argument(args, kwargs, 0, "output_dir")
     safe = argument(args, kwargs, 1, "safe_serialization", True)

@@ -58,6 +58,11 @@ def enabled() -> bool:
     return mode == "on" or (mode == "auto" and launched_rank())
 
 
+def asked_for() -> bool:
+    """ACCEL_NPU_ASYNC_CHECKPOINT=1: the background asked for, not merely the default."""
+    return environment.async_checkpoint() == "on"
+
+
 # --------------------------------------------------------------------------------------------
 # snapshots
 def storage_key(storage):
@@ -769,8 +774,10 @@ class engines_snapshotting:
 
         for model in self.models:
             inner = getattr(model, "checkpoint_engine", None)
-            # a decoupled engine (DeepSpeed's own background writer) already defers its writes: left alone
-            if isinstance(model, DeepSpeedEngine) and inner is not None and not inner.is_decoupled():
+            # a decoupled engine (DeepSpeed's own background writer) already defers its writes: left alone. DeepSpeed
+            # 0.16.9, the lower bound, has neither (checkpoint_engine/checkpoint_engine.py)
+            decoupled = getattr(inner, "is_decoupled", lambda: False)
+            if isinstance(model, DeepSpeedEngine) and inner is not None and not decoupled():
                 later = changed_only_by_step(model.module, model.optimizer)
                 model.checkpoint_engine = SnapshotCheckpointEngine(inner, self.save, later)
                 model.checkpoint_tag_validation_enabled = _no_tag_validation  # shadows the method, this save only

@@ -66,18 +66,18 @@ def _scripts_samplers(loader) -> dict:
     """The objects below a loader that draw its order and are the script's own, by attribute path
     (``batch_sampler.batch_sampler``: the one accelerate's BatchSamplerShard wraps). torch's and accelerate's
     samplers are walked through: their order comes from the generators accelerate and the file above keep."""
-    found, pending = {}, [("", loader)]
+    found, pending, seen = {}, [("", loader)], {id(loader)}
     while pending:
         path, obj = pending.pop()
         for name in ("batch_sampler", "sampler"):
             child = getattr(obj, name, None)
-            if child is None or child is obj:
+            if child is None or id(child) in seen:  # walked already: wrappers may point back up the chain
                 continue
+            seen.add(id(child))
             child_path = f"{path}.{name}" if path else name
             module = type(child).__module__
             if module.startswith(("torch.", "accelerate.")):
-                if len(child_path) < 80:  # a wrapper that points at itself through a chain
-                    pending.append((child_path, child))
+                pending.append((child_path, child))
             else:
                 found[child_path] = child
     return found

@@ -1,5 +1,5 @@
-"""Asynchronous ``save_state`` under FSDP2 (``ACCEL_NPU_ASYNC_CHECKPOINT=1``), on ``background.py``'s writer,
-publication and wait.
+"""Asynchronous ``save_state`` under FSDP2 (``ACCEL_NPU_ASYNC_CHECKPOINT``, on in launched ranks by default), on
+``background.py``'s writer, publication and wait.
 
 Stock FSDP2 ``save_state`` with ``SHARDED_STATE_DICT`` (accelerate/utils/fsdp_utils.py ``save_fsdp_model`` /
 ``save_fsdp_optimizer``) writes each model's and optimizer's shards with torch.distributed.checkpoint (DCP) into
@@ -58,9 +58,13 @@ def why_synchronous(accelerator) -> str | None:
 
 
 def say_synchronous(why: str) -> None:
+    """Once per reason: a warning where ACCEL_NPU_ASYNC_CHECKPOINT=1 asked for the background, else (the default)
+    a note."""
     if _said(why):
-        log.warning(
-            "accel-npu: ACCEL_NPU_ASYNC_CHECKPOINT=1 but save_state under FSDP is written synchronously here: %s.", why
+        log.log(
+            logging.WARNING if background.asked_for() else logging.INFO,
+            "accel-npu: save_state under FSDP is written synchronously here, not in the background: %s.",
+            why,
         )
 
 

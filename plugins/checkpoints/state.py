@@ -206,7 +206,7 @@ def _digits(name: str):
 def atomic_save_state(wrapped, accelerator, output_dir, safe_serialization=True, **save_model_func_kwargs):
     """``Accelerator.save_state`` under DeepSpeed, atomically. Called on every rank.
 
-    With ``ACCEL_NPU_ASYNC_CHECKPOINT=1`` the engines' files are copied to host memory and written in the
+    Asynchronously (``background.enabled()``) the engines' files are copied to host memory and written in the
     background (``background.py``); accelerate's own small files (RNG states, schedulers, samplers, custom
     objects) and the hooks' are written here, as before. Rank 0 publishes once every rank's files are durable;
     the next checkpoint call waits for that and raises a failure on every rank."""
