@@ -279,7 +279,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="accel_npu_ckpt_bench_") as tmpdir:
         tmp = Path(tmpdir)
         stock = launch(a, tmp, "stock", ACCEL_NPU_DISABLE="1")
-        ours = launch(a, tmp, "ours")
+        # the synchronous save_state: in the background (accel-npu's default in launched ranks) each rank holds a
+        # host copy of its own state instead, measured with the write by benchmarks/checkpoint_async.py
+        ours = launch(a, tmp, "ours", ACCEL_NPU_ASYNC_CHECKPOINT="0")
+        if not ours[0]["ckpt_bytes"]:
+            sys.exit(f"the accel-npu launch left no checkpoint files in {tmp / 'ours' / 'ckpt'}")
         ckpt = tmp / "ours" / "ckpt"
         shard = a.shard_mb * MB
         base = (
@@ -306,7 +310,9 @@ def main() -> None:
         f"Model: {a.layers} trained `Linear({a.width}, {a.width})` (+bias; {model / MB:.1f} MB in bf16) and a "
         f"frozen fp32 tower of {a.tower_layers} `Linear({a.width}, {a.width})`; ZeRO-3 bf16, N = {n} CPU ranks "
         "(gloo), `accelerate launch`. Memory: rank 0's RssAnon above its value just before the operation, "
-        "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`. "
+        "after `malloc_trim`. Stock = the same launch with `ACCEL_NPU_DISABLE=1`; accel-npu's `save_state` is its "
+        "synchronous one (`ACCEL_NPU_ASYNC_CHECKPOINT=0`: in the background, its default in launched ranks, each "
+        "rank holds a host copy of its own state, benchmarks/checkpoint_async.py). "
         f"accelerate's own view of the job: {s0['accelerate_num_processes']} process(es) stock, "
         f"{o0['accelerate_num_processes']} with accel-npu (stock accelerate does not see gloo ranks as a "
         "multi-process DeepSpeed job, while DeepSpeed itself partitions over all ranks: the stock column is "
