@@ -319,6 +319,60 @@ def _blocked(call, seconds: float = 0.5):
     return thread.is_alive(), thread, box
 
 
+def _assert_a_forked_child_does_not_wait(folder: Path) -> None:
+    """A process forked while a save is pending (a DataLoader worker) has no writer thread: its read of the
+    checkpoint's folder and its exit (which runs the exit hook) return at once instead of waiting forever."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # the child: a listing the parent would wait on, then the exit hook a normal exit runs
+        from accel_npu.plugins.checkpoints import background
+
+        code = 3
+        try:
+            code = 0 if "elsewhere" in os.listdir(folder) else 4
+            background.at_exit()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("a forked child waited for its parent's pending checkpoint")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
+def test_a_process_forked_while_a_save_is_pending_never_waits_for_it(trained, tmp_path, monkeypatch):
+    from accel_npu.plugins.checkpoints import background
+
+    accelerator, _ = trained
+    monkeypatch.setenv("ACCEL_NPU_ASYNC_CHECKPOINT", "1")
+    (tmp_path / "elsewhere").mkdir()
+    release = threading.Event()
+    original = background.write_file
+
+    def held_write(obj, path, zipfile):
+        assert release.wait(60), "the test never released the writer"
+        original(obj, path, zipfile)
+
+    monkeypatch.setattr(background, "write_file", held_write)
+    accelerator.save_state(tmp_path / "ckpt")
+    try:
+        waiting, thread, _ = _blocked(lambda: os.listdir(tmp_path))
+        assert waiting, "the parent's own listing waits (the witness that the child's would, unguarded)"
+        _assert_a_forked_child_does_not_wait(tmp_path)
+    finally:
+        release.set()
+    thread.join(60)
+    assert (tmp_path / "ckpt").is_dir()
+
+
 @pytest.mark.parametrize("trained", [2], indirect=True, ids=["zero2"])
 def test_reading_a_pending_checkpoint_or_waiting_for_everyone_waits_for_its_publication(trained, tmp_path, monkeypatch):
     """A launched rank saves in the background by default (the fixture stands in for one: LOCAL_RANK is set). A

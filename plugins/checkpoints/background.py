@@ -12,8 +12,9 @@ through :func:`queue_job`.)
   is durable, the rank says so in the process group's key-value store (``done/<rank>``: ``ok`` or the error);
   rank 0's writer waits for every rank's word, then publishes (``latest``, manifest, fsync, the atomic rename,
   pruning) or not, and posts the outcome.
-- :func:`wait_for_pending` (the next ``save_state``, ``load_state``, ``end_training``, the process's exit)
-  waits for the pending save and raises its failure, on every rank: the previous checkpoint is intact.
+- :func:`wait_for_pending` (the next ``save_state``, ``load_state``, ``wait_for_everyone``, ``end_training``, the
+  process's exit, and a read of the pending checkpoint through Python: :func:`_read_of_pending`) waits for the
+  pending save and raises its failure, on every rank: the previous checkpoint is intact.
 
 At most one save is pending per process (the next waits for it), so the host holds at most one copy of the
 rank's own state. A file the host cannot hold (MemAvailable read as it is saved) is written synchronously.
@@ -288,6 +289,7 @@ class PendingSave:
     def __init__(self, seq: int, tmp: str, final: str, store, rank: int, world: int):
         self.seq, self.tmp, self.final = seq, tmp, final
         self.store, self.rank, self.world = store, rank, world
+        self.pid = os.getpid()  # a process forked meanwhile (a DataLoader worker) has no writer: it never waits
         self.error: str | None = None  # this rank's first failed write
         self.outcome: str | None = None  # "ok" or why the checkpoint was not published
         self.submitted = False
@@ -569,7 +571,7 @@ def wait_for_pending(raise_failure: bool = True) -> None:
     global _pending
     with _lock:
         save = _pending
-    if save is None:
+    if save is None or save.pid != os.getpid():  # nothing pending, or a forked child's copy of its parent's save
         return
     _stop_yielding()
     _writer.drain()
@@ -623,7 +625,7 @@ def _read_of_pending(event: str, args: tuple) -> None:
     if event not in _OPENS and event not in _LISTINGS:
         return
     save = _pending
-    if save is None or not save.submitted or getattr(_waiting_for_read, "on", False):
+    if save is None or not save.submitted or getattr(_waiting_for_read, "on", False) or save.pid != os.getpid():
         return
     if threading.get_ident() in (_writer.ident, _copier.ident):
         return  # the save's own files
@@ -659,7 +661,7 @@ def wait_for_snapshot() -> None:
     """Training is about to change the state a pending save copies (the next optimizer step): wait until the
     copy is filled. Nothing pending, or filled already: returns at once."""
     save = _pending
-    if save is None or save.copied.is_set():
+    if save is None or save.copied.is_set() or save.pid != os.getpid():
         return
     started = time.monotonic()
     save.copied.wait()
