@@ -38,6 +38,7 @@ from accel_npu._torch import dist as _dist
 from accel_npu._torch.memory import available_memory
 from accel_npu._torch.once import FirstTime
 from accel_npu.errors import CheckpointError
+from accel_npu.plugins.checkpoints import direct_io
 from accel_npu.scopes import launched_rank
 
 log = logging.getLogger("accel_npu")
@@ -204,6 +205,8 @@ def _host_storage(nbytes: int, pinned: bool):
         free = _pool.get(nbytes)
         if free:
             return free.pop(), False
+    if direct_io.supported():
+        return direct_io.host_storage(nbytes), False
     return torch.UntypedStorage(nbytes, device="cpu"), False
 
 
@@ -402,10 +405,25 @@ def _fsync_file(path: str) -> None:
 
 
 def write_file(obj, path: str, zipfile: bool) -> None:
+    """``torch.save`` and fsync: a zip archive past the page cache where the filesystem takes it (direct_io.py)."""
+    global _buffered_only
     import torch
 
+    if zipfile and not _buffered_only and direct_io.supported() and _direct_worth_it(obj):
+        if direct_io.save(obj, path):
+            return
+        _buffered_only = True  # this filesystem refuses O_DIRECT: the later files are written buffered at once
+        log.debug("accel-npu: %s refuses O_DIRECT; checkpoint files are written through the page cache", path)
     torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
     _fsync_file(path)
+
+
+_buffered_only = False
+
+
+def _direct_worth_it(obj) -> bool:
+    sizes = {storage_key(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_of(obj)}
+    return direct_io.worth_it(sum(sizes.values()), len(sizes))
 
 
 def queue_job(save: PendingSave, write, what: str, collective: bool = False) -> None:

@@ -1,0 +1,170 @@
+"""Background checkpoint files written past the page cache (plugins/checkpoints/direct_io.py; docs/checkpoints.md
+§ 2c): the same torch.save archive (tensors, objects, CRC-32) whoever reads it, its pages never cached on the
+way (read back with mincore(2), the kernel's own account), and a filesystem refusing O_DIRECT written buffered
+with nothing half-written left behind."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import zipfile
+
+import numpy
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from accel_npu.plugins.checkpoints import background, direct_io  # noqa: E402 - after torch's importorskip
+
+pytestmark = pytest.mark.skipif(not direct_io.supported(), reason="no O_DIRECT, or a torch before 2.6")
+
+
+def cached_pages(path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages in all): mincore(2) over a read-only map of the file, which
+    maps the cached pages without reading any."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(pages)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        array = numpy.frombuffer(m, dtype=numpy.uint8)
+        failed = libc.mincore(array.ctypes.data, size, vec)
+        del array  # the map closes only once nothing views it
+    if failed:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec.raw), pages
+
+
+def data_offsets(path) -> list[int]:
+    """Where each storage record's bytes begin: after its local header (30 bytes, then the name and the extra
+    field, whose lengths the local header gives at bytes 26 and 28)."""
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        out = []
+        for info in archive.infolist():
+            if "/data/" in info.filename:
+                f.seek(info.header_offset)
+                header = f.read(30)
+                out.append(
+                    info.header_offset
+                    + 30
+                    + int.from_bytes(header[26:28], "little")
+                    + int.from_bytes(header[28:30], "little")
+                )
+        return out
+
+
+def _drop_from_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _state():
+    """A state dict as DeepSpeed saves one: page-aligned host copies (flat partitions, odd sizes), a view at an
+    offset, a shared storage, small and ordinary tensors, plain objects."""
+    flat = torch.empty(0).set_(direct_io.host_storage(4 * 1_000_003), 0, (1_000_003,), (1,)).normal_()
+    exp_avg = torch.empty(0).set_(direct_io.host_storage(4 * 262_144), 0, (262_144,), (1,)).uniform_()
+    return {
+        "flat": flat,
+        "view": flat[17:5017].view(50, 100),  # the same storage: written once
+        "exp_avg": exp_avg,
+        "ordinary": torch.randn(3000, 7),  # an allocator's address: through the staging buffer
+        "small": torch.arange(5, dtype=torch.int64),
+        "bf16": torch.randn(4097, dtype=torch.bfloat16),
+        "objects": {"step": 7, "lr": [1e-4, 2e-4], "name": "zero_pp_rank_0"},
+    }
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_a_direct_archive_loads_as_torch_save_wrote_it_keeps_its_crc_and_never_fills_the_page_cache(tmp_path):
+    state = _state()
+    direct, buffered = tmp_path / "direct.pt", tmp_path / "buffered.pt"
+    assert direct_io.save(state, str(direct))
+    torch.save(state, buffered)
+    # the kernel's account: the direct file's pages never went through the page cache (at most its tail did);
+    # the buffered one's did, which is what makes this check able to fail
+    cached, pages = cached_pages(direct)
+    assert cached <= 2, f"{cached} of {pages} pages of the O_DIRECT archive are in the page cache"
+    cached, pages = cached_pages(buffered)
+    assert cached > pages // 2, f"the witness sees no cached pages after a buffered write ({cached} of {pages})"
+    for path in (direct, buffered):
+        back = torch.load(path, weights_only=False)
+        assert _equal(back, state), path
+        assert back["view"].untyped_storage().data_ptr() == back["flat"].untyped_storage().data_ptr()
+        assert zipfile.ZipFile(path).testzip() is None, f"{path}: a record's CRC-32 does not match its bytes"
+    # mmap loads (consolidation, resume) read it by the offsets it records, every storage on a page
+    back = torch.load(direct, mmap=True, weights_only=False)
+    assert _equal(back, state)
+    offsets = data_offsets(direct)
+    assert offsets and all(offset % direct_io.ALIGN == 0 for offset in offsets), offsets
+    _drop_from_cache(buffered)
+
+
+def test_writes_go_from_the_host_copy_itself_where_it_is_on_a_page(tmp_path):
+    state = _state()
+    out = direct_io.DirectFile(str(tmp_path / "f.pt"))
+    with torch.utils.serialization.config.patch({"save.storage_alignment": direct_io.ALIGN}):
+        torch.save(state, out)
+    out.close()
+    aligned = 4 * 1_000_003 - (4 * 1_000_003) % direct_io.ALIGN + 4 * 262_144
+    assert out.direct_bytes == aligned, "the page-aligned copies should reach the file without a staging copy"
+    assert _equal(torch.load(tmp_path / "f.pt", weights_only=False), state)
+
+
+def test_a_filesystem_refusing_o_direct_gets_a_buffered_file_and_no_half_written_one(tmp_path, monkeypatch):
+    state = _state()
+    real_open, real_pwrite = os.open, os.pwrite
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            real_open(path, flags & ~os.O_DIRECT, *args)  # some kernels create the file before refusing
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setattr(direct_io, "MIN_BYTES", 0)  # this small state is written past the cache where it can be
+    assert direct_io.save(state, str(tmp_path / "refused.pt")) is False
+    assert not (tmp_path / "refused.pt").exists()
+    monkeypatch.setattr(background, "_buffered_only", False)
+    background.write_file(state, str(tmp_path / "written.pt"), True)
+    assert background._buffered_only, "later files go buffered at once"
+    assert _equal(torch.load(tmp_path / "written.pt", weights_only=False), state)
+    monkeypatch.setattr(os, "open", real_open)
+
+    # refused at the first write instead (a filesystem that takes the flag but not the alignment)
+    def refusing_pwrite(fd, data, offset):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    assert direct_io.save(state, str(tmp_path / "midway.pt")) is False
+    assert not (tmp_path / "midway.pt").exists()
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+
+    # any other error is the save's: raised, the file left for the caller's partial directory
+    def full_disk(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        direct_io.save(state, str(tmp_path / "full.pt"))
+
+
+def test_only_archives_large_enough_and_of_large_records_are_written_past_the_page_cache():
+    assert direct_io.worth_it(2 << 30, 3)  # a ZeRO partition and its two moments
+    assert not direct_io.worth_it(direct_io.MIN_BYTES - 1, 1)  # small: its page-cache copy costs milliseconds
+    # a model-states file of many small tensors: a page of padding per record would grow it past 1 %
+    assert not direct_io.worth_it(64 << 20, 1000)
+    assert direct_io.worth_it(64 << 20, 100)
