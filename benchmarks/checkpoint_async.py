@@ -7,7 +7,9 @@ every rank: ``save_state`` synchronously (the time training is blocked: the whol
 asynchronously (the time it blocks: the state dicts, the copies made at once, accelerate's small files) and the
 time the next step waited for the copies made after it returned, followed by training steps, those begun while
 a background write was in flight on any rank timed apart from those begun once every rank's had ended (the
-baseline, in the same minutes); and how long the background write took. Synchronous is accel-npu's atomic
+baseline, in the same minutes); how long the background write took; and the CPU the copy thread (the deferred
+copy of the state) and the writer thread (serialization, CRC-32, the file writes) ran for each save, each
+thread's own account (``/proc/self/task/<tid>/schedstat``). Synchronous is accel-npu's atomic
 save_state with the switch off; stock is a second
 launch of the same worker with ``ACCEL_NPU_DISABLE=1``, synchronous saves only (ZeRO only: stock accelerate
 trains an FSDP config as DDP on CPU ranks, docs/checkpoints.md).
@@ -86,11 +88,19 @@ def worker(a) -> None:
         optimizer.zero_grad()
         return time.perf_counter() - started
 
+    def thread_cpu(tid) -> float:
+        """CPU seconds a thread of this process has run (schedstat's first field); 0 before it exists."""
+        try:
+            return int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0]) / 1e9
+        except (OSError, TypeError):
+            return 0.0
+
     for _ in range(3):
         step()
     quiet = [step() for _ in range(a.steps)]
     out = Path(a.out)
     sync_s, async_s, waited_s, during, after, write_s = [], [], [], [], [], []
+    copy_cpu, write_cpu = [], []
     for i in range(a.saves):
         os.environ["ACCEL_NPU_ASYNC_CHECKPOINT"] = "0"
         accelerator.wait_for_everyone()
@@ -102,6 +112,7 @@ def worker(a) -> None:
             continue
         os.environ["ACCEL_NPU_ASYNC_CHECKPOINT"] = "1"
         accelerator.wait_for_everyone()
+        cpu = thread_cpu(background._copier.native_id), thread_cpu(background._writer.native_id)
         started = time.perf_counter()
         accelerator.save_state(out / f"async_{i}")
         returned = time.perf_counter()
@@ -121,6 +132,8 @@ def worker(a) -> None:
             torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
             (during if anyone.item() else after).append(step())
         background.wait_for_pending()
+        copy_cpu.append(thread_cpu(background._copier.native_id) - cpu[0])
+        write_cpu.append(thread_cpu(background._writer.native_id) - cpu[1])
         waited_s.append(pending.waited_s if pending is not None else 0.0)
         write_s.append((finished if finished is not None else time.perf_counter()) - returned)
     accelerator.wait_for_everyone()
@@ -139,6 +152,8 @@ def worker(a) -> None:
                 "during": during,
                 "after": after,
                 "write": write_s,
+                "copy_cpu": copy_cpu,
+                "write_cpu": write_cpu,
             }
         ),
         flush=True,
@@ -214,6 +229,8 @@ def main() -> None:
             blocked = [max(r["async"][i] + r["waited"][i] for r in recs) for i in range(a.saves)]
             waited = [max(r["waited"][i] for r in recs) for i in range(a.saves)]
             write = [max(r["write"][i] for r in recs) for i in range(a.saves)]
+            copy_cpu = [max(r["copy_cpu"][i] for r in recs) for i in range(a.saves)]
+            write_cpu = [max(r["write_cpu"][i] for r in recs) for i in range(a.saves)]
             # both ranks classify each step alike (any rank's write in flight): the slower rank's time per step
             during = [max(vals) for vals in zip(*(r["during"] for r in recs))]
             after = [max(vals) for vals in zip(*(r["after"] for r in recs))]
@@ -232,6 +249,7 @@ def main() -> None:
                     f"{st / b:.0f}×" if st is not None else "n/a",
                     f"{s / b:.0f}×",
                     ms(statistics.median(write)),
+                    f"{ms(statistics.median(copy_cpu))} / {ms(statistics.median(write_cpu))}",
                 ]
             )
             d = statistics.median(during) if during else float("nan")
@@ -256,9 +274,12 @@ def main() -> None:
             "less blocked than stock",
             "than sync",
             "write",
+            "CPU: copy / write",
         ],
         rows,
-        caption="1. Training blocked per save (write: the background write's duration after save_state returned)",
+        caption="1. Training blocked per save (write: the background write's duration after save_state returned; "
+        "CPU: what the copy thread and the writer thread ran per save, the busier rank's, from "
+        "/proc/self/task/<tid>/schedstat)",
     )
     report.table(
         ["shape", "step, no write", "step, write in flight", "ratio", "steps in flight / without"],
