@@ -18,8 +18,6 @@ Writes benchmarks/results/direct_write.md. About a minute on 2 cores.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import mmap
 import os
 import statistics
 import sys
@@ -30,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import Report, median_spread
+
+from tests.page_cache import drop_from_cache, resident_fraction
 
 #: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
 MEASURES = ("plugins/checkpoints/direct_io.py", "plugins/checkpoints/background.py")
@@ -43,29 +43,8 @@ def busy_seconds() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def cached_fraction(path: str) -> float:
-    import numpy
-
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    vec = ctypes.create_string_buffer(pages)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        array = numpy.frombuffer(m, dtype=numpy.uint8)
-        failed = libc.mincore(array.ctypes.data, size, vec)
-        del array
-    if failed:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(b & 1 for b in vec.raw) / pages
-
-
 def drop(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_from_cache(path)
     os.unlink(path)
 
 
@@ -113,7 +92,7 @@ def main() -> None:
                     torch.save(state, path)
                     background._fsync_file(path)
                 wall, cpu, busy = time.perf_counter() - wall, time.thread_time() - cpu, busy_seconds() - busy
-                cached = cached_fraction(path)
+                cached = resident_fraction(path)
                 drop(path)
                 got = runs.setdefault(kind, {"wall": [], "cpu": [], "busy": [], "cached": []})
                 for key, value in (("wall", wall), ("cpu", cpu), ("busy", busy), ("cached", cached)):

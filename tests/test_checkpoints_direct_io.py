@@ -5,37 +5,18 @@ with nothing half-written left behind."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
 import zipfile
 
-import numpy
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from accel_npu.plugins.checkpoints import background, direct_io  # noqa: E402 - after torch's importorskip
+from tests.page_cache import drop_from_cache, resident_pages  # noqa: E402 - after torch's importorskip
 
 pytestmark = pytest.mark.skipif(not direct_io.supported(), reason="no O_DIRECT, or a torch before 2.6")
-
-
-def cached_pages(path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages in all): mincore(2) over a read-only map of the file, which
-    maps the cached pages without reading any."""
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    vec = ctypes.create_string_buffer(pages)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
-        array = numpy.frombuffer(m, dtype=numpy.uint8)
-        failed = libc.mincore(array.ctypes.data, size, vec)
-        del array  # the map closes only once nothing views it
-    if failed:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(b & 1 for b in vec.raw), pages
 
 
 def data_offsets(path) -> list[int]:
@@ -54,15 +35,6 @@ def data_offsets(path) -> list[int]:
                     + int.from_bytes(header[28:30], "little")
                 )
         return out
-
-
-def _drop_from_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _state():
@@ -96,9 +68,9 @@ def test_a_direct_archive_loads_as_torch_save_wrote_it_keeps_its_crc_and_never_f
     torch.save(state, buffered)
     # the kernel's account: the direct file's pages never went through the page cache (at most its tail did);
     # the buffered one's did, which is what makes this check able to fail
-    cached, pages = cached_pages(direct)
+    cached, pages = resident_pages(direct)
     assert cached <= 2, f"{cached} of {pages} pages of the O_DIRECT archive are in the page cache"
-    cached, pages = cached_pages(buffered)
+    cached, pages = resident_pages(buffered)
     assert cached > pages // 2, f"the witness sees no cached pages after a buffered write ({cached} of {pages})"
     for path in (direct, buffered):
         back = torch.load(path, weights_only=False)
@@ -110,7 +82,7 @@ def test_a_direct_archive_loads_as_torch_save_wrote_it_keeps_its_crc_and_never_f
     assert _equal(back, state)
     offsets = data_offsets(direct)
     assert offsets and all(offset % direct_io.ALIGN == 0 for offset in offsets), offsets
-    _drop_from_cache(buffered)
+    drop_from_cache(buffered)
 
 
 def test_writes_go_from_the_host_copy_itself_where_it_is_on_a_page(tmp_path):

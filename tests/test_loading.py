@@ -23,6 +23,7 @@ from accel_npu.activation import activate
 from accel_npu.errors import LoadError
 from accel_npu.patching import original_of
 from accel_npu.plugins.loading.diffusers import tensors_on_meta
+from tests.page_cache import resident_fraction
 
 activate()
 from diffusers import QwenImageTransformer2DModel as QWEN_CLS  # noqa: E402  (a hard dependency)
@@ -493,35 +494,6 @@ def test_each_shard_opened_once_closed_when_read_and_the_pool_crosses_shard_boun
             assert torch.equal(t, f.get_tensor(k).float()), k
 
 
-def _resident_fraction(path, begin: int, end: int) -> float:
-    """Share of the pages of ``path``'s bytes [begin, end) in the page cache: the kernel's own
-    account (mincore on a fresh read-only mapping, which reads nothing)."""
-    import ctypes
-    import mmap
-    import os
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = (
-        ctypes.c_void_p,
-        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long],
-    )
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = mmap.PAGESIZE
-    first, size = begin // page * page, end - begin // page * page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, first)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        pages = (size + page - 1) // page
-        vec = ctypes.create_string_buffer(pages)
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return sum(b & 1 for b in vec.raw) / pages
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="posix_fadvise and mincore as Linux has them")
 def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_path):
     """One POSIX_FADV_WILLNEED reads at most the device's readahead size (Linux mm/readahead.c,
@@ -552,7 +524,7 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
 
     def drop():
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return _resident_fraction(path, 0, os.path.getsize(path))
+        return resident_fraction(path, 0, os.path.getsize(path))
 
     if drop() > 0.1:
         os.close(fd)
@@ -564,7 +536,7 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
     def settled(begin, end):  # the requests are asynchronous: wait for the reads to land
         deadline, frac = time.monotonic() + 10, 0.0
         while time.monotonic() < deadline:
-            frac = _resident_fraction(path, begin, end)
+            frac = resident_fraction(path, begin, end)
             if frac > 0.95:
                 break
             time.sleep(0.05)
@@ -572,7 +544,7 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
 
     os.posix_fadvise(fd, a_begin, a_end - a_begin, os.POSIX_FADV_WILLNEED)  # the control
     time.sleep(0.5)
-    if _resident_fraction(path, a_begin, a_end) > 0.5:
+    if resident_fraction(path, a_begin, a_end) > 0.5:
         os.close(fd)
         pytest.skip("this kernel reads a whole WILLNEED range in one request: nothing to tell apart")
     drop()
@@ -580,7 +552,7 @@ def test_readahead_requests_every_byte_of_the_window_not_one_readahead_size(tmp_
     try:
         ahead.reached("a.weight")
         assert settled(a_begin, a_end) > 0.95
-        assert _resident_fraction(path, b_begin + piece, b_end) < 0.5  # nothing past the window
+        assert resident_fraction(path, b_begin + piece, b_end) < 0.5  # nothing past the window
         ahead.reached("b.weight")
         assert settled(b_begin, b_end) > 0.95
         assert ahead.requested_ranges() == {NAME: [(a_begin, b_end)]}
