@@ -669,11 +669,11 @@ def fsdp_checkpoint_differences(a: Path, b: Path) -> list[str]:
 @pytest.mark.slow
 def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_raised_on_every_rank(tmp_path):
     """FSDP2, SHARDED_STATE_DICT, one launch (tests/scripts/async_save.py main): the shards copied after
-    save_state returned and written by the background writer's dcp.save equal the synchronous checkpoint tensor
-    for tensor (model and optimizer, read whole from the DCP files), and the other files object for object,
-    although training stepped on while they were written (its optimizer step before the copy was made, a second
-    late: the step waited for it); with the writer slowed the checkpoint is not published when
-    save_state returns and is when the next save_state returns; resuming from either trains on with the same
+    save_state returned and written by the background writer's dcp.save (its files past the page cache) equal the
+    synchronous checkpoint tensor for tensor (model and optimizer, read whole from the DCP files), and the other
+    files object for object, although training stepped on while they were written (its optimizer step before the
+    copy was made, a second late: the step waited for it); with the writer slowed the checkpoint is not published
+    when save_state returns and is when the next save_state returns; resuming from either trains on with the same
     losses; a write failing on rank 1 is raised at the next save_state on both ranks. Negatives: one changed
     tensor is reported; without the optimizer step's wait the checkpoint holds the state after the step."""
     import shutil
@@ -700,6 +700,10 @@ def test_fsdp2_async_save_state_equals_sync_resumes_alike_and_a_failed_write_is_
         assert r["error"] == "CheckpointError", r
         assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
         assert "checkpoint that was there before is intact" in r["message"]
+        # the writer's shard files never went through the page cache (direct_io.dcp_writer; the script lowers
+        # its size bound for the tiny model); the synchronous save's did, which is what makes the check able to fail
+        assert len(r["resident_async"]) == 2 and all(cached <= 1 for cached, _ in r["resident_async"]), r
+        assert all(cached == pages for cached, pages in r["resident_sync"]), r
     names = {p.relative_to(out / "async").as_posix() for p in (out / "async").rglob("*")}
     assert {"pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "random_states_1.pkl"} <= names, names
     assert fsdp_checkpoint_differences(out / "sync", out / "async") == []

@@ -1,7 +1,7 @@
 """Background checkpoint files written past the page cache (plugins/checkpoints/direct_io.py; docs/checkpoints.md
-§ 2c): the same torch.save archive (tensors, objects, CRC-32) whoever reads it, its pages never cached on the
-way (read back with mincore(2), the kernel's own account), and a filesystem refusing O_DIRECT written buffered
-with nothing half-written left behind."""
+§ 2c): the same torch.save archive (tensors, objects, CRC-32) and the same torch.distributed.checkpoint files
+whoever reads them, their pages never cached on the way (read back with mincore(2), the kernel's own account), and
+a filesystem refusing O_DIRECT written through the page cache from where it refused, the file whole."""
 
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ def test_a_direct_archive_loads_as_torch_save_wrote_it_keeps_its_crc_and_never_f
 def test_writes_go_from_the_host_copy_itself_where_it_is_on_a_page(tmp_path):
     state = _state()
     out = direct_io.DirectFile(str(tmp_path / "f.pt"))
-    with torch.utils.serialization.config.patch({"save.storage_alignment": direct_io.ALIGN}):
-        torch.save(state, out)
+    direct_io._torch_save(state, out)
     out.close()
     # the host copies are on pages; an allocator's tensor may land on one by chance, and is then written so too
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in background.tensors_of(state)}
@@ -99,7 +98,7 @@ def test_writes_go_from_the_host_copy_itself_where_it_is_on_a_page(tmp_path):
     assert _equal(torch.load(tmp_path / "f.pt", weights_only=False), state)
 
 
-def test_a_filesystem_refusing_o_direct_gets_a_buffered_file_and_no_half_written_one(tmp_path, monkeypatch):
+def test_a_filesystem_refusing_o_direct_gets_the_whole_file_through_the_page_cache(tmp_path, monkeypatch):
     state = _state()
     real_open, real_pwrite = os.open, os.pwrite
 
@@ -109,32 +108,72 @@ def test_a_filesystem_refusing_o_direct_gets_a_buffered_file_and_no_half_written
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
+    monkeypatch.setattr(direct_io, "_refused", False)
     monkeypatch.setattr(os, "open", refusing_open)
-    monkeypatch.setattr(direct_io, "MIN_BYTES", 0)  # this small state is written past the cache where it can be
-    assert direct_io.save(state, str(tmp_path / "refused.pt")) is False
-    assert not (tmp_path / "refused.pt").exists()
-    monkeypatch.setattr(background, "_buffered_only", False)
-    background.write_file(state, str(tmp_path / "written.pt"), True)
-    assert background._buffered_only, "later files go buffered at once"
-    assert _equal(torch.load(tmp_path / "written.pt", weights_only=False), state)
+    assert direct_io.save(state, str(tmp_path / "refused.pt")) is False, "said to be past the cache"
+    assert _equal(torch.load(tmp_path / "refused.pt", weights_only=False), state)
+    assert direct_io.refused(), "the process's later files go buffered at once"
     monkeypatch.setattr(os, "open", real_open)
+    monkeypatch.setattr(direct_io, "MIN_BYTES", 0)  # this small state is written past the cache where it can be
+    background.write_file(state, str(tmp_path / "later.pt"), True)
+    assert _equal(torch.load(tmp_path / "later.pt", weights_only=False), state)
+    cached, pages = resident_pages(tmp_path / "later.pt")
+    assert cached > pages // 2, "a later file was written with O_DIRECT after the filesystem refused it"
 
-    # refused at the first write instead (a filesystem that takes the flag but not the alignment)
-    def refusing_pwrite(fd, data, offset):
-        raise OSError(errno.EINVAL, "Invalid argument")
+    # refused at a write instead (a filesystem that takes the flag but not the alignment): the bytes written so
+    # far stay, the rest follows through the page cache
+    monkeypatch.setattr(direct_io, "_refused", False)
+    writes = []
 
-    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    def refusing_second_pwrite(fd, data, offset):
+        writes.append(offset)
+        if len(writes) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing_second_pwrite)
     assert direct_io.save(state, str(tmp_path / "midway.pt")) is False
-    assert not (tmp_path / "midway.pt").exists()
     monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert writes[0] == 0 and len(writes) > 3, writes
+    assert _equal(torch.load(tmp_path / "midway.pt", weights_only=False), state)
+    assert zipfile.ZipFile(tmp_path / "midway.pt").testzip() is None
 
     # any other error is the save's: raised, the file left for the caller's partial directory
+    monkeypatch.setattr(direct_io, "_refused", False)
+
     def full_disk(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full_disk)
     with pytest.raises(OSError, match="No space"):
         direct_io.save(state, str(tmp_path / "full.pt"))
+
+
+def test_dcp_shards_written_past_the_page_cache_load_as_dcp_wrote_them(tmp_path):
+    """FSDP2's files: torch.distributed.checkpoint's own FileSystemWriter and dcp_writer's save the same state;
+    dcp.load reads both alike, and only the latter's data file stayed out of the page cache."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v for k, v in _state().items() if isinstance(v, torch.Tensor) and k != "view"}
+    state["step"] = torch.tensor(7)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock"), sync_files=True))
+    dcp.save(state, storage_writer=direct_io.dcp_writer(str(tmp_path / "direct"), direct_io.MIN_BYTES))
+    (stock,) = (tmp_path / "stock").glob("*.distcp")
+    (direct,) = (tmp_path / "direct").glob("*.distcp")
+    assert direct.stat().st_size == stock.stat().st_size
+    # before anything reads them back (a read fills the cache)
+    cached, pages = resident_pages(direct)
+    assert cached <= 2, f"{cached} of {pages} pages of the O_DIRECT shard file are in the page cache"
+    cached, pages = resident_pages(stock)
+    assert cached > pages // 2, f"the witness sees no cached pages after DCP's buffered write ({cached} of {pages})"
+    for name in ("stock", "direct"):
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(back, checkpoint_id=str(tmp_path / name))
+        assert _equal(back, state), name
+    drop_from_cache(stock)
+    drop_from_cache(direct)
+    # below the size, or once a filesystem refused O_DIRECT: DCP's own writer
+    assert type(direct_io.dcp_writer(str(tmp_path / "small"), direct_io.MIN_BYTES - 1).fs).__name__ == "FileSystem"
 
 
 def test_only_archives_large_enough_and_of_large_records_are_written_past_the_page_cache():

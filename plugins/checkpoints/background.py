@@ -406,19 +406,14 @@ def _fsync_file(path: str) -> None:
 
 def write_file(obj, path: str, zipfile: bool) -> None:
     """``torch.save`` and fsync: a zip archive past the page cache where the filesystem takes it (direct_io.py)."""
-    global _buffered_only
     import torch
 
-    if zipfile and not _buffered_only and direct_io.supported() and _direct_worth_it(obj):
-        if direct_io.save(obj, path):
-            return
-        _buffered_only = True  # this filesystem refuses O_DIRECT: the later files are written buffered at once
-        log.debug("accel-npu: %s refuses O_DIRECT; checkpoint files are written through the page cache", path)
+    if zipfile and not direct_io.refused() and direct_io.supported() and _direct_worth_it(obj):
+        if not direct_io.save(obj, path):
+            log.debug("accel-npu: %s refuses O_DIRECT; checkpoint files are written through the page cache", path)
+        return
     torch.save(obj, path, _use_new_zipfile_serialization=zipfile)
     _fsync_file(path)
-
-
-_buffered_only = False
 
 
 def _direct_worth_it(obj) -> bool:

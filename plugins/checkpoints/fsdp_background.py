@@ -33,7 +33,7 @@ import shutil
 
 from accel_npu._torch.memory import available_memory
 from accel_npu._torch.once import FirstTime
-from accel_npu.plugins.checkpoints import background
+from accel_npu.plugins.checkpoints import background, direct_io
 from accel_npu.plugins.checkpoints import state as checkpointing
 from accel_npu.plugins.checkpoints.files import partial_dir
 
@@ -83,12 +83,9 @@ def _dcp_save(state_dict, directory: str, group) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     os.makedirs(directory, exist_ok=True)
-    dcp.save(
-        state_dict=state_dict,
-        storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-        planner=DefaultSavePlanner(),
-        process_group=group,
-    )
+    # the shards' files past the page cache where they are large enough
+    writer = direct_io.dcp_writer(directory, background.snapshot_bytes(state_dict))
+    dcp.save(state_dict=state_dict, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
 
 
 def _dcp_save_copy(copied, directory: str, group) -> None:

@@ -22,6 +22,9 @@ MODE kill: two steps; save_state synchronously into OUT_DIR/reference and asynch
 rank 1 dies.
 MODE resume: load_state(OUT_DIR/ckpt) and two steps, load_state(OUT_DIR/reference) and the same two (losses).
 
+The tiny model's DCP shard files are written past the page cache as a large model's are (direct_io.MIN_BYTES
+lowered); in MODE main each rank reports how many of its shard files' pages are cached before load_state.
+
 Prints ``RESULT {json}`` from every rank.
 """
 
@@ -37,9 +40,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.distributed.checkpoint import FileSystemWriter
 
-from accel_npu.plugins.checkpoints import background
+from accel_npu.plugins.checkpoints import background, direct_io
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests.page_cache import resident_pages
 
 mode, out_dir = sys.argv[1], sys.argv[2]
+# the tiny model's DCP shard files (FSDP2) are written past the page cache as a large model's are; DeepSpeed's
+# archives of many small tensors stay below direct_io.worth_it's padding bound, so they are written buffered
+direct_io.MIN_BYTES = 0
 hook = {"slow": 0.0, "fail": False, "kill": False, "hold_copy": 0.0}
 returned = threading.Event()  # the main thread is back from save_state: the write is in the background
 _save = torch.save
@@ -143,6 +152,12 @@ if mode == "main":
     accelerator.save_state(path("next"))
     result["next_s"] = time.monotonic() - started
     result["published_when_next_returned"] = os.path.isfile(path("async/accel_npu_checkpoint.json"))
+    # the kernel's account of this rank's DCP shard files (FSDP2), before load_state reads them: (cached, pages)
+    rank = accelerator.process_index
+    for kind in ("sync", "async"):
+        folder = path(kind)
+        shards = [os.path.join(folder, d, f"__{rank}_0.distcp") for d in sorted(os.listdir(folder))]
+        result[f"resident_{kind}"] = [resident_pages(p) for p in shards if os.path.isfile(p)]
     hook["slow"] = 0.0
     result["losses_sync"] = losses_after_load(path("sync"))
     result["losses_async"] = losses_after_load(path("async"))
