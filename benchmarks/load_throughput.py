@@ -63,9 +63,12 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_memory  # the checkpoint and its cache
 from _results import Report, median_spread
+
+from tests.page_cache import drop_from_cache
 
 #: the code this benchmark measures besides itself (tests/test_docs_figures.py: a later change makes the results stale)
 MEASURES = ("plugins/loading/", "accel_npu/_torch/safetensors_io.py", "benchmarks/host_memory.py")
@@ -176,16 +179,6 @@ def run_predecessor(nbytes: int, start_after: float) -> float:
     """Run the predecessor; the CLOCK_MONOTONIC time the timed run's clock starts."""
     subprocess.run([sys.executable, "-c", PREDECESSOR, str(nbytes)], check=True, timeout=300)
     return time.monotonic() + start_after
-
-
-def fadvise_dontneed(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 @functools.cache  # the report is rewritten after every run; the device does not change
@@ -517,7 +510,8 @@ def main(argv=None) -> int:
                                     ]
                                 )
                             else:
-                                fadvise_dontneed(shards[k])
+                                for shard in shards[k]:
+                                    drop_from_cache(shard)
                             start_at = run_predecessor(2 * kept[k], d)  # the cell's fp32 bytes, every reader alike
                             got[(k, t, s, c, d, r)].append(run(worker, r, c, ckpt, k, t, keys_files[k], start_at))
                             x = got[(k, t, s, c, d, r)][-1]

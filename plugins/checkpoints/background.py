@@ -112,13 +112,14 @@ def tensors_of(state_dict) -> list:
     return found
 
 
+def storage_sizes(tensors) -> dict:
+    """{storage key: bytes} of the distinct storages under ``tensors``: each once, as ``torch.save`` writes them."""
+    return {storage_key(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+
+
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors``: each once, as ``torch.save`` writes them."""
-    sizes = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        sizes[storage_key(storage)] = storage.nbytes()
-    return sum(sizes.values())
+    """Bytes of the distinct storages under ``tensors``."""
+    return sum(storage_sizes(tensors).values())
 
 
 def _dtensor_type():
@@ -417,7 +418,7 @@ def write_file(obj, path: str, zipfile: bool) -> None:
 
 
 def _direct_worth_it(obj) -> bool:
-    sizes = {storage_key(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors_of(obj)}
+    sizes = storage_sizes(tensors_of(obj))
     return direct_io.worth_it(sum(sizes.values()), len(sizes))
 
 
