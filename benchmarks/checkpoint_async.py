@@ -253,7 +253,8 @@ def main() -> None:
                 ]
             )
             d = statistics.median(during) if during else float("nan")
-            step_rows.append([name, ms(quiet), ms(d), f"{d / quiet:.2f}×", f"{len(during)} / {len(after)}"])
+            each = ", ".join(f"{x / quiet:.2f}" for x in during)  # in the order they ran, save after save
+            step_rows.append([name, ms(quiet), ms(d), f"{d / quiet:.2f}×", each, f"{len(during)} / {len(after)}"])
     report.text(
         f"Model: DiT-shaped, {a.layers} `TransformerEncoderLayer({a.dim}, 8 heads, {4 * a.dim})` over {a.tokens} "
         f"patch tokens, fp32, AdamW; N = 2 CPU ranks (gloo), `accelerate launch`, {a.saves} saves of each kind per "
@@ -282,10 +283,18 @@ def main() -> None:
         "/proc/self/task/<tid>/schedstat)",
     )
     report.table(
-        ["shape", "step, no write", "step, write in flight", "ratio", "steps in flight / without"],
+        [
+            "shape",
+            "step, no write",
+            "step, write in flight",
+            "ratio",
+            "each step in flight",
+            "steps in flight / without",
+        ],
         step_rows,
         caption="2. Step time (slower rank's median) while a background write is in flight on any rank, against the "
-        "steps of the same loops that began once every rank's write had ended",
+        "steps of the same loops that began once every rank's write had ended; each step in flight: its time over "
+        "the median without, in the order they ran (the first after each save_state makes the host copy)",
     )
     path = report.write()
     print(path.read_text())
