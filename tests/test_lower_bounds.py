@@ -30,6 +30,16 @@ def _torch_here() -> str:
     return importlib.metadata.version("torch").split("+")[0]
 
 
+def _venv_env(**extra: str) -> dict[str, str]:
+    """base_env for the processes that run in the lower venv, with bytecode caching on: the venv is installed
+    --no-compile, so where PYTHONDONTWRITEBYTECODE=1 is set every one of them (the inner pytest, its import-order
+    subprocesses, the launcher and both ranks) would compile each module of torch, transformers, diffusers and
+    deepspeed it imports again; without it the first import writes the bytecode the others read."""
+    env = base_env(**extra)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def lower_venv(tmp_path_factory):
     root = tmp_path_factory.mktemp("lower")
@@ -90,7 +100,7 @@ def test_lifecycle_and_import_order_at_the_lower_bounds(lower_venv):
             "tests/test_import_order.py",
         ],
         cwd=lower_venv / "src",
-        env=base_env(),
+        env=_venv_env(),
         capture_output=True,
         text=True,
         timeout=1500,
@@ -101,7 +111,7 @@ def test_lifecycle_and_import_order_at_the_lower_bounds(lower_venv):
 def test_readme_main_job_at_the_lower_bounds(lower_venv):
     bin_dir = lower_venv / "venv" / "bin"
     out = lower_venv / "main_job"
-    env = base_env(PATH=f"{bin_dir}:{base_env().get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
+    env = _venv_env(PATH=f"{bin_dir}:{base_env().get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
     proc = subprocess.run(
         [
             str(bin_dir / "accelerate"),
