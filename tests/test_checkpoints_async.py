@@ -575,8 +575,9 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
     writer slowed it is not published when save_state returns and is when the next save_state returns;
     resuming from either trains on with the same losses; a background write failing on rank 1 is raised at the
     next save_state on both ranks, and the checkpoint it was overwriting is intact (still equal to the
-    synchronous one). Negatives: one changed tensor is reported; without the step's wait the checkpoint holds the
-    state after the step."""
+    synchronous one); wait_for_everyone after a last save returns with it published, without a stall.
+    Negatives: one changed tensor is reported; without the step's wait the checkpoint holds the state after the
+    step."""
     import shutil
 
     from tests.launch_utils import explain, results, run_concurrently
@@ -594,6 +595,9 @@ def test_two_ranks_async_save_state_equals_sync_resumes_alike_and_a_failed_write
             assert r["error"] == "CheckpointError", (stage, r)
             assert "rank 1" in r["message"] and "injected by the test" in r["message"], r["message"]
             assert "checkpoint that was there before is intact" in r["message"]
+            # a barrier after the last save: published once it returns, in about the write's time (the main
+            # thread's store waits held the writer's "done" up to 60 s at a time when both shared one client)
+            assert r["published_after_barrier"] is True and r["barrier_s"] < 20, (stage, r)
         shards = {p.name for p in (out / "async" / "pytorch_model").iterdir()}
         assert any("rank_1" in n for n in shards) and (out / "async" / "random_states_1.pkl").is_file(), shards
         assert checkpoint_differences(out / "sync", out / "async") == [], stage
@@ -779,3 +783,41 @@ def test_a_rank_that_never_finishes_its_background_write_is_named_and_nothing_is
 
     assert background._wait_keys(store, [save.key("outcome")], 1) == []  # there: nothing missing
     assert background._wait_keys(store, ["never-set"], 1) == ["never-set"]
+
+
+@pytest.mark.parametrize("clone", [True, False], ids=["Store.clone", "a new TCPStore connection"])
+def test_the_saves_own_store_client_is_not_held_by_another_threads_wait(clone, monkeypatch):
+    """accel_npu._torch.dist.own_client: a request on it completes while another thread waits on the default
+    store's client, and sees the same keys as every rank's own client; with the shared client the same request
+    waits the other thread's wait out (the witness's negative). Without ``Store.clone`` (torch 2.5), a new
+    connection under a prefix rank 0 draws."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from accel_npu._torch import dist as _dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    default = dist.PrefixStore("default_pg", dist.PrefixStore("/worker/attempt_0", server))
+    if not clone:
+        monkeypatch.delattr(dist.Store, "clone", raising=False)
+        assert getattr(default, "clone", None) is None
+    own = _dist.own_client(default, rank=0)
+    other = _dist.own_client(default, rank=1)  # another rank's, made from the same default store
+    assert own is not default
+
+    def set_while_waiting(store) -> float:
+        waiting = threading.Thread(target=_dist.store_wait, args=(default, ["never"], 3.0))
+        waiting.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        store.set("done/0", "ok")
+        took = time.monotonic() - started
+        waiting.join()
+        return took
+
+    assert set_while_waiting(own) < 1.0
+    assert _dist.store_get(other, "done/0") == "ok"
+    assert set_while_waiting(default) > 2.0, "the shared client's request did not wait: the witness cannot fail"

@@ -159,6 +159,36 @@ def rendezvous(
     )
 
 
+def own_client(store, rank: int):
+    """A client of ``store``'s server for one thread's use (every rank calls it at the same point, once).
+
+    A TCPStore client runs one request at a time: its connection is held through a whole ``wait``, so a thread
+    sharing the default store's client waits behind another thread's waits (a background writer's "done" behind
+    the main thread's minute-long wait at ``wait_for_everyone``, and the reverse). ``Store.clone`` makes one for
+    this (its docstring: "one store per thread"; torch/csrc/distributed/c10d/init.cpp), keeping the prefixes
+    that isolate a launch's attempts. A torch without it (2.5) gets a new TCPStore connection to the same
+    server, under a prefix rank 0 draws and publishes through ``store`` (whose own prefixes it cannot read
+    back). Any other store (a FileStore) is returned as it is."""
+    clone = getattr(store, "clone", None)
+    if clone is not None:
+        return clone()
+    import uuid
+
+    import torch.distributed as dist
+
+    tcp = store
+    while isinstance(tcp, dist.PrefixStore):
+        tcp = tcp.underlying_store
+    if not isinstance(tcp, dist.TCPStore):
+        return store
+    key = "accel_npu/own_client_prefix"
+    if rank == 0:
+        store.set(key, uuid.uuid4().hex)
+    prefix = store_get(store, key)
+    client = dist.TCPStore(tcp.host, tcp.port, is_master=False, timeout=store.timeout)
+    return dist.PrefixStore(f"accel_npu/{prefix}", client)
+
+
 def store_wait(store, keys, seconds: float) -> bool:
     """True once ``keys`` exist in the key-value store; False after ``seconds`` (the store's timeout)."""
     try:

@@ -375,14 +375,23 @@ _lock = threading.Lock()
 
 
 def _session():
-    """(store, rank, world); store None for a single process."""
+    """(store, rank, world); store None for a single process. The store is a client of the default store's own
+    for the saves (the writer's "done", rank 0's outcome): the main thread's waits on the default store's client
+    (a paused or idle rank's, boundary.py and serving.py) would otherwise hold the writer's requests behind them."""
+    global _client
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         from torch.distributed import distributed_c10d
 
-        return distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        default, rank = distributed_c10d._get_default_store(), dist.get_rank()
+        if _client is None or _client[0] is not default:
+            _client = (default, _dist.own_client(default, rank))
+        return _client[1], rank, dist.get_world_size()
     return None, 0, 1
+
+
+_client = None  # (the default store, the saves' own client of it)
 
 
 def begin(tmp: str, final: str) -> PendingSave:
@@ -540,7 +549,8 @@ def _finish(save: PendingSave, publish) -> None:
             return
         keys = [save.key(f"done/{r}") for r in range(save.world)]
         limit = write_timeout()
-        missing = set(_wait_keys(save.store, keys, limit))
+        # one wait, on the writer's thread: no signal to let through (each timed-out slice is a c10d warning)
+        missing = set(_wait_keys(save.store, keys, limit, slice_s=limit))
         words = [
             f"rank {r}: its files were not durable after {limit:g} s (ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT)"
             if k in missing
@@ -570,10 +580,10 @@ def write_timeout() -> float:
     return environment.seconds("ACCEL_NPU_ASYNC_CHECKPOINT_TIMEOUT", at_least=1)
 
 
-def _wait_keys(store, keys, seconds: float) -> list[str]:
-    """Wait (in slices) until ``keys`` are in the store; the keys still missing after ``seconds``."""
+def _wait_keys(store, keys, seconds: float, slice_s: float = _POLL_S) -> list[str]:
+    """Wait (in slices of ``slice_s``) until ``keys`` are in the store; the keys still missing after ``seconds``."""
     deadline = time.monotonic() + seconds
-    while not _dist.store_wait(store, keys, _POLL_S):
+    while not _dist.store_wait(store, keys, min(slice_s, seconds)):
         if time.monotonic() >= deadline:
             return [k for k in keys if not store.check([k])]
     return []

@@ -16,7 +16,9 @@ save_state into OUT_DIR/next (is OUT_DIR/async published when that returns?); lo
 load_state(async) and the same two steps (their losses); then an asynchronous save_state into OUT_DIR/async
 again that fails on rank 1, and the next save_state (into OUT_DIR/after_failure), whose error every rank reports;
 last, a negative: the optimizer step's wait switched off, save_state synchronously into OUT_DIR/unwaited_sync and
-asynchronously into OUT_DIR/unwaited with the copy late, and a step before the copy is made.
+asynchronously into OUT_DIR/unwaited with the copy late, and a step before the copy is made; then a step, an
+asynchronous save_state into OUT_DIR/last, a listing of OUT_DIR on rank 0 and wait_for_everyone (their seconds;
+is OUT_DIR/last published?).
 MODE kill: two steps; save_state synchronously into OUT_DIR/reference and asynchronously into OUT_DIR/ckpt
 (published at the next call); one step; save_state into OUT_DIR/ckpt again, during whose background write
 rank 1 dies.
@@ -180,6 +182,16 @@ if mode == "main":
     result["unwaited_step_s"] = time.monotonic() - started
     background.wait_for_snapshot = wait_for_snapshot
     hook["hold_copy"] = 0.0
+    # the end of a training script: a step, an asynchronous save_state, rank 0 lists the folder, wait_for_everyone
+    # (how long both took; the checkpoint is published once it returns), end_training
+    step()
+    accelerator.save_state(path("last"))
+    started = time.monotonic()
+    if accelerator.is_main_process:
+        os.listdir(out_dir)  # rank 0 prunes old checkpoints (docs/examples/train_dit.py): waits for the publication
+    accelerator.wait_for_everyone()
+    result["barrier_s"] = time.monotonic() - started
+    result["published_after_barrier"] = os.path.isfile(path("last/accel_npu_checkpoint.json"))
     accelerator.end_training()
 elif mode == "kill":
     accelerator.save_state(path("ckpt"))
