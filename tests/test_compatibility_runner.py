@@ -399,3 +399,31 @@ def test_a_script_that_never_steps_and_a_tampered_artifact_are_crosses(tmp_path)
     save_file(tensors, str(lora))
     ok, what = compat.compare_artifact(spec, model, out, out / "checkpoint-2")
     assert not ok and what.startswith("loaded artifact differs from the master weights: max |Δ| 1"), what
+
+
+def _start(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+# a parent that waits on a child that waits on nothing: the shape of a launcher over ranks stuck in a collective
+_IDLE_TREE = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])"
+# a process that computes for 6 s, longer than the idle window, then exits 0
+_BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 6: sum(range(10000))\nprint('done')"
+
+
+@pytest.mark.slow
+def test_a_launch_whose_whole_tree_sits_idle_is_killed_as_a_hang_and_a_busy_one_is_not(monkeypatch):
+    started = __import__("time").monotonic()
+    idle = compat.watch(_start(_IDLE_TREE), timeout=50, idle_s=3)
+    assert idle["code"] == "idle" and idle["seconds"] < 20, idle
+    assert __import__("time").monotonic() - started < 25  # killed with its child: communicate() did not wait 60 s
+    # the negative: 6 s of work in a 3 s idle window, and the window off for the same idle tree
+    busy = compat.watch(_start(_BUSY), timeout=50, idle_s=3)
+    assert busy["code"] == 0 and "done" in busy["output"], busy
+    off = compat.watch(_start("import time; time.sleep(4)"), timeout=50, idle_s=0)
+    assert off["code"] == 0 and off["seconds"] >= 4, off
+    monkeypatch.setattr(compat, "IDLE_TIMEOUT_S", 3.0)
+    assert compat._killed("first launch", "idle", 900) == "first launch: every process idle for 3 s, a hang (killed)"
+    assert compat._killed("first launch", 0, 900) is None

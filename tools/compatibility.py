@@ -37,8 +37,10 @@ and all four checks (CHECKS) hold:
 - ``stock load``: the loads above ran without accel-npu.
 
 Otherwise the row is ✘ with the first error or failed check and whose it is (the file of the traceback's
-innermost frame). Wall time covers all launches; peak node RSS is the largest sum, over the
-launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
+innermost frame). A launch is killed after ``--timeout`` s, or as a hang once every process it started has sat
+idle for ``--idle-timeout`` s (less than a CPU second between them: ranks waiting in a collective their peers
+never join; stock's hangs took the whole per-launch limit before). Wall time covers all launches; peak node RSS
+is the largest sum, over the launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
 
 Rows are merged into the results file: a partial run (``--only``, ``--family``, ``--configs``) replaces
 its rows and keeps the others with their own commit and date. Scripts not run get a row saying why.
@@ -51,6 +53,7 @@ usage: python tools/compatibility.py [--family SD,CogVideoX] [--only NAME,...] [
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -1046,9 +1049,73 @@ def _rss_anon(pid: int) -> int:
     return 0
 
 
-def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
-    """One ``accelerate launch``: exit code, output, seconds, peak node RSS (bytes)."""
+#: a launch whose whole process tree ran less than IDLE_SHARE of one core over this many seconds is hung (ranks
+#: waiting in a collective their peers never join: the tree of a stock hang runs ~0.5 % of a core, its launcher's
+#: and watchdogs' polls); killed then rather than at --timeout. A tiny model's launch runs about a core while it
+#: works; main() sets it from --idle-timeout (0: off)
+IDLE_TIMEOUT_S = 120.0
+IDLE_SHARE = 0.05
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has run (/proc/<pid>/stat fields 14 and 15); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def watch(proc: subprocess.Popen, timeout: float, idle_s: float = 0.0) -> dict:
+    """Wait for ``proc`` (started in a session of its own): its exit code, or "timeout" after ``timeout`` s, or
+    "idle" once its process tree has been idle for ``idle_s`` s (0: never); the output, the seconds and the peak
+    node RSS (bytes), sampled every 0.5 s. A process killed for either is killed with its whole tree."""
     started = time.monotonic()
+    peak, stop, hung = [0], threading.Event(), threading.Event()
+
+    def sample():
+        seen: dict[int, float] = {}  # pid -> CPU seconds at its last sample (a gone process adds nothing)
+        ran, history = 0.0, collections.deque()  # CPU seconds the tree ran; (time, ran) of the last idle_s
+        while not stop.is_set():
+            tree = process_tree(proc.pid)
+            peak[0] = max(peak[0], sum(_rss_anon(p) for p in tree))
+            for pid in tree:
+                cpu = _cpu_seconds(pid)
+                ran += max(0.0, cpu - seen.get(pid, cpu))
+                seen[pid] = cpu
+            now = time.monotonic()
+            if idle_s:
+                history.append((now, ran))
+                while len(history) > 1 and now - history[1][0] >= idle_s:
+                    history.popleft()  # the oldest sample kept is idle_s or more ago
+                since, before = history[0]
+                if now - since >= idle_s and ran - before < IDLE_SHARE * (now - since):
+                    hung.set()
+                    kill_tree(proc.pid)  # the ranks run in sessions of their own (torch's elastic agent)
+                    return
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = "idle" if hung.is_set() else proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        code = "timeout"
+    stop.set()
+    sampler.join()
+    return {
+        "code": code,
+        "output": out.decode(errors="replace"),
+        "seconds": time.monotonic() - started,
+        "peak_rss": peak[0],
+    }
+
+
+def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
+    """One ``accelerate launch``: exit code ("timeout", "idle": :func:`watch`), output, seconds, peak node RSS."""
     proc = subprocess.Popen(
         [str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()), *args],
         env=env,
@@ -1057,31 +1124,16 @@ def launch(args: list[str], env: dict, cwd: Path, timeout: float) -> dict:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    peak = [0]
-    done = threading.Event()
+    return watch(proc, timeout, IDLE_TIMEOUT_S)
 
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], sum(_rss_anon(p) for p in process_tree(proc.pid)))
-            done.wait(0.5)
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)  # the ranks run in sessions of their own (torch's elastic agent)
-        out, _ = proc.communicate()
-        code = "timeout"
-    done.set()
-    sampler.join()
-    return {
-        "code": code,
-        "output": out.decode(errors="replace"),
-        "seconds": time.monotonic() - started,
-        "peak_rss": peak[0],
-    }
+def _killed(which: str, code, timeout: float) -> str | None:
+    """What a killed launch's row says (None: it exited of itself)."""
+    if code == "timeout":
+        return f"{which}: no exit within {timeout:.0f} s (killed)"
+    if code == "idle":
+        return f"{which}: every process idle for {IDLE_TIMEOUT_S:.0f} s, a hang (killed)"
+    return None
 
 
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b:?.*)$")
@@ -1670,8 +1722,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
     failed = next((r for r in runs if r["code"] != 0), None)
     if failed is not None:
         which = "first launch" if failed is runs[0] else "resumed launch"
-        if failed["code"] == "timeout":
-            what = f"{which}: no exit within {timeout:.0f} s (killed)"
+        what = _killed(which, failed["code"], timeout)
+        if what is not None:
             whose = _whose("", what, script)
             return {**row, "ok": False, "what": what, "whose": "unknown (a hang)" if whose == "unknown" else whose}
         error, whose = first_error(failed["output"], script)
@@ -1715,8 +1767,8 @@ def run_row(spec: Spec, config: str, root: Path, steps: int, every: int, resume_
         runs.append(launch(base_of(given) + fill(cli.get("straight", cli["first"]), given), env, root, timeout))
         (straight / "launch-straight.log").write_text(runs[-1]["output"])
         row = {"seconds": sum(r["seconds"] for r in runs), "peak_rss": max(r["peak_rss"] for r in runs)}
-        if runs[-1]["code"] == "timeout":
-            what = f"straight launch: no exit within {timeout:.0f} s (killed)"
+        what = _killed("straight launch", runs[-1]["code"], timeout)
+        if what is not None:
             return {**row, "ok": False, "what": what, "whose": "unknown (a hang)"}
         if runs[-1]["code"] != 0:
             error, whose = first_error(runs[-1]["output"], script)
@@ -1904,6 +1956,7 @@ def not_run_rows(stamp: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global IDLE_TIMEOUT_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--family", default="", help="comma-separated families (SD, SDXL, SD3, Flux, Sana, Qwen-Image, CogVideoX)"
@@ -1914,6 +1967,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpointing-steps", type=int, default=2)
     parser.add_argument("--resume-to", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        help="seconds a launch's processes may all sit idle before it counts as a hang and is killed (0: never)",
+    )
     parser.add_argument("--work", default="", help="work directory (default: a temporary one, removed)")
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
     parser.add_argument(
@@ -1922,6 +1981,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the results file to merge the rows into (another one, e.g. a copy, to try a change)",
     )
     args = parser.parse_args(argv)
+    IDLE_TIMEOUT_S = args.idle_timeout
     results = Path(args.results)
     families = {f.strip().lower() for f in args.family.split(",") if f.strip()}
     only = [o.strip() for o in args.only.split(",") if o.strip()]
