@@ -94,11 +94,11 @@ def test_the_hooks_write_and_restore_each_loaders_position(tmp_path):
     saved = _Loader(seed=1)
     saved.start_epoch()
     saved.end_of_dataloader = True
-    order._save_hook(_Accelerator([saved]))([], [], str(tmp_path))
+    order.save_data_order(_Accelerator([saved]), [], [], str(tmp_path))
     assert (tmp_path / order.FILE_NAME).is_file()
 
     resumed = _Loader(seed=2)
-    order._load_hook(_Accelerator([resumed]))([], str(tmp_path))
+    order.load_data_order(_Accelerator([resumed]), [], str(tmp_path))
     assert resumed.iteration == 1
     assert torch.equal(resumed.synchronized_generator.get_state(), saved.synchronized_generator.get_state())
 
@@ -106,12 +106,12 @@ def test_the_hooks_write_and_restore_each_loaders_position(tmp_path):
 def test_a_checkpoint_without_the_file_or_with_other_loaders_restores_nothing(tmp_path, caplog):
     resumed = _Loader(seed=2)
     state = resumed.synchronized_generator.get_state()
-    order._load_hook(_Accelerator([resumed]))([], str(tmp_path))  # written by stock accelerate
+    order.load_data_order(_Accelerator([resumed]), [], str(tmp_path))  # written by stock accelerate
     assert resumed.iteration == 0 and torch.equal(resumed.synchronized_generator.get_state(), state)
 
-    order._save_hook(_Accelerator([_Loader(), _Loader()]))([], [], str(tmp_path))
+    order.save_data_order(_Accelerator([_Loader(), _Loader()]), [], [], str(tmp_path))
     with caplog.at_level("WARNING", logger="accel_npu"):
-        order._load_hook(_Accelerator([resumed]))([], str(tmp_path))
+        order.load_data_order(_Accelerator([resumed]), [], str(tmp_path))
     assert torch.equal(resumed.synchronized_generator.get_state(), state)
     assert "2 DataLoaders' order, this run prepared 1" in caplog.text
 
@@ -230,3 +230,66 @@ def test_resume_draws_the_uninterrupted_runs_batches_and_noise_where_stock_repla
     # stock replays epoch 0's order after the resume (the same steps, other samples), the samplers' too
     for column in (1, 3, 4):
         assert [s[column] for r in stock_end for s in r] != [s[column] for r in straight for s in r[4:]]
+
+
+@pytest.fixture()
+def fresh_accelerate_state():
+    """accelerate's shared state reset before and after: an Accelerator built here must neither inherit an earlier
+    test's (a DeepSpeed plugin) nor leave its own (cpu=True) to a later test in this worker."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _prepared_accelerator():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=4))
+    hooks = [*accelerator._save_model_state_pre_hook.values(), *accelerator._load_model_state_pre_hook.values()]
+    assert [type(h) for h in hooks] == [order.AcceleratorHook] * 2, hooks  # else the checks below prove nothing
+    return accelerator, loader
+
+
+def test_an_accelerator_with_the_hooks_pickles_and_is_freed_with_its_last_reference(fresh_accelerate_state):
+    """As accelerate's own tests/test_accelerator.py test_can_pickle_dataloader and tests/test_data_loader.py
+    test_ensure_dataloader_gets_cleaned_up, which failed with hooks that were closures over the Accelerator."""
+    import gc
+    import pickle
+    import weakref
+
+    accelerator, loader = _prepared_accelerator()
+    loaded = pickle.loads(pickle.dumps(accelerator))
+    assert len(loaded._dataloaders) == 1
+    hook = next(iter(loaded._save_model_state_pre_hook.values()))
+    assert hook._accelerator() is loaded  # the copy's hooks act on the copy
+    iterator = iter(loader)
+    assert next(iterator).tolist() == [0, 1, 2, 3]
+    refs = weakref.ref(accelerator), weakref.ref(loader)
+    gc.disable()  # freed by reference counting alone, as upstream's test asks
+    try:
+        del accelerator, loader, iterator, hook, loaded
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_a_hook_holding_its_accelerator_strongly_would_keep_it_alive(fresh_accelerate_state):
+    """The negative: a closure over the Accelerator, as the hooks were, outlives the script's last reference."""
+    import gc
+    import weakref
+
+    accelerator, _ = _prepared_accelerator()
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir, held=accelerator: None)
+    ref = weakref.ref(accelerator)
+    gc.disable()
+    try:
+        del accelerator
+        assert ref() is not None
+    finally:
+        gc.enable()
+        gc.collect()

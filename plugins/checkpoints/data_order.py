@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import weakref
 
 import torch
 
@@ -118,8 +119,8 @@ def prepare_data_loader(wrapped, instance, args, kwargs):
     prepared = wrapped(*args, **kwargs)
     if not getattr(instance, _HOOKED, False):
         setattr(instance, _HOOKED, True)
-        instance.register_save_state_pre_hook(_save_hook(instance))
-        instance.register_load_state_pre_hook(_load_hook(instance))
+        instance.register_save_state_pre_hook(AcceleratorHook(instance, save_data_order))
+        instance.register_load_state_pre_hook(AcceleratorHook(instance, load_data_order))
     return prepared
 
 
@@ -143,35 +144,50 @@ def loader_position(loader) -> dict:
     }
 
 
-def _save_hook(accelerator):
-    def save_data_order(models, weights, output_dir):
-        if not accelerator.is_main_process or not accelerator._dataloaders:
-            return
-        positions = [loader_position(loader) for loader in accelerator._dataloaders]
-        torch.save({"loaders": positions}, os.path.join(output_dir, FILE_NAME))
+class AcceleratorHook:
+    """One of an Accelerator's save/load pre-hooks: ``act(accelerator, *hook_args)``. It holds the Accelerator
+    weakly, as the Accelerator holds its hooks: a closure over it would keep it alive past the script's last
+    reference until a garbage collection (accelerate's tests/test_data_loader.py
+    ``test_ensure_dataloader_gets_cleaned_up``). It pickles with the Accelerator, as stock's hooks-free one does
+    (tests/test_accelerator.py ``test_can_pickle_dataloader``); ``act`` is a module-level function."""
 
-    return save_data_order
+    def __init__(self, accelerator, act) -> None:
+        self._accelerator = weakref.ref(accelerator)
+        self._act = act
+
+    def __reduce__(self):
+        # pickle memoizes the Accelerator before its hooks: this names the same object
+        return type(self), (self._accelerator(), self._act)
+
+    def __call__(self, *args) -> None:
+        accelerator = self._accelerator()
+        if accelerator is not None:
+            self._act(accelerator, *args)
 
 
-def _load_hook(accelerator):
-    def load_data_order(models, input_dir):
-        path = os.path.join(input_dir, FILE_NAME)
-        if not os.path.isfile(path):
-            return  # written without accel-npu: stock's resume
-        positions = torch.load(path, map_location="cpu", weights_only=True)["loaders"]
-        loaders = accelerator._dataloaders
-        if len(positions) != len(loaders):
-            log.warning(
-                "accel-npu: %s holds %d DataLoaders' order, this run prepared %d; their order is not restored",
-                path,
-                len(positions),
-                len(loaders),
-            )
-            return
-        for loader, position in zip(loaders, positions):
-            restore_position(loader, position)
+def save_data_order(accelerator, models, weights, output_dir) -> None:
+    if not accelerator.is_main_process or not accelerator._dataloaders:
+        return
+    positions = [loader_position(loader) for loader in accelerator._dataloaders]
+    torch.save({"loaders": positions}, os.path.join(output_dir, FILE_NAME))
 
-    return load_data_order
+
+def load_data_order(accelerator, models, input_dir) -> None:
+    path = os.path.join(input_dir, FILE_NAME)
+    if not os.path.isfile(path):
+        return  # written without accel-npu: stock's resume
+    positions = torch.load(path, map_location="cpu", weights_only=True)["loaders"]
+    loaders = accelerator._dataloaders
+    if len(positions) != len(loaders):
+        log.warning(
+            "accel-npu: %s holds %d DataLoaders' order, this run prepared %d; their order is not restored",
+            path,
+            len(positions),
+            len(loaders),
+        )
+        return
+    for loader, position in zip(loaders, positions):
+        restore_position(loader, position)
 
 
 def restore_position(loader, position: dict) -> None:
