@@ -93,6 +93,30 @@ def test_a_partial_run_replaces_its_rows_and_keeps_the_others(tmp_path, monkeypa
     assert rows[("`a.py`", "zero2")][3::6] == ["✔", "new"] and rows[("`b.py`", "zero2")][3::6] == ["✔", "old"]
 
 
+def test_resume_keeps_this_commits_rows_and_runs_the_others(tmp_path, monkeypatch):
+    results = tmp_path / "compatibility.md"
+    spec = compat.SPECS[0]
+    kept = [f"`{spec.name}`", spec.family, "zero2", "✔", "master", "x", "", "1 s", "0.10 GiB", "abc1234", "d"]
+    older = [*kept[:2], "zero3_t0", *kept[3:9], "0ld0000", "d"]
+    compat.write_rows({(kept[0], "zero2"): kept, (older[0], "zero3_t0"): older}, ["compatibility.py"], results)
+    ran = []
+
+    def run_row(spec, config, *args):
+        ran.append(config)
+        return {"ok": True, "what": "ran", "whose": "", "seconds": 2.0, "peak_rss": 2**30}
+
+    monkeypatch.setattr(compat, "run_row", run_row)
+    monkeypatch.setattr(compat, "_commit", lambda: "abc1234")
+    monkeypatch.setattr(compat, "not_run_rows", lambda stamp: {})
+    argv = ["--only", spec.name, "--configs", "zero2,zero3_t0", "--results", str(results), "--work", str(tmp_path)]
+    compat.main([*argv, "--resume"])
+    assert ran == ["zero3_t0"]  # the row of another commit ran again; this commit's was kept, as it was
+    rows = compat.read_rows(results)
+    assert rows[(kept[0], "zero2")] == kept and rows[(kept[0], "zero3_t0")][-2] == "abc1234"
+    compat.main(argv)  # the negative: without --resume every row runs
+    assert ran == ["zero3_t0", "zero2", "zero3_t0"]
+
+
 def test_a_not_run_row_goes_once_its_script_has_a_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "RESULT_FILE", tmp_path / "compatibility.md")
     planned, unplanned = f"`{compat.SPECS[0].name}`", "`no_such_script.py`"

@@ -1976,6 +1976,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="", help="work directory (default: a temporary one, removed)")
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the rows the results file already holds from this commit (a clean checkout): an interrupted run "
+        "goes on where it stopped",
+    )
+    parser.add_argument(
         "--results",
         default=str(RESULT_FILE),
         help="the results file to merge the rows into (another one, e.g. a copy, to try a change)",
@@ -2002,10 +2008,16 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="accel-npu-compat-"))
     root.mkdir(parents=True, exist_ok=True)
     new = {}
+    done = {}
+    if args.resume and not _commit().endswith("+dirty"):
+        done = {key: row for key, row in read_rows(results).items() if row[-2] == _commit() and row[3] in ("✔", "✘")}
     try:
         for spec, config in plan:
             stamp = [_commit(), f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"]
             key = (f"`{spec.name}`", config)
+            if key in done:
+                new[key] = done[key]
+                continue
             if config.startswith("fsdp2") and not fsdp_supported(spec.script):
                 continue  # scripts that do not handle FSDP get no FSDP2 row
             if config.endswith("_async") and spec.name not in ASYNC_SCRIPTS:

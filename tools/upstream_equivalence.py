@@ -28,11 +28,13 @@ requirements: parameterized requests-mock
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,10 @@ SUITES = {
         (
             "tests/pipelines/kolors",
             "tests/pipelines/flux/test_pipeline_flux.py",
+            # built from dummy components, no Hub download: their tests run here rather than fail alike offline
+            "tests/pipelines/dit",
+            "tests/pipelines/ddpm",
+            "tests/pipelines/ddim",
         ),
     ),
     "accelerate": Suite(
@@ -103,13 +109,24 @@ SUITES = {
 }
 
 
-#: The CI subset: one upstream module per suite, vendored byte for byte under third_party/ (README there).
+#: the libraries the suites test (pytest_sessionfinish records where each was imported from)
+TESTED_LIBRARIES = tuple(sorted({suite.library for suite in SUITES.values()}))
+
+#: The CI subset: upstream modules per suite, vendored byte for byte under third_party/ (README there). Kolors' tests
+#: need the Hub (they fail alike offline) but collecting the module once tripped accel-npu (torch.jit.script);
+#: DiT's pipeline tests build their components and run
 VENDORED = REPO / "third_party"
 CI_SUBSET = {
-    "diffusers-models": (VENDORED / "diffusers-v0.40.0", "tests/models/transformers/test_models_transformer_flux.py"),
-    "diffusers-pipelines": (VENDORED / "diffusers-v0.40.0", "tests/pipelines/kolors/test_kolors.py"),
-    "accelerate": (VENDORED / "accelerate-v1.15.0", "tests/test_utils.py"),
-    "transformers": (VENDORED / "transformers-v5.25.0", "tests/test_monkey_patching.py"),
+    "diffusers-models": (
+        VENDORED / "diffusers-v0.40.0",
+        ("tests/models/transformers/test_models_transformer_flux.py",),
+    ),
+    "diffusers-pipelines": (
+        VENDORED / "diffusers-v0.40.0",
+        ("tests/pipelines/kolors/test_kolors.py", "tests/pipelines/dit/test_dit.py"),
+    ),
+    "accelerate": (VENDORED / "accelerate-v1.15.0", ("tests/test_utils.py",)),
+    "transformers": (VENDORED / "transformers-v5.25.0", ("tests/test_monkey_patching.py",)),
 }
 #: test-only packages upstream's tests import beyond this project's [test] extra
 TEST_REQUIREMENTS = ("parameterized", "requests_mock")
@@ -191,6 +208,12 @@ def _record(row: dict) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
+def pytest_sessionfinish(session):
+    """Which file each library the suites test was imported from (the report names it: a source tree's copy first
+    on sys.path would be tested instead of the installed one)."""
+    _record({"imported": {lib: getattr(sys.modules.get(lib), "__file__", None) for lib in TESTED_LIBRARIES}})
+
+
 def pytest_collectreport(report):
     if report.failed:
         _record({"id": report.nodeid or ".", "phase": "collect", "outcome": "error", "message": _message(report)})
@@ -227,10 +250,20 @@ def read_outcomes(path: Path) -> dict[str, dict]:
         if not line.strip():
             continue
         row = json.loads(line)
+        if "id" not in row:  # pytest_sessionfinish's witness (read_imported)
+            continue
         old = outcomes.get(row["id"])
         if old is None or _RANK[row["outcome"]] > _RANK[old["outcome"]]:
             outcomes[row["id"]] = {"outcome": row["outcome"], "message": row.get("message", "")}
     return outcomes
+
+
+def read_imported(path: Path) -> dict[str, str | None]:
+    """{library: the file its tests imported it from} (pytest_sessionfinish); {} when the run recorded none."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return next((row["imported"] for row in reversed(rows) if "imported" in row), {})
 
 
 _VOLATILE = re.compile(r"0x[0-9a-fA-F]+|/tmp/[^\s'\"]+|\d+\.\d+s\b")
@@ -290,6 +323,7 @@ class Half:
     returncode: int | None = None
     timed_out: bool = False
     tail: str = ""
+    imported: dict = field(default_factory=dict)
 
 
 def run_half(
@@ -335,6 +369,7 @@ def run_half(
             )
         half.seconds = time.monotonic() - start
         half.outcomes = read_outcomes(outcomes_file)
+        half.imported = read_imported(outcomes_file)
     if not half.outcomes:  # pytest stopped before any test (usage error, crash at startup): say so
         half.outcomes = {
             "<session>": {
@@ -344,6 +379,20 @@ def run_half(
             }
         }
     return half
+
+
+@contextlib.contextmanager
+def tests_against_the_installed(src: Path, library: str):
+    """Where to run ``src``'s tests so they import the installed ``library``: ``src`` itself, or, where it holds
+    the library's own source (``src/<library>``: a git checkout or an sdist), a copy of its ``tests/`` alone.
+    diffusers' tests/conftest.py puts ``<checkout>/src`` first on sys.path, which would test that source, not the
+    installed version the report names."""
+    if not (src / "src" / library).is_dir():
+        yield src
+        return
+    with tempfile.TemporaryDirectory(prefix=f"upstream_{library}_tests_") as tmp:
+        shutil.copytree(src / "tests", Path(tmp) / "tests", symlinks=True)
+        yield Path(tmp)
 
 
 def run_suite(
@@ -358,14 +407,15 @@ def run_suite(
     suite = SUITES[name]
     select = list(select or suite.select)
     halves = {}
-    for side, stock in (("stock", True), ("accel", False)):
-        log(f"[{name}] {side} half: pytest {' '.join(select)} (in {src})")
-        halves[side] = run_half(src, select, stock, timeout or suite.timeout, workers, extra)
-        h = halves[side]
-        log(
-            f"[{name}] {side} half: {h.seconds:.0f} s, rc={h.returncode}{' TIMED OUT' if h.timed_out else ''}, "
-            f"{counts(h.outcomes)}"
-        )
+    with tests_against_the_installed(src, suite.library) as where:
+        for side, stock in (("stock", True), ("accel", False)):
+            log(f"[{name}] {side} half: pytest {' '.join(select)} (in {where})")
+            halves[side] = run_half(where, select, stock, timeout or suite.timeout, workers, extra)
+            h = halves[side]
+            log(
+                f"[{name}] {side} half: {h.seconds:.0f} s, rc={h.returncode}{' TIMED OUT' if h.timed_out else ''}, "
+                f"{counts(h.outcomes)}"
+            )
     result = compare(halves["stock"].outcomes, halves["accel"].outcomes)
     result.update(
         suite=name,
@@ -378,6 +428,7 @@ def run_suite(
                 "returncode": h.returncode,
                 "timed_out": h.timed_out,
                 "counts": counts(h.outcomes),
+                "imported": h.imported,
                 # every test that did not pass, with its cause (the .json keeps them)
                 "not_passed": {k: v for k, v in sorted(h.outcomes.items()) if v["outcome"] != "passed"},
             }
@@ -467,6 +518,8 @@ def markdown(report: dict) -> str:
         )
     for s in report["suites"]:
         lines += ["", f"## {s['suite']}", "", "Selected: " + ", ".join(f"`{p}`" for p in s["select"]), ""]
+        imported = {side: half.get("imported", {}).get(s["library"]) for side, half in s["halves"].items()}
+        lines += ["Imported: " + "; ".join(f"{side} `{where}`" for side, where in imported.items()), ""]
         if not s["differing"]:
             lines.append("No test differs.")
         else:
