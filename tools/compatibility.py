@@ -38,8 +38,8 @@ and all four checks (CHECKS) hold:
 
 Otherwise the row is ✘ with the first error or failed check and whose it is (the file of the traceback's
 innermost frame). A launch is killed after ``--timeout`` s, or as a hang once every process it started has sat
-idle for ``--idle-timeout`` s (less than a CPU second between them: ranks waiting in a collective their peers
-never join; stock's hangs took the whole per-launch limit before). Wall time covers all launches; peak node RSS
+idle for ``--idle-timeout`` s (together under 5 % of a core: ranks waiting in a collective their peers never
+join; stock's hangs took the whole per-launch limit before). Wall time covers all launches; peak node RSS
 is the largest sum, over the launch's process tree, of ``RssAnon`` (/proc/<pid>/status), sampled every 0.5 s.
 
 Rows are merged into the results file: a partial run (``--only``, ``--family``, ``--configs``) replaces
