@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -454,14 +453,18 @@ def versions() -> dict[str, str]:
 
 
 def git_state(outputs: list[Path]) -> dict:
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+    """HEAD and the files that differ from it (untracked ones too), as the benchmarks stamp theirs
+    (benchmarks/_results.py: results files are rewritten by the runs that measure, so only other files count), less
+    ``outputs``; no commit and a clean tree outside a checkout."""
+    from benchmarks._results import git_state as tree_state  # main() put the repository on sys.path
 
-    # results files are rewritten by the runs that measure (benchmarks/_results.py git_state): only other files count
     rel = {p.resolve().relative_to(REPO).as_posix() for p in outputs if p.resolve().is_relative_to(REPO)}
-    status = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results").splitlines()
-    dirty = [line[3:] for line in status if line[3:].strip() not in rel]
-    return {"commit": git("rev-parse", "HEAD").strip(), "dirty": bool(dirty), "dirty_paths": dirty}
+    try:
+        sha, changed = tree_state(REPO, untracked="normal")
+    except (OSError, subprocess.CalledProcessError):
+        sha, changed = "", []
+    dirty = [path for path in changed if path.strip() not in rel]
+    return {"commit": sha, "dirty": bool(dirty), "dirty_paths": dirty}
 
 
 def _cell(text: str) -> str:
@@ -550,6 +553,12 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
+    # the benchmarks' stamp helpers (benchmarks/_results.py); not at import: upstream's tests load this module as a
+    # pytest plugin, where the repository's own tests/ package must not shadow theirs
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmarks._results import command_line
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", action="append", choices=sorted(SUITES), required=True)
     p.add_argument(
@@ -593,7 +602,7 @@ def main(argv=None) -> int:
     ]
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "tools/upstream_equivalence.py", *raw]),
+        "command": command_line([__file__, *raw]),
         "git_start": git_start,
         "git": git_state([out, out_json]),
         "versions": versions(),
